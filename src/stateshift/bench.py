@@ -1,0 +1,266 @@
+"""Benchmarks: every verb in every residency, as ratios to ceilings measured in the same run.
+
+Ceilings (same process, same byte count): a pinned device-to-host and
+host-to-device copy between preallocated buffers, a device-to-device copy
+(bytes read + written) and a host memcpy. On a CPU-only machine the only
+ceiling is the host memcpy, and every ratio is against it.
+
+Timing: warm-up runs first, then the median of ``repeat`` runs; each run is
+bracketed by ``torch.cuda.synchronize()`` and a host clock, so it counts the
+whole verb (host work, both streams, the waits), not one kernel.
+
+Results follow DESIGN.md section 7 (``BenchResult.to_json``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .state import ModelState
+
+
+@dataclass
+class Row:
+    backend: str
+    op: str
+    residency: str
+    device: str
+    bytes: int
+    seconds: float
+    gbps: float
+    ratio: float
+    bound: str
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    machine: str
+    torch: str
+    stateshift: str
+    ceilings: dict[str, float]
+    rows: list[Row] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "machine": self.machine,
+            "torch": self.torch,
+            "stateshift": self.stateshift,
+            "ceilings": self.ceilings,
+            "rows": [asdict(r) for r in self.rows],
+        }
+        out.update(self.extra)
+        return out
+
+    def table(self) -> str:
+        head = f"{'backend':<9} {'op':<20} {'residency':<9} {'GB':>8} {'seconds':>9} {'GB/s':>9} {'ratio':>6}  bound"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            lines.append(
+                f"{r.backend:<9} {r.op:<20} {r.residency:<9} {r.bytes / 1e9:>8.3f} {r.seconds:>9.4f} "
+                f"{r.gbps:>9.1f} {r.ratio:>6.2f}  {r.bound}{('  ' + r.note) if r.note else ''}"
+            )
+        return "\n".join(lines)
+
+
+class Progress:
+    """A one-line progress indicator on stderr (silent when disabled)."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.start = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 24
+            filled = width * self.done // max(self.total, 1)
+            elapsed = time.perf_counter() - self.start
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {what:<40}")
+            sys.stderr.flush()
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = 1, setup: Callable[[], Any] | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs after ``warmup`` runs; ``setup`` runs untimed before each."""
+    times = []
+    for i in range(warmup + repeat):
+        if setup is not None:
+            setup()
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> dict[str, float]:
+    """GB/s of the plain copies that bound each verb, on ``nbytes`` bytes."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8)
+    host_b = torch.empty(nbytes, dtype=torch.uint8)
+    host_a.fill_(1)
+    host_b.fill_(2)
+    out = {"host_memcpy_gbps": nbytes / timed(lambda: host_b.copy_(host_a), repeat=repeat) / 1e9}
+    if device.type == "cuda":
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out["d2h_gbps"] = nbytes / timed(lambda: pinned.copy_(dev_a, non_blocking=True), repeat=repeat) / 1e9
+        out["h2d_gbps"] = nbytes / timed(lambda: dev_a.copy_(pinned, non_blocking=True), repeat=repeat) / 1e9
+        out["d2d_gbps"] = 2 * nbytes / timed(lambda: dev_b.copy_(dev_a), repeat=repeat) / 1e9
+        del pinned, dev_a, dev_b
+    del host_a, host_b
+    return out
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).replace("NVIDIA ", "")
+        return f"{torch.cuda.device_count()}x {name}"
+    import os
+
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def bench_state(
+    state: ModelState,
+    *,
+    backend: str,
+    ceilings: dict[str, float],
+    groups: tuple[str, ...] = ("params",),
+    repeat: int = 5,
+    cycle_minibatches: int = 4,
+    progress: Progress | None = None,
+) -> tuple[list[Row], dict[str, Any]]:
+    """Time every verb on ``groups`` of ``state`` in each residency. Leaves the groups on the device."""
+    dev = state.engine.device or torch.device("cpu")
+    cuda = dev.type == "cuda"
+    nbytes = state.nbytes(groups)
+    host = ceilings["host_memcpy_gbps"]
+    d2h, h2d, d2d = (ceilings["d2h_gbps"], ceilings["h2d_gbps"], ceilings["d2d_gbps"]) if cuda else (host, host, host)
+    d2h_name, h2d_name, d2d_name = ("d2h", "h2d", "d2d") if cuda else ("host_memcpy",) * 3
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+
+    def add(op: str, residency: str, seconds: float, ceiling: float, bound: str, moved: int = nbytes, note: str = "") -> None:
+        gbps = moved / seconds / 1e9 if seconds > 0 else float("inf")
+        rows.append(Row(backend, op, residency, dev.type, moved, seconds, gbps, gbps / ceiling, bound, note))
+        if progress is not None:
+            progress.step(f"{op} ({residency})")
+
+    def snap(placement: str = "host") -> None:
+        state.snapshot(groups, tag="bench", placement=placement)  # type: ignore[arg-type]
+
+    # device-resident
+    state.onload(groups)
+    add("snapshot", "device", timed(snap, repeat=repeat), d2h, d2h_name)
+    add("snapshot", "device", timed(lambda: snap("device"), repeat=repeat), d2d, d2d_name, note="placement=device")
+    saved = state.snapshot(groups, tag="bench-saved")
+    add("restore", "device", timed(lambda: state.restore(saved), repeat=repeat), h2d, h2d_name)
+    saved_dev = state.snapshot(groups, tag="bench-saved-dev", placement="device")
+    add("restore", "device", timed(lambda: state.restore(saved_dev), repeat=repeat), d2d, d2d_name, note="placement=device")
+    mem_before = torch.cuda.memory_allocated(dev) if cuda else 0
+    add("offload", "device", timed(lambda: state.offload(groups), setup=lambda: state.onload(groups), repeat=repeat), d2h, d2h_name)
+    if cuda:
+        _sync()
+        extra["gpu_allocated_before_offload"] = mem_before
+        extra["gpu_allocated_after_offload"] = torch.cuda.memory_allocated(dev)
+        extra["tracked_bytes"] = nbytes
+    add("onload", "host", timed(lambda: state.onload(groups), setup=lambda: state.offload(groups), repeat=repeat), h2d, h2d_name)
+
+    # offloaded
+    state.offload(groups)
+    t = timed(snap, repeat=repeat)
+    add("snapshot", "host", t, host, "host_memcpy", note="zero-copy (copy-on-write home)")
+    add("restore", "host", timed(lambda: state.restore(saved), repeat=repeat), host, "host_memcpy", note="pointer copy")
+    state.onload(groups)
+
+    # swap and the pi_old cycle
+    def swap() -> None:
+        with state.swapped(saved):
+            pass
+
+    add("swap", "device", timed(swap, repeat=repeat), min(d2h, h2d), "pcie", moved=3 * nbytes, note="stash + write + write back")
+
+    def cycle() -> None:
+        pi_old = state.snapshot(groups, tag="pi_old")
+        for _ in range(cycle_minibatches):
+            with state.swapped(pi_old):
+                pass
+
+    moved = nbytes * (1 + 3 * cycle_minibatches)
+    add("pi_old_cycle", "device", timed(cycle, repeat=max(1, repeat // 2)), min(d2h, h2d), "pcie", moved=moved,
+        note=f"N={cycle_minibatches}, host placement")
+
+    def cycle_dev() -> None:
+        pi_old = state.snapshot(groups, tag="pi_old-dev", placement="device")
+        for _ in range(cycle_minibatches):
+            with state.swapped(pi_old):
+                pass
+
+    add("pi_old_cycle", "device", timed(cycle_dev, repeat=max(1, repeat // 2)), d2d, d2d_name, moved=moved,
+        note=f"N={cycle_minibatches}, device placement")
+    for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None), ("pi_old-dev", None)]:
+        if key in state.snapshots:
+            state.release(state.snapshots.get(*key))
+    _sync()
+    return rows, extra
+
+
+def write_plot(result: BenchResult, path: Path) -> bool:
+    """A bar chart of ratios to the ceiling; returns False (and says why) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no plot written to {path} (pip install 'stateshift[bench]')", file=sys.stderr)
+        return False
+    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}" for r in result.rows]
+    ratios = [min(r.ratio, 2.0) for r in result.rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5))
+    ax.bar(range(len(labels)), ratios, color=["tab:green" if r >= 0.9 else "tab:orange" for r in ratios])
+    ax.axhline(0.9, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("throughput / ceiling (capped at 2)")
+    ax.set_title(f"stateshift {result.stateshift} on {result.machine}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.to_json(), indent=1))
+    if plot_path is not None:
+        write_plot(result, plot_path)

@@ -1,0 +1,259 @@
+"""Pinned host pool: exact sizes, reuse, a byte budget, statistics.
+
+Why not ``torch.empty(..., pin_memory=True)``: PyTorch's pinned caching
+allocator rounds every request up to a power of two (5 GiB asked -> 8 GiB
+pinned) and pins at about 2 GB/s. Here each block is an anonymous ``mmap`` of
+exactly the bytes asked for, registered with ``cudaHostRegister``; a released
+block goes back to a free list keyed by its exact size, so the second
+snapshot of the same state allocates nothing.
+
+Safety: a block carries the transfer that last touched it (``pending``).
+``acquire`` waits for that transfer before handing a reused block out, so a
+block is never rewritten while a copy still reads or writes it.
+
+On a machine without an accelerator (or with ``pin=False``) blocks are plain
+host memory; everything else behaves the same.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from .errors import PinningUnavailableError, PoolBudgetError
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
+
+#: Requests at least this large get their own ``mmap`` (page aligned, returned
+#: to the OS on ``trim``); smaller ones come from torch's CPU allocator.
+MMAP_MIN_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class HostBlock:
+    """One host buffer of exactly ``nbytes`` bytes, owned through a reference count.
+
+    Owners are homes and snapshots. A block with more than one owner is
+    shared copy-on-write: nobody writes it; a writer first takes a block of
+    its own. ``data`` is safe to read on the host only after ``sync()``.
+    """
+
+    data: torch.Tensor
+    nbytes: int
+    pinned: bool
+    refs: int = 0
+    pending: Transfer | None = None
+    _mm: mmap.mmap | None = field(default=None, repr=False)
+
+    @property
+    def shared(self) -> bool:
+        return self.refs > 1
+
+    def sync(self) -> None:
+        """Block the host until the last transfer touching this block has completed."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A point-in-time view of the pool. ``held`` = ``in_use`` + ``idle``."""
+
+    pinned: bool
+    held_bytes: int
+    in_use_bytes: int
+    idle_bytes: int
+    peak_held_bytes: int
+    requested_bytes: int
+    allocations: int
+    reuses: int
+    frees: int
+    budget_bytes: int | None
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def _cuda_register(ptr: int, nbytes: int) -> None:
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    code = int(getattr(rc, "value", rc))
+    if code != 0:
+        raise PinningUnavailableError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+
+
+def _cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class HostPool:
+    """Exact-size host buffers, allocated once and reused.
+
+    Args:
+        pin: ``"auto"`` pins when CUDA is available; ``True`` requires pinning
+            (``PinningUnavailableError`` on a machine without CUDA); ``False``
+            never pins.
+        budget_bytes: the most bytes the pool may hold (in use plus idle).
+            Idle blocks are freed to make room; past that ``acquire`` raises
+            ``PoolBudgetError`` and changes nothing.
+    """
+
+    def __init__(self, *, pin: bool | Literal["auto"] = "auto", budget_bytes: int | None = None) -> None:
+        if pin not in (True, False, "auto"):
+            raise ValueError(f"pin must be True, False or 'auto', not {pin!r}")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, not {budget_bytes}")
+        cuda = torch.cuda.is_available()
+        if pin is True and not cuda:
+            raise PinningUnavailableError(
+                "pin=True but no CUDA device is available; use pin='auto' to fall back to plain host memory"
+            )
+        self.pinned: bool = cuda if pin == "auto" else bool(pin)
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[HostBlock]] = {}
+        self._in_use: set[int] = set()
+        self._blocks: dict[int, HostBlock] = {}
+        self._held = 0
+        self._in_use_bytes = 0
+        self._peak = 0
+        self._requested = 0
+        self._allocations = 0
+        self._reuses = 0
+        self._frees = 0
+        weakref.finalize(self, HostPool._free_all, self._blocks)
+
+    # -- public ---------------------------------------------------------------------------
+    def acquire(self, nbytes: int) -> HostBlock:
+        """A block of exactly ``nbytes`` bytes with one owner, safe to write on the host now."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        with self._lock:
+            self._requested += nbytes
+            bucket = self._idle.get(nbytes)
+            if bucket:
+                block = bucket.pop()
+                self._reuses += 1
+            else:
+                self._make_room(nbytes)
+                block = self._allocate(nbytes)
+                self._allocations += 1
+            block.refs = 1
+            self._in_use.add(id(block))
+            self._in_use_bytes += nbytes
+        block.sync()
+        return block
+
+    def retain(self, block: HostBlock) -> HostBlock:
+        """Add an owner (copy-on-write sharing)."""
+        with self._lock:
+            if block.refs <= 0:
+                raise RuntimeError("retain of a block that is not in use")
+            block.refs += 1
+        return block
+
+    def release(self, block: HostBlock) -> None:
+        """Drop an owner; the last owner returns the block to the free list (its memory stays held)."""
+        with self._lock:
+            if block.refs <= 0:
+                raise RuntimeError("release of a block that is not in use")
+            block.refs -= 1
+            if block.refs == 0:
+                self._in_use.discard(id(block))
+                self._in_use_bytes -= block.nbytes
+                self._idle.setdefault(block.nbytes, []).append(block)
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Free idle blocks (largest first) until at most ``keep_bytes`` idle bytes are held; returns bytes freed."""
+        with self._lock:
+            return self._trim_locked(keep_bytes)
+
+    @property
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                pinned=self.pinned,
+                held_bytes=self._held,
+                in_use_bytes=self._in_use_bytes,
+                idle_bytes=self._held - self._in_use_bytes,
+                peak_held_bytes=self._peak,
+                requested_bytes=self._requested,
+                allocations=self._allocations,
+                reuses=self._reuses,
+                frees=self._frees,
+                budget_bytes=self.budget_bytes,
+            )
+
+    # -- internals ------------------------------------------------------------------------
+    def _make_room(self, nbytes: int) -> None:
+        if self.budget_bytes is None or self._held + nbytes <= self.budget_bytes:
+            return
+        idle = self._held - self._in_use_bytes
+        if self._in_use_bytes + nbytes > self.budget_bytes:
+            raise PoolBudgetError(
+                f"host pool budget {self.budget_bytes} bytes: {self._in_use_bytes} in use, "
+                f"{nbytes} more asked ({idle} idle bytes could be freed, not enough)"
+            )
+        self._trim_locked(max(0, self.budget_bytes - self._in_use_bytes - nbytes))
+
+    def _trim_locked(self, keep_bytes: int) -> int:
+        freed = 0
+        sizes = sorted(self._idle, reverse=True)
+        for size in sizes:
+            bucket = self._idle[size]
+            while bucket and self._held - self._in_use_bytes > keep_bytes:
+                block = bucket.pop()
+                self._free(block)
+                freed += block.nbytes
+            if not bucket:
+                del self._idle[size]
+        return freed
+
+    def _allocate(self, nbytes: int) -> HostBlock:
+        mm = None
+        if nbytes >= MMAP_MIN_BYTES:
+            mm = mmap.mmap(-1, nbytes)
+            data = torch.frombuffer(mm, dtype=torch.uint8)
+        else:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+        pinned = False
+        if self.pinned and nbytes > 0:
+            try:
+                _cuda_register(data.data_ptr(), nbytes)
+                pinned = True
+            except PinningUnavailableError as exc:
+                warnings.warn(f"{exc}; this block stays pageable (copies to and from it are slower)", stacklevel=3)
+        block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm)
+        self._blocks[id(block)] = block
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
+        return block
+
+    def _free(self, block: HostBlock) -> None:
+        block.sync()
+        if block.pinned:
+            _cuda_unregister(block.data.data_ptr())
+        del self._blocks[id(block)]
+        self._held -= block.nbytes
+        self._frees += 1
+        block.data = torch.empty(0, dtype=torch.uint8)
+        if block._mm is not None:
+            block._mm.close()
+            block._mm = None
+
+    @staticmethod
+    def _free_all(blocks: dict[int, HostBlock]) -> None:
+        for block in list(blocks.values()):
+            if block.pinned and torch.cuda.is_available():
+                try:
+                    block.sync()
+                    _cuda_unregister(block.data.data_ptr())
+                except Exception:  # interpreter shutdown: best effort
+                    pass

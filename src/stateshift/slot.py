@@ -1,0 +1,148 @@
+"""Slots: tensors whose identity survives every move.
+
+A slot is one *storage* (a flat buffer, a parameter, a local shard, an
+optimizer state tensor). Moving a slot resizes that storage in place
+(``resize_(0)`` to release, ``resize_(nbytes)`` to re-grow), so the Python
+tensor objects that use it -- the parameter, views of a flat buffer,
+``main_grad``, tied weights -- stay the same objects and see the new values
+after an onload. Tensors that share one storage are *members* of one slot;
+the slot moves the whole storage as bytes, so views and ties survive.
+
+Backends describe tensors with ``Entry``; the engine groups entries by
+storage into slots. ``SlotInfo`` is the slot's part of a layout fingerprint.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Residency(str, enum.Enum):
+    """Where a slot's truth lives."""
+
+    DEVICE = "device"  #: device storage valid (for CPU tensors: their own storage)
+    HOST = "host"  #: device storage released; the home holds the values
+    DROPPED = "dropped"  #: device storage released; no values kept (onload zero-fills)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class NativeHome:
+    """Where a framework's own offload left a released tensor's values.
+
+    ``values`` is a host tensor holding exactly the storage's bytes (e.g.
+    Megatron's ``param_data_cpu``). ``on_onload`` is called after stateshift
+    re-grows and refills the storage, so the framework can drop its own
+    bookkeeping (otherwise its own reload would later overwrite newer values).
+    """
+
+    values: torch.Tensor
+    on_onload: Any = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor a backend reports.
+
+    Args:
+        name: a stable, unique name (e.g. ``"decoder.layers.0.mlp.weight"``).
+        group: the group it moves with (``"params"``, ``"grads"``, ``"optim"``, ...).
+        tensor: the live tensor; its storage becomes (part of) a slot.
+        meta: extra fingerprint items that must match at restore (mesh, placements, ...).
+        nbytes: the storage's full size; needed only when the storage is
+            currently released by someone else (its ``nbytes()`` is 0 then).
+        native_home: where a framework's own offload put the values, if it did.
+    """
+
+    name: str
+    group: str
+    tensor: torch.Tensor
+    meta: tuple[Any, ...] = ()
+    nbytes: int | None = None
+    native_home: NativeHome | None = None
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """Fingerprint of one tensor inside a slot."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    stride: tuple[int, ...]
+    offset: int
+    meta: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Fingerprint of one slot: what a snapshot or checkpoint must agree with."""
+
+    name: str
+    group: str
+    nbytes: int
+    members: tuple[MemberInfo, ...]
+
+    def describe(self) -> str:
+        m = self.members[0]
+        return f"{m.name} {list(m.shape)} {m.dtype}"
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage; stable across moves (``resize_`` keeps the StorageImpl)."""
+    return tensor.untyped_storage()._cdata
+
+
+def member_info(entry: Entry) -> MemberInfo:
+    t = entry.tensor
+    return MemberInfo(
+        name=entry.name,
+        shape=tuple(t.shape),
+        dtype=str(t.dtype).removeprefix("torch."),
+        stride=tuple(t.stride()),
+        offset=t.storage_offset() * t.element_size(),
+        meta=tuple(entry.meta),
+    )
+
+
+@dataclass(eq=False)
+class Slot:
+    """One storage and its residency. Only ``ModelState`` changes residency.
+
+    ``bytes()`` is a ``uint8`` view of the whole storage; it is valid only while
+    the slot is ``DEVICE`` (a view of released storage points at nothing).
+    """
+
+    key: int
+    info: SlotInfo
+    storage: torch.UntypedStorage
+    device: torch.device
+    residency: Residency = Residency.DEVICE
+    native_home: NativeHome | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+    def bytes(self) -> torch.Tensor:
+        view = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return view.set_(self.storage, 0, (self.nbytes,), (1,))
+
+    def release_storage(self) -> None:
+        """Free the storage's memory; its tensors keep their identity (and must not be read)."""
+        self.storage.resize_(0)
+
+    def regrow_storage(self) -> None:
+        """Give the storage its memory back (uninitialised); allocated on the current stream."""
+        if self.storage.nbytes() != self.nbytes:
+            self.storage.resize_(self.nbytes)

@@ -1,0 +1,186 @@
+"""The copy engine: every byte stateshift moves goes through ``CopyEngine.copy``.
+
+A call takes pairs of byte tensors (``dst``, ``src``: 1-D ``uint8`` views of
+equal length) and enqueues the copies without blocking the host:
+
+- device-to-host and host-to-device copies run on two side streams, one per
+  direction, so an offload and an onload (or a stash and a write) overlap;
+- device-to-device copies run as one multi-tensor kernel on the current stream;
+- host-to-host copies run at once, on the calling thread.
+
+Ordering (DESIGN.md rules 3 and 4): each side stream first waits for the
+current (compute) stream, so a copy reads the values as of the call; the
+current stream then waits for the copy's event, so compute enqueued after the
+call neither overwrites a source still being read nor reads a destination not
+yet written; device tensors are ``record_stream``-ed on the side stream, so
+freeing them (``resize_(0)``) right after the call is safe. Host memory
+written by a copy is safe to read only after the returned ``Transfer`` has
+been waited on.
+
+Small copies are coalesced: below ``small_bytes`` a copy costs more in fixed
+overhead (about 5 us) than in bytes, so runs of small items that are adjacent
+in host memory are gathered on the device into a staging buffer with one
+kernel and moved with one copy (or the reverse for host-to-device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+#: Below this many bytes an item is coalesced with its neighbours.
+SMALL_BYTES = 1 << 20
+#: The largest staging run, bounding the device memory coalescing borrows.
+STAGING_BYTES = 64 << 20
+#: Largest gap (alignment padding) allowed between two items of one run.
+MAX_GAP = 4096
+
+
+@dataclass
+class Transfer:
+    """Handle of enqueued copies. ``wait()`` makes the host side safe to read."""
+
+    events: list[torch.cuda.Event] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
+
+    def done(self) -> bool:
+        return all(event.query() for event in self.events)
+
+    def merged(self, other: Transfer | None) -> Transfer:
+        if other is None:
+            return self
+        return Transfer(self.events + other.events)
+
+
+def _host_span(items: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A uint8 view from the first item's start to the last item's end (same storage)."""
+    first, last = items[0], items[-1]
+    start = first.storage_offset()
+    end = last.storage_offset() + last.numel()
+    span = torch.empty(0, dtype=torch.uint8)
+    return span.set_(first.untyped_storage(), start, (end - start,), (1,))
+
+
+class CopyEngine:
+    """One engine per accelerator device (or one no-op engine on CPU-only machines)."""
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        *,
+        small_bytes: int = SMALL_BYTES,
+        staging_bytes: int = STAGING_BYTES,
+    ) -> None:
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.small_bytes = small_bytes
+        self.staging_bytes = staging_bytes
+        self._d2h: torch.cuda.Stream | None = None
+        self._h2d: torch.cuda.Stream | None = None
+        if self.device is not None:
+            self._d2h = torch.cuda.Stream(self.device)
+            self._h2d = torch.cuda.Stream(self.device)
+
+    def copy(self, pairs: Sequence[Pair]) -> Transfer:
+        """Enqueue ``dst.copy_(src)`` for every pair; see the module docstring for ordering."""
+        d2h: list[Pair] = []
+        h2d: list[Pair] = []
+        d2d: list[Pair] = []
+        for dst, src in pairs:
+            if dst.numel() != src.numel():
+                raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
+            if dst.numel() == 0:
+                continue
+            dst_dev, src_dev = dst.device.type != "cpu", src.device.type != "cpu"
+            if not dst_dev and not src_dev:
+                dst.copy_(src)
+            elif dst_dev and src_dev:
+                d2d.append((dst, src))
+            elif src_dev:
+                d2h.append((dst, src))
+            else:
+                h2d.append((dst, src))
+        if not (d2h or h2d or d2d):
+            return Transfer()
+        if self.device is None:
+            raise RuntimeError("device tensors given to a copy engine built without a CUDA device")
+        current = torch.cuda.current_stream(self.device)
+        events: list[torch.cuda.Event] = []
+        for stream, batch, host_is_dst in ((self._d2h, d2h, True), (self._h2d, h2d, False)):
+            if batch:
+                assert stream is not None
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    self._move(batch, host_is_dst, stream)
+                    events.append(stream.record_event())
+        if d2d:
+            torch._foreach_copy_([d for d, _ in d2d], [s for _, s in d2d])
+            events.append(current.record_event())
+        for event in events:
+            current.wait_event(event)
+        return Transfer(events)
+
+    def _move(self, batch: list[Pair], host_is_dst: bool, stream: torch.cuda.Stream) -> None:
+        host_of = (lambda p: p[0]) if host_is_dst else (lambda p: p[1])
+        dev_of = (lambda p: p[1]) if host_is_dst else (lambda p: p[0])
+        for pair in batch:
+            dev_of(pair).record_stream(stream)
+        batch = sorted(batch, key=lambda p: host_of(p).data_ptr())
+        for run in self._runs(batch, host_of):
+            if len(run) == 1:
+                dst, src = run[0]
+                dst.copy_(src, non_blocking=True)
+                continue
+            host_items = [host_of(p) for p in run]
+            span = _host_span(host_items)
+            staging = torch.empty(span.numel(), dtype=torch.uint8, device=self.device)
+            base = host_items[0].storage_offset()
+            views = [staging[h.storage_offset() - base : h.storage_offset() - base + h.numel()] for h in host_items]
+            devs = [dev_of(p) for p in run]
+            if host_is_dst:
+                torch._foreach_copy_(views, devs)
+                span.copy_(staging, non_blocking=True)
+            else:
+                staging.copy_(span, non_blocking=True)
+                torch._foreach_copy_(devs, views)
+
+    def _runs(self, batch: list[Pair], host_of) -> list[list[Pair]]:
+        """Split host-address-sorted pairs into runs: each large item alone, small neighbours together."""
+        runs: list[list[Pair]] = []
+        current: list[Pair] = []
+        run_start = run_end = 0
+        storage = None
+        for pair in batch:
+            host = host_of(pair)
+            n = host.numel()
+            if n >= self.small_bytes:
+                if current:
+                    runs.append(current)
+                    current = []
+                runs.append([pair])
+                continue
+            ptr = host.data_ptr()
+            same = (
+                current
+                and host.untyped_storage().data_ptr() == storage
+                and 0 <= ptr - run_end <= MAX_GAP
+                and ptr + n - run_start <= self.staging_bytes
+            )
+            if not same:
+                if current:
+                    runs.append(current)
+                current, run_start, storage = [], ptr, host.untyped_storage().data_ptr()
+            current.append(pair)
+            run_end = ptr + n
+        if current:
+            runs.append(current)
+        return runs

@@ -1,0 +1,85 @@
+"""Shared test helpers: a small model + optimizer, training steps, value capture.
+
+``DEVICES`` holds "cpu" and, where CUDA exists, "cuda" (marked ``gpu``), so the
+same correctness suite runs in CI and on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stateshift import ModelState
+from stateshift.models import TinyConfig, batch, build_default, lm_loss
+
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+SMALL = TinyConfig(vocab=64, hidden=32, layers=2, heads=4, seq=16)
+
+
+def make(device: str = "cpu", *, seed: int = 0, cfg: TinyConfig = SMALL, lr: float = 1e-2):
+    model = build_default(cfg, seed=seed, device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    return model, opt
+
+
+def train_step(model, opt, step: int, *, set_to_none: bool = False) -> float:
+    ids = batch(model.cfg, step, device=next(model.parameters()).device)
+    opt.zero_grad(set_to_none=set_to_none)
+    loss = lm_loss(model, ids)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def warm(model, opt, steps: int = 1) -> None:
+    """Take steps so that grads and optimizer state exist."""
+    for i in range(steps):
+        train_step(model, opt, 10_000 + i)
+
+
+def capture(state: ModelState, groups=None) -> dict[str, torch.Tensor]:
+    """Every member's current values, wherever it lives (through a temporary snapshot)."""
+    snap = state.snapshot(groups if groups is not None else state.groups, tag="_capture")
+    try:
+        return {k: v.cpu() for k, v in snap.tensors().items()}
+    finally:
+        state.release(snap)
+
+
+def live(model, opt=None) -> dict[str, torch.Tensor]:
+    """Values read straight from the objects (all must be resident)."""
+    out = {f"param:{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            out[f"grad:{k}"] = p.grad.detach().cpu().clone()
+    if opt is not None:
+        for i, (p, st) in enumerate(opt.state.items()):
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim:{i}:{key}"] = v.detach().cpu().clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))[:5]
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), f"values differ at {k}"
+
+
+def perturb(model, opt=None, amount: float = 0.5) -> None:
+    """In-place change of every resident tensor (the same tensor objects)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(amount)
+            if p.grad is not None:
+                p.grad.add_(amount)
+        for b in model.buffers():
+            if b.dtype.is_floating_point:
+                b.add_(amount)
+        if opt is not None:
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                        v.add_(amount)

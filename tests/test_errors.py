@@ -1,0 +1,200 @@
+"""Bad input: a typed error naming the first offending tensor, and nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEVICES, SMALL, assert_same, capture, live, make, train_step, warm
+from stateshift import (
+    HostPool,
+    LayoutMismatchError,
+    ModelState,
+    OffloadedStateError,
+    PinningUnavailableError,
+    PoolBudgetError,
+    ReleasedSnapshotError,
+    SnapshotBudgetError,
+    SwapActiveError,
+    UnknownGroupError,
+)
+from stateshift.models import TinyConfig, TinyTransformer, batch, lm_loss
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture
+def warmed(device):
+    model, opt = make(device)
+    warm(model, opt)
+    return model, opt, ModelState(model, opt)
+
+
+def _other(device, **changes):
+    cfg = TinyConfig(**{**{f: getattr(SMALL, f) for f in SMALL.__slots__}, **changes})
+    model, opt = make(device, cfg=cfg, seed=1)
+    return model, ModelState(model, opt)
+
+
+@pytest.mark.parametrize(
+    "changes, tensor, what",
+    [
+        ({"hidden": 48}, "embed.weight", "shape"),
+        ({"dtype": torch.float64}, "embed.weight", "dtype"),
+        ({"layers": 3}, "blocks.2.ln1.weight", "in the snapshot (group 'params') but missing from the model"),
+        ({"layers": 1}, "blocks.1.ln1.weight", "in the model but not in the snapshot"),
+        ({"tied": False}, "embed.weight", "tied or shared tensors differ"),
+    ],
+)
+def test_snapshot_from_another_model_is_refused(warmed, device, changes, tensor, what):
+    model, opt, state = warmed
+    other_model, other_state = _other(device, **changes)
+    foreign = other_state.snapshot(tag="foreign")
+    before = capture(state)
+    with pytest.raises(LayoutMismatchError) as info:
+        state.restore(foreign)
+    assert info.value.tensor == tensor
+    assert what in str(info.value)
+    with pytest.raises(LayoutMismatchError):
+        with state.swapped(foreign):
+            pass
+    assert_same(capture(state), before)
+
+
+def test_snapshot_from_identical_model_is_accepted(warmed, device):
+    model, opt, state = warmed
+    other_model, other_state = _other(device)
+    state.restore(other_state.snapshot(tag="x"))
+    assert torch.equal(model.embed.weight, other_model.embed.weight)
+
+
+def test_released_snapshot_is_refused(warmed):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s")
+    state.release(snap)
+    before = capture(state)
+    for use in (lambda: state.restore(snap), lambda: state.swapped(snap).__enter__(), snap.tensors, snap.wait):
+        with pytest.raises(ReleasedSnapshotError):
+            use()
+    assert_same(capture(state), before)
+
+
+def test_unknown_group_lists_valid_ones(warmed):
+    model, opt, state = warmed
+    with pytest.raises(UnknownGroupError) as info:
+        state.offload(["params", "optimizer"])
+    assert "optimizer" in str(info.value) and "params, buffers, grads, optim" in str(info.value)
+    assert state.residency()["params"]["host"] == 0  # nothing moved, not even params
+
+
+def test_forward_while_offloaded_is_a_python_error(warmed):
+    model, opt, state = warmed
+    ids = batch(model.cfg, 0, device=next(model.parameters()).device)
+    state.offload("params")
+    with pytest.raises(OffloadedStateError) as info:
+        model(ids)
+    assert info.value.group == "params"
+    state.onload("params")
+    model(ids)
+
+
+def test_forward_with_offloaded_buffers_is_refused(warmed):
+    model, opt, state = warmed
+    ids = batch(model.cfg, 0, device=next(model.parameters()).device)
+    state.offload("buffers")
+    with pytest.raises(OffloadedStateError) as info:
+        model(ids)
+    assert info.value.group == "buffers" and info.value.slot == "tokens_seen"
+
+
+def test_backward_into_offloaded_grads_is_refused(warmed):
+    model, opt, state = warmed
+    ids = batch(model.cfg, 0, device=next(model.parameters()).device)
+    state.drop("grads")
+    loss = lm_loss(model, ids)
+    with pytest.raises(OffloadedStateError) as info:
+        loss.backward()
+    assert info.value.group == "grads"
+    state.onload("grads")
+    lm_loss(model, ids).backward()
+
+
+def test_optimizer_step_with_offloaded_state_is_refused(warmed):
+    model, opt, state = warmed
+    state.offload("optim")
+    with pytest.raises(OffloadedStateError) as info:
+        opt.step()
+    assert info.value.group == "optim"
+    state.onload("optim")
+    opt.step()
+
+
+def test_verbs_inside_swapped_on_the_same_groups_are_refused(warmed):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s")
+    with state.swapped(snap):
+        with pytest.raises(SwapActiveError):
+            state.offload("params")
+        state.offload("optim")  # other groups are free
+        state.onload("optim")
+
+
+def test_exception_inside_swapped_still_restores(warmed):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s")
+    train_step(model, opt, 5)
+    current = capture(state)
+    with pytest.raises(KeyError):
+        with state.swapped(snap):
+            raise KeyError("boom")
+    assert_same(capture(state), current)
+
+
+def test_pinning_impossible_without_accelerator():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA, so pinning is possible")
+    with pytest.raises(PinningUnavailableError):
+        HostPool(pin=True)
+    model = TinyTransformer(SMALL)
+    with pytest.raises(PinningUnavailableError):
+        ModelState(model, pin=True)
+
+
+def test_pool_budget_error_changes_nothing(device):
+    model, opt = make(device)
+    warm(model, opt)
+    probe = ModelState(model, opt, guard=False)
+    fits = probe.layout("params").total + probe.layout("buffers").total  # not grads, not optim
+    probe.close()
+    state = ModelState(model, opt, pool=HostPool(budget_bytes=fits))
+    before = live(model, opt)
+    with pytest.raises(PoolBudgetError):
+        state.offload()
+    assert all(c["host"] == 0 for c in state.residency().values())
+    assert_same(live(model, opt), before)
+    state.offload(["params", "buffers"])  # what fits still works
+
+
+def test_snapshot_budget(warmed):
+    model, opt, state = warmed
+    first = state.snapshot(tag="a")
+    state.snapshots.budget_bytes = first.nbytes + 10
+    state.snapshot(tag="a")  # replacing the same key fits
+    with pytest.raises(SnapshotBudgetError):
+        state.snapshot(tag="b")
+    assert state.snapshots.keys() == [("a", None)]
+
+
+@pytest.mark.parametrize("bad", [{"pin": "yes"}, {"budget_bytes": -1}])
+def test_pool_rejects_bad_settings(bad):
+    with pytest.raises(ValueError):
+        HostPool(**bad)
+
+
+def test_bad_placement(warmed):
+    model, opt, state = warmed
+    with pytest.raises(ValueError, match="placement"):
+        state.snapshot(tag="s", placement="disk")

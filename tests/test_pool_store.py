@@ -1,0 +1,138 @@
+"""Host pool, snapshot store, copy-engine run planning, copy-on-write homes."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import capture, make, warm
+from stateshift import HostPool, ModelState, SnapshotStore
+from stateshift.transfer import CopyEngine
+
+
+def test_pool_exact_sizes_and_reuse():
+    pool = HostPool(pin=False)
+    a = pool.acquire(3 * 1024 * 1024 + 7)
+    assert a.data.numel() == a.nbytes == 3 * 1024 * 1024 + 7
+    pool.release(a)
+    b = pool.acquire(3 * 1024 * 1024 + 7)
+    assert b is a
+    s = pool.stats
+    assert (s.allocations, s.reuses, s.held_bytes, s.in_use_bytes) == (1, 1, a.nbytes, a.nbytes)
+    c = pool.acquire(100)  # a different size is a new block, never a slice of a larger one
+    assert c is not a and pool.stats.held_bytes == a.nbytes + 100
+
+
+def test_pool_trim_and_budget_frees_idle_blocks():
+    pool = HostPool(pin=False, budget_bytes=3 << 20)
+    a = pool.acquire(2 << 20)
+    pool.release(a)
+    b = pool.acquire(1 << 20)
+    assert pool.stats.held_bytes == 3 << 20
+    pool.release(b)
+    c = pool.acquire((2 << 20) + 1)  # must free idle blocks to fit
+    assert pool.stats.held_bytes <= 3 << 20 and pool.stats.frees >= 1
+    pool.release(c)
+    assert pool.trim() == c.nbytes or pool.stats.idle_bytes == 0
+    assert pool.stats.held_bytes == pool.stats.in_use_bytes
+
+
+def test_pool_refcount_shares_blocks():
+    pool = HostPool(pin=False)
+    a = pool.acquire(64)
+    pool.retain(a)
+    assert a.shared
+    pool.release(a)
+    assert not a.shared and pool.stats.in_use_bytes == 64
+    pool.release(a)
+    assert pool.stats.in_use_bytes == 0
+
+
+def test_second_snapshot_allocates_nothing():
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+
+    def cycle(v: int) -> None:
+        state.snapshot(tag="pi_old", version=v)
+        if v > 0:
+            state.release(state.snapshots.get("pi_old", v - 1))
+        state.snapshot(tag="ref")  # same key: replaced, its memory reused
+
+    cycle(0)
+    cycle(1)
+    allocations = state.pool.stats.allocations
+    for v in range(2, 6):
+        cycle(v)
+    assert state.pool.stats.allocations == allocations
+    assert state.pool.stats.reuses > 0
+
+
+def test_store_versions_and_lookup():
+    model, opt = make()
+    state = ModelState(model, opt)
+    for v in (1, 3, 2):
+        state.snapshot(tag="pi_old", version=v)
+    state.snapshot(tag="ref")
+    assert state.snapshots.get("pi_old").version == 3
+    assert state.snapshots.get("pi_old", 1).version == 1
+    assert state.snapshots.get("ref").version is None
+    assert len(state.snapshots) == 4
+    store = SnapshotStore()
+    try:
+        store.get("nothing")
+    except KeyError as e:
+        assert "nothing" in str(e)
+    else:
+        raise AssertionError("expected KeyError")
+
+
+def test_snapshot_of_offloaded_group_is_zero_copy_and_detaches_on_write():
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    state.offload("params")
+    home = state._groups["params"].home
+    snap = state.snapshot("params", tag="cow")
+    assert snap.parts[0].host is home and home.shared
+    values = snap.tensors()
+    state.onload("params")
+    with torch.no_grad():
+        model.embed.weight.mul_(2)
+    state.offload("params")  # writes the home: must take a block of its own
+    assert state._groups["params"].home is not home
+    got = snap.tensors()
+    assert all(torch.equal(values[k], got[k]) for k in values)
+
+
+def test_restore_into_offloaded_group_is_a_pointer_copy():
+    model, opt = make()
+    state = ModelState(model, opt)
+    snap = state.snapshot("params", tag="p")
+    state.offload("params")
+    state.restore(snap)
+    assert state._groups["params"].home is snap.parts[0].host
+    assert torch.equal(capture(state, ["params"])["embed.weight"], snap.tensors()["embed.weight"])
+
+
+def _pairs(sizes, gap=0):
+    host = torch.zeros(sum(sizes) + gap * len(sizes), dtype=torch.uint8)
+    pairs, pos = [], 0
+    for n in sizes:
+        pairs.append((host[pos : pos + n], torch.zeros(n, dtype=torch.uint8)))
+        pos += n + gap
+    return pairs
+
+
+def test_copy_engine_coalesces_small_neighbours():
+    engine = CopyEngine(torch.device("cpu"), small_bytes=1000, staging_bytes=4000)
+    runs = engine._runs(_pairs([10, 20, 5000, 30, 40, 990, 999, 999, 999, 999]), lambda p: p[0])
+    assert [len(r) for r in runs] == [2, 1, 5, 2]  # large item alone; a run stops at staging_bytes
+    spaced = engine._runs(_pairs([10, 10, 10], gap=5000), lambda p: p[0])
+    assert [len(r) for r in spaced] == [1, 1, 1]  # too far apart to share one staged copy
+
+
+def test_copy_engine_host_copies():
+    engine = CopyEngine(torch.device("cpu"))
+    pairs = [(torch.zeros(5, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8))]
+    engine.copy(pairs).wait()
+    assert pairs[0][0].tolist() == [0, 1, 2, 3, 4]

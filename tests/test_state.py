@@ -1,0 +1,243 @@
+"""The core verbs on plain PyTorch, in every residency and mix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEVICES, assert_same, capture, make, perturb, train_step, warm
+from stateshift import ModelState, Residency
+from stateshift.models import batch
+
+
+def _block0(name: str) -> bool:
+    return name.startswith("blocks.0.")
+
+
+# Each mix puts a warmed-up state into some residency; returns the groups it dropped.
+MIXES = {
+    "resident": lambda st: set(),
+    "params_offloaded": lambda st: (st.offload("params"), set())[1],
+    "all_offloaded": lambda st: (st.offload(), set())[1],
+    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
+    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
+    "mixed": lambda st: (st.offload(["params", "optim"]), st.drop("grads"), {"grads"})[2],
+}
+
+
+def _expected(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
+    if "grads" not in dropped:
+        return values
+    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture
+def warmed(device):
+    model, opt = make(device)
+    warm(model, opt)
+    state = ModelState(model, opt)
+    return model, opt, state
+
+
+def test_capture_matches_live_values(warmed):
+    model, opt, state = warmed
+    got = capture(state)
+    assert torch.equal(got["embed.weight"], model.embed.weight.detach().cpu())
+    assert torch.equal(got["blocks.1.fc1.bias.grad"], model.blocks[1].fc1.bias.grad.cpu())
+    exp_avg = opt.state[model.blocks[0].qkv.weight]["exp_avg"]
+    assert torch.equal(got["blocks.0.qkv.weight.exp_avg"], exp_avg.cpu())
+    assert got["tokens_seen"].item() > 0
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_snapshot_in_every_mix(warmed, mix):
+    model, opt, state = warmed
+    before = capture(state)
+    dropped = MIXES[mix](state)
+    assert_same(capture(state), _expected(before, dropped))
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_offload_onload_round_trip(warmed, mix):
+    model, opt, state = warmed
+    before = capture(state)
+    dropped = MIXES[mix](state)
+    state.onload()
+    assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
+    assert_same(capture(state), _expected(before, dropped))
+    train_step(model, opt, 1)  # the model still trains
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_restore_into_every_mix(warmed, mix):
+    model, opt, state = warmed
+    saved = state.snapshot(state.groups, tag="saved")
+    values = saved.tensors()
+    perturb(model, opt)
+    MIXES[mix](state)
+    residency = state.residency()
+    state.restore(saved)
+    after = state.residency()
+    for g in state.groups:  # restore keeps the residency class; dropped slots now hold values
+        assert after[g]["device"] == residency[g]["device"]
+    assert_same({k: v.cpu() for k, v in capture(state).items()}, {k: v.cpu() for k, v in values.items()})
+    state.onload()
+    assert_same(capture(state), {k: v.cpu() for k, v in values.items()})
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_swapped_in_every_mix(warmed, mix):
+    model, opt, state = warmed
+    pi_old = state.snapshot(tag="pi_old")
+    ids = batch(model.cfg, 7, device=next(model.parameters()).device)
+    with torch.no_grad():
+        old_logits = model.eval()(ids)
+    train_step(model.train(), opt, 3)
+    MIXES[mix](state)
+    residency = state.residency()
+    current = capture(state)
+    with state.swapped(pi_old):
+        with torch.no_grad():
+            assert torch.equal(model.eval()(ids), old_logits)
+    assert state.residency() == residency
+    assert_same(capture(state), current)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_snapshot_is_unchanged_by_later_updates(warmed, placement):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s", placement=placement)
+    first = snap.tensors()
+    for step in range(3):
+        train_step(model, opt, step)
+    perturb(model, opt)
+    assert_same(snap.tensors(), first)
+
+
+def test_restore_twice_gives_the_same_values(warmed):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s")
+    perturb(model, opt)
+    state.restore(snap)
+    once = capture(state, state.forward_groups)
+    perturb(model, opt)
+    state.restore(snap)
+    assert_same(capture(state, state.forward_groups), once)
+
+
+def test_restore_while_offloaded_writes_home_and_onload_shows_it(warmed):
+    model, opt, state = warmed
+    snap = state.snapshot(tag="s")
+    want = snap.tensors()
+    perturb(model, opt)
+    state.offload()
+    state.restore(snap)
+    assert state.residency()["params"]["device"] == 0
+    state.onload()
+    assert torch.equal(model.embed.weight.detach(), want["embed.weight"])
+    assert torch.equal(model.blocks[1].fc2.bias.detach(), want["blocks.1.fc2.bias"])
+
+
+def test_aliasing_regression_save_current_restore_old_restore_current(warmed):
+    """verl-omni #645: a snapshot of offloaded params aliased the live host tensors."""
+    model, opt, state = warmed
+    pi_old = state.snapshot(tag="pi_old")
+    for step in range(2):
+        train_step(model, opt, step)
+    state.offload()
+    current = state.snapshot(tag="current")  # taken while offloaded: shares the home copy-on-write
+    want = current.tensors()
+    state.restore(pi_old)  # writes the home: must not change `current`
+    state.restore(current)
+    state.onload()
+    got = capture(state, state.forward_groups)
+    assert_same(got, {k: v for k, v in want.items()})
+    assert not torch.equal(got["embed.weight"], pi_old.tensors()["embed.weight"])
+
+
+def test_tied_weights_stay_tied(warmed):
+    model, opt, state = warmed
+    assert model.head.weight is model.embed.weight
+    state.offload()
+    state.onload()
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    slot = next(s for s in state.slots("params") if s.name == "embed.weight")
+    assert [m.name for m in slot.info.members] == ["embed.weight", "head.weight"]
+    with torch.no_grad():
+        model.embed.weight.add_(1)
+    assert torch.equal(model.head.weight, model.embed.weight)
+
+
+def test_tensor_identity_survives_moves(warmed):
+    model, opt, state = warmed
+    params = [id(p) for p in model.parameters()]
+    grads = [id(p.grad) for p in model.parameters()]
+    exp = [id(s["exp_avg"]) for s in opt.state.values()]
+    state.offload()
+    state.onload()
+    assert params == [id(p) for p in model.parameters()]
+    assert grads == [id(p.grad) for p in model.parameters()]
+    assert exp == [id(s["exp_avg"]) for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_training_with_moves_between_steps_is_bit_identical(device, set_to_none):
+    ref_model, ref_opt = make(device)
+    model, opt = make(device)
+    state = ModelState(model, opt)
+    ref_losses, losses = [], []
+    for step in range(4):
+        ref_losses.append(train_step(ref_model, ref_opt, step, set_to_none=set_to_none))
+        losses.append(train_step(model, opt, step, set_to_none=set_to_none))
+        state.offload(["params", "buffers", "optim"])
+        state.offload("grads")
+        state.onload()
+    assert losses == ref_losses
+    ref_state = ModelState(ref_model, ref_opt)
+    assert_same(capture(state), capture(ref_state))
+
+
+def test_dropped_grads_come_back_zeroed(warmed):
+    model, opt, state = warmed
+    state.drop("grads")
+    assert state.residency()["grads"]["dropped"] == len(list(model.parameters()))
+    state.onload("grads")
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_residency_counts_and_release_of_storage(warmed):
+    model, opt, state = warmed
+    state.offload("params")
+    assert all(s.residency is Residency.HOST for s in state.slots("params"))
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    state.onload("params")
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_new_tensors_are_picked_up(device):
+    """Adam state appears at the first step; grads at the first backward."""
+    model, opt = make(device)
+    state = ModelState(model, opt)
+    assert state.residency()["optim"]["device"] == 0 and state.residency()["grads"]["device"] == 0
+    train_step(model, opt, 0)
+    counts = state.residency()
+    assert counts["grads"]["device"] > 0 and counts["optim"]["device"] > 0
+
+
+def test_relayout_keeps_offloaded_values(warmed):
+    """A group's slot set changes while some slots are offloaded (grads set to None and re-created)."""
+    model, opt, state = warmed
+    state.offload("params")
+    before = capture(state, ["params"])
+    for p in list(model.parameters())[:3]:
+        p.grad = None
+    assert state.residency()["grads"]["device"] == len(list(model.parameters())) - 3
+    assert_same(capture(state, ["params"]), before)
+    state.onload()
+    assert_same(capture(state, ["params"]), before)
