@@ -65,7 +65,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))[:5]
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k], b[k]), f"values differ at {k}"
+        assert torch.equal(a[k].cpu(), b[k].cpu()), f"values differ at {k}"
 
 
 def perturb(model, opt=None, amount: float = 0.5) -> None:

@@ -136,3 +136,28 @@ def test_copy_engine_host_copies():
     pairs = [(torch.zeros(5, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8))]
     engine.copy(pairs).wait()
     assert pairs[0][0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_staged_runs_never_span_another_item():
+    """A device-to-host run writes its whole host span: it must not cover an item outside the run.
+
+    Regression: Adam's ``step`` (a CPU tensor, copied host-to-host) sat between
+    small CUDA tensors in the optim arena and was overwritten by the staged span.
+    """
+    from stateshift.slot import MemberInfo, SlotInfo
+    from stateshift.snapshot import Layout
+
+    sizes = [4, 4096, 4, 100, 64, 4, 1, 2048, 63, 65]
+    infos = tuple(SlotInfo(f"t{i}", "optim", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
+    layout = Layout.build(infos)
+    arena = torch.zeros(layout.total, dtype=torch.uint8)
+    engine = CopyEngine(torch.device("cpu"))
+    moving = [i for i, n in enumerate(sizes) if n != 4]  # the 4-byte items are copied elsewhere
+    pairs = [(layout.region(arena, i), torch.zeros(sizes[i], dtype=torch.uint8)) for i in moving]
+    for run in engine._runs(sorted(pairs, key=lambda p: p[0].data_ptr()), lambda p: p[0]):
+        start = run[0][0].data_ptr()
+        end = run[-1][0].data_ptr() + run[-1][0].numel()
+        for i, n in enumerate(sizes):
+            if i not in moving:
+                off = arena.data_ptr() + layout.offsets[i]
+                assert not (start <= off < end), f"run [{start}, {end}) covers item {i}"

@@ -47,7 +47,7 @@ def warmed(device):
 def test_capture_matches_live_values(warmed):
     model, opt, state = warmed
     got = capture(state)
-    assert torch.equal(got["embed.weight"], model.embed.weight.detach().cpu())
+    assert torch.equal(got["embed.weight"].cpu(), model.embed.weight.detach().cpu())
     assert torch.equal(got["blocks.1.fc1.bias.grad"], model.blocks[1].fc1.bias.grad.cpu())
     exp_avg = opt.state[model.blocks[0].qkv.weight]["exp_avg"]
     assert torch.equal(got["blocks.0.qkv.weight.exp_avg"], exp_avg.cpu())
@@ -139,8 +139,8 @@ def test_restore_while_offloaded_writes_home_and_onload_shows_it(warmed):
     state.restore(snap)
     assert state.residency()["params"]["device"] == 0
     state.onload()
-    assert torch.equal(model.embed.weight.detach(), want["embed.weight"])
-    assert torch.equal(model.blocks[1].fc2.bias.detach(), want["blocks.1.fc2.bias"])
+    assert torch.equal(model.embed.weight.detach().cpu(), want["embed.weight"].cpu())
+    assert torch.equal(model.blocks[1].fc2.bias.detach().cpu(), want["blocks.1.fc2.bias"].cpu())
 
 
 def test_aliasing_regression_save_current_restore_old_restore_current(warmed):
@@ -157,7 +157,7 @@ def test_aliasing_regression_save_current_restore_old_restore_current(warmed):
     state.onload()
     got = capture(state, state.forward_groups)
     assert_same(got, {k: v for k, v in want.items()})
-    assert not torch.equal(got["embed.weight"], pi_old.tensors()["embed.weight"])
+    assert not torch.equal(got["embed.weight"].cpu(), pi_old.tensors()["embed.weight"].cpu())
 
 
 def test_tied_weights_stay_tied(warmed):
@@ -241,3 +241,25 @@ def test_relayout_keeps_offloaded_values(warmed):
     assert_same(capture(state, ["params"]), before)
     state.onload()
     assert_same(capture(state, ["params"]), before)
+
+
+def test_swapped_with_rebuild_skips_the_stash(warmed):
+    """A group whose current values can be recomputed on the device is not stashed."""
+    model, opt, state = warmed
+    pi_old = state.snapshot(tag="pi_old")
+    train_step(model, opt, 4)
+    current = {k: v.detach().clone() for k, v in model.named_parameters()}
+    calls = []
+
+    def rebuild() -> None:
+        calls.append(1)
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(current[k])
+
+    allocations = state.pool.stats.in_use_bytes
+    with state.swapped(pi_old, rebuild={"params": rebuild}):
+        assert torch.equal(model.embed.weight.cpu(), pi_old.tensors()["embed.weight"].cpu())
+        assert state.pool.stats.in_use_bytes - allocations < state.layout("params").total  # no params stash
+    assert calls == [1]
+    assert all(torch.equal(p, current[k]) for k, p in model.named_parameters())

@@ -96,8 +96,8 @@ class Verbs(RuleBasedStateMachine):
             got = snap.tensors()  # the snapshot itself is unchanged
             inside = self._read(snap.groups)
         for name in want:
-            assert torch.equal(got[name], want[name]), name
-            assert torch.equal(inside[name], want[name]), name
+            assert torch.equal(got[name].cpu(), want[name].cpu()), name
+            assert torch.equal(inside[name].cpu(), want[name].cpu()), name
 
     @rule(snap=consumes(snapshots))
     def release(self, snap):
@@ -124,7 +124,7 @@ class Verbs(RuleBasedStateMachine):
         ref = reference_values(self.ref_model, self.ref_opt)
         assert got.keys() == ref.keys()
         for name, value in ref.items():
-            assert torch.equal(got[name], value.detach()), f"divergence at {name}"
+            assert torch.equal(got[name].cpu(), value.detach().cpu()), f"divergence at {name}"
 
     def _read(self, groups) -> dict[str, torch.Tensor]:
         snap = self.state.snapshot(groups, tag="_read")

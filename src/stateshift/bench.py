@@ -171,7 +171,9 @@ def bench_state(
 
     def add(op: str, residency: str, seconds: float, ceiling: float, bound: str, moved: int = nbytes, note: str = "") -> None:
         gbps = moved / seconds / 1e9 if seconds > 0 else float("inf")
-        rows.append(Row(backend, op, residency, dev.type, moved, seconds, gbps, gbps / ceiling, bound, note))
+        # the device-copy ceiling counts bytes read + written: count the row's bytes the same way
+        ratio = gbps * (2 if bound == "d2d" else 1) / ceiling
+        rows.append(Row(backend, op, residency, dev.type, moved, seconds, gbps, ratio, bound, note))
         if progress is not None:
             progress.step(f"{op} ({residency})")
 

@@ -51,6 +51,15 @@ class HostBlock:
     refs: int = 0
     pending: Transfer | None = None
     _mm: mmap.mmap | None = field(default=None, repr=False)
+    _regions_layout: object = field(default=None, repr=False)
+    _regions: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def regions(self, layout) -> list[torch.Tensor]:  # layout: snapshot.Layout (no import cycle)
+        """Views of this block's regions under ``layout``, cached for the last layout asked."""
+        if self._regions_layout is not layout:
+            self._regions = layout.regions(self.data)
+            self._regions_layout = layout
+        return self._regions
 
     @property
     def shared(self) -> bool:
@@ -244,6 +253,7 @@ class HostPool:
         self._held -= block.nbytes
         self._frees += 1
         block.data = torch.empty(0, dtype=torch.uint8)
+        block._regions, block._regions_layout = [], None
         if block._mm is not None:
             block._mm.close()
             block._mm = None

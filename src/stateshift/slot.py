@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +46,8 @@ class NativeHome:
     on_onload: Any = None
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor a backend reports.
+class Entry(NamedTuple):
+    """One tensor a backend reports (a named tuple: listing runs at every verb and must be cheap).
 
     Args:
         name: a stable, unique name (e.g. ``"decoder.layers.0.mlp.weight"``).
@@ -125,6 +124,9 @@ class Slot:
     device: torch.device
     residency: Residency = Residency.DEVICE
     native_home: NativeHome | None = field(default=None, repr=False)
+    #: the member tensors as last listed (identity fast path of ``ModelState.refresh``)
+    tensors: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    _view: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -135,8 +137,12 @@ class Slot:
         return self.info.nbytes
 
     def bytes(self) -> torch.Tensor:
-        view = torch.empty(0, dtype=torch.uint8, device=self.device)
-        return view.set_(self.storage, 0, (self.nbytes,), (1,))
+        """The byte view; created once (a view follows its storage through ``resize_``)."""
+        view = self._view
+        if view is None or view.numel() != self.nbytes:
+            view = torch.empty(0, dtype=torch.uint8, device=self.device)
+            view = self._view = view.set_(self.storage, 0, (self.nbytes,), (1,))
+        return view
 
     def release_storage(self) -> None:
         """Free the storage's memory; its tensors keep their identity (and must not be read)."""

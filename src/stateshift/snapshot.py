@@ -63,6 +63,9 @@ class Layout:
         off = self.offsets[index]
         return arena[off : off + self.slots[index].nbytes]
 
+    def regions(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        return [arena[off : off + s.nbytes] for off, s in zip(self.offsets, self.slots, strict=True)]
+
     def check_compatible(self, expected: Layout) -> None:
         """Raise ``LayoutMismatchError`` naming the first tensor where ``self`` (the model now) differs."""
         if self.slots == expected.slots:
@@ -120,8 +123,18 @@ class SnapshotPart:
         assert self.device is not None
         return self.device
 
+    _device_regions: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    def regions(self) -> list[torch.Tensor]:
+        if self.host is not None:
+            return self.host.regions(self.layout)
+        if self._device_regions is None:
+            assert self.device is not None
+            self._device_regions = self.layout.regions(self.device)
+        return self._device_regions
+
     def region(self, index: int) -> torch.Tensor:
-        return self.layout.region(self.arena, index)
+        return self.regions()[index]
 
 
 @dataclass(eq=False)
@@ -213,6 +226,7 @@ class Snapshot:
                 self._pool.release(p.host)
                 p.host = None
             p.device = None
+            p._device_regions = None
 
 
 class SnapshotStore:

@@ -21,7 +21,8 @@ snapshot of a fully offloaded group, and a restore into one, move no bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,7 @@ class ModelState:
         self._slots: dict[int, Slot] = {}
         self._swapping: set[str] = set()
         self._handles: list[Any] = []
+        self._takes_groups = {id(b): "groups" in inspect.signature(b.entries).parameters for b in self.backends}
         self.refresh()
         if guard:
             for b in self.backends:
@@ -152,7 +154,7 @@ class ModelState:
         home is safe to read on the host after the returned transfer's ``wait()``.
         """
         names = self._select(groups)
-        self.refresh()
+        self.refresh(names)
         pairs: list[Pair] = []
         moved: list[tuple[GroupState, list[Slot]]] = []
         for g in names:
@@ -162,9 +164,10 @@ class ModelState:
                 continue
             home = self._writable_home(gs, rewriting={s.key for s in moving})
             idx = gs.index()
-            pairs += [(gs.layout.region(home.data, idx[s.key]), s.bytes()) for s in moving]
+            regions = home.regions(gs.layout)
+            pairs += [(regions[idx[s.key]], s.bytes()) for s in moving]
             moved.append((gs, moving))
-        transfer = self.engine.copy(pairs)
+        transfer = self.engine.copy(pairs, frees_sources=True)
         for gs, moving in moved:
             assert gs.home is not None
             gs.home.pending = transfer.merged(gs.home.pending)
@@ -176,7 +179,7 @@ class ModelState:
     def drop(self, groups: GroupArg = None, *, only: Only = None) -> None:
         """Release device storage without keeping values (``onload`` zero-fills). ``host`` slots become ``dropped`` too."""
         names = self._select(groups)
-        self.refresh()
+        self.refresh(names)
         for g in names:
             for s in self._groups[g].slots:
                 if s.residency is not Residency.DROPPED and _matches(s, only):
@@ -191,7 +194,7 @@ class ModelState:
         after the call sees them.
         """
         names = self._select(groups)
-        self.refresh()
+        self.refresh(names)
         pairs: list[Pair] = []
         zero: list[Slot] = []
         onloaded: list[Slot] = []
@@ -242,7 +245,7 @@ class ModelState:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
         names = self._select(groups if groups is not None else self.forward_groups, check_swap=False)
-        self.refresh()
+        self.refresh(names)
         size = sum(self._groups[g].layout.total for g in names)
         self.snapshots.check_budget(size, replacing=(tag, version))
         old = self.snapshots._items.get((tag, version))
@@ -290,7 +293,7 @@ class ModelState:
         """
         snapshot.check_alive()
         names = self._select(snapshot.groups)
-        self.refresh()
+        self.refresh(names)
         for part in snapshot.parts:
             self._groups[part.group].layout.check_compatible(part.layout)
         pairs: list[Pair] = []
@@ -328,7 +331,9 @@ class ModelState:
         return transfer
 
     @contextmanager
-    def swapped(self, snapshot: Snapshot) -> Iterator[Snapshot]:
+    def swapped(
+        self, snapshot: Snapshot, *, rebuild: Mapping[str, Callable[[], None]] | None = None
+    ) -> Iterator[Snapshot]:
         """Inside, the model computes with the snapshot's values; after, it has exactly its own back.
 
         ``device`` slots are stashed (on the snapshot's placement) and
@@ -336,10 +341,17 @@ class ModelState:
         from the snapshot and are released again on exit, their homes
         untouched. Changes made inside (e.g. an optimizer step) are discarded.
         Other verbs on these groups raise ``SwapActiveError`` inside.
+
+        ``rebuild`` maps a group to a function that recomputes its current
+        values on the device (e.g. bf16 params from the optimizer's fp32
+        master weights): that group's device slots are then not stashed, and
+        on exit the function runs instead of copying the stash back -- it must
+        rewrite every device-resident slot of the group, on the current stream.
         """
+        rebuild = dict(rebuild or {})
         snapshot.check_alive()
         names = self._select(snapshot.groups)
-        self.refresh()
+        self.refresh(names)
         for part in snapshot.parts:
             self._groups[part.group].layout.check_compatible(part.layout)
         stash_pairs: list[Pair] = []
@@ -349,7 +361,8 @@ class ModelState:
         for part in snapshot.parts:
             gs = self._groups[part.group]
             stash: torch.Tensor | None = None
-            if any(s.residency is Residency.DEVICE for s in gs.slots):
+            rebuilt = part.group in rebuild
+            if not rebuilt and any(s.residency is Residency.DEVICE for s in gs.slots):
                 if snapshot.placement == "host":
                     block = self.pool.acquire(gs.layout.total)
                     stashes.append(block)
@@ -358,7 +371,9 @@ class ModelState:
                     stash = torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for_snapshots())
                     stashes.append(stash)
             for i, s in enumerate(gs.slots):
-                if s.residency is Residency.DEVICE:
+                if s.residency is Residency.DEVICE and rebuilt:
+                    undo.append((s, Residency.DEVICE, None))
+                elif s.residency is Residency.DEVICE:
                     assert stash is not None
                     region = gs.layout.region(stash, i)
                     stash_pairs.append((region, s.bytes()))
@@ -378,9 +393,11 @@ class ModelState:
         finally:
             back: list[Pair] = []
             for s, was, region in undo:
-                if was is Residency.DEVICE:
-                    assert region is not None
+                if was is Residency.DEVICE and region is not None:
                     back.append((s.bytes(), region))
+            for group in names:
+                if group in rebuild and any(s.info.group == group and was is Residency.DEVICE for s, was, _ in undo):
+                    rebuild[group]()
             self._sync_host_sources(back)
             returned = self.engine.copy(back)
             for s, was, _ in undo:
@@ -441,37 +458,58 @@ class ModelState:
                 raise SwapActiveError(f"group(s) {busy} are inside a swapped() context")
         return names
 
-    def refresh(self) -> None:
-        """Re-list the backends' tensors: new tensors become slots, vanished ones are forgotten."""
-        by_group: dict[str, list[Entry]] = {g: [] for g in self.groups}
+    def refresh(self, groups: Iterable[str] | None = None) -> None:
+        """Re-list the backends' tensors of ``groups`` (default all): new tensors become slots, vanished ones are forgotten.
+
+        Every verb refreshes the groups it touches, so tensors created since
+        the last verb (grads, optimizer state) are picked up and tensors that
+        vanished (``grad = None``) are let go.
+        """
+        wanted = set(self.groups if groups is None else groups)
+        by_group: dict[str, list[Entry]] = {g: [] for g in self.groups if g in wanted}
         for b in self.backends:
-            for e in b.entries():
-                if e.group not in by_group:
+            asked = wanted.intersection(b.groups)
+            if not asked:
+                continue
+            for e in b.entries(frozenset(asked)) if self._takes_groups[id(b)] else b.entries():
+                if e.group not in self._groups:
                     raise BackendError(f"backend {b.name!r} listed {e.name!r} in undeclared group {e.group!r}")
-                by_group[e.group].append(e)
-        seen: dict[int, Slot] = {}
+                if e.group in by_group:
+                    by_group[e.group].append(e)
+        seen: dict[int, Slot] = {k: s for k, s in self._slots.items() if s.info.group not in wanted}
         for g, entries in by_group.items():
             members: dict[int, list[Entry]] = {}
             for e in entries:
                 members.setdefault(storage_key(e.tensor), []).append(e)
             slots: list[Slot] = []
+            changed = False
             for key, es in members.items():
                 if key in seen:
                     raise BackendError(
                         f"tensor {es[0].name!r} (group {g!r}) shares storage with {seen[key].name!r} "
                         f"(group {seen[key].info.group!r}); a storage belongs to one group"
                     )
-                slot = self._slot_for(key, g, es)
+                slot, fresh = self._slot_for(key, g, es)
+                changed |= fresh
                 seen[key] = slot
                 slots.append(slot)
             gs = self._groups[g]
-            layout = Layout.build(tuple(s.info for s in slots))
-            if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
-                self._relayout(gs, slots, layout)
+            if changed or len(slots) != len(gs.slots) or any(a is not b for a, b in zip(slots, gs.slots)):
+                layout = Layout.build(tuple(s.info for s in slots))
+                if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
+                    self._relayout(gs, slots, layout)
         self._slots = seen
 
-    def _slot_for(self, key: int, group: str, es: list[Entry]) -> Slot:
+    def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:
+        """The slot for one storage, and whether its fingerprint may have changed."""
         old = self._slots.get(key)
+        if (
+            old is not None
+            and old.info.group == group
+            and len(old.tensors) == len(es)
+            and all(e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members))
+        ):
+            return old, False  # the same tensor objects under the same names: nothing to re-derive
         first = es[0]
         storage = first.tensor.untyped_storage()
         if old is not None and old.residency is not Residency.DEVICE:
@@ -481,11 +519,13 @@ class ModelState:
         else:
             nbytes = first.nbytes if first.nbytes is not None else max(_member_extent(e.tensor) for e in es)
         info = SlotInfo(name=first.name, group=group, nbytes=nbytes, members=tuple(member_info(e) for e in es))
+        tensors = tuple(e.tensor for e in es)
         if old is not None and old.info.group == group:
             if old.info != info:
-                old.info = info
-            return old
-        slot = Slot(key=key, info=info, storage=storage, device=first.tensor.device)
+                old.info, old._view = info, None
+            old.tensors = tensors
+            return old, True
+        slot = Slot(key=key, info=info, storage=storage, device=first.tensor.device, tensors=tensors)
         if storage.nbytes() == 0 and nbytes > 0:
             native = next((e.native_home for e in es if e.native_home is not None), None)
             if native is None:
@@ -500,7 +540,7 @@ class ModelState:
                 )
             slot.residency = Residency.HOST
             slot.native_home = native
-        return slot
+        return slot, True
 
     def _relayout(self, gs: GroupState, slots: list[Slot], layout: Layout) -> None:
         """Adopt a new slot list; carry host-resident values over into a home of the new layout."""
@@ -534,7 +574,7 @@ class ModelState:
             v = s.native_home.values
             return v.reshape(-1).view(torch.uint8) if v.dtype != torch.uint8 else v.reshape(-1)
         assert gs.home is not None
-        return gs.layout.region(gs.home.data, index)
+        return gs.home.regions(gs.layout)[index]
 
     def _writable_home(self, gs: GroupState, rewriting: set[int]) -> HostBlock:
         """The group's home, private to it (copy-on-write) and free of pending host readers.

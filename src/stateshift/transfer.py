@@ -12,8 +12,9 @@ Ordering (DESIGN.md rules 3 and 4): each side stream first waits for the
 current (compute) stream, so a copy reads the values as of the call; the
 current stream then waits for the copy's event, so compute enqueued after the
 call neither overwrites a source still being read nor reads a destination not
-yet written; device tensors are ``record_stream``-ed on the side stream, so
-freeing them (``resize_(0)``) right after the call is safe. Host memory
+yet written; sources that the caller frees right after the call (offload) are
+``record_stream``-ed on the side stream, so their memory is not reused
+before the copy has read it. Host memory
 written by a copy is safe to read only after the returned ``Transfer`` has
 been waited on.
 
@@ -36,8 +37,11 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 SMALL_BYTES = 1 << 20
 #: The largest staging run, bounding the device memory coalescing borrows.
 STAGING_BYTES = 64 << 20
-#: Largest gap (alignment padding) allowed between two items of one run.
-MAX_GAP = 4096
+#: Largest gap allowed between two items of one staged run. A device-to-host
+#: run writes its whole host span, gaps included, so a gap must never hold
+#: another item: layouts align every item to 64 bytes (``snapshot.ALIGN``), so
+#: a gap under 64 bytes is padding only.
+MAX_GAP = 63
 
 
 @dataclass
@@ -90,8 +94,15 @@ class CopyEngine:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
 
-    def copy(self, pairs: Sequence[Pair]) -> Transfer:
-        """Enqueue ``dst.copy_(src)`` for every pair; see the module docstring for ordering."""
+    def copy(self, pairs: Sequence[Pair], *, frees_sources: bool = False) -> Transfer:
+        """Enqueue ``dst.copy_(src)`` for every pair; see the module docstring for ordering.
+
+        ``frees_sources``: the caller releases the device sources right after
+        the call (offload), so they are ``record_stream``-ed on the side stream
+        and their memory is not reused before the copy has read it. Without
+        it, memory freed later on the current stream is still safe, because
+        the current stream waits for the copy.
+        """
         d2h: list[Pair] = []
         h2d: list[Pair] = []
         d2d: list[Pair] = []
@@ -120,20 +131,26 @@ class CopyEngine:
                 assert stream is not None
                 stream.wait_stream(current)
                 with torch.cuda.stream(stream):
-                    self._move(batch, host_is_dst, stream)
+                    self._move(batch, host_is_dst, stream, frees_sources)
                     events.append(stream.record_event())
         if d2d:
-            torch._foreach_copy_([d for d, _ in d2d], [s for _, s in d2d])
+            small = [p for p in d2d if p[0].numel() < self.small_bytes]
+            for dst, src in d2d:
+                if dst.numel() >= self.small_bytes:
+                    dst.copy_(src)
+            if small:
+                torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
             events.append(current.record_event())
         for event in events:
             current.wait_event(event)
         return Transfer(events)
 
-    def _move(self, batch: list[Pair], host_is_dst: bool, stream: torch.cuda.Stream) -> None:
+    def _move(self, batch: list[Pair], host_is_dst: bool, stream: torch.cuda.Stream, frees_sources: bool) -> None:
         host_of = (lambda p: p[0]) if host_is_dst else (lambda p: p[1])
         dev_of = (lambda p: p[1]) if host_is_dst else (lambda p: p[0])
-        for pair in batch:
-            dev_of(pair).record_stream(stream)
+        if frees_sources and host_is_dst:
+            for pair in batch:
+                pair[1].record_stream(stream)
         batch = sorted(batch, key=lambda p: host_of(p).data_ptr())
         for run in self._runs(batch, host_of):
             if len(run) == 1:

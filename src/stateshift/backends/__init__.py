@@ -31,7 +31,11 @@ class Backend(Protocol):
     forward_groups: tuple[str, ...]
 
     def entries(self) -> Iterable[Entry]:
-        """The tensors as they are now. Called at every verb; must be cheap and deterministic in order."""
+        """The tensors as they are now. Called at every verb; must be cheap and deterministic in order.
+
+        A backend may instead define ``entries(self, groups)`` taking the set of
+        groups wanted; the engine then asks only for the groups a verb touches.
+        """
         ...
 
     def install_guards(self, state: ModelState) -> list[Any]:

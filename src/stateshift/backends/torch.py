@@ -17,7 +17,7 @@ adds mesh / placement facts to the fingerprint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,15 +86,21 @@ class TorchModuleBackend:
     def __post_init__(self) -> None:
         self.module = unwrap(self.module)
 
-    def entries(self) -> Iterator[Entry]:
-        params = list(named_parameters(self.module, self.prefix))
-        for name, p in params:
-            yield Entry(name, "params", self.to_local(p), self.meta_of(p))
-        for name, b in named_buffers(self.module, self.prefix):
-            yield Entry(name, "buffers", self.to_local(b), self.meta_of(b))
-        for name, p in params:
-            if p.grad is not None:
-                yield Entry(f"{name}.grad", "grads", self.to_local(p.grad), self.meta_of(p.grad))
+    def entries(self, groups: Collection[str] | None = None) -> Iterator[Entry]:
+        want = self.groups if groups is None else groups
+        local, meta = self.to_local, self.meta_of
+        if "params" in want or "grads" in want:
+            params = list(named_parameters(self.module, self.prefix))
+        if "params" in want:
+            for name, p in params:
+                yield Entry(name, "params", local(p), meta(p))
+        if "buffers" in want:
+            for name, b in named_buffers(self.module, self.prefix):
+                yield Entry(name, "buffers", local(b), meta(b))
+        if "grads" in want:
+            for name, p in params:
+                if p.grad is not None:
+                    yield Entry(f"{name}.grad", "grads", local(p.grad), meta(p.grad))
 
     def coverage(self) -> dict[str, list[str]]:
         """What is tracked and what deliberately is not."""
