@@ -1,0 +1,45 @@
+"""The README's main job: `stateshift bench` on a tiny built-in model, JSON in the DESIGN.md format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stateshift.cli import main
+
+OPS = {"snapshot", "restore", "offload", "onload", "swap", "pi_old_cycle", "save", "load", "async_save_blocking"}
+
+
+def test_bench_writes_design_format(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--layers", "1", "--hidden", "32", "--vocab", "64", "--seq", "8", "--repeat", "1",
+               "--small-tensors", "50", "--small-numel", "64", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ratio" in printed and "pinned pool" in printed
+    data = json.loads(out.read_text())
+    assert {"machine", "torch", "stateshift", "ceilings", "rows"} <= data.keys()
+    assert data["ceilings"]["host_memcpy_gbps"] > 0
+    assert {r["op"] for r in data["rows"]} <= OPS
+    assert {"snapshot", "restore", "offload", "onload", "swap", "pi_old_cycle"} <= {r["op"] for r in data["rows"]}
+    for row in data["rows"]:
+        assert {"backend", "op", "residency", "device", "bytes", "seconds", "gbps", "ratio"} <= row.keys()
+        assert row["bytes"] > 0 and row["seconds"] > 0 and row["ratio"] > 0
+    assert len({r["note"] for r in data["rows"] if "50 tensors" in r["note"]}) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--hidden", "30", "--heads", "4"], "divisible"),
+    (["bench", "--repeat", "0"], ">= 1"),
+])
+def test_bench_rejects_bad_sizes(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_runs():
+    result = subprocess.run([sys.executable, "-m", "stateshift.cli", "bench", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "--json" in result.stdout
