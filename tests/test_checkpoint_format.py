@@ -1,0 +1,531 @@
+"""Disk layer of checkpoints: format, checksums, atomic install, crashes, full disks.
+
+CPU only.  The crash and full-disk tests use real subprocesses: a real SIGKILL
+in the middle of a write, a real RLIMIT_FSIZE (EFBIG) and, when mounting is
+permitted, a real 4 MiB tmpfs (ENOSPC).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from stateshift.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    TensorRecord,
+    list_tensors,
+    open_checkpoint,
+    read_header,
+    read_latest,
+    read_manifest,
+    recover_checkpoint,
+    resolve_checkpoint,
+    set_latest,
+    verify,
+    write_checkpoint,
+)
+from stateshift.checkpoint import atomic as atomic_mod
+from stateshift.checkpoint import format as format_mod
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w.bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "w.f16": torch.randn(3, 3, generator=g).to(torch.float16),
+        "w.f32": torch.randn(11, generator=g),
+        "w.f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "i8": torch.randint(-100, 100, (9,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (3,), generator=g, dtype=torch.uint8),
+        "i32": torch.randint(-(2**30), 2**30, (5,), generator=g, dtype=torch.int32),
+        "step": torch.tensor(seed + 12345, dtype=torch.int64),  # 0-d
+        "scalar.bf16": torch.tensor(1.5 + seed, dtype=torch.bfloat16),  # 0-d bf16
+        "mask": torch.rand(6, generator=g) > 0.5,
+        "empty": torch.empty(0, 4),
+        "empty.bf16": torch.empty(3, 0, dtype=torch.bfloat16),
+        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
+    }
+
+
+def _records(ts: dict[str, torch.Tensor]) -> list[TensorRecord]:
+    return [TensorRecord.from_tensor(k, v) for k, v in ts.items()]
+
+
+def _write(path: Path, ts: dict[str, torch.Tensor], **kw):
+    names = list(ts)
+    half = len(names) // 2
+    files = {
+        "a.safetensors": _records({k: ts[k] for k in names[:half]}),
+        "b.safetensors": _records({k: ts[k] for k in names[half:]}),
+    }
+    kw.setdefault("backend", "torch")
+    kw.setdefault("layout", {"names": names})
+    return write_checkpoint(path, files, **kw)
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v), k
+
+
+def _complete_siblings(path: Path) -> list[Path]:
+    return [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.") and (p / MANIFEST_NAME).exists()]
+
+
+def _siblings(path: Path) -> list[Path]:
+    return [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.")]
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+# --------------------------------------------------------------------------- format
+
+
+def test_round_trip_all_dtypes(tmp_path: Path) -> None:
+    ts = _tensors()
+    ts["f8"] = torch.randn(8).to(torch.float8_e4m3fn)
+    ts["u16"] = torch.tensor([1, 2, 65535], dtype=torch.uint16)
+    m = _write(tmp_path / "ck", ts, tag="step", version=7, extra={"note": "x"})
+    assert m.tag == "step" and m.version == 7 and m.layout == {"names": list(ts)}
+    assert m.total_bytes == sum(t.nbytes for t in ts.values())
+    assert m.checksum_algorithm == "crc32"
+    m2 = read_manifest(tmp_path / "ck")
+    assert m2 == m
+    reader = open_checkpoint(tmp_path / "ck")
+    _assert_same(reader.read_tensors(), ts)
+    # Straight into uint8 destinations (what the engine passes: byte views of pinned homes).
+    dsts = {k: torch.empty(v.nbytes, dtype=torch.uint8) for k, v in ts.items()}
+    reader.read_into(dsts)
+    for k, v in ts.items():
+        assert torch.equal(dsts[k], v.reshape(-1).view(torch.uint8) if v.numel() else dsts[k]), k
+    # A subset still verifies the whole file it comes from.
+    _assert_same(reader.read_tensors(["w.bf16", "step"]), {"w.bf16": ts["w.bf16"], "step": ts["step"]})
+    infos = {i.name: i for i in list_tensors(tmp_path / "ck")}
+    assert infos["w.bf16"].dtype == torch.bfloat16 and infos["w.bf16"].shape == (7, 5)
+    assert infos["step"].shape == () and infos["empty"].nbytes == 0
+    assert {i.file for i in infos.values()} == {"a.safetensors", "b.safetensors"}
+    for i in infos.values():  # every tensor is aligned to its element size
+        assert i.offset % i.dtype.itemsize == 0
+    assert verify(tmp_path / "ck") == m
+
+
+@pytest.mark.parametrize("algorithm", ["blake2b", "sha256"])
+def test_other_checksums(tmp_path: Path, algorithm: str) -> None:
+    ts = _tensors(1)
+    m = _write(tmp_path / "ck", ts, checksum=algorithm)
+    assert all(e.checksum.startswith(algorithm + ":") for e in m.files.values())
+    _assert_same(open_checkpoint(tmp_path / "ck").read_tensors(), ts)
+    verify(tmp_path / "ck")
+
+
+def test_loadable_by_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    ts = _tensors(2)
+    _write(tmp_path / "ck", ts, tag="pi_old", version=3)
+    loaded: dict[str, torch.Tensor] = {}
+    for f in ("a.safetensors", "b.safetensors"):
+        loaded.update(load_file(tmp_path / "ck" / f))
+        with safe_open(tmp_path / "ck" / f, framework="pt") as h:
+            meta = h.metadata()
+        assert meta["format"] == "pt" and meta["tag"] == "pi_old" and meta["version"] == "3"
+    _assert_same(loaded, ts)
+
+
+def test_raw_bytes_record_written_as_declared_dtype(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src = torch.randn(4, 6).to(torch.bfloat16)
+    home = src.reshape(-1).view(torch.uint8).clone()  # a byte home, as the engine keeps them
+    rec = TensorRecord("p", torch.bfloat16, (4, 6), home)
+    write_checkpoint(tmp_path / "ck", {"p.safetensors": [rec]}, backend="megatron", layout={})
+    out = load_file(tmp_path / "ck" / "p.safetensors")["p"]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, src)
+
+
+def test_chunked_streaming_and_partial_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(format_mod, "CHUNK_BYTES", 64 << 10)  # many chunks, threaded hashing, scratch path
+    big = {f"t{i}": torch.randn(100_000 + i) for i in range(4)}
+    seen: list[int] = []
+    m = write_checkpoint(
+        tmp_path / "ck", {"x.safetensors": _records(big)}, backend="t", layout={}, progress=seen.append
+    )
+    assert sum(seen) == m.total_bytes and len(seen) > 20
+    r = open_checkpoint(tmp_path / "ck")
+    _assert_same(r.read_tensors(["t2"]), {"t2": big["t2"]})
+    _assert_same(r.read_tensors(), big)
+    verify(tmp_path / "ck")
+    # A flip inside a tensor that was *not* requested is still detected (whole-file checksum).
+    off = r.info("t0").offset + 1000
+    _flip_byte(tmp_path / "ck" / "x.safetensors", off)
+    with pytest.raises(CheckpointCorruptError):
+        r.read_tensors(["t3"])
+
+
+def test_bad_input_is_rejected_before_anything_happens(tmp_path: Path) -> None:
+    t = torch.randn(4, 4)
+    with pytest.raises(CheckpointMismatchError, match="'nc'"):
+        write_checkpoint(
+            tmp_path / "ck", {"x.safetensors": [TensorRecord("nc", t.dtype, (4, 4), t.t())]}, backend="t", layout={}
+        )
+    with pytest.raises(CheckpointMismatchError, match="'short'"):
+        write_checkpoint(
+            tmp_path / "ck",
+            {"x.safetensors": [TensorRecord("short", torch.float32, (5, 4), t)]},
+            backend="t",
+            layout={},
+        )
+    with pytest.raises(CheckpointMismatchError, match="'dup'"):
+        write_checkpoint(
+            tmp_path / "ck",
+            {
+                "x.safetensors": [TensorRecord.from_tensor("dup", t)],
+                "y.safetensors": [TensorRecord.from_tensor("dup", t)],
+            },
+            backend="t",
+            layout={},
+        )
+    with pytest.raises(ValueError):
+        write_checkpoint(tmp_path / "ck", {"manifest.json": []}, backend="t", layout={})
+    assert list(tmp_path.iterdir()) == []
+    write_checkpoint(tmp_path / "ck", {"x.safetensors": [TensorRecord.from_tensor("w", t)]}, backend="t", layout={})
+    r = open_checkpoint(tmp_path / "ck")
+    for dst, what in [
+        (torch.empty(15, dtype=torch.uint8), "'w'"),
+        (torch.empty(4, 4, dtype=torch.float64), "'w'"),
+        (torch.empty(2, 8), "'w'"),
+    ]:
+        with pytest.raises(CheckpointMismatchError, match=what):
+            r.read_into({"w": dst})
+    with pytest.raises(CheckpointMismatchError, match="'nope'"):
+        r.read_into({"nope": torch.empty(64, dtype=torch.uint8)})
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    d = tmp_path / "home"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        _write(d, _tensors())
+    assert (d / "precious.txt").read_text() == "keep me"
+    assert _siblings(d) == []
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def test_flipped_data_byte_names_the_file(tmp_path: Path) -> None:
+    ts = _tensors()
+    _write(tmp_path / "ck", ts)
+    f = tmp_path / "ck" / "b.safetensors"
+    _flip_byte(f, f.stat().st_size - 3)
+    r = open_checkpoint(tmp_path / "ck")  # headers fine, sizes fine
+    dsts = {i.name: torch.empty(i.nbytes, dtype=torch.uint8) for i in r.records()}
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as ei:
+        r.read_into(dsts)
+    assert ei.value.path == str(f)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        verify(tmp_path / "ck")
+    assert ei.value.path == str(f)
+    # The other file is intact and readable on its own.
+    a_names = [i.name for i in r.records() if i.file == "a.safetensors"]
+    _assert_same(r.read_tensors(a_names), {k: ts[k] for k in a_names})
+
+
+def test_flipped_header_byte_names_the_file(tmp_path: Path) -> None:
+    _write(tmp_path / "ck", _tensors())
+    f = tmp_path / "ck" / "a.safetensors"
+    raw = f.read_bytes()
+    i = raw.index(b'"dtype"') + 2  # corrupt a key inside the JSON header
+    _flip_byte(f, i)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        open_checkpoint(tmp_path / "ck")
+    assert ei.value.path == str(f)
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    ts = _tensors()
+    _write(tmp_path / "ck", ts)
+    f = tmp_path / "ck" / "a.safetensors"
+    size = f.stat().st_size
+    os.truncate(f, size - 5)
+    with pytest.raises(CheckpointCorruptError, match="truncated") as ei:
+        open_checkpoint(tmp_path / "ck")
+    assert ei.value.path == str(f)
+    with pytest.raises(CheckpointCorruptError, match="truncated"):
+        read_header(f)  # a bare file without manifest: the header catches it
+    os.truncate(f, 5)
+    with pytest.raises(CheckpointCorruptError, match="truncated"):
+        read_header(f)
+    with pytest.raises(CheckpointCorruptError):
+        verify(tmp_path / "ck")
+
+
+def test_missing_manifest_is_incomplete(tmp_path: Path) -> None:
+    _write(tmp_path / "ck", _tensors())
+    (tmp_path / "ck" / MANIFEST_NAME).unlink()
+    for fn in (open_checkpoint, read_manifest, verify, list_tensors):
+        with pytest.raises(CheckpointIncompleteError):
+            fn(tmp_path / "ck")
+    with pytest.raises(CheckpointIncompleteError):
+        set_latest(tmp_path / "ck")
+
+
+def test_corrupt_manifest(tmp_path: Path) -> None:
+    _write(tmp_path / "ck", _tensors())
+    mp = tmp_path / "ck" / MANIFEST_NAME
+    d = json.loads(mp.read_text())
+    del d["files"]
+    mp.write_text(json.dumps(d))
+    with pytest.raises(CheckpointCorruptError) as ei:
+        read_manifest(tmp_path / "ck")
+    assert ei.value.path == str(mp)
+
+
+# --------------------------------------------------------------------------- atomic install
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_replace_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
+    monkeypatch.setattr(atomic_mod, "_USE_EXCHANGE", exchange)
+    p = tmp_path / "ck"
+    for seed in range(3):
+        ts = _tensors(seed)
+        _write(p, ts, version=seed, update_latest=True)
+        _assert_same(open_checkpoint(p).read_tensors(), ts)
+        assert read_manifest(p).version == seed
+        assert _siblings(p) == []
+    assert read_latest(tmp_path) == p
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ck", "latest"]
+
+
+def test_latest_pointer(tmp_path: Path) -> None:
+    assert read_latest(tmp_path) is None
+    _write(tmp_path / "step-1", _tensors(1), update_latest=True)
+    assert read_latest(tmp_path) == tmp_path / "step-1"
+    _write(tmp_path / "step-2", _tensors(2))  # not durable-pointed yet
+    assert read_latest(tmp_path) == tmp_path / "step-1"
+    set_latest(tmp_path / "step-2")
+    assert read_latest(tmp_path) == tmp_path / "step-2"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_crash_between_the_two_renames(tmp_path: Path) -> None:
+    """Fallback install crashed after rename(path, old) and before rename(tmp, path)."""
+    p = tmp_path / "ck"
+    old_ts, new_ts = _tensors(1), _tensors(2)
+    _write(p, old_ts)
+    _write(tmp_path / "staged", new_ts)
+    pid = _dead_pid()
+    os.rename(p, tmp_path / f".ck.old-{pid}-0a0a0a0a")
+    os.rename(tmp_path / "staged", tmp_path / f".ck.tmp-{pid}-0b0b0b0b")
+    (tmp_path / f".ck.tmp-{pid}-0c0c0c0c").mkdir()  # an unrelated incomplete leftover
+    assert resolve_checkpoint(p).name == f".ck.tmp-{pid}-0b0b0b0b"
+    _assert_same(open_checkpoint(p).read_tensors(), new_ts)  # readers pick the complete, newer one
+    assert recover_checkpoint(p) == p  # the next writer rolls it forward and cleans up
+    _assert_same(open_checkpoint(p).read_tensors(), new_ts)
+    assert _siblings(p) == []
+
+
+def test_leftovers_of_live_processes_are_kept(tmp_path: Path) -> None:
+    p = tmp_path / "ck"
+    _write(p, _tensors())
+    mine = tmp_path / f".ck.tmp-{os.getpid()}-deadbeef"
+    mine.mkdir()
+    recover_checkpoint(p)
+    assert mine.exists()
+
+
+# --------------------------------------------------------------------------- real crashes and full disks
+
+
+def _run_child(code: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw
+    )
+
+
+def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    p = tmp_path / "ck"
+    prev = _tensors(5)
+    _write(p, prev, version=1)
+    child = _run_child(
+        f"""
+        import sys, time, torch
+        from stateshift.checkpoint import TensorRecord, write_checkpoint
+        from stateshift.checkpoint import format as fmt
+        fmt.CHUNK_BYTES = 1 << 20
+        first = torch.ones(4 << 20, dtype=torch.uint8)               # 4 MiB
+        second = torch.full((64 << 20,), 1.5, dtype=torch.bfloat16)  # 128 MiB
+        done = 0
+        def progress(n):
+            global done
+            done += n
+            if done > first.nbytes:           # first file written and fsynced; second under way
+                if done - n <= first.nbytes:
+                    sys.stdout.write("ready\\n"); sys.stdout.flush()
+                time.sleep(0.01)
+        write_checkpoint({str(p)!r}, {{"first.safetensors": [TensorRecord.from_tensor("first", first)],
+                                       "second.safetensors": [TensorRecord.from_tensor("second", second)]}},
+                         backend="t", layout={{}}, version=2, progress=progress)
+        sys.stdout.write("finished\\n"); sys.stdout.flush()
+        """
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line == b"ready\n", (line, child.stderr.read() if child.stderr else b"")
+    tmp_dirs = [x for x in _siblings(p) if ".tmp-" in x.name]
+    assert len(tmp_dirs) == 1 and (tmp_dirs[0] / "first.safetensors").exists()  # really mid-write
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    # The previous checkpoint is untouched and verifies; nothing else looks complete.
+    assert read_manifest(p).version == 1
+    verify(p)
+    _assert_same(open_checkpoint(p).read_tensors(), prev)
+    assert _complete_siblings(p) == []
+    assert resolve_checkpoint(p) == p
+    # The next write cleans the dead writer's leftovers.
+    _write(p, _tensors(6), version=3)
+    assert _siblings(p) == [] and read_manifest(p).version == 3
+
+
+def test_file_size_limit_efbig(tmp_path: Path) -> None:
+    p = tmp_path / "ck"
+    prev = _tensors(7)
+    _write(p, prev, version=1)
+    child = _run_child(
+        f"""
+        import json, resource, signal, sys, torch
+        from stateshift.checkpoint import CheckpointWriteError, TensorRecord, write_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # so write() returns EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+        big = torch.zeros(8 << 20, dtype=torch.uint8)
+        try:
+            write_checkpoint({str(p)!r}, {{"big.safetensors": [TensorRecord.from_tensor("big", big)]}},
+                             backend="t", layout={{}}, version=2)
+        except CheckpointWriteError as e:
+            print(json.dumps({{"errno": e.errno, "msg": str(e)}}))
+        """
+    )
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err.decode()
+    res = json.loads(out)
+    assert res["errno"] == errno.EFBIG
+    assert "EFBIG" in res["msg"] and "previous checkpoint" in res["msg"] and "intact" in res["msg"]
+    assert "big.safetensors" in res["msg"]
+    assert _siblings(p) == []
+    assert read_manifest(p).version == 1
+    verify(p)
+    _assert_same(open_checkpoint(p).read_tensors(), prev)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if sys.platform != "linux":
+        pytest.skip("tmpfs mount needs Linux")
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, timeout=30
+        )
+    except (FileNotFoundError, PermissionError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not permitted): {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tiny_tmpfs / "ck"
+    prev = {"w": torch.randn(256 << 10)}  # 1 MiB
+    write_checkpoint(p, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1)
+
+    # 1) Clearly too big: refused before a byte is written.
+    huge = {"w": torch.zeros(8 << 20, dtype=torch.uint8)}
+    with pytest.raises(CheckpointWriteError, match="ENOSPC") as ei:
+        write_checkpoint(p, {"w.safetensors": _records(huge)}, backend="t", layout={}, version=2)
+    assert ei.value.errno == errno.ENOSPC and "intact" in str(ei.value)
+    assert _siblings(p) == []
+
+    # 2) The disk fills up while we write (another process takes the space): real ENOSPC from write().
+    monkeypatch.setattr(format_mod, "CHUNK_BYTES", 128 << 10)
+    filler = tiny_tmpfs / "filler"
+
+    def fill_disk(_n: int) -> None:
+        if filler.exists():
+            return
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+
+    new = {"w": torch.randn(512 << 10)}  # 2 MiB, fits before the filler
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2, progress=fill_disk)
+    assert ei.value.errno == errno.ENOSPC
+    assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
+    assert "w.safetensors" in str(ei.value)
+    assert _siblings(p) == []
+    assert read_manifest(p).version == 1
+    verify(p)
+    _assert_same(open_checkpoint(p).read_tensors(), prev)
+
+    # Space comes back: the same write now succeeds (the temporary directory really was removed).
+    filler.unlink()
+    write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2)
+    _assert_same(open_checkpoint(p).read_tensors(), new)
+
+
+def test_pointer_write_failure_keeps_old_pointer(tiny_tmpfs: Path) -> None:
+    write_checkpoint(
+        tiny_tmpfs / "s1", {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={}, update_latest=True
+    )
+    write_checkpoint(tiny_tmpfs / "s2", {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={})
+    filler = tiny_tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    with pytest.raises(CheckpointWriteError, match="previous checkpoint"):
+        set_latest(tiny_tmpfs / "s2")
+    assert read_latest(tiny_tmpfs) == tiny_tmpfs / "s1"
+    assert [x for x in tiny_tmpfs.iterdir() if x.name.startswith(".")] == []
