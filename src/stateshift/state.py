@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 import inspect
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,9 @@ class GroupState:
     slots: list[Slot] = field(default_factory=list)
     layout: Layout = field(default_factory=lambda: Layout.build(()))
     home: HostBlock | None = None
+    #: what the last full refresh saw: (names, tensor objects, storage keys)
+    listed: tuple[list[str], list[torch.Tensor], list[int]] | None = field(default=None, repr=False)
+    by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
 
     def index(self) -> dict[int, int]:
         return {s.key: i for i, s in enumerate(self.slots)}
@@ -478,9 +482,22 @@ class ModelState:
                     by_group[e.group].append(e)
         seen: dict[int, Slot] = {k: s for k, s in self._slots.items() if s.info.group not in wanted}
         for g, entries in by_group.items():
+            gs = self._groups[g]
+            names = [e.name for e in entries]
+            tensors = [e.tensor for e in entries]
+            keys = list(map(storage_key, tensors))
+            if (
+                gs.listed is not None
+                and keys == gs.listed[2]
+                and names == gs.listed[0]
+                and all(map(operator.is_, tensors, gs.listed[1]))
+                and seen.keys().isdisjoint(gs.by_key)
+            ):
+                seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
+                continue
             members: dict[int, list[Entry]] = {}
-            for e in entries:
-                members.setdefault(storage_key(e.tensor), []).append(e)
+            for key, e in zip(keys, entries, strict=True):
+                members.setdefault(key, []).append(e)
             slots: list[Slot] = []
             changed = False
             for key, es in members.items():
@@ -493,11 +510,12 @@ class ModelState:
                 changed |= fresh
                 seen[key] = slot
                 slots.append(slot)
-            gs = self._groups[g]
             if changed or len(slots) != len(gs.slots) or any(a is not b for a, b in zip(slots, gs.slots)):
                 layout = Layout.build(tuple(s.info for s in slots))
                 if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
                     self._relayout(gs, slots, layout)
+            gs.listed = (names, tensors, keys)
+            gs.by_key = {sl.key: sl for sl in slots}
         self._slots = seen
 
     def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:

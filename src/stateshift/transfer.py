@@ -175,7 +175,7 @@ class CopyEngine:
         runs: list[list[Pair]] = []
         current: list[Pair] = []
         run_start = run_end = 0
-        storage = None
+        base = None
         for pair in batch:
             host = host_of(pair)
             n = host.numel()
@@ -186,16 +186,17 @@ class CopyEngine:
                 runs.append([pair])
                 continue
             ptr = host.data_ptr()
+            owner = host._base if host._base is not None else host  # regions are slices of one arena
             same = (
                 current
-                and host.untyped_storage().data_ptr() == storage
+                and owner is base
                 and 0 <= ptr - run_end <= MAX_GAP
                 and ptr + n - run_start <= self.staging_bytes
             )
             if not same:
                 if current:
                     runs.append(current)
-                current, run_start, storage = [], ptr, host.untyped_storage().data_ptr()
+                current, run_start, base = [], ptr, owner
             current.append(pair)
             run_end = ptr + n
         if current:
