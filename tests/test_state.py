@@ -263,3 +263,39 @@ def test_swapped_with_rebuild_skips_the_stash(warmed):
         assert state.pool.stats.in_use_bytes - allocations < state.layout("params").total  # no params stash
     assert calls == [1]
     assert all(torch.equal(p, current[k]) for k, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("stash", ["device", "host", "auto"])
+def test_swapped_stash_placements_are_exact(warmed, stash):
+    model, opt, state = warmed
+    pi_old = state.snapshot(tag="pi_old")
+    train_step(model, opt, 9)
+    current = capture(state)
+    with state.swapped(pi_old, stash=stash):
+        assert_same(capture(state, state.forward_groups), pi_old.tensors())
+    assert_same(capture(state), current)
+    with pytest.raises(ValueError, match="stash"):
+        with state.swapped(pi_old, stash="disk"):
+            pass
+
+
+def test_host_storage_that_cannot_be_resized_stays_in_place():
+    """FSDP2's pinned shards under CPUOffloadPolicy are not resizable: they already live on the host."""
+    import numpy as np
+
+    model = torch.nn.Linear(4, 3)
+    fixed = torch.nn.Parameter(torch.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4)))
+    assert not fixed.untyped_storage().resizable()
+    model.weight = fixed
+    state = ModelState(model)
+    want = fixed.detach().clone()
+    state.offload()
+    assert fixed.untyped_storage().nbytes() == 48 and torch.equal(fixed.detach(), want)
+    assert state.residency()["params"] == {"device": 1, "host": 1, "dropped": 0}
+    snap = state.snapshot(tag="s")
+    with torch.no_grad():
+        fixed.add_(1)
+    assert torch.equal(snap.tensors()["weight"], want)  # copied, never aliased
+    state.restore(snap)
+    state.onload()
+    assert torch.equal(fixed.detach(), want)

@@ -204,32 +204,41 @@ def bench_state(
     add("restore", "host", timed(lambda: state.restore(saved), repeat=repeat), host, "host_memcpy", note="pointer copy")
     state.onload(groups)
 
-    # swap and the pi_old cycle
-    def swap() -> None:
-        with state.swapped(saved):
-            pass
+    # swap and the pi_old cycle. The bound of a row that moves bytes over PCIe and
+    # on the device is the sum of both at their ceilings (device bytes read + written).
+    def add_mixed(op: str, seconds: float, pcie_bytes: int, d2d_bytes: int, note: str) -> None:
+        bound = pcie_bytes / (min(d2h, h2d) * 1e9) + 2 * d2d_bytes / (d2d * 1e9)
+        rows.append(Row(backend, op, "device", dev.type, pcie_bytes + d2d_bytes, seconds,
+                        (pcie_bytes + d2d_bytes) / seconds / 1e9, bound / seconds, "pcie+d2d" if cuda else "host_memcpy",
+                        note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB"))
+        if progress is not None:
+            progress.step(f"{op}")
 
-    add("swap", "device", timed(swap, repeat=repeat), min(d2h, h2d), "pcie", moved=3 * nbytes, note="stash + write + write back")
-
-    def cycle() -> None:
-        pi_old = state.snapshot(groups, tag="pi_old")
-        for _ in range(cycle_minibatches):
-            with state.swapped(pi_old):
+    for stash in ("device", "host"):
+        def swap(stash: str = stash) -> None:
+            with state.swapped(saved, stash=stash):  # type: ignore[arg-type]
                 pass
 
-    moved = nbytes * (1 + 3 * cycle_minibatches)
-    add("pi_old_cycle", "device", timed(cycle, repeat=max(1, repeat // 2)), min(d2h, h2d), "pcie", moved=moved,
-        note=f"N={cycle_minibatches}, host placement")
+        on_dev = stash == "device" and cuda
+        add_mixed("swap", timed(swap, repeat=repeat), nbytes if on_dev else 3 * nbytes, 2 * nbytes if on_dev else 0,
+                  f"host snapshot, stash on {stash}")
 
-    def cycle_dev() -> None:
-        pi_old = state.snapshot(groups, tag="pi_old-dev", placement="device")
-        for _ in range(cycle_minibatches):
-            with state.swapped(pi_old):
-                pass
+    n = cycle_minibatches
+    for placement in ("host", "device"):
+        def cycle(placement: str = placement) -> None:
+            pi_old = state.snapshot(groups, tag="pi_old", placement=placement)  # type: ignore[arg-type]
+            for _ in range(n):
+                with state.swapped(pi_old, stash="auto"):
+                    pass
 
-    add("pi_old_cycle", "device", timed(cycle_dev, repeat=max(1, repeat // 2)), d2d, d2d_name, moved=moved,
-        note=f"N={cycle_minibatches}, device placement")
-    for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None), ("pi_old-dev", None)]:
+        if placement == "host":
+            stash_dev = cuda and state._stash_on_device("auto", [state._groups[g] for g in groups])
+            pcie, d2d_b = ((1 + n) * nbytes, 2 * n * nbytes) if stash_dev else ((1 + 3 * n) * nbytes, 0)
+        else:
+            pcie, d2d_b = 0, (1 + 3 * n) * nbytes
+        add_mixed("pi_old_cycle", timed(cycle, repeat=max(1, repeat // 2)), pcie, d2d_b,
+                  f"N={n}, pi_old placement={placement}")
+    for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
         if key in state.snapshots:
             state.release(state.snapshots.get(*key))
     _sync()

@@ -2,6 +2,7 @@
 
     stateshift bench            # every verb in every residency on the built-in model
     stateshift bench --help     # sizes, device, output files
+    stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from .checkpoint.inspect_cmd import add_parser as _inspect_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {nbytes / 1e9:.3f} GB of params "
           f"({args.dtype}) on {device}; state tracked: {state.nbytes() / 1e9:.3f} GB")
     ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
-    per_model = 11
+    per_model = 12
     total = per_model * (2 if args.small_tensors else 1)
     progress = bench.Progress(total, enabled=not args.no_progress)
     result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stateshift", description="Move, snapshot and restore a training model's state.")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    _inspect_parser(sub)
     return parser
 
 

@@ -81,3 +81,11 @@ class ForeignStateError(StateShiftError, RuntimeError):
 
 class BackendError(StateShiftError, TypeError):
     """No backend knows the object, or a backend was given an object it cannot handle."""
+
+
+class NotReleasableError(StateShiftError, RuntimeError):
+    """A device tensor's storage cannot be resized in place, so it cannot be released."""
+
+    def __init__(self, tensor: str, detail: str) -> None:
+        self.tensor = tensor
+        super().__init__(f"tensor {tensor!r}: {detail}")

@@ -37,12 +37,19 @@ class NativeHome:
     """Where a framework's own offload left a released tensor's values.
 
     ``values`` is a host tensor holding exactly the storage's bytes (e.g.
-    Megatron's ``param_data_cpu``). ``on_onload`` is called after stateshift
-    re-grows and refills the storage, so the framework can drop its own
-    bookkeeping (otherwise its own reload would later overwrite newer values).
+    Megatron's ``param_data_cpu``), or ``None`` when the framework released
+    the storage without keeping values (e.g. Megatron's grad offload): the
+    slot is then adopted as ``dropped`` and onload zero-fills it.
+
+    ``on_onload`` is called once, when stateshift stops relying on the
+    framework's copy: after an onload re-grew and refilled the storage, or
+    when newer values replace it while the storage stays released
+    (``restore`` into the slot, ``drop``). The framework can then drop its
+    own bookkeeping (otherwise its own reload would later bring back older
+    values).
     """
 
-    values: torch.Tensor
+    values: torch.Tensor | None
     on_onload: Any = None
 
 
@@ -143,6 +150,11 @@ class Slot:
             view = torch.empty(0, dtype=torch.uint8, device=self.device)
             view = self._view = view.set_(self.storage, 0, (self.nbytes,), (1,))
         return view
+
+    @property
+    def releasable(self) -> bool:
+        """Whether the storage can be resized in place (pinned storages of torch's host allocator cannot)."""
+        return self.storage.resizable()
 
     def release_storage(self) -> None:
         """Free the storage's memory; its tensors keep their identity (and must not be read)."""

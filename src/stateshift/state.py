@@ -26,12 +26,12 @@ import inspect
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from .backends import Backend, detect_backends
-from .errors import BackendError, ForeignStateError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from .errors import BackendError, ForeignStateError, NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
 from .pool import HostBlock, HostPool
 from .slot import Entry, NativeHome, Residency, Slot, SlotInfo, member_info, storage_key
 from .snapshot import PLACEMENTS, Layout, Placement, Snapshot, SnapshotPart, SnapshotStore
@@ -47,6 +47,45 @@ def _member_extent(t: torch.Tensor) -> int:
         return 0
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
     return (t.storage_offset() + span) * t.element_size()
+
+
+def _disown(slot: Slot) -> None:
+    """Stop relying on the framework's copy of a slot's values, and tell the framework (once)."""
+    native, slot.native_home = slot.native_home, None
+    if native is not None and native.on_onload is not None:
+        native.on_onload()
+
+
+def _adopt_native(slot: Slot, es: list[Entry]) -> None:
+    """A storage released outside stateshift: host-resident in the framework's copy, or dropped if it kept none."""
+    native = next((e.native_home for e in es if e.native_home is not None), None)
+    if native is None:
+        raise ForeignStateError(
+            es[0].name,
+            "its storage was released outside stateshift and its backend knows no copy of its values; "
+            "reload it with the code that released it, or drop it explicitly",
+        )
+    if native.values is None:
+        slot.residency = Residency.DROPPED
+    else:
+        if native.values.numel() * native.values.element_size() != slot.nbytes:
+            raise ForeignStateError(
+                es[0].name, f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}"
+            )
+        slot.residency = Residency.HOST
+    slot.native_home = native
+
+
+def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int]) -> None:
+    """Storages the framework released or re-grew itself since the last look (e.g. Megatron's
+    ``offload_to_cpu`` / ``reload_from_cpu``): adopt its copy, or take its reload as the truth."""
+    for s in slots:
+        size = s.storage.nbytes()
+        if s.residency is Residency.DEVICE and size == 0 and s.nbytes > 0:
+            _adopt_native(s, [e for e, k in zip(entries, keys, strict=True) if k == s.key])
+        elif s.native_home is not None and s.residency is not Residency.DEVICE and size == s.nbytes > 0:
+            s.residency = Residency.DEVICE
+            _disown(s)
 
 
 def _matches(slot: Slot, only: Only) -> bool:
@@ -132,6 +171,11 @@ class ModelState:
                 self._handles.extend(b.install_guards(self))
 
     # -- introspection --------------------------------------------------------------------
+    @property
+    def swapping(self) -> frozenset[str]:
+        """The groups a ``swapped()`` context holds right now (backends that cache derived copies check it)."""
+        return frozenset(self._swapping)
+
     def residency(self) -> dict[str, dict[str, int]]:
         """Per group, how many slots are ``device`` / ``host`` / ``dropped``."""
         self.refresh()
@@ -159,11 +203,12 @@ class ModelState:
         """
         names = self._select(groups)
         self.refresh(names)
+        self._check_releasable(names, only)
         pairs: list[Pair] = []
         moved: list[tuple[GroupState, list[Slot]]] = []
         for g in names:
             gs = self._groups[g]
-            moving = [s for s in gs.slots if s.residency is Residency.DEVICE and _matches(s, only)]
+            moving = [s for s in gs.slots if s.residency is Residency.DEVICE and s.releasable and _matches(s, only)]
             if not moving:
                 continue
             home = self._writable_home(gs, rewriting={s.key for s in moving})
@@ -184,12 +229,14 @@ class ModelState:
         """Release device storage without keeping values (``onload`` zero-fills). ``host`` slots become ``dropped`` too."""
         names = self._select(groups)
         self.refresh(names)
+        self._check_releasable(names, only)
         for g in names:
             for s in self._groups[g].slots:
-                if s.residency is not Residency.DROPPED and _matches(s, only):
+                if s.residency is not Residency.DROPPED and s.releasable and _matches(s, only):
                     if s.residency is Residency.DEVICE:
                         s.release_storage()
                     s.residency = Residency.DROPPED
+                    _disown(s)
 
     def onload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
         """Re-grow device storage and fill it: from the home (``host``) or with zeros (``dropped``).
@@ -224,10 +271,7 @@ class ModelState:
                 gs.home.pending = transfer.merged(gs.home.pending)
         for s in onloaded:
             s.residency = Residency.DEVICE
-            if s.native_home is not None:
-                native, s.native_home = s.native_home, None
-                if native.on_onload is not None:
-                    native.on_onload()
+            _disown(s)
         return transfer
 
     def snapshot(
@@ -336,7 +380,11 @@ class ModelState:
 
     @contextmanager
     def swapped(
-        self, snapshot: Snapshot, *, rebuild: Mapping[str, Callable[[], None]] | None = None
+        self,
+        snapshot: Snapshot,
+        *,
+        rebuild: Mapping[str, Callable[[], None]] | None = None,
+        stash: Literal["auto", "device", "host"] = "auto",
     ) -> Iterator[Snapshot]:
         """Inside, the model computes with the snapshot's values; after, it has exactly its own back.
 
@@ -351,7 +399,14 @@ class ModelState:
         master weights): that group's device slots are then not stashed, and
         on exit the function runs instead of copying the stash back -- it must
         rewrite every device-resident slot of the group, on the current stream.
+
+        ``stash``: where the current values wait. ``"device"`` costs device
+        memory and moves them at device-copy speed; ``"host"`` uses a pooled
+        pinned block and two PCIe crossings; ``"auto"`` takes the device when
+        its free memory holds twice the stash, else the host.
         """
+        if stash not in ("auto", "device", "host"):
+            raise ValueError(f"stash must be 'auto', 'device' or 'host', not {stash!r}")
         rebuild = dict(rebuild or {})
         snapshot.check_alive()
         names = self._select(snapshot.groups)
@@ -362,24 +417,25 @@ class ModelState:
         write_pairs: list[Pair] = []
         undo: list[tuple[Slot, Residency, torch.Tensor | None]] = []
         stashes: list[HostBlock | torch.Tensor] = []
+        on_device = self._stash_on_device(stash, [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild])
         for part in snapshot.parts:
             gs = self._groups[part.group]
-            stash: torch.Tensor | None = None
+            arena: torch.Tensor | None = None
             rebuilt = part.group in rebuild
             if not rebuilt and any(s.residency is Residency.DEVICE for s in gs.slots):
-                if snapshot.placement == "host":
+                if on_device:
+                    arena = torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for_snapshots())
+                    stashes.append(arena)
+                else:
                     block = self.pool.acquire(gs.layout.total)
                     stashes.append(block)
-                    stash = block.data
-                else:
-                    stash = torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for_snapshots())
-                    stashes.append(stash)
+                    arena = block.data
             for i, s in enumerate(gs.slots):
                 if s.residency is Residency.DEVICE and rebuilt:
                     undo.append((s, Residency.DEVICE, None))
                 elif s.residency is Residency.DEVICE:
-                    assert stash is not None
-                    region = gs.layout.region(stash, i)
+                    assert arena is not None
+                    region = gs.layout.region(arena, i)
                     stash_pairs.append((region, s.bytes()))
                     undo.append((s, Residency.DEVICE, region))
                 else:
@@ -494,6 +550,7 @@ class ModelState:
                 and seen.keys().isdisjoint(gs.by_key)
             ):
                 seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
+                _follow_framework(gs.slots, entries, keys)
                 continue
             members: dict[int, list[Entry]] = {}
             for key, e in zip(keys, entries, strict=True):
@@ -516,6 +573,7 @@ class ModelState:
                     self._relayout(gs, slots, layout)
             gs.listed = (names, tensors, keys)
             gs.by_key = {sl.key: sl for sl in slots}
+            _follow_framework(gs.slots, entries, keys)
         self._slots = seen
 
     def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:
@@ -530,8 +588,8 @@ class ModelState:
             return old, False  # the same tensor objects under the same names: nothing to re-derive
         first = es[0]
         storage = first.tensor.untyped_storage()
-        if old is not None and old.residency is not Residency.DEVICE:
-            nbytes = old.nbytes
+        if old is not None and (old.residency is not Residency.DEVICE or storage.nbytes() == 0):
+            nbytes = old.nbytes  # offloaded by us, or released by the framework since we last looked
         elif storage.nbytes() > 0 or old is not None:
             nbytes = storage.nbytes()
         else:
@@ -545,19 +603,7 @@ class ModelState:
             return old, True
         slot = Slot(key=key, info=info, storage=storage, device=first.tensor.device, tensors=tensors)
         if storage.nbytes() == 0 and nbytes > 0:
-            native = next((e.native_home for e in es if e.native_home is not None), None)
-            if native is None:
-                raise ForeignStateError(
-                    first.name,
-                    "its storage was released outside stateshift and its backend knows no copy of its values; "
-                    "reload it with the code that released it, or drop it explicitly",
-                )
-            if native.values.numel() * native.values.element_size() != nbytes:
-                raise ForeignStateError(
-                    first.name, f"the framework's host copy holds {native.values.nbytes} bytes, expected {nbytes}"
-                )
-            slot.residency = Residency.HOST
-            slot.native_home = native
+            _adopt_native(slot, es)
         return slot, True
 
     def _relayout(self, gs: GroupState, slots: list[Slot], layout: Layout) -> None:
@@ -590,6 +636,7 @@ class ModelState:
         s = gs.slots[index]
         if s.native_home is not None:
             v = s.native_home.values
+            assert v is not None, "a dropped slot has no home region"
             return v.reshape(-1).view(torch.uint8) if v.dtype != torch.uint8 else v.reshape(-1)
         assert gs.home is not None
         return gs.home.regions(gs.layout)[index]
@@ -601,8 +648,8 @@ class ModelState:
         will now live in our home.
         """
         for s in gs.slots:
-            if s.key in rewriting and s.native_home is not None:
-                s.native_home = None
+            if s.key in rewriting:
+                _disown(s)
         if gs.home is None:
             gs.home = self.pool.acquire(gs.layout.total)
         elif gs.home.shared:
@@ -630,6 +677,28 @@ class ModelState:
                 gs.home.sync()
         if snapshot is not None:
             snapshot._transfer.wait()
+
+    def _check_releasable(self, names: tuple[str, ...], only: Only) -> None:
+        """Storage that cannot be resized cannot be released: fine on the host (it already is host
+        memory, e.g. FSDP2's pinned shards under CPUOffloadPolicy: it stays where it is), an error
+        on an accelerator -- raised before anything moves."""
+        for g in names:
+            for s in self._groups[g].slots:
+                if s.residency is Residency.DEVICE and s.device.type != "cpu" and not s.releasable and _matches(s, only):
+                    raise NotReleasableError(
+                        s.name, f"its {s.device.type} storage is not resizable (allocated outside torch's caching "
+                        "allocator?), so it cannot be released in place"
+                    )
+
+    def _stash_on_device(self, stash: str, groups: list[GroupState]) -> bool:
+        if stash != "auto":
+            return stash == "device"
+        dev = self.engine.device
+        if dev is None:
+            return False
+        need = sum(gs.layout.total for gs in groups)
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free >= 2 * need
 
     def _device_for_snapshots(self) -> torch.device:
         return self.engine.device if self.engine.device is not None else torch.device("cpu")

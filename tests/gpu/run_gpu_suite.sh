@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU suite and benchmarks, in one call on the GPU machine (device tool):
-#   bash tests/gpu/run_gpu_suite.sh            # results under $OUT (default ./gpu-out)
-# Carries megatron-core as a wheel in .whl/ (see ../shared/GPU.md); installs it into .site/.
+# The GPU suite and benchmarks on the GPU machine (device tool), in as few calls as possible:
+#   WHAT=tests bash tests/gpu/run_gpu_suite.sh     # every test (CPU ones too) on CUDA + the state machine on CUDA
+#   WHAT=bench bash tests/gpu/run_gpu_suite.sh     # torch, megatron, fsdp2, checkpoint benchmarks
+# Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
+# megatron-core travels as a wheel in .whl/ (see ../shared/GPU.md) and is installed into .site/.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+RES=$PWD/.gpu-results
+rm -rf "$RES" && mkdir -p "$OUT" "$RES"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
     && export PYTHONPATH=$PWD/.site:$PYTHONPATH
@@ -13,16 +16,38 @@ fi
 DAY=$(date +%F)
 WHAT=${WHAT:-tests,bench}
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
+step() { echo "=== $* ($(date +%T))"; }
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch; print('torch', torch.__version__)"
 if [[ $WHAT == *tests* ]]; then
+  step pytest
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} --ignore=tests/test_state_machine.py \
-    --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 || status=1
+    --junitxml="$RES/gpu-tests.xml" -o junit_family=xunit2 > "$RES/gpu-tests.log" 2>&1 || status=1
+  tail -30 "$RES/gpu-tests.log"
+  step state machine on cuda
   STATESHIFT_TEST_DEVICE=cuda STATESHIFT_MACHINE_EXAMPLES=15 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_state_machine.py 2>&1 | tail -3 | tee -a "$OUT/gpu-tests.log" || status=1
+    tests/test_state_machine.py 2>&1 | tail -3 || status=1
+  step profile
+  python3 benchmarks/profile_small.py 2>&1 | head -30
 fi
 if [[ $WHAT == *bench* ]]; then
+  step torch bench
   python3 -m stateshift.cli bench --no-progress --layers 6 --hidden 4096 --heads 32 --vocab 32000 --dtype bf16 \
-    --small-tensors 4000 --small-numel 65536 --repeat 5 \
-    --json "$OUT/$DAY-h200-torch.json" --plot "$OUT/$DAY-h200-torch.png" 2>&1 | tee "$OUT/bench-torch.log" || status=1
+    --small-tensors 2000 --small-numel 262144 --repeat 5 \
+    --json "$RES/$DAY-h200-torch.json" --plot "$RES/$DAY-h200-torch.png" 2>&1 || status=1
+  for b in ${BENCHES:-megatron fsdp2 checkpoint}; do
+    if [[ -f benchmarks/${b}_bench.py ]]; then
+      step "$b bench"
+      case $b in
+        megatron) args=""; limit=230 ;;
+        checkpoint) args="--hidden 2048 --layers 8 --repeat 3"; limit=110 ;;
+        *) args=""; limit=110 ;;
+      esac
+      timeout $limit python3 benchmarks/${b}_bench.py --out "$RES" $args 2>&1 | tail -40 || status=1
+    fi
+  done
 fi
+} 2>&1 | tee "$OUT/run.log"
+tar -czf "$OUT/results.tgz" -C "$RES" .
 exit $status
