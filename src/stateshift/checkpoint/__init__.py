@@ -13,6 +13,14 @@ Read::
     reader = open_checkpoint(path)
     reader.records()                      # names, dtypes, shapes, sizes, files
     reader.read_into({"w": pinned_uint8}) # verified before it returns
+
+Model state (any residency, any backend)::
+
+    save(state, "ckpt/step-100", tag="step", version=100)      # atomic, durable on return
+    handle = async_save(state, "ckpt/step-200")                 # returns once staged
+    load(state, "ckpt/step-100")                                # checked, verified, then restored
+    export_hf(model, "export/")                                 # model.safetensors, usual names
+    save_dcp(path, model, opt) / load_dcp(path, model, opt)     # resharding via torch DCP
 """
 
 from .atomic import (
@@ -30,7 +38,9 @@ from .atomic import (
     set_latest,
     verify,
     write_checkpoint,
+    write_checkpoint_distributed,
 )
+from .dcp import check_dcp, load_dcp, save_dcp
 from .format import (
     CHECKSUM_ALGORITHMS,
     DEFAULT_CHECKSUM,
@@ -45,11 +55,22 @@ from .format import (
     read_safetensors_into,
     write_safetensors,
 )
+from .hf import export_hf
+from .model_io import (
+    LAYOUT_FORMAT,
+    SaveHandle,
+    async_save,
+    default_groups,
+    init_optimizer_state,
+    load,
+    save,
+)
 
 __all__ = [
     "CHECKSUM_ALGORITHMS",
     "DEFAULT_CHECKSUM",
     "FORMAT_VERSION",
+    "LAYOUT_FORMAT",
     "MANIFEST_NAME",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -59,9 +80,17 @@ __all__ = [
     "CheckpointWriteError",
     "FileEntry",
     "Manifest",
+    "SaveHandle",
     "TensorInfo",
     "TensorRecord",
+    "async_save",
+    "check_dcp",
+    "default_groups",
+    "export_hf",
+    "init_optimizer_state",
     "list_tensors",
+    "load",
+    "load_dcp",
     "open_checkpoint",
     "read_header",
     "read_latest",
@@ -69,8 +98,11 @@ __all__ = [
     "read_safetensors_into",
     "recover_checkpoint",
     "resolve_checkpoint",
+    "save",
+    "save_dcp",
     "set_latest",
     "verify",
     "write_checkpoint",
+    "write_checkpoint_distributed",
     "write_safetensors",
 ]

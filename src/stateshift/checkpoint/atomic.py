@@ -81,22 +81,25 @@ from .format import (
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "CheckpointReader",
     "FileEntry",
     "Manifest",
-    "CheckpointReader",
-    "write_checkpoint",
-    "read_manifest",
-    "open_checkpoint",
     "list_tensors",
-    "verify",
-    "resolve_checkpoint",
-    "recover_checkpoint",
-    "set_latest",
+    "open_checkpoint",
     "read_latest",
+    "read_manifest",
+    "recover_checkpoint",
+    "resolve_checkpoint",
+    "set_latest",
+    "verify",
+    "write_checkpoint",
+    "write_checkpoint_distributed",
 ]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+#: The one dot-file a checkpoint may list: ``torch.distributed.checkpoint``'s metadata (``save_dcp``).
+DCP_METADATA = ".metadata"
 FORMAT_NAME = "stateshift-checkpoint"
 
 _SPACE_ERRORS = {
@@ -214,7 +217,7 @@ def _check_file_name(name: str) -> None:
         not isinstance(name, str)
         or not name
         or name in (".", "..", MANIFEST_NAME)
-        or name.startswith(".")
+        or (name.startswith(".") and name != DCP_METADATA)
         or "/" in name
         or "\\" in name
         or "\0" in name
@@ -394,6 +397,187 @@ def _space_error_detail(e: OSError) -> str:
     )
 
 
+def _plan_files(files: Mapping[str, Iterable[TensorRecord]]) -> tuple[dict[str, list[TensorRecord]], int]:
+    """Validate file names and records (before anything is written); returns the plan and its data bytes."""
+    plan: dict[str, list[TensorRecord]] = {}
+    seen: dict[str, str] = {}
+    for fname, recs in files.items():
+        _check_file_name(fname)
+        plan[fname] = list(recs)
+        for r in plan[fname]:
+            r.validate()
+            if r.name in seen:
+                raise CheckpointMismatchError(r.name, f"appears in both '{seen[r.name]}' and '{fname}'")
+            seen[r.name] = fname
+    return plan, sum(r.nbytes for recs in plan.values() for r in recs)
+
+
+def _check_args(final: Path, backend: str, version: int | None) -> None:
+    if not final.parent.is_dir():
+        raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
+    if final.is_symlink():
+        raise ValueError(f"checkpoint path '{final}' is a symbolic link; write to the real directory")
+    if not isinstance(backend, str) or not backend:
+        raise ValueError("backend must be a non-empty string")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise TypeError(f"version must be an int or None, got {version!r}")
+
+
+def _check_target(final: Path) -> bool:
+    """Repair crash leftovers; True when a previous complete checkpoint is at ``final``.
+
+    Raises ``FileExistsError`` for anything at ``final`` that is not a checkpoint
+    (an empty directory is fine).
+    """
+    recover_checkpoint(final)
+    previous = final.is_dir() and (final / MANIFEST_NAME).is_file()
+    if os.path.lexists(final) and not previous:
+        if not final.is_dir() or final.is_symlink() or any(os.scandir(final)):
+            raise FileExistsError(f"'{final}' exists and is not a stateshift checkpoint; refusing to replace it")
+    return previous
+
+
+def _write_error(final: Path, previous: bool, total: int, e: OSError, stage: str, tmp: Path | None) -> CheckpointWriteError:
+    msg = f"{_space_error_detail(e)} while {stage}. "
+    msg += (
+        f"The previous checkpoint at '{final}' is intact. "
+        if previous
+        else "No checkpoint existed at that path; none was created. "
+    )
+    if tmp is not None:
+        msg += f"The temporary directory '{tmp.name}' was removed."
+    if e.errno in _SPACE_ERRORS:
+        msg += f" The checkpoint needs {total} bytes of data; free space (or raise the limit) and retry."
+    return CheckpointWriteError(final, msg, e.errno)
+
+
+def _check_free_space(final: Path, previous: bool, total: int) -> None:
+    """Fail fast when the file system clearly cannot hold ``total`` more bytes."""
+    try:
+        st = os.statvfs(final.parent)
+    except (OSError, AttributeError):
+        return
+    if st.f_bavail * st.f_frsize < total:
+        e = OSError(_errno.ENOSPC, os.strerror(_errno.ENOSPC))
+        avail = st.f_bavail * st.f_frsize
+        raise _write_error(final, previous, total, e, f"checking free space ({avail} bytes available in '{final.parent}')", None)
+
+
+def _new_tmp(final: Path) -> Path:
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp, 0o755)
+    return tmp
+
+
+def _file_meta(backend: str, tag: str | None, version: int | None) -> dict[str, str]:
+    meta = {"format": "pt", "stateshift_format": str(FORMAT_VERSION), "backend": backend}
+    if tag is not None:
+        meta["tag"] = str(tag)
+    if version is not None:
+        meta["version"] = str(version)
+    return meta
+
+
+class _Stage:
+    """What a write is doing now (for error messages)."""
+
+    def __init__(self) -> None:
+        self.now = "creating the temporary directory"
+
+
+def _write_files(
+    tmp: Path,
+    plan: Mapping[str, list[TensorRecord]],
+    meta: Mapping[str, str],
+    checksum: str,
+    progress: ProgressFn | None,
+    stage: _Stage,
+) -> dict[str, FileEntry]:
+    entries: dict[str, FileEntry] = {}
+    for fname, recs in plan.items():
+        stage.now = f"writing '{fname}'"
+        d = write_safetensors(tmp / fname, recs, metadata=meta, checksum=checksum, progress=progress)
+        entries[fname] = FileEntry(d.size, d.checksum, len(d.tensors))
+    return entries
+
+
+def _make_manifest(
+    *,
+    backend: str,
+    layout: Any,
+    files: dict[str, FileEntry],
+    tag: str | None,
+    version: int | None,
+    extra: Mapping[str, str],
+    checksum: str,
+    total: int,
+) -> Manifest:
+    now = time.time()
+    return Manifest(
+        backend=backend,
+        layout=layout,
+        files=files,
+        tag=tag,
+        version=version,
+        extra=dict(extra),
+        checksum_algorithm=checksum,
+        total_bytes=total,
+        library_version=_library_version(),
+        torch_version=str(torch.__version__),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
+        created_unix=now,
+    )
+
+
+def _install(tmp: Path, final: Path, manifest: Manifest, stage: _Stage) -> None:
+    """Write the manifest into ``tmp`` and put ``tmp`` in place of ``final`` (see the module doc).
+
+    Raises ``_Installed(e)`` for an error after the new checkpoint is in place.
+    """
+    parent = final.parent
+    stage.now = f"writing '{MANIFEST_NAME}'"
+    _write_durable(tmp / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())  # fsyncs tmp too
+    stage.now = "installing the checkpoint"
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+        old = None
+    elif _rename_exchange(tmp, final):
+        old = tmp  # now holds the previous checkpoint
+    else:
+        old = parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
+    try:
+        stage.now = "syncing the parent directory"
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        raise _Installed(e) from e
+
+
+class _Installed(Exception):
+    """An error after the new checkpoint was renamed into place (``__cause__`` is the error)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _installed_error(final: Path, e: BaseException, stage: _Stage) -> BaseException:
+    if isinstance(e, OSError):
+        return CheckpointWriteError(
+            final,
+            f"{_space_error_detail(e)} while {stage.now}: the new checkpoint is in place but may not be durable yet.",
+            e.errno,
+        )
+    return e
+
+
 def write_checkpoint(
     path: str | os.PathLike[str],
     files: Mapping[str, Iterable[TensorRecord]],
@@ -425,128 +609,192 @@ def write_checkpoint(
     never replaced (``FileExistsError``).
     """
     final = Path(os.path.abspath(path))
-    parent = final.parent
-    if not parent.is_dir():
-        raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
-    if final.is_symlink():
-        raise ValueError(f"checkpoint path '{final}' is a symbolic link; write to the real directory")
-    if not isinstance(backend, str) or not backend:
-        raise ValueError("backend must be a non-empty string")
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise TypeError(f"version must be an int or None, got {version!r}")
+    _check_args(final, backend, version)
     layout_d = json.loads(json.dumps(layout))  # JSON-able, and detached from the caller's objects
-    extra_d = dict(extra or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra_d.items()):
-        raise TypeError("extra must map str to str")
-    plan: dict[str, list[TensorRecord]] = {}
-    seen: dict[str, str] = {}
-    for fname, recs in files.items():
-        _check_file_name(fname)
-        plan[fname] = list(recs)
-        for r in plan[fname]:
-            r.validate()
-            if r.name in seen:
-                raise CheckpointMismatchError(r.name, f"appears in both '{seen[r.name]}' and '{fname}'")
-            seen[r.name] = fname
-    total = sum(r.nbytes for recs in plan.values() for r in recs)
+    extra_d = _check_extra(extra)
+    plan, total = _plan_files(files)
+    previous = _check_target(final)
+    _check_free_space(final, previous, total)
 
-    recover_checkpoint(final)
-    previous = final.is_dir() and (final / MANIFEST_NAME).is_file()
-    if os.path.lexists(final) and not previous:
-        if not final.is_dir() or final.is_symlink() or any(os.scandir(final)):
-            raise FileExistsError(f"'{final}' exists and is not a stateshift checkpoint; refusing to replace it")
-
-    def fail(e: OSError, stage: str, tmp: Path | None) -> CheckpointWriteError:
-        msg = f"{_space_error_detail(e)} while {stage}. "
-        msg += (
-            f"The previous checkpoint at '{final}' is intact. "
-            if previous
-            else "No checkpoint existed at that path; none was created. "
-        )
-        if tmp is not None:
-            msg += f"The temporary directory '{tmp.name}' was removed."
-        if e.errno in _SPACE_ERRORS:
-            msg += f" The checkpoint needs {total} bytes of data; free space (or raise the limit) and retry."
-        return CheckpointWriteError(final, msg, e.errno)
-
-    # Fail fast when the file system clearly cannot hold the new checkpoint.
+    stage = _Stage()
+    tmp: Path | None = None
     try:
-        st = os.statvfs(parent)
-        if st.f_bavail * st.f_frsize < total:
-            e = OSError(_errno.ENOSPC, os.strerror(_errno.ENOSPC))
-            raise fail(e, f"checking free space ({st.f_bavail * st.f_frsize} bytes available in '{parent}')", None)
-    except (OSError, AttributeError):
-        pass
-
-    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    stage = "creating the temporary directory"
-    installed = False
-    try:
-        os.mkdir(tmp, 0o755)
-        entries: dict[str, FileEntry] = {}
-        meta = {"format": "pt", "stateshift_format": str(FORMAT_VERSION), "backend": backend}
-        if tag is not None:
-            meta["tag"] = str(tag)
-        if version is not None:
-            meta["version"] = str(version)
-        for fname, recs in plan.items():
-            stage = f"writing '{fname}'"
-            d = write_safetensors(tmp / fname, recs, metadata=meta, checksum=checksum, progress=progress)
-            entries[fname] = FileEntry(d.size, d.checksum, len(d.tensors))
-        now = time.time()
-        manifest = Manifest(
-            backend=backend,
-            layout=layout_d,
-            files=entries,
-            tag=tag,
-            version=version,
-            extra=extra_d,
-            checksum_algorithm=checksum,
-            total_bytes=total,
-            library_version=_library_version(),
-            torch_version=str(torch.__version__),
-            created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
-            created_unix=now,
+        tmp = _new_tmp(final)
+        entries = _write_files(tmp, plan, _file_meta(backend, tag, version), checksum, progress, stage)
+        manifest = _make_manifest(
+            backend=backend, layout=layout_d, files=entries, tag=tag, version=version,
+            extra=extra_d, checksum=checksum, total=total,
         )
-        stage = f"writing '{MANIFEST_NAME}'"
-        _write_durable(tmp / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())  # fsyncs tmp too
-        stage = "installing the checkpoint"
-        if not os.path.lexists(final):
-            os.rename(tmp, final)
-            installed = True
-            old = None
-        elif _rename_exchange(tmp, final):
-            installed = True
-            old = tmp  # now holds the previous checkpoint
-        else:
-            old = parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(final, old)
-            try:
-                os.rename(tmp, final)
-            except BaseException:
-                os.rename(old, final)
-                raise
-            installed = True
-        stage = "syncing the parent directory"
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _install(tmp, final, manifest, stage)
+    except _Installed as e:
+        raise _installed_error(final, e.error, stage) from e.error
     except BaseException as e:
-        if not installed:
+        if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise fail(e, stage, tmp) from e
-            raise
         if isinstance(e, OSError):
-            raise CheckpointWriteError(
-                final,
-                f"{_space_error_detail(e)} while {stage}: the new checkpoint is in place but may not be durable yet.",
-                e.errno,
-            ) from e
+            raise _write_error(final, previous, total, e, stage.now, tmp) from e
         raise
     if update_latest:
         set_latest(final)
     return manifest
+
+
+def _check_extra(extra: Mapping[str, str] | None) -> dict[str, str]:
+    extra_d = dict(extra or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra_d.items()):
+        raise TypeError("extra must map str to str")
+    return extra_d
+
+
+# --------------------------------------------------------------------------- writing, one file set per rank
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _raise_collective(
+    final: Path, mine: BaseException | None, statuses: list[Any], what: str, previous: bool
+) -> None:
+    """After a gather of ``(rank, error text or None, ...)``: raise on every rank if any rank failed."""
+    failed = [(s[0], s[1]) for s in statuses if s[1] is not None]
+    if not failed:
+        return
+    if mine is not None:
+        raise mine
+    rank, text = failed[0]
+    kept = f"The previous checkpoint at '{final}' is intact." if previous else "No checkpoint was created."
+    raise CheckpointWriteError(final, f"rank {rank} failed while {what} ({text}). {kept}")
+
+
+def write_checkpoint_distributed(
+    path: str | os.PathLike[str],
+    files: Mapping[str, Iterable[TensorRecord]],
+    *,
+    backend: str,
+    layout: Any,
+    common_layout: Mapping[str, Any] | None = None,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
+    progress: ProgressFn | None = None,
+    update_latest: bool = False,
+    group: Any = None,
+) -> Manifest:
+    """Collective :func:`write_checkpoint`: every rank of ``group`` writes its own files into one checkpoint.
+
+    Call on every rank of ``group`` (a ``torch.distributed`` process group,
+    default the world) with the same ``path``; each rank passes the files it
+    writes (names must differ between ranks, e.g. ``params.rank0-of-2.safetensors``)
+    and its own ``layout``.  Rank 0 prepares the temporary directory; every
+    rank writes and fsyncs its files into it; after all have reported, rank 0
+    writes the manifest (``layout`` = ``{**common_layout, "world_size": w,
+    "ranks": [layout of rank 0, ...]}``) and installs the directory exactly as
+    :func:`write_checkpoint` does.  Returns the manifest on every rank.
+
+    Failure on any rank (bad input, ENOSPC, ...) raises on *every* rank: the
+    failing rank its own error, the others :class:`CheckpointWriteError`
+    naming the failing rank.  The temporary directory is removed and the
+    previous checkpoint is intact.  The ranks must share the file system.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    final = Path(os.path.abspath(path))
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    # 1. validate everywhere; rank 0 prepares the temporary directory.
+    mine: BaseException | None = None
+    previous = False
+    tmp: Path | None = None
+    plan: dict[str, list[TensorRecord]] = {}
+    total = 0
+    stage = _Stage()
+    try:
+        _check_args(final, backend, version)
+        layout_d = json.loads(json.dumps(layout))
+        common_d = json.loads(json.dumps(dict(common_layout or {})))
+        extra_d = _check_extra(extra)
+        plan, total = _plan_files(files)
+        if rank == 0:
+            previous = _check_target(final)
+            tmp = _new_tmp(final)
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the gather
+        mine = e
+    statuses = gather((rank, None if mine is None else _describe(mine), str(tmp) if tmp else None, previous, total))
+    previous = bool(statuses[0][3])
+    if any(s[1] is not None for s in statuses) and rank == 0 and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_collective(final, mine, statuses, "checking the checkpoint", previous)
+    tmp = Path(statuses[0][2])
+    all_total = sum(int(s[4]) for s in statuses)
+
+    # 2. every rank writes its files.
+    entries: dict[str, FileEntry] = {}
+    try:
+        if rank == 0:
+            _check_free_space(final, previous, all_total)
+        entries = _write_files(tmp, plan, _file_meta(backend, tag, version), checksum, progress, stage)
+    except BaseException as e:  # noqa: BLE001
+        mine = _write_error(final, previous, total, e, f"{stage.now} on rank {rank}", tmp) if isinstance(e, OSError) else e
+    statuses = gather(
+        (rank, None if mine is None else _describe(mine), {k: (v.bytes, v.checksum, v.tensors) for k, v in entries.items()}, layout_d if mine is None else None)
+    )
+    if any(s[1] is not None for s in statuses) and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_collective(final, mine, statuses, "writing its files", previous)
+
+    # 3. rank 0 writes the manifest and installs; everyone learns the outcome.
+    result: list[Any] = [None]
+    if rank == 0:
+        try:
+            files_all: dict[str, FileEntry] = {}
+            for s in statuses:
+                for k, (b, c, n) in s[2].items():
+                    if k in files_all:
+                        raise CheckpointMismatchError(k, f"file written by two ranks (rank {s[0]} and another)")
+                    files_all[k] = FileEntry(b, c, n)
+            full_layout = {**common_d, "world_size": world, "ranks": [s[3] for s in statuses]}
+            manifest = _make_manifest(
+                backend=backend, layout=full_layout, files=files_all, tag=tag, version=version,
+                extra=extra_d, checksum=checksum, total=all_total,
+            )
+            try:
+                _install(tmp, final, manifest, stage)
+            except _Installed as e:
+                raise _installed_error(final, e.error, stage) from e.error
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise _write_error(final, previous, all_total, e, stage.now, tmp) from e
+                raise
+            if update_latest:
+                set_latest(final)
+            result = [(None, manifest.to_json())]
+        except BaseException as e:  # noqa: BLE001
+            mine = e
+            result = [(_describe(e), None)]
+    dist.broadcast_object_list(result, src=_global_rank(group, 0), group=group)
+    err, mjson = result[0]
+    if err is not None:
+        if mine is not None:
+            raise mine
+        raise CheckpointWriteError(final, f"rank 0 failed while installing the checkpoint ({err})")
+    return Manifest.from_json(final / MANIFEST_NAME, mjson)
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    import torch.distributed as dist
+
+    if group is None:
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
 # --------------------------------------------------------------------------- latest pointer
@@ -599,12 +847,24 @@ class CheckpointReader:
     Holds no open file descriptors between calls.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> None:
+        """``files``: only these files are opened and indexed (e.g. one rank's files of a
+        per-rank checkpoint, whose files hold tensors of the same names); default all.
+        Files that are not ``.safetensors`` (a ``torch.distributed.checkpoint``
+        directory's) are size-checked and verified by :func:`verify`, not indexed.
+        """
         self.path: Path = resolve_checkpoint(path)
         self.manifest: Manifest = _load_manifest_file(self.path)
         self._headers: dict[str, SafetensorsHeader] = {}
         self._index: dict[str, tuple[str, TensorInfo]] = {}
+        wanted = None if files is None else set(files)
+        if wanted is not None:
+            unknown = sorted(wanted - set(self.manifest.files))
+            if unknown:
+                raise CheckpointMismatchError(unknown[0], f"no such file in checkpoint '{self.path}'")
         for fname, entry in self.manifest.files.items():
+            if wanted is not None and fname not in wanted:
+                continue
             fpath = self.path / fname
             try:
                 size = os.stat(fpath).st_size
@@ -613,6 +873,8 @@ class CheckpointReader:
             if size != entry.bytes:
                 what = "truncated" if size < entry.bytes else "longer than recorded"
                 raise CheckpointCorruptError(fpath, f"file {what}: {size} bytes, manifest says {entry.bytes}")
+            if not fname.endswith(".safetensors"):
+                continue
             hdr = read_header(fpath)
             if len(hdr.tensors) != entry.tensors:
                 raise CheckpointCorruptError(
@@ -688,14 +950,27 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
 
 
 def list_tensors(path: str | os.PathLike[str]) -> list[TensorInfo]:
-    """Tensors of a checkpoint (name, dtype, shape, nbytes, file) for ``stateshift inspect``."""
-    return open_checkpoint(path).records()
+    """Tensors of a checkpoint (name, dtype, shape, nbytes, file) for ``stateshift inspect``.
+
+    File by file; a per-rank checkpoint lists each rank's tensors under the same names.
+    """
+    manifest = read_manifest(path)
+    out: list[TensorInfo] = []
+    for fname in manifest.files:
+        if fname.endswith(".safetensors"):
+            out.extend(CheckpointReader(path, files=[fname]).records())
+    return out
 
 
-def verify(path: str | os.PathLike[str]) -> Manifest:
-    """Re-hash every file of the checkpoint; raises :class:`CheckpointCorruptError` naming the first bad file."""
-    reader = open_checkpoint(path)
-    for fname, entry in reader.manifest.files.items():
+def verify(path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Manifest:
+    """Re-hash every file of the checkpoint (or only ``files``); raises
+    :class:`CheckpointCorruptError` naming the first bad file."""
+    manifest = read_manifest(path)
+    names = list(manifest.files) if files is None else list(files)
+    root = resolve_checkpoint(path)
+    for fname in names:
+        reader = CheckpointReader(root, files=[fname])  # size and header checks first
+        entry = reader.manifest.files[fname]
         fpath = reader.path / fname
         size, got = hash_file(fpath, _split_checksum(os.fspath(fpath), entry.checksum))
         if size != entry.bytes:
@@ -706,4 +981,4 @@ def verify(path: str | os.PathLike[str]) -> Manifest:
             raise CheckpointCorruptError(
                 fpath, f"checksum mismatch: manifest says {entry.checksum}, file hashes to {got}"
             )
-    return reader.manifest
+    return manifest

@@ -46,24 +46,24 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CHUNK_BYTES",
     "CHECKSUM_ALGORITHMS",
+    "CHUNK_BYTES",
     "DEFAULT_CHECKSUM",
-    "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointError",
     "CheckpointIncompleteError",
-    "CheckpointWriteError",
     "CheckpointMismatchError",
-    "TensorRecord",
-    "TensorInfo",
+    "CheckpointWriteError",
     "FileDigest",
     "SafetensorsHeader",
+    "TensorInfo",
+    "TensorRecord",
     "dtype_to_str",
-    "str_to_dtype",
-    "write_safetensors",
+    "hash_file",
     "read_header",
     "read_safetensors_into",
-    "hash_file",
+    "str_to_dtype",
+    "write_safetensors",
 ]
 
 CHUNK_BYTES = 64 << 20

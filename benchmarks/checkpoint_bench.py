@@ -1,0 +1,239 @@
+"""Checkpoint benchmark: stateshift save / load / async_save against torch.save and safetensors.
+
+    python benchmarks/checkpoint_bench.py --hidden 2048 --layers 8 --out benchmarks/results
+
+Builds the built-in transformer (one Adam step so optimizer state exists)
+and, on the same tensors in the same run, times:
+
+- ``save``: ``stateshift.checkpoint.save`` of params + buffers + optim
+  (durable: files fsynced) against ``torch.save`` and
+  ``safetensors.torch.save_file`` of the same tensors as the user holds them
+  (on the device), each followed by an ``fsync`` so all three are durable;
+- ``load``: ``stateshift.checkpoint.load`` (layout check, checksum
+  verification, restore into the live tensors) against ``torch.load`` /
+  ``safetensors.torch.load_file`` onto the model's device followed by a copy
+  into the live tensors (the same end state);
+- ``async_save_blocking``: the time ``async_save`` blocks its caller (staging
+  into pinned memory), against the faster baseline's whole save.
+
+Ours runs with the groups resident (``device``) and offloaded (``host``).
+``ratio`` = our GB/s over the faster baseline's GB/s for the op (named in
+``bound``); the baselines' GB/s are the run's ``ceilings``. Results follow
+DESIGN.md section 7 (JSON + PNG via ``stateshift.bench``). Loads read from
+the page cache unless ``--cold`` (then every file's cached pages are dropped
+with ``posix_fadvise(DONTNEED)`` before each load, for ours and the baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stateshift import ModelState, bench
+from stateshift.checkpoint import async_save, load, save
+from stateshift.models import TinyConfig, batch, build_default, lm_loss
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--groups", choices=["params", "all"], default="all",
+                   help="'params': params + buffers; 'all': params + buffers + Adam state")
+    p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda[:N]'")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median), after one warm-up")
+    p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temporary directory)")
+    p.add_argument("--out", type=Path, default=None, help="directory for <date>-<machine>-checkpoint.json and .png")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--cold", action="store_true", help="drop the files' cached pages before every load")
+    return p
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
+    times = []
+    for i in range(1 + repeat):
+        if setup is not None:
+            setup()
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(root: Path) -> None:
+    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _live_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, with_optim: bool) -> dict[str, torch.Tensor]:
+    """The same tensors a user would hand to torch.save / safetensors (tied weights once)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    names = {}
+    for n, p in model.named_parameters():  # deduplicates tied parameters
+        out[n] = p.detach()
+        seen.add(id(p))
+        names[id(p)] = n
+    for n, b in model.named_buffers():
+        if n in model.state_dict():
+            out[n] = b
+    if with_optim:
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"{names[id(p)]}.{k}"] = v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                     dtype=DTYPES[args.dtype])
+    model = build_default(cfg, device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    lm_loss(model, batch(cfg, 0, size=1, device=device)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state = ModelState(model, opt)
+    groups = ("params", "buffers", "optim") if args.groups == "all" else ("params", "buffers")
+    tensors = _live_tensors(model, opt, args.groups == "all")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params ({args.dtype}) on {device}; "
+          f"checkpoint of {', '.join(groups)}: {nbytes / 1e9:.3f} GB in {len(tensors)} tensors", file=sys.stderr)
+
+    from safetensors.torch import load_file, save_file
+
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    ours, ours_async = work / "ours", work / "ours-async"
+    pt, st = work / "baseline.pt", work / "baseline.safetensors"
+    cold = (lambda p: (lambda: _drop_cache(p))) if args.cold else (lambda p: None)
+    r = args.repeat
+
+    def torch_save() -> None:
+        with open(pt, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def st_save() -> None:
+        save_file(tensors, st)
+        _fsync(st)
+
+    def torch_load() -> None:
+        loaded = torch.load(pt, map_location=device, weights_only=True)
+        with torch.no_grad():
+            for k, v in loaded.items():
+                tensors[k].copy_(v)
+
+    def st_load() -> None:
+        loaded = load_file(st, device=str(device))
+        with torch.no_grad():
+            for k, v in loaded.items():
+                tensors[k].copy_(v)
+
+    base = {
+        "torch.save": _median(torch_save, r),
+        "safetensors.save_file": _median(st_save, r),
+        "torch.load": _median(torch_load, r, setup=cold(pt)),
+        "safetensors.load_file": _median(st_load, r, setup=cold(st)),
+    }
+    base_gbps = {k: nbytes / v / 1e9 for k, v in base.items()}
+    best_save = max(("torch.save", "safetensors.save_file"), key=lambda k: base_gbps[k])
+    best_load = max(("torch.load", "safetensors.load_file"), key=lambda k: base_gbps[k])
+
+    ceilings = {f"{k}_gbps": round(v, 3) for k, v in base_gbps.items()}
+    ceilings.update({k: round(v, 2) for k, v in bench.measure_ceilings(nbytes, device, repeat=r).items()})
+    result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
+                               ceilings=ceilings)
+    warm = "" if args.cold else "page cache warm"
+
+    def add(op: str, residency: str, seconds: float, bound: str, note: str = "") -> None:
+        gbps = nbytes / seconds / 1e9
+        result.rows.append(bench.Row("torch", op, residency, device.type, nbytes, seconds, gbps,
+                                     gbps / base_gbps[bound], bound, note))
+
+    blocked: list[float] = []
+
+    def start_async() -> None:
+        t0 = time.perf_counter()
+        handle = async_save(state, ours_async, groups)
+        blocked.append(time.perf_counter() - t0)
+        handle.wait()
+
+    for residency in ("device", "host"):
+        if residency == "host":
+            state.offload(groups)
+        else:
+            state.onload(groups)
+        add("save", residency, _median(lambda: save(state, ours, groups), r), best_save, "fsynced")
+        add("load", residency, _median(lambda: load(state, ours, groups), r, setup=cold(ours)), best_load,
+            f"checksums verified; {warm}".strip("; "))
+        blocked.clear()
+        _median(start_async, r)
+        add("async_save_blocking", residency, statistics.median(blocked[1:]), best_save,
+            "caller blocked until staged; write continues in a thread")
+    state.onload(groups)
+
+    result.extra.update(
+        model={"params": sum(p.numel() for p in model.parameters()), "dtype": args.dtype, "groups": list(groups),
+               "tensors": len(tensors)},
+        baselines={k: {"seconds": base[k], "gbps": base_gbps[k]} for k in base},
+        cold=args.cold,
+        pool=state.pool.stats.as_dict(),
+    )
+    print(result.table())
+    print("baselines (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in base_gbps.items()))
+    if args.out is not None:
+        slug = re.sub(r"[^a-z0-9]+", "-", result.machine.lower()).strip("-")
+        stem = f"{datetime.date.today().isoformat()}-{slug}-checkpoint"
+        bench.save(result, args.out / f"{stem}.json", None if args.no_plot else args.out / f"{stem}.png")
+        print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,676 @@
+"""Checkpoints of a ModelState: every residency, corruption, mismatches, crashes, full disks, async saves.
+
+CPU by default (``cuda`` too where available, marked ``gpu``). The crash and
+full-disk tests use a real SIGKILL of a subprocess and a real 4 MiB tmpfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    DEVICES,
+    SMALL,
+    assert_same,
+    capture,
+    make,
+    perturb,
+    train_step,
+    warm,
+)
+from torch import nn
+
+from stateshift import (
+    LayoutMismatchError,
+    ModelState,
+    ReleasedSnapshotError,
+    UnknownGroupError,
+)
+from stateshift.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    async_save,
+    export_hf,
+    init_optimizer_state,
+    list_tensors,
+    load,
+    read_latest,
+    read_manifest,
+    save,
+    verify,
+)
+from stateshift.checkpoint import format as format_mod
+from stateshift.checkpoint.inspect_cmd import add_parser
+from stateshift.models import TinyConfig
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+ALL = ("params", "buffers", "grads", "optim")
+
+
+def _block0(name: str) -> bool:
+    return name.startswith("blocks.0.")
+
+
+# Each mix puts a warmed-up state into some residency; returns the groups it dropped.
+MIXES = {
+    "resident": lambda st: set(),
+    "params_offloaded": lambda st: (st.offload("params"), set())[1],
+    "all_offloaded": lambda st: (st.offload(), set())[1],
+    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
+    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
+    "mixed": lambda st: (st.offload(["params", "optim"]), st.drop("grads"), {"grads"})[2],
+}
+
+
+def _expected(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
+    if "grads" not in dropped:
+        return values
+    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def _warmed(device: str, seed: int = 0, cfg: TinyConfig = SMALL):
+    model, opt = make(device, seed=seed, cfg=cfg)
+    warm(model, opt)
+    if seed:
+        perturb(model, opt, 0.1 * seed)
+    return model, opt, ModelState(model, opt)
+
+
+def _cfg(**changes) -> TinyConfig:
+    return TinyConfig(**{**{f: getattr(SMALL, f) for f in SMALL.__slots__}, **changes})
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_round_trip_in_every_mix(device, tmp_path, mix):
+    """Saved from a mix, loaded into another model in the same mix: same values, same residency."""
+    _model, _opt, state = _warmed(device)
+    dropped = MIXES[mix](state)
+    values = capture(state)
+    residency = state.residency()
+    save(state, tmp_path / "ck", ALL, tag="t", version=3)
+    assert state.residency() == residency  # saving moved nothing back to the device
+    assert_same(capture(state), values)
+
+    model2, opt2, state2 = _warmed(device, seed=1)
+    MIXES[mix](state2)
+    residency2 = state2.residency()
+    assert not torch.equal(capture(state2)["blocks.0.fc1.weight"], values["blocks.0.fc1.weight"])
+    manifest = load(state2, tmp_path / "ck")
+    assert manifest.tag == "t" and manifest.version == 3
+    assert_same(capture(state2), _expected(values, dropped))
+    after = state2.residency()
+    for g, counts in residency2.items():  # loading moved nothing: dropped slots now hold values offloaded
+        assert after[g]["device"] == counts["device"]
+        assert after[g]["host"] == counts["host"] + counts["dropped"] and after[g]["dropped"] == 0
+    state2.onload()
+    train_step(model2, opt2, 1)  # and the model trains
+
+
+MEGATRON_MIXES = {
+    "resident": lambda st, ddp: None,
+    "offloaded": lambda st, ddp: st.offload(),
+    "partial": lambda st, ddp: st.offload(["params", "optim"], only=lambda n: "expert" in n),
+    # Megatron's own offload_to_cpu: the values sit in param_data_cpu (a NativeHome)
+    "native": lambda st, ddp: [b.offload_to_cpu() for b in ddp.buffers + ddp.expert_parallel_buffers],
+}
+
+
+@pytest.mark.parametrize("mix", list(MEGATRON_MIXES))
+@pytest.mark.parametrize("config", ["distrib_ep", "float16"])
+def test_megatron_round_trip_in_every_mix(tmp_path, config, mix):
+    """Megatron-core DDP flat buffers (CPU fake of 0.16.1): raw buffer slots, fp32 master shards, expert bias."""
+    from fake_mcore import (
+        FakeMoEModel,
+        build_fake_ddp,
+        build_fake_optimizer,
+        fake_train_step,
+    )
+
+    def build(seed: int):
+        model = FakeMoEModel(16, seed=seed)
+        udo = config == "distrib_ep"
+        ddp = build_fake_ddp(model, use_distributed_optimizer=udo, expert_parallel_param_filter=lambda n, p: ".experts." in n)
+        opt = build_fake_optimizer(ddp, "chained")
+        fake_train_step(ddp, opt, torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)))
+        state = ModelState(ddp, opt)
+        assert state.backends[0].name.startswith("megatron")
+        MEGATRON_MIXES[mix](state, ddp)
+        return state
+
+    state = build(0)
+    groups = tuple(g for g in state.groups if g != "grads")
+    values = capture(state, groups)
+    m = save(state, tmp_path / "ck")
+    assert m.backend.startswith("megatron") and set(m.layout["groups"]) == set(groups)
+    raw = [s for s in m.layout["ranks"][0]["groups"]["params"]["slots"] if not s["typed"]]
+    if config == "distrib_ep":  # flat param_data buffers: raw bytes with many members
+        assert raw and max(len(s["members"]) for s in raw) > 1
+    other = build(1)
+    residency = other.residency()
+    load(other, tmp_path / "ck")
+    assert_same(capture(other, groups), values)
+    after = other.residency()
+    assert all(after[g]["device"] == residency[g]["device"] for g in groups)
+
+
+def test_save_from_offloaded_state_copies_nothing_and_load_is_a_pointer_copy(tmp_path):
+    _model, _opt, state = _warmed("cpu")
+    groups = ("params", "buffers", "optim")
+    state.offload(groups)
+    values = capture(state, groups)
+    before = state.pool.stats
+    save(state, tmp_path / "ck")
+    after = state.pool.stats
+    assert after.requested_bytes == before.requested_bytes  # zero-copy: written straight from the homes
+    assert after.in_use_bytes == before.in_use_bytes  # the snapshot shares the homes and is released
+
+    _model2, _opt2, state2 = _warmed("cpu", seed=1)
+    state2.offload(groups)
+    before = state2.pool.stats
+    load(state2, tmp_path / "ck")
+    after = state2.pool.stats
+    # read once into one pooled block per group, which became the homes (a pointer copy, no second copy);
+    # the old homes went back to the pool
+    assert after.requested_bytes - before.requested_bytes == sum(state2.layout(g).total for g in groups)
+    assert after.in_use_bytes == before.in_use_bytes
+    assert state2.residency()["params"]["device"] == 0
+    assert_same(capture(state2, groups), values)
+
+
+def test_save_of_resident_state_stages_one_copy_through_the_pool(tmp_path):
+    _model, _opt, state = _warmed("cpu")
+    before = state.pool.stats
+    save(state, tmp_path / "ck")
+    total = sum(state.layout(g).total for g in ("params", "buffers", "optim"))
+    after = state.pool.stats
+    assert after.requested_bytes - before.requested_bytes == total  # exactly one staged copy, no more
+    assert after.in_use_bytes == before.in_use_bytes
+    save(state, tmp_path / "ck")  # the second save reuses the pooled blocks
+    assert state.pool.stats.allocations == after.allocations
+
+
+def test_manifest_and_format(tmp_path):
+    from safetensors.torch import load_file
+
+    model, opt, state = _warmed("cpu")
+    m = save(state, tmp_path / "ck", tag="step", version=7, extra={"run": "abc"})
+    assert set(m.files) == {"params.safetensors", "buffers.safetensors", "optim.safetensors"}
+    assert m.backend == "torch+torch-optim" and m.extra == {"run": "abc"}
+    assert m.library_version and m.torch_version == torch.__version__
+    assert all(e.checksum.startswith("crc32:") for e in m.files.values())
+    assert m.layout["format"] == "stateshift-state/1" and m.layout["world_size"] == 1
+    slots = {s["slot"]: s for s in m.layout["ranks"][0]["groups"]["params"]["slots"]}
+    tied = slots["embed.weight"]
+    assert not tied["typed"] and [x["name"] for x in tied["members"]] == ["embed.weight", "head.weight"]
+    assert slots["blocks.0.fc1.weight"]["typed"]
+    verify(tmp_path / "ck")
+    # plain safetensors: typed tensors under their usual names, the tied storage as raw bytes
+    params = load_file(tmp_path / "ck" / "params.safetensors")
+    assert torch.equal(params["blocks.0.fc1.weight"], model.blocks[0].fc1.weight.detach())
+    assert params["embed.weight"].dtype == torch.uint8
+    assert torch.equal(params["embed.weight"].view(torch.float32).view(SMALL.vocab, SMALL.hidden), model.embed.weight.detach())
+    optim = load_file(tmp_path / "ck" / "optim.safetensors")
+    assert torch.equal(optim["blocks.1.qkv.weight.exp_avg"], opt.state[model.blocks[1].qkv.weight]["exp_avg"])
+
+
+class _Flat(nn.Module):
+    """Parameters that are views of one flat buffer (a Megatron DDP ``param_data``), one of them transposed."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+        flat = torch.randn(sum(p.numel() for p in self.parameters()) + 5, generator=torch.Generator().manual_seed(seed))
+        off = 0
+        for p in self.parameters():
+            n = p.numel()
+            p.data = flat[off : off + n].view_as(p)
+            off += n
+        self.b.weight.data = flat[off - 3 * 8 - 3 : off - 3].view(8, 3).t()  # a strided view inside the buffer
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_flat_buffer_with_many_views_is_raw_bytes_and_stays_shared(tmp_path):
+    src = _Flat(0)
+    state = ModelState(src)
+    m = save(state, tmp_path / "ck")
+    (slot,) = m.layout["ranks"][0]["groups"]["params"]["slots"]
+    assert not slot["typed"] and len(slot["members"]) == 4
+    dst = _Flat(1)
+    state2 = ModelState(dst)
+    state2.offload()
+    load(state2, tmp_path / "ck")
+    state2.onload()
+    for (n, p), q in zip(dst.named_parameters(), src.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert len({p.untyped_storage().data_ptr() for p in dst.parameters()}) == 1  # still one flat buffer
+    assert not dst.b.weight.is_contiguous()
+    with torch.no_grad():  # the views still share it
+        torch.empty(0).set_(dst.a.weight.untyped_storage()).add_(1.0)
+    assert torch.equal(dst.a.bias, src.a.bias + 1.0) and torch.equal(dst.b.weight, src.b.weight + 1.0)
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def _loaded_unchanged(state: ModelState, path: Path, err, match: str | None = None, **kw):
+    before = capture(state, ("params", "buffers", "optim"))
+    residency = state.residency()
+    with pytest.raises(err, match=match) as ei:
+        load(state, path, **kw)
+    assert_same(capture(state, ("params", "buffers", "optim")), before)
+    assert state.residency() == residency
+    return ei.value
+
+
+@pytest.mark.parametrize("residency", ["resident", "offloaded"])
+def test_flipped_byte_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path, residency):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+    f = tmp_path / "ck" / "optim.safetensors"
+    _flip_byte(f, f.stat().st_size - 100)
+    _, _, state2 = _warmed("cpu", seed=1)
+    if residency == "offloaded":
+        state2.offload()
+    err = _loaded_unchanged(state2, tmp_path / "ck", CheckpointCorruptError, "checksum mismatch")
+    assert err.path == str(f) and "optim.safetensors" in str(err)
+
+
+def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+    f = tmp_path / "ck" / "params.safetensors"
+    os.truncate(f, f.stat().st_size - 1000)
+    _, _, state2 = _warmed("cpu", seed=1)
+    err = _loaded_unchanged(state2, tmp_path / "ck", CheckpointCorruptError, "truncated")
+    assert err.path == str(f)
+
+
+# --------------------------------------------------------------------------- mismatches
+
+
+@pytest.mark.parametrize(
+    "changes, tensor, what",
+    [
+        ({"layers": 1}, "blocks.1.ln1.weight", "in the checkpoint \\(group 'params'\\) but not in the model"),
+        ({"layers": 3}, "blocks.2.ln1.weight", "in the model \\(group 'params'\\) but not in the checkpoint"),
+        ({"hidden": 48}, "embed.weight", "shape is \\[64, 48\\] in the model but \\[64, 32\\]"),
+        ({"dtype": torch.bfloat16}, "embed.weight", "dtype is bfloat16 in the model but float32.*cast=True"),
+        ({"tied": False}, "embed.weight", "storage sharing differs"),
+    ],
+)
+def test_mismatched_model_is_an_error_naming_the_tensor(tmp_path, changes, tensor, what):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+    _, _, other = _warmed("cpu", seed=1, cfg=_cfg(**changes))
+    err = _loaded_unchanged(other, tmp_path / "ck", CheckpointMismatchError, what)
+    assert err.tensor == tensor
+    assert isinstance(err, LayoutMismatchError)  # the library's mismatch type too
+
+
+def test_fp32_checkpoint_into_bf16_model_with_cast(tmp_path):
+    untied = _cfg(tied=False)
+    model, _opt, state = _warmed("cpu", cfg=untied)
+    save(state, tmp_path / "ck", "params")
+    model2, _opt2, state2 = _warmed("cpu", seed=1, cfg=_cfg(tied=False, dtype=torch.bfloat16))
+    state2.offload("params")
+    with pytest.raises(CheckpointMismatchError, match="cast=True"):
+        load(state2, tmp_path / "ck")
+    load(state2, tmp_path / "ck", cast=True)
+    state2.onload()
+    for (n, p), q in zip(model2.named_parameters(), model.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16)), n
+    # a tied storage is raw bytes: it cannot be converted, and the error says so
+    _, _, tied_state = _warmed("cpu")
+    save(tied_state, tmp_path / "tied", "params")
+    _, _, bf16 = _warmed("cpu", seed=1, cfg=_cfg(dtype=torch.bfloat16))
+    err = _loaded_unchanged(bf16, tmp_path / "tied", CheckpointMismatchError, "raw bytes", cast=True)
+    assert err.tensor == "embed.weight"
+
+
+def test_groups_are_checked(tmp_path):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck", "params")
+    with pytest.raises(CheckpointMismatchError, match="group 'optim' is not in the checkpoint"):
+        load(state, tmp_path / "ck", "optim")
+    with pytest.raises(UnknownGroupError):
+        save(state, tmp_path / "ck2", "weights")
+    assert not (tmp_path / "ck2").exists()
+
+
+def test_resume_from_fresh_optimizer_is_bit_identical(tmp_path):
+    model, opt, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+    losses = [train_step(model, opt, s) for s in range(2)]
+    model2, opt2 = make("cpu", seed=5)
+    state2 = ModelState(model2, opt2)
+    with pytest.raises(CheckpointMismatchError, match="init_optimizer_state"):
+        load(state2, tmp_path / "ck")
+    init_optimizer_state(opt2)
+    assert all(p.grad is None for p in model2.parameters())
+    load(state2, tmp_path / "ck")
+    assert [train_step(model2, opt2, s) for s in range(2)] == losses
+    assert_same(capture(state2, ("params", "buffers", "optim")), capture(state, ("params", "buffers", "optim")))
+
+
+# --------------------------------------------------------------------------- crashes and full disks
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ck"
+    big = "TinyConfig(vocab=512, hidden=128, layers=2, heads=4, seq=16)"  # ~5 MB with Adam state
+
+    def build(seed: int):
+        from stateshift.models import batch, build_default, lm_loss
+
+        model = build_default(TinyConfig(vocab=512, hidden=128, layers=2, heads=4, seq=16), seed=seed)
+        opt = torch.optim.Adam(model.parameters())
+        lm_loss(model, batch(model.cfg, 0)).backward()
+        opt.step()
+        return model, opt, ModelState(model, opt)
+
+    _model1, _opt1, state1 = build(1)
+    want = capture(state1, ("params", "buffers", "optim"))
+    save(state1, path, version=1)
+    code = f"""
+        import sys, time, torch
+        from stateshift import ModelState
+        from stateshift.checkpoint import save
+        from stateshift.checkpoint import format as fmt
+        from stateshift.models import TinyConfig, build_default, batch, lm_loss
+        fmt.CHUNK_BYTES = 256 << 10
+        model = build_default({big}, seed=2)
+        opt = torch.optim.Adam(model.parameters())
+        lm_loss(model, batch(model.cfg, 0)).backward(); opt.step()
+        state = ModelState(model, opt)
+        done = 0
+        def progress(n):
+            global done
+            done += n
+            if done > (1 << 20):
+                if done - n <= (1 << 20):
+                    print("ready", flush=True)
+                time.sleep(0.05)
+        save(state, {str(path)!r}, version=2, progress=progress)
+        print("finished", flush=True)
+        """
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line == b"ready\n", (line, child.stderr.read() if child.stderr else b"")
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]  # really mid-write
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+
+    _, _, state = build(3)
+    assert read_manifest(path).version == 1
+    load(state, path)
+    assert_same(capture(state, ("params", "buffers", "optim")), want)
+    save(state, path, version=3)  # the next save cleans up after the dead writer
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if sys.platform != "linux":
+        pytest.skip("tmpfs mount needs Linux")
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, timeout=30, check=False)
+    except (FileNotFoundError, PermissionError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not permitted): {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30, check=False)
+
+
+def test_real_full_disk_is_a_clear_error_and_the_previous_checkpoint_loads(tiny_tmpfs, monkeypatch):
+    path = tiny_tmpfs / "ck"
+    model, opt, state = _warmed("cpu")  # ~0.1 MB of params + Adam state
+    values = capture(state, ("params", "buffers", "optim"))
+    save(state, path, version=1)
+    train_step(model, opt, 1)
+    monkeypatch.setattr(format_mod, "CHUNK_BYTES", 16 << 10)
+    filler = tiny_tmpfs / "filler"
+
+    def fill_disk(_n: int) -> None:  # another process takes the space while we write
+        if filler.exists():
+            return
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        save(state, path, version=2, progress=fill_disk)
+    assert ei.value.errno == errno.ENOSPC
+    assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["ck", "filler"]  # the temporary directory was removed
+    assert state.pool.stats.in_use_bytes == 0  # the staged snapshot went back to the pool
+    _, _, fresh = _warmed("cpu", seed=2)
+    assert read_manifest(path).version == 1
+    load(fresh, path)
+    assert_same(capture(fresh, ("params", "buffers", "optim")), values)
+
+
+# --------------------------------------------------------------------------- async
+
+
+class _Gate:
+    """A progress callback that holds the writer thread until the test opens it."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.open = threading.Event()
+
+    def __call__(self, n: int) -> None:
+        self.started.set()
+        assert self.open.wait(30), "gate never opened"
+
+
+@pytest.mark.parametrize("residency", ["resident", "offloaded"])
+def test_async_save_holds_the_values_of_the_call_while_training_continues(device, tmp_path, residency):
+    model, opt, state = _warmed(device)
+    groups = ("params", "buffers", "optim")
+    if residency == "offloaded":
+        state.offload(groups)
+    values = capture(state, groups)
+    gate = _Gate()
+    handle = async_save(state, tmp_path / "ck", version=1, progress=gate, update_latest=True)
+    assert gate.started.wait(30)
+    assert not handle.done()
+    # training continues while the writer is held mid-file
+    state.onload()
+    for s in range(2):
+        train_step(model, opt, s)
+    if residency == "offloaded":
+        state.offload(groups)  # rewrites the homes the staged snapshot shares (copy-on-write)
+    assert not torch.equal(capture(state, groups)["blocks.0.fc1.weight"], values["blocks.0.fc1.weight"])
+    assert read_latest(tmp_path) is None  # the pointer moves only once the checkpoint is durable
+    gate.open.set()
+    manifest = handle.wait(timeout=60)
+    assert manifest.version == 1 and handle.done() and handle.exception() is None
+    assert read_latest(tmp_path) == tmp_path / "ck"
+    _, _, fresh = _warmed(device, seed=1)
+    load(fresh, tmp_path / "ck")
+    assert_same(capture(fresh, groups), values)
+
+
+def test_async_save_error_reaches_wait_and_memory_goes_back(tmp_path):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck", version=1)
+
+    def boom(n: int) -> None:
+        raise RuntimeError("disk on fire")
+
+    handle = async_save(state, tmp_path / "ck", version=2, progress=boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        handle.wait(timeout=60)
+    assert isinstance(handle.exception(), RuntimeError)
+    assert state.pool.stats.in_use_bytes == 0 and len(state.snapshots) == 0
+    assert read_manifest(tmp_path / "ck").version == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
+
+
+def test_async_saves_to_one_path_are_written_in_call_order(tmp_path):
+    model, opt, state = _warmed("cpu")
+    gate = _Gate()
+    first = async_save(state, tmp_path / "ck", version=1, progress=gate)
+    assert gate.started.wait(30)
+    train_step(model, opt, 1)
+    second_values = capture(state, ("params", "buffers", "optim"))
+    second = async_save(state, tmp_path / "ck", version=2)
+    assert not second.done()  # waits for the first writer
+    gate.open.set()
+    assert first.wait(60).version == 1 and second.wait(60).version == 2
+    assert read_manifest(tmp_path / "ck").version == 2
+    _, _, fresh = _warmed("cpu", seed=1)
+    load(fresh, tmp_path / "ck")
+    assert_same(capture(fresh, ("params", "buffers", "optim")), second_values)
+
+
+def test_release_under_an_async_save_aborts_it(tmp_path):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck", version=1)
+    gate = _Gate()
+    handle = async_save(state, tmp_path / "ck", version=2, progress=gate)
+    assert gate.started.wait(30)
+    state.snapshots.clear()  # someone frees the staged copy mid-write
+    gate.open.set()
+    with pytest.raises(ReleasedSnapshotError):
+        handle.wait(60)
+    assert read_manifest(tmp_path / "ck").version == 1
+    verify(tmp_path / "ck")
+
+
+# --------------------------------------------------------------------------- export, inspect
+
+
+def test_export_hf_usual_names_from_an_offloaded_model(tmp_path):
+    from safetensors.torch import load_file
+
+    model, _opt, state = _warmed("cpu")
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.offload()
+    path = export_hf(state, tmp_path / "hf")
+    assert state.residency()["params"]["device"] == 0  # nothing came back to the device
+    got = load_file(path)
+    assert sorted(got) == sorted(k for k in want if k != "head.weight")  # tied duplicate written once
+    for k, v in got.items():
+        assert v.dtype == want[k].dtype and torch.equal(v, want[k]), k
+    fresh, _ = make("cpu", seed=3)
+    missing, unexpected = fresh.load_state_dict(got, strict=False)
+    assert missing == ["head.weight"] and unexpected == []
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.head.weight, want["head.weight"])
+    # a plain module works too, and the export replaces the file in place
+    path2 = export_hf(model.__class__(model.cfg), tmp_path / "hf")
+    assert path2 == path and sorted(load_file(path)) == sorted(got)
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
+
+
+def test_export_hf_loads_with_transformers_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    state = ModelState(model)
+    state.offload("params")
+    export_hf(state, tmp_path / "hf")
+    cfg.save_pretrained(tmp_path / "hf")
+    state.onload("params")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    ids = torch.arange(8)[None]
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def _inspect(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="stateshift")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_inspect_prints_and_verifies(tmp_path, capsys):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck", tag="step", version=4)
+    assert _inspect(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "step" in out and "version" in out and "torch+torch-optim" in out
+    assert "blocks.0.fc1.weight" in out and "float32" in out and "params.safetensors" in out
+    assert "checksums OK" in out
+    assert _inspect(["inspect", "--json", str(tmp_path / "ck")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verified"] is True and len(data["tensors"]) == len(list_tensors(tmp_path / "ck"))
+    f = tmp_path / "ck" / "params.safetensors"
+    _flip_byte(f, f.stat().st_size - 7)
+    assert _inspect(["inspect", str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err
+    assert "params.safetensors" in err and "checksum mismatch" in err
+    assert _inspect(["inspect", str(tmp_path / "nothing")]) == 1
+
+
+def test_checkpoint_bench_writes_rows(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import checkpoint_bench
+    finally:
+        sys.path.pop(0)
+    rc = checkpoint_bench.main(
+        ["--hidden", "64", "--layers", "1", "--vocab", "128", "--repeat", "1", "--device", "cpu",
+         "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--no-plot"]
+    )
+    assert rc == 0
+    (result,) = list((tmp_path / "out").glob("*.json"))
+    data = json.loads(result.read_text())
+    ops = {r["op"] for r in data["rows"]}
+    assert ops == {"save", "load", "async_save_blocking"}
+    for r in data["rows"]:
+        assert r["bytes"] > 0 and r["seconds"] > 0 and r["ratio"] > 0
+        assert r["bound"] in ("torch.save", "safetensors.save_file", "torch.load", "safetensors.load_file")
+    assert {"torch.save_gbps", "safetensors.save_file_gbps"} <= data["ceilings"].keys()
