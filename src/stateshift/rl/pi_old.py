@@ -1,0 +1,294 @@
+"""The pi_old cycle of fully-asynchronous PPO, moving the fewest bytes.
+
+The pattern: pi_old (the policy that generated the rollouts) is fixed over
+a cycle of N mini-batches; before each mini-batch the old log-probs are
+computed under pi_old, then the *current* weights train on it. Done
+naively (verl: 4 saves + 6 restores per cycle of 4) that is many full copies
+through PCIe. Here:
+
+- **one snapshot per cycle** (``begin``), taken wherever the params live
+  (device-resident: one copy; offloaded: zero-copy from the home);
+- **device placement when it fits** (``placement="auto"``): pi_old stays on
+  the GPU and each swap is a device-to-device copy; otherwise host (pinned,
+  pooled, reused by the next cycle);
+- **no stash of the current weights when they can be rebuilt**: a backend
+  plug-in (``Rebuild``; Megatron: ``MasterRebuild``, bf16 params recomputed
+  from the fp32 master shards on the device) replaces "copy out, copy back"
+  with one cast on the device, so a swap moves the snapshot's bytes once;
+- **no swap for the first mini-batch** in ``run``: right after ``begin`` the
+  current weights *are* pi_old.
+
+Bytes per cycle of N mini-batches with params of P bytes on the device:
+host placement ``P + (N-1)P`` through PCIe (plus, without a rebuild plug-in,
+``2(N-1)P`` of stash traffic); device placement the same counts as
+device-to-device copies. ``CycleStats`` records what was moved.
+
+When results are safe to read: as for ``ModelState.swapped`` -- the model
+computes under pi_old inside ``old_policy()`` (compute enqueued there is
+ordered after the swap's copies) and with its own weights after it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from ..slot import Residency
+from ..snapshot import Snapshot
+from ..state import ModelState
+
+CyclePlacement = Literal["auto", "host", "device"]
+
+
+@runtime_checkable
+class Rebuild(Protocol):
+    """Recomputes one group's current device values (instead of a stash copy-back)."""
+
+    #: the group it rebuilds (e.g. ``"params"``)
+    group: str
+
+    def available(self) -> str | None:
+        """``None`` when a rebuild now gives exactly the current values; otherwise the reason it would not."""
+        ...
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes read, bytes written) on the device by one rebuild."""
+        ...
+
+    def __call__(self) -> None:
+        """Rewrite every device-resident slot of ``group`` on the current stream."""
+        ...
+
+
+def find_rebuild(state: ModelState) -> Rebuild | None:
+    """The first rebuild plug-in a backend of ``state`` offers (``backend.rebuild_plugin(state)``), if any."""
+    for b in state.backends:
+        make = getattr(b, "rebuild_plugin", None)
+        if callable(make):
+            plugin = make(state)
+            if plugin is not None:
+                return plugin
+    return None
+
+
+@dataclass
+class CycleStats:
+    """What the cycles so far did. Each copy counts its bytes once, by where it ran:
+    ``pcie_bytes`` (device <-> host), ``device_bytes`` (device to device), ``host_bytes``
+    (host to host); ``rebuild_bytes`` is what rebuilds read and wrote on the device."""
+
+    placement: str = ""
+    cycles: int = 0
+    snapshots: int = 0
+    swaps: int = 0
+    skipped_swaps: int = 0
+    rebuilds: int = 0
+    stashed_bytes: int = 0
+    pcie_bytes: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    rebuild_bytes: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def default_groups(state: ModelState) -> tuple[str, ...]:
+    """The forward groups that training changes (backends may mark some ``static_groups``, e.g. frozen weights)."""
+    static = {g for b in state.backends for g in getattr(b, "static_groups", ())}
+    return tuple(g for g in state.forward_groups if g not in static)
+
+
+class PiOldCycle:
+    """pi_old over a cycle of mini-batches: ``begin``, then ``old_policy()`` per mini-batch, then ``end``.
+
+    Args:
+        state: the model's ``ModelState``.
+        groups: what pi_old holds (default: ``default_groups(state)``, e.g.
+            ``params`` and ``buffers`` -- MoE ``expert_bias`` included --
+            but not frozen weights).
+        placement: ``"auto"`` (device if the snapshot fits on the GPU with
+            ``device_headroom_bytes`` to spare, else host), ``"host"`` or ``"device"``.
+        rebuild: ``"auto"`` (the plug-in a backend offers), ``None`` (always
+            stash), or a ``Rebuild``.
+        device_headroom_bytes: GPU memory that must stay free after placing
+            pi_old on the device (default: max(1 GiB, 5% of the device)).
+        tag: the snapshot's tag in ``state.snapshots``.
+    """
+
+    def __init__(
+        self,
+        state: ModelState,
+        *,
+        groups: Iterable[str] | None = None,
+        placement: CyclePlacement = "auto",
+        rebuild: Rebuild | Literal["auto"] | None = "auto",
+        device_headroom_bytes: int | None = None,
+        tag: str = "pi_old",
+    ) -> None:
+        if placement not in ("auto", "host", "device"):
+            raise ValueError(f"placement must be 'auto', 'host' or 'device', not {placement!r}")
+        self.state = state
+        self.groups = tuple(groups) if groups is not None else default_groups(state)
+        state._select(self.groups, check_swap=False)  # UnknownGroupError now, not at the first swap
+        self.placement = placement
+        self.rebuild: Rebuild | None = find_rebuild(state) if rebuild == "auto" else rebuild  # type: ignore[assignment]
+        if self.rebuild is not None and not isinstance(self.rebuild, Rebuild):
+            raise TypeError(f"rebuild must be 'auto', None or a Rebuild, not {type(self.rebuild).__name__}")
+        self.device_headroom_bytes = device_headroom_bytes
+        self.tag = tag
+        self.stats = CycleStats()
+        self._swapped_takes_stash = "stash" in inspect.signature(state.swapped).parameters
+        self._snapshot: Snapshot | None = None
+        self._warned: set[str] = set()
+
+    # -- the cycle ------------------------------------------------------------------------
+    @property
+    def snapshot(self) -> Snapshot:
+        if self._snapshot is None or self._snapshot.released:
+            raise RuntimeError("no pi_old: call begin() first")
+        return self._snapshot
+
+    def choose_placement(self) -> Literal["host", "device"]:
+        """Where pi_old goes this cycle: ``device`` when it fits (with headroom), else ``host``."""
+        if self.placement != "auto":
+            return self.placement  # type: ignore[return-value]
+        dev = self.state.engine.device
+        if dev is None:
+            return "host"
+        need = sum(self.state._groups[g].layout.total for g in self.groups)  # (as of the last refresh)
+        if self.rebuild is None or self.rebuild.group not in self.groups:
+            need *= 2  # a device stash of the current weights during each swap
+        free, total = torch.cuda.mem_get_info(dev)
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        headroom = self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20)
+        return "device" if free - need >= headroom else "host"
+
+    def begin(self, version: int | None = None) -> Snapshot:
+        """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
+        if self._snapshot is not None and not self._snapshot.released:
+            self.state.release(self._snapshot)
+        self.state.refresh(self.groups)
+        placement = self.choose_placement()
+        self._account_snapshot(placement)
+        self._snapshot = self.state.snapshot(self.groups, tag=self.tag, version=version, placement=placement)
+        self.stats.placement = placement
+        self.stats.snapshots += 1
+        self.stats.cycles += 1
+        return self._snapshot
+
+    @contextmanager
+    def old_policy(self) -> Iterator[Snapshot]:
+        """Inside, the model computes with pi_old; after, with exactly its current weights again."""
+        snap = self.snapshot
+        rebuild: dict[str, Callable[[], None]] = {}
+        plugin = self.rebuild
+        if plugin is not None and plugin.group in snap.groups:
+            why = plugin.available()
+            if why is None:
+                rebuild[plugin.group] = plugin
+            else:
+                self._fallback(f"stashing {plugin.group!r} instead of rebuilding it: {why}")
+        self._account_swap(snap, rebuild)
+        kwargs: dict[str, Any] = {"rebuild": rebuild}
+        if self._swapped_takes_stash:
+            kwargs["stash"] = snap.placement  # the current weights wait where pi_old lives (memory permitting)
+        with self.state.swapped(snap, **kwargs):
+            yield snap
+        self.stats.swaps += 1
+        self.stats.rebuilds += bool(rebuild)
+
+    def end(self) -> None:
+        """Release pi_old (its memory goes back to the pool or the allocator, for the next cycle)."""
+        if self._snapshot is not None:
+            self.state.release(self._snapshot)
+            self._snapshot = None
+
+    def run(
+        self,
+        minibatches: Iterable[Any],
+        old_fn: Callable[[Any], Any],
+        train_fn: Callable[[Any], Any],
+        *,
+        version: int | None = None,
+        skip_first: bool = True,
+    ) -> list[Any]:
+        """One whole cycle: for each mini-batch, ``old_fn(mb)`` under pi_old, then ``train_fn(mb)``.
+
+        Returns the ``old_fn`` results. With ``skip_first`` the first
+        mini-batch needs no swap (the current weights are pi_old until the
+        first ``train_fn``) and a cycle of one mini-batch no snapshot at all.
+        ``old_fn`` should not change the forward groups (compute under
+        ``torch.no_grad()``): inside ``old_policy()`` such changes are
+        discarded, in a skipped swap they would be kept.
+        """
+        batches: Sequence[Any] = list(minibatches)
+        out: list[Any] = []
+        if len(batches) > 1 or not skip_first:
+            self.begin(version)
+        try:
+            for i, mb in enumerate(batches):
+                if i == 0 and skip_first:
+                    out.append(old_fn(mb))
+                    self.stats.skipped_swaps += 1
+                else:
+                    with self.old_policy():
+                        out.append(old_fn(mb))
+                train_fn(mb)
+        finally:
+            self.end()
+        return out
+
+    # -- accounting -----------------------------------------------------------------------
+    def _fallback(self, why: str) -> None:
+        self.stats.fallbacks.append(why)
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(f"pi_old cycle: {why}", stacklevel=3)
+
+    def _move(self, nbytes: int, src_device: bool, dst_device: bool) -> None:
+        if src_device and dst_device:
+            self.stats.device_bytes += nbytes
+        elif src_device or dst_device:
+            self.stats.pcie_bytes += nbytes
+        else:
+            self.stats.host_bytes += nbytes
+
+    def _slots(self, group: str) -> list[Any]:
+        """The group's slots as of the last refresh (every verb refreshes; accounting need not)."""
+        return self.state._groups[group].slots
+
+    def _account_snapshot(self, placement: str) -> None:
+        on_device = self.state.engine.device is not None
+        to_dev = placement == "device" and on_device
+        for g in self.groups:
+            slots = self._slots(g)
+            whole_home = placement == "host" and slots and all(
+                s.residency is Residency.HOST and s.native_home is None for s in slots
+            )
+            for s in slots:
+                if s.residency is Residency.DEVICE:
+                    self._move(s.nbytes, on_device, to_dev)
+                elif s.residency is Residency.HOST and not whole_home:
+                    self._move(s.nbytes, False, to_dev)
+
+    def _account_swap(self, snap: Snapshot, rebuild: dict[str, Callable[[], None]]) -> None:
+        on_device = self.state.engine.device is not None
+        from_dev = snap.placement == "device" and on_device
+        for part in snap.parts:
+            for s in self._slots(part.group):
+                self._move(s.nbytes, from_dev, on_device)  # write pi_old in
+                if s.residency is Residency.DEVICE and part.group not in rebuild:
+                    self.stats.stashed_bytes += s.nbytes
+                    self._move(s.nbytes, on_device, from_dev)  # stash out
+                    self._move(s.nbytes, from_dev, on_device)  # and back
+        for fn in rebuild.values():
+            read, written = fn.nbytes() if hasattr(fn, "nbytes") else (0, 0)  # type: ignore[attr-defined]
+            self.stats.rebuild_bytes += read + written

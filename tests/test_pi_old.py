@@ -1,0 +1,187 @@
+"""The pi_old cycle helper (stateshift.rl.PiOldCycle): generic over backends, with the Megatron
+master rebuild as a plug-in. CPU: plain PyTorch (the built-in model) and the Megatron fake."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from fake_mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
+from helpers import SMALL, make, train_step
+from test_megatron_backend import _x, build
+
+from stateshift import ModelState, UnknownGroupError
+from stateshift.backends.megatron import MasterRebuild
+from stateshift.models import batch
+from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
+
+N = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@torch.no_grad()
+def _old_logits(model, ids):
+    was = model.training
+    model.eval()  # the built-in model counts tokens in training mode; old log-probs must not
+    try:
+        return model(ids).clone()
+    finally:
+        model.train(was)
+
+
+def _torch_setup():
+    model, opt = make()
+    train_step(model, opt, 0)
+    return model, opt
+
+
+# ----------------------------------------------------------------------------- plain PyTorch
+
+
+@pytest.mark.parametrize("placement", ["host", "device", "auto"])
+def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(placement):
+    model, opt = _torch_setup()
+    twin, twin_opt = _torch_setup()
+    frozen = copy.deepcopy(model)  # what pi_old is
+    state = ModelState(model, opt)
+    cycle = PiOldCycle(state, placement=placement)
+    steps = [10 + i for i in range(N)]  # mini-batch i is batch(SMALL, 10 + i)
+    olds = cycle.run(steps, lambda s: _old_logits(model, batch(SMALL, s)), lambda s: train_step(model, opt, s))
+    for s, got in zip(steps, olds, strict=True):
+        assert torch.equal(got, _old_logits(frozen, batch(SMALL, s)))
+    for i in range(N):
+        train_step(twin, twin_opt, 10 + i)
+    for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert cycle.stats.placement == ("host" if placement == "auto" else placement)  # no GPU here
+    assert (cycle.stats.snapshots, cycle.stats.swaps, cycle.stats.skipped_swaps, cycle.stats.rebuilds) == (1, N - 1, 1, 0)
+    assert find_rebuild(state) is None and cycle.rebuild is None
+    assert "pi_old" not in {t for t, _ in state.snapshots.keys()}  # noqa: SIM118  # released at the end
+
+
+def test_old_policy_while_params_are_offloaded():
+    model, opt = _torch_setup()
+    state = ModelState(model, opt)
+    probe = batch(SMALL, 99)
+    want = _old_logits(model, probe)
+    state.offload()
+    cycle = PiOldCycle(state)
+    cycle.begin()  # from the offloaded home: zero-copy
+    assert cycle.stats.host_bytes == 0
+    state.onload()
+    train_step(model, opt, 1)
+    now = {k: v.clone() for k, v in model.state_dict().items()}
+    state.offload("params")
+    with cycle.old_policy():
+        assert torch.equal(_old_logits(model, probe), want)
+    assert state.residency()["params"]["device"] == 0
+    state.onload()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, now[k]), k
+    cycle.end()
+
+
+def test_one_minibatch_needs_no_snapshot_and_skip_first_can_be_turned_off():
+    model, opt = _torch_setup()
+    state = ModelState(model, opt)
+    cycle = PiOldCycle(state)
+    cycle.run([batch(SMALL, 1)], lambda ids: _old_logits(model, ids), lambda ids: train_step(model, opt, 1))
+    assert cycle.stats.snapshots == 0 and cycle.stats.swaps == 0
+    cycle.run([batch(SMALL, 2)] * 2, lambda ids: _old_logits(model, ids), lambda ids: train_step(model, opt, 2), skip_first=False)
+    assert cycle.stats.snapshots == 1 and cycle.stats.swaps == 2 and cycle.stats.skipped_swaps == 1
+
+
+def test_bad_arguments_are_refused():
+    model, opt = _torch_setup()
+    state = ModelState(model, opt)
+    with pytest.raises(ValueError, match="placement"):
+        PiOldCycle(state, placement="disk")  # type: ignore[arg-type]
+    with pytest.raises(UnknownGroupError):
+        PiOldCycle(state, groups=["params", "weights"])
+    with pytest.raises(TypeError, match="Rebuild"):
+        PiOldCycle(state, rebuild=lambda: None)  # type: ignore[arg-type]
+    cycle = PiOldCycle(state)
+    with pytest.raises(RuntimeError, match="begin"), cycle.old_policy():
+        pass
+
+
+# ----------------------------------------------------------------------------- Megatron (fake)
+
+
+def test_megatron_default_groups_and_plugin():
+    ddp, opt = build("distrib_ep")
+    state = ModelState(ddp, opt)
+    assert default_groups(state) == ("params", "buffers")  # frozen weights never change: not in pi_old
+    plugin = find_rebuild(state)
+    assert isinstance(plugin, MasterRebuild) and isinstance(plugin, Rebuild) and plugin.group == "params"
+
+
+@pytest.mark.parametrize("config", ["distrib_ep", "float16_no_param_data"])
+def test_megatron_cycle_with_rebuild_is_exact_and_moves_fewer_bytes(config):
+    results = {}
+    for rebuild in ("auto", None):
+        ddp, opt = build(config)
+        fake_train_step(ddp, opt, _x(0))
+        frozen_ddp, frozen_opt = build(config)
+        fake_train_step(frozen_ddp, frozen_opt, _x(0))
+        state = ModelState(ddp, opt)
+        cycle = PiOldCycle(state, rebuild=rebuild)  # type: ignore[arg-type]
+        router = ddp.module.module.moe.router
+        biases = []
+
+        def old_fn(x, ddp=ddp, router=router, biases=biases):
+            biases.append(router.expert_bias.clone())
+            with torch.no_grad():
+                return ddp(x).clone()
+
+        batches = [_x(10 + i) for i in range(N)]
+        olds = cycle.run(batches, old_fn, lambda x, ddp=ddp, opt=opt: fake_train_step(ddp, opt, x))
+        for x, got, bias in zip(batches, olds, biases, strict=True):
+            with torch.no_grad():
+                assert torch.equal(got, frozen_ddp(x))
+            assert torch.equal(bias, frozen_ddp.module.module.moe.router.expert_bias)  # pi_old's expert_bias
+        results[rebuild] = (cycle.stats, {k: v.clone() for k, v in ddp.state_dict().items()})
+    (with_rb, weights_rb), (without, weights) = results["auto"], results[None]
+    for k in weights:
+        assert torch.equal(weights_rb[k], weights[k]), k
+    assert with_rb.rebuilds == N - 1 and without.rebuilds == 0
+    params = ModelState(*build(config)).nbytes("params")
+    assert without.stashed_bytes - with_rb.stashed_bytes == (N - 1) * params  # no stash of the params
+    assert without.host_bytes - with_rb.host_bytes == 2 * (N - 1) * params  # (on CPU every copy is host to host)
+
+
+def test_megatron_falls_back_to_the_stash_when_rebuild_is_not_exact():
+    ddp = build_fake_ddp(FakeDenseModel(16), bf16=False)  # fp32 params: they are their own masters
+    opt = build_fake_optimizer(ddp, "distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    cycle = PiOldCycle(state)
+    assert cycle.rebuild is not None
+    pi_old = {k: v.clone() for k, v in ddp.state_dict().items()}
+    cycle.begin()
+    fake_train_step(ddp, opt, _x(1))
+    now = {k: v.clone() for k, v in ddp.state_dict().items()}
+    with pytest.warns(UserWarning, match="fp32 model params"), cycle.old_policy():
+        assert all(torch.equal(v, pi_old[k]) for k, v in ddp.state_dict().items())
+    assert all(torch.equal(v, now[k]) for k, v in ddp.state_dict().items())
+    assert cycle.stats.rebuilds == 0 and cycle.stats.fallbacks
+
+
+def test_megatron_cycle_accounting_matches_the_bytes():
+    ddp, opt = build("distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    cycle = PiOldCycle(state)
+    p, b = state.nbytes("params"), state.nbytes("buffers")
+    cycle.run([_x(i) for i in range(N)], lambda x: None, lambda x: fake_train_step(ddp, opt, x))
+    # snapshot (p + b), then each of N-1 swaps writes p + b and stashes b out and back
+    assert cycle.stats.host_bytes == (p + b) + (N - 1) * (p + b + 2 * b)
+    assert cycle.stats.stashed_bytes == (N - 1) * b
