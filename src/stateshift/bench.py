@@ -133,6 +133,11 @@ def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> d
 
 
 def git_sha() -> str:
+    """The commit measured: $STATESHIFT_GIT_SHA (set where the tree travels without .git), else git."""
+    import os
+
+    if os.environ.get("STATESHIFT_GIT_SHA"):
+        return os.environ["STATESHIFT_GIT_SHA"]
     try:
         root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
