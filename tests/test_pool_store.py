@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import capture, make, warm
@@ -125,9 +126,9 @@ def _pairs(sizes, gap=0):
 
 def test_copy_engine_coalesces_small_neighbours():
     engine = CopyEngine(torch.device("cpu"), small_bytes=1000, staging_bytes=4000)
-    runs = engine._runs(_pairs([10, 20, 5000, 30, 40, 990, 999, 999, 999, 999]), lambda p: p[0])
+    runs = engine._runs(_pairs([10, 20, 5000, 30, 40, 990, 999, 999, 999, 999]), 0)
     assert [len(r) for r in runs] == [2, 1, 5, 2]  # large item alone; a run stops at staging_bytes
-    spaced = engine._runs(_pairs([10, 10, 10], gap=5000), lambda p: p[0])
+    spaced = engine._runs(_pairs([10, 10, 10], gap=5000), 0)
     assert [len(r) for r in spaced] == [1, 1, 1]  # too far apart to share one staged copy
 
 
@@ -154,10 +155,40 @@ def test_staged_runs_never_span_another_item():
     engine = CopyEngine(torch.device("cpu"))
     moving = [i for i, n in enumerate(sizes) if n != 4]  # the 4-byte items are copied elsewhere
     pairs = [(layout.region(arena, i), torch.zeros(sizes[i], dtype=torch.uint8)) for i in moving]
-    for run in engine._runs(sorted(pairs, key=lambda p: p[0].data_ptr()), lambda p: p[0]):
+    for run in engine._runs(sorted(pairs, key=lambda p: p[0].data_ptr()), 0):
         start = run[0][0].data_ptr()
         end = run[-1][0].data_ptr() + run[-1][0].numel()
         for i, n in enumerate(sizes):
             if i not in moving:
                 off = arena.data_ptr() + layout.offsets[i]
                 assert not (start <= off < end), f"run [{start}, {end}) covers item {i}"
+
+
+@pytest.mark.parametrize("host_is_dst", [True, False])
+def test_staged_move_copies_exactly(host_is_dst):
+    """The staging path (gather/scatter through one buffer) on the CPU: every item exact, nothing else written."""
+    from stateshift.slot import MemberInfo, SlotInfo
+    from stateshift.snapshot import Layout
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [int(x) for x in torch.randint(1, 3000, (60,), generator=g)] + [5000, 7]
+    infos = tuple(SlotInfo(f"t{i}", "g", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
+    layout = Layout.build(infos)
+    arena = torch.randint(0, 256, (layout.total,), dtype=torch.uint8, generator=g)
+    before = arena.clone()
+    devs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    dev_before = [t.clone() for t in devs]
+    skip = set(range(0, len(sizes), 7))  # items not in this batch must stay untouched
+    regions = layout.regions(arena)
+    batch = [((regions[i], devs[i]) if host_is_dst else (devs[i], regions[i])) for i in range(len(sizes)) if i not in skip]
+    engine = CopyEngine(torch.device("cpu"), small_bytes=4096, staging_bytes=20000)
+    assert any(len(r) > 1 for r in engine._runs(sorted(batch, key=lambda p: p[0 if host_is_dst else 1].data_ptr()), 0 if host_is_dst else 1))
+    engine._move(batch, host_is_dst, None, False)
+    for i in range(len(sizes)):
+        if i in skip:
+            assert torch.equal(regions[i], before[layout.offsets[i] : layout.offsets[i] + sizes[i]]), i
+            assert torch.equal(devs[i], dev_before[i]), i
+        elif host_is_dst:
+            assert torch.equal(regions[i], dev_before[i]), i
+        else:
+            assert torch.equal(devs[i], regions[i]), i

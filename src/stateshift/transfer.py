@@ -146,23 +146,30 @@ class CopyEngine:
         return Transfer(events)
 
     def _move(self, batch: list[Pair], host_is_dst: bool, stream: torch.cuda.Stream, frees_sources: bool) -> None:
-        host_of = (lambda p: p[0]) if host_is_dst else (lambda p: p[1])
-        dev_of = (lambda p: p[1]) if host_is_dst else (lambda p: p[0])
+        h, d = (0, 1) if host_is_dst else (1, 0)  # which side of a pair is host memory
         if frees_sources and host_is_dst:
             for pair in batch:
                 pair[1].record_stream(stream)
-        batch = sorted(batch, key=lambda p: host_of(p).data_ptr())
-        for run in self._runs(batch, host_of):
+        batch = sorted(batch, key=lambda p: p[h].data_ptr())
+        for run in self._runs(batch, h):
             if len(run) == 1:
                 dst, src = run[0]
                 dst.copy_(src, non_blocking=True)
                 continue
-            host_items = [host_of(p) for p in run]
-            span = _host_span(host_items)
+            first, last = run[0][h], run[-1][h]
+            span = _host_span([first, last])
+            # staging views in one call: split into [item, gap, item, gap, ...] and keep the items
+            sizes: list[int] = []
+            pos = first.storage_offset()
+            for pair in run:
+                item = pair[h]
+                off = item.storage_offset()
+                sizes.append(off - pos)
+                sizes.append(item.numel())
+                pos = off + item.numel()
             staging = torch.empty(span.numel(), dtype=torch.uint8, device=self.device)
-            base = host_items[0].storage_offset()
-            views = [staging[h.storage_offset() - base : h.storage_offset() - base + h.numel()] for h in host_items]
-            devs = [dev_of(p) for p in run]
+            views = list(staging.split(sizes)[1::2])
+            devs = [pair[d] for pair in run]
             if host_is_dst:
                 torch._foreach_copy_(views, devs)
                 span.copy_(staging, non_blocking=True)
@@ -170,14 +177,17 @@ class CopyEngine:
                 staging.copy_(span, non_blocking=True)
                 torch._foreach_copy_(devs, views)
 
-    def _runs(self, batch: list[Pair], host_of) -> list[list[Pair]]:
-        """Split host-address-sorted pairs into runs: each large item alone, small neighbours together."""
+    def _runs(self, batch: list[Pair], h: int) -> list[list[Pair]]:
+        """Split host-address-sorted pairs into runs: each large item alone, small neighbours together.
+
+        ``h`` is the index of the host tensor in each pair.
+        """
         runs: list[list[Pair]] = []
         current: list[Pair] = []
         run_start = run_end = 0
         base = None
         for pair in batch:
-            host = host_of(pair)
+            host = pair[h]
             n = host.numel()
             if n >= self.small_bytes:
                 if current:
