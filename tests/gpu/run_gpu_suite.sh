@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__)"
 if [[ $WHAT == *tests* ]]; then
   step pytest
-  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} --ignore=tests/test_state_machine.py \
+  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" ${TESTS:-tests} --ignore=tests/test_state_machine.py \
     --junitxml="$RES/gpu-tests.xml" -o junit_family=xunit2 > "$RES/gpu-tests.log" 2>&1 || status=1
   tail -30 "$RES/gpu-tests.log"
   step state machine on cuda

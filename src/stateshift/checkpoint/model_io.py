@@ -331,6 +331,21 @@ def _guarded(snapshot: Snapshot, progress: ProgressFn | None) -> ProgressFn:
     return check
 
 
+def _make_parents(directory: Path) -> None:
+    """Create missing parent directories (like ``mkdir -p``), each made durable in its own parent."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fd = os.open(d.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _start(
     state: ModelState,
     path: str | os.PathLike[str],
@@ -349,8 +364,7 @@ def _start(
     t0 = time.perf_counter()
     _reap(state)
     final = Path(os.path.abspath(path))
-    if not final.parent.is_dir():
-        raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
+    _make_parents(final.parent)
     names = _group_names(state, groups)
     dist_on = _use_distributed(state, distributed, group)
     rank, world = (_dist_world(group) or (0, 1)) if dist_on else (0, 1)
