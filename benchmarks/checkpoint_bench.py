@@ -67,23 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _median(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
-    times = []
-    for i in range(1 + repeat):
-        if setup is not None:
-            setup()
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return bench.timed(fn, repeat=repeat, setup=setup)
 
 
 def _fsync(path: Path) -> None:

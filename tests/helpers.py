@@ -83,3 +83,25 @@ def perturb(model, opt=None, amount: float = 0.5) -> None:
                 for v in st.values():
                     if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
                         v.add_(amount)
+
+
+def _block0(name: str) -> bool:
+    return name.startswith("blocks.0.")
+
+
+#: Each mix puts a warmed-up state into some residency and returns the groups it dropped.
+MIXES = {
+    "resident": lambda st: set(),
+    "params_offloaded": lambda st: (st.offload("params"), set())[1],
+    "all_offloaded": lambda st: (st.offload(), set())[1],
+    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
+    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
+    "mixed": lambda st: (st.offload(["params", "optim"]), st.drop("grads"), {"grads"})[2],
+}
+
+
+def expected_after(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
+    """What a capture reads after a mix: dropped grads read as zeros."""
+    if "grads" not in dropped:
+        return values
+    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}

@@ -20,12 +20,14 @@ import pytest
 import torch
 from helpers import (
     DEVICES,
+    MIXES,
     SMALL,
     assert_same,
     capture,
     make,
     perturb,
     train_step,
+    expected_after,
     warm,
 )
 from torch import nn
@@ -57,26 +59,6 @@ from stateshift.models import TinyConfig
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ALL = ("params", "buffers", "grads", "optim")
 
-
-def _block0(name: str) -> bool:
-    return name.startswith("blocks.0.")
-
-
-# Each mix puts a warmed-up state into some residency; returns the groups it dropped.
-MIXES = {
-    "resident": lambda st: set(),
-    "params_offloaded": lambda st: (st.offload("params"), set())[1],
-    "all_offloaded": lambda st: (st.offload(), set())[1],
-    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
-    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
-    "mixed": lambda st: (st.offload(["params", "optim"]), st.drop("grads"), {"grads"})[2],
-}
-
-
-def _expected(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
-    if "grads" not in dropped:
-        return values
-    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
 
 
 @pytest.fixture(params=DEVICES)
@@ -124,7 +106,7 @@ def test_round_trip_in_every_mix(device, tmp_path, mix):
     assert not torch.equal(capture(state2)["blocks.0.fc1.weight"], values["blocks.0.fc1.weight"])
     manifest = load(state2, tmp_path / "ck")
     assert manifest.tag == "t" and manifest.version == 3
-    assert_same(capture(state2), _expected(values, dropped))
+    assert_same(capture(state2), expected_after(values, dropped))
     after = state2.residency()
     for g, counts in residency2.items():  # loading moved nothing: dropped slots now hold values offloaded
         assert after[g]["device"] == counts["device"]

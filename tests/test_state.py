@@ -5,30 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICES, assert_same, capture, make, perturb, train_step, warm
+from helpers import DEVICES, MIXES, assert_same, capture, expected_after, make, perturb, train_step, warm
 from stateshift import ModelState, Residency
 from stateshift.models import batch
 
-
-def _block0(name: str) -> bool:
-    return name.startswith("blocks.0.")
-
-
-# Each mix puts a warmed-up state into some residency; returns the groups it dropped.
-MIXES = {
-    "resident": lambda st: set(),
-    "params_offloaded": lambda st: (st.offload("params"), set())[1],
-    "all_offloaded": lambda st: (st.offload(), set())[1],
-    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
-    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
-    "mixed": lambda st: (st.offload(["params", "optim"]), st.drop("grads"), {"grads"})[2],
-}
-
-
-def _expected(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
-    if "grads" not in dropped:
-        return values
-    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
 
 
 @pytest.fixture(params=DEVICES)
@@ -59,7 +39,7 @@ def test_snapshot_in_every_mix(warmed, mix):
     model, opt, state = warmed
     before = capture(state)
     dropped = MIXES[mix](state)
-    assert_same(capture(state), _expected(before, dropped))
+    assert_same(capture(state), expected_after(before, dropped))
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -69,7 +49,7 @@ def test_offload_onload_round_trip(warmed, mix):
     dropped = MIXES[mix](state)
     state.onload()
     assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
-    assert_same(capture(state), _expected(before, dropped))
+    assert_same(capture(state), expected_after(before, dropped))
     train_step(model, opt, 1)  # the model still trains
 
 
