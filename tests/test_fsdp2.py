@@ -130,8 +130,57 @@ def build(device: str, mesh, *, reshard=None, offload: bool = False, seed: int =
         fully_shard(block, **kw)
     if wrap_root:
         fully_shard(model, **kw)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return model, opt
+    if offload and device == "cpu":
+        unresizable_host_shards(model)
+    return model, adam(model, foreach=not offload)
+
+
+def adam(model: nn.Module, *, foreach: bool):
+    """Adam with the kernels CUDA picks by default, on every device.
+
+    On CUDA Adam defaults to the foreach kernels (``torch._foreach_*``) for
+    tensors on the GPU and to the per-tensor loop for tensors on the CPU
+    (``CPUOffloadPolicy``); on the CPU it always defaults to the loop. Passing
+    ``foreach`` explicitly makes the CPU suite run the optimizer path the GPU
+    suite runs. torch's foreach kernels refuse a list that mixes DTensors and
+    plain tensors ("got mixed torch.Tensor and DTensor"), and Adam groups the
+    tensors of a param group by device and dtype only: a model whose root is
+    not wrapped (its own parameters stay plain) needs them in a param group of
+    their own -- a torch requirement, stateshift or not.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    groups = [{"params": ps} for ps in (sharded, plain) if ps]
+    return torch.optim.Adam(groups, lr=1e-2, foreach=foreach)
+
+
+def unresizable_host_shards(model: nn.Module) -> None:
+    """The CPU's stand-in for ``CPUOffloadPolicy(pin_memory=True)`` on a GPU: host shards that cannot be resized.
+
+    On a GPU, FSDP pins each parameter's host shard with ``Tensor.pin_memory()``,
+    whose storage (torch's caching host allocator) is not resizable, so
+    stateshift cannot release it: offload and drop leave it where it is. Here
+    each shard storage is moved, values and tensor objects kept, into a
+    non-resizable one (``torch.frombuffer``), so the CPU suite runs that path too.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.no_grad():
+        for m in model.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            for g in _groups_of(m):
+                for fp in g.fsdp_params:
+                    old = fp._sharded_param_data.untyped_storage()
+                    if old.nbytes() == 0 or not old.resizable():
+                        continue
+                    frozen = torch.frombuffer(bytearray(old.nbytes()), dtype=torch.uint8).untyped_storage()
+                    frozen.copy_(old)
+                    for t in (fp._sharded_param_data, fp.sharded_param._local_tensor):
+                        assert t.untyped_storage().data_ptr() == old.data_ptr()
+                        t.set_(frozen, t.storage_offset(), t.shape, t.stride())
 
 
 # -- reading values ----------------------------------------------------------------------------
@@ -215,19 +264,36 @@ def _block0(name: str) -> bool:
 
 
 MIXES = {
-    "resident": lambda st: set(),
-    "params_offloaded": lambda st: (st.offload("params"), set())[1],
-    "all_offloaded": lambda st: (st.offload(), set())[1],
-    "grads_dropped": lambda st: (st.drop("grads"), {"grads"})[1],
-    "partial": lambda st: (st.offload(["params", "optim"], only=_block0), set())[1],
-    "mixed": lambda st: (st.offload(["params", "buffers", "optim"]), st.drop("grads"), {"grads"})[2],
+    "resident": lambda st: None,
+    "params_offloaded": lambda st: st.offload("params"),
+    "all_offloaded": lambda st: st.offload(),
+    "grads_dropped": lambda st: st.drop("grads"),
+    "partial": lambda st: st.offload(["params", "optim"], only=_block0),
+    "mixed": lambda st: (st.offload(["params", "buffers", "optim"]), st.drop("grads")),
 }
 
 
-def expected(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[str, torch.Tensor]:
-    if "grads" not in dropped:
-        return values
-    return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
+def expected(values: dict[str, torch.Tensor], state: ModelState) -> dict[str, torch.Tensor]:
+    """``values`` with the tensors of dropped slots zeroed (what onload gives back).
+
+    Slots whose storage cannot be resized (pinned host shards under
+    ``CPUOffloadPolicy``) are never released: a drop leaves them, and their
+    values, as they are.
+    """
+    zeroed = {m.name for s in state.slots() if s.residency is Residency.DROPPED for m in s.info.members}
+    return {k: (torch.zeros_like(v) if k in zeroed else v) for k, v in values.items()}
+
+
+def fixed_storages(state: ModelState) -> dict[int, tuple[int, int]]:
+    """Slots whose storage cannot be resized: key -> (address, size). No verb may release or move them."""
+    return {s.key: (s.storage.data_ptr(), s.storage.nbytes()) for s in state.slots() if not s.storage.resizable()}
+
+
+def assert_fixed_in_place(state: ModelState, fixed: dict[int, tuple[int, int]], what: str) -> None:
+    for s in state.slots():
+        if s.key in fixed:
+            assert s.residency is Residency.DEVICE, f"{what}: {s.name} is {s.residency} (storage not resizable)"
+            assert (s.storage.data_ptr(), s.storage.nbytes()) == fixed[s.key], f"{what}: {s.name} moved"
 
 
 def _groups_of(module: nn.Module) -> list:
@@ -265,21 +331,30 @@ def every_verb_in_every_residency(rank, world, device="cpu", mesh_shape=None, mi
         base = direct(model, opt)
         assert_same(capture(state), base, f"{mix}: capture of resident state")
         saved = state.snapshot(state.groups, tag="saved")
+        # pinned host shards (CPUOffloadPolicy): already host memory, never released, always copied
+        fixed = fixed_storages(state)
+        if offload_policy:
+            assert any(s.key in fixed for s in state.slots("params")), "CPUOffloadPolicy: resizable host shards"
+        else:
+            assert not fixed
 
         # snapshot in the mix
-        dropped = MIXES[mix](state)
+        MIXES[mix](state)
         released = [s for s in state.slots() if s.residency is not Residency.DEVICE]
         assert all(s.storage.nbytes() == 0 for s in released), f"{mix}: an offloaded slot kept its storage"
-        assert_same(capture(state), expected(base, dropped), f"{mix}: snapshot")
+        assert_fixed_in_place(state, fixed, mix)
+        want = expected(base, state)
+        assert_same(capture(state), want, f"{mix}: snapshot")
 
         # onload from the mix: the same tensor objects hold the values
         state.onload()
         assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
-        assert_same(direct(model, opt), expected(base, dropped), f"{mix}: onload")
+        assert_same(direct(model, opt), want, f"{mix}: onload")
 
         # restore into the mix
         perturb(model, opt)
         MIXES[mix](state)
+        assert_fixed_in_place(state, fixed, f"{mix}: before restore")
         before = state.residency()
         state.restore(saved)
         after = state.residency()
@@ -294,7 +369,7 @@ def every_verb_in_every_residency(rank, world, device="cpu", mesh_shape=None, mi
         train_step(model, opt, 1, device)
         cur_out = logits(model, device)
         assert not torch.equal(cur_out, old_out)
-        dropped = MIXES[mix](state)
+        MIXES[mix](state)
         before = state.residency()
         current = capture(state)
         with state.swapped(pi_old):
@@ -365,6 +440,8 @@ def aliasing_and_restore_after_steps(rank, world, device="cpu", mesh_shape=None,
     With ``CPUOffloadPolicy`` the shards already live in host memory (the
     case where ``.cpu()`` returned the live tensor itself), and with params
     offloaded by stateshift (the snapshot shares the home copy-on-write).
+    Under the policy the pinned host shards cannot be resized: ``offload()``
+    leaves them live where they are, so even then the snapshot must copy them.
     """
 
     setup_device(rank, device)
@@ -377,6 +454,8 @@ def aliasing_and_restore_after_steps(rank, world, device="cpu", mesh_shape=None,
             p = model.blocks[0][0].weight
             assert _local(p).device.type == "cpu"
             assert _local(p).cpu().data_ptr() == _local(p).data_ptr()  # the trap: .cpu() is the live tensor
+        fixed = fixed_storages(state)
+        assert bool(fixed) == policy
         pi_old = state.snapshot(tag="pi_old")
         old = pi_old.tensors()
         for how in ("live", "offloaded"):
@@ -384,14 +463,21 @@ def aliasing_and_restore_after_steps(rank, world, device="cpu", mesh_shape=None,
                 train_step(model, opt, step, device)
             if how == "offloaded":
                 state.offload()
+                assert_fixed_in_place(state, fixed, f"policy={policy} offload")
             current = state.snapshot(tag="current")
             want = current.tensors()
             assert not torch.equal(want["embed.weight"], old["embed.weight"].to(want["embed.weight"].device))
-            if how == "live":  # the snapshot's memory is not any live storage
-                snap_ranges = [(b.data.data_ptr(), b.data.data_ptr() + b.nbytes) for b in (p.host for p in current.parts)]
-                for t in model.parameters():
-                    ptr = _local(t).untyped_storage().data_ptr()
-                    assert not any(lo <= ptr < hi for lo, hi in snap_ranges), "snapshot aliases a live shard"
+            # the snapshot's memory is not any live storage (offloaded: only the pinned shards are live)
+            snap_ranges = [(b.data.data_ptr(), b.data.data_ptr() + b.nbytes) for b in (p.host for p in current.parts)]
+            live = 0
+            for t in model.parameters():
+                st = _local(t).untyped_storage()
+                if st.nbytes() == 0:
+                    continue  # released by offload()
+                live += 1
+                ptr = st.data_ptr()
+                assert not any(lo <= ptr < hi for lo, hi in snap_ranges), f"{how}: snapshot aliases a live shard"
+            assert live > 0 if how == "live" or policy else live == 0
             state.restore(pi_old)
             state.restore(current)
             state.onload()

@@ -7,7 +7,9 @@ residency, training with moves, the aliasing regression, restore after
 steps, guards, the sharding mismatch) with ``device="cuda"``; the CPU suite
 runs the same bodies at world size 1 (``test_world_size_one_suite``), so
 these execute code already known to pass there. Added here: the same suite
-under ``CPUOffloadPolicy(pin_memory=True)`` (shards in pinned host memory),
+under ``CPUOffloadPolicy(pin_memory=True)`` (shards in pinned host memory,
+not resizable: offload and drop leave them in place; the CPU suite runs
+that path with a non-resizable stand-in, ``cases.unresizable_host_shards``),
 released device memory, and stream ordering of snapshot / restore around
 compute on real shards.
 
@@ -64,7 +66,7 @@ def test_every_verb_in_every_residency_cuda():
 
 
 def test_every_verb_with_fsdp_cpu_offload_policy_cuda():
-    """Shards already in (pinned) host memory: every verb still copies, never aliases."""
+    """Shards already in pinned host memory: offload/drop leave them in place; snapshots copy, never alias."""
     mixes = ["resident", "all_offloaded", "partial", "mixed"]
     assert run("every_verb_in_every_residency", mixes=mixes, offload_policy=True) == [mixes]
 

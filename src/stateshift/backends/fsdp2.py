@@ -35,7 +35,10 @@ user is in ``docs/fsdp2.md``. In short:
 - **Never aliasing.** Under ``CPUOffloadPolicy`` the shards already live in
   host memory; they are still ``device`` slots (their own storage holds the
   values) and a snapshot copies their bytes into a pool block, never keeps a
-  reference to the live tensor (the verl-omni #645 failure). On a GPU,
+  reference to the live tensor (the verl-omni #645 failure). With
+  ``pin_memory=True`` (on a GPU) FSDP pins them with ``Tensor.pin_memory()``,
+  whose storage cannot be resized: ``offload`` and ``drop`` leave those in
+  place (the engine's rule for non-resizable host storage). On a GPU,
   verbs first wait for the current stream (FSDP's non-blocking host-to-device
   copies may still read the host shards) and ``optimizer.step()`` (on the
   CPU) waits for the device.
