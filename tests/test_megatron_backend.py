@@ -64,6 +64,23 @@ def _is_expert(name, _p):
     return ".experts." in name
 
 
+def pretend_cuda_engine(state, monkeypatch):
+    """What a machine with CUDA gives a CPU model: ``ModelState``'s copy engine drives cuda:0.
+
+    The model stays on the CPU, so nothing is copied to a GPU; what this exercises are the
+    decisions (rebuild availability, pi_old placement, byte accounting), which must follow
+    where the state lives. A GPU's free memory must not be consulted for CPU-resident state.
+    (On a machine with CUDA the engine already is on a GPU: this changes nothing there.)
+    """
+    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
+
+    def no_gpu_memory(*_a, **_k):
+        raise AssertionError("a GPU's memory was consulted for state that lives on the CPU")
+
+    for fn in ("mem_get_info", "memory_reserved", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, fn, no_gpu_memory)
+
+
 CONFIGS = {
     # what get_megatron_optimizer builds with EP > 1: Chained(Distributed dense, Distributed expert)
     "distrib_ep": {"model": "moe", "ep": True, "udo": True, "kind": "chained"},
@@ -637,7 +654,7 @@ def test_master_rebuild_gives_back_exactly_the_current_params(config):
     fake_train_step(ddp, opt, _x(2))
     now = capture(state)
     plugin = state.backends[1].rebuild_plugin(state)
-    assert plugin.available() is None
+    assert plugin.available() is None  # masters and params both on the CPU, whatever the engine drives
     calls = []
 
     def rebuild():
@@ -652,17 +669,34 @@ def test_master_rebuild_gives_back_exactly_the_current_params(config):
     assert_same(capture(state), now)
 
 
-def test_master_rebuild_refuses_when_it_would_not_be_exact():
+@pytest.mark.parametrize("engine", ["as_built", "on_cuda"])
+def test_master_rebuild_refuses_when_it_would_not_be_exact(engine, monkeypatch):
     dense32 = build_fake_ddp(FakeDenseModel(HIDDEN), bf16=False)
     opt32 = build_fake_optimizer(dense32, "distrib")
     assert "fp32 model params" in ModelState(dense32, opt32).backends[1].rebuild_plugin(ModelState(dense32, opt32)).available()
     ddp, opt = build("distrib")
     fake_train_step(ddp, opt, _x(0))
     state = ModelState(ddp, opt)
+    if engine == "on_cuda":
+        pretend_cuda_engine(state, monkeypatch)
     plugin = state.backends[1].rebuild_plugin(state)
+    assert plugin.available() is None  # "on the device" = where the params live (the CPU here)
     state.offload("optim")
     assert "not on the device" in plugin.available()
     state.onload("optim")
+    assert plugin.available() is None
+    # a master on another device than its params (as after Megatron's own offload_to_cpu on a
+    # GPU: p.data = p.data.cpu()); "meta" stands in for the other device on a CPU-only machine
+    leaf = mg._optimizers_of(opt)[0]
+    masters = leaf.shard_fp32_from_float16_groups[0]
+    values = masters[0]
+    masters[0] = torch.empty_like(values, device="meta")
+    plugin._sig = None  # (the plan is cached per param-group signature, which this does not change)
+    try:
+        assert "not on the device of the params (meta, params on cpu" in plugin.available()
+    finally:
+        masters[0] = values
+        plugin._sig = None
     assert plugin.available() is None
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fake_mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
 from helpers import SMALL, make, train_step
-from test_megatron_backend import _x, build
+from test_megatron_backend import _x, build, pretend_cuda_engine
 
 from stateshift import ModelState, UnknownGroupError
 from stateshift.backends.megatron import MasterRebuild
@@ -17,6 +17,16 @@ from stateshift.models import batch
 from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
 
 N = 4
+
+#: the copy engine as ModelState built it (a GPU wherever CUDA is present), or pretending to be on
+#: cuda:0 (what a machine with CUDA gives these CPU models): the checks must hold on either
+ENGINES = ["as_built", "on_cuda"]
+
+
+def _engine(state, engine, monkeypatch):
+    if engine == "on_cuda":
+        pretend_cuda_engine(state, monkeypatch)
+    return state
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -46,12 +56,16 @@ def _torch_setup():
 # ----------------------------------------------------------------------------- plain PyTorch
 
 
-@pytest.mark.parametrize("placement", ["host", "device", "auto"])
-def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(placement):
+@pytest.mark.parametrize(
+    ("placement", "engine"),
+    # (an explicit "device" with a pretended cuda engine would allocate on a GPU: not pretended)
+    [("host", "as_built"), ("device", "as_built"), ("auto", "as_built"), ("host", "on_cuda"), ("auto", "on_cuda")],
+)
+def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(placement, engine, monkeypatch):
     model, opt = _torch_setup()
     twin, twin_opt = _torch_setup()
     frozen = copy.deepcopy(model)  # what pi_old is
-    state = ModelState(model, opt)
+    state = _engine(ModelState(model, opt), engine, monkeypatch)
     cycle = PiOldCycle(state, placement=placement)
     steps = [10 + i for i in range(N)]  # mini-batch i is batch(SMALL, 10 + i)
     olds = cycle.run(steps, lambda s: _old_logits(model, batch(SMALL, s)), lambda s: train_step(model, opt, s))
@@ -61,21 +75,26 @@ def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(pla
         train_step(twin, twin_opt, 10 + i)
     for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
-    assert cycle.stats.placement == ("host" if placement == "auto" else placement)  # no GPU here
+    # the model lives on the CPU: "auto" keeps pi_old in CPU memory (host), GPU or not
+    assert cycle.stats.placement == ("host" if placement == "auto" else placement)
+    if placement != "device" or state.engine.device is None:
+        assert cycle.stats.pcie_bytes == cycle.stats.device_bytes == 0 and cycle.stats.host_bytes > 0
     assert (cycle.stats.snapshots, cycle.stats.swaps, cycle.stats.skipped_swaps, cycle.stats.rebuilds) == (1, N - 1, 1, 0)
     assert find_rebuild(state) is None and cycle.rebuild is None
     assert "pi_old" not in {t for t, _ in state.snapshots.keys()}  # noqa: SIM118  # released at the end
 
 
-def test_old_policy_while_params_are_offloaded():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_old_policy_while_params_are_offloaded(engine, monkeypatch):
     model, opt = _torch_setup()
-    state = ModelState(model, opt)
+    state = _engine(ModelState(model, opt), engine, monkeypatch)
     probe = batch(SMALL, 99)
     want = _old_logits(model, probe)
     state.offload()
     cycle = PiOldCycle(state)
     cycle.begin()  # from the offloaded home: zero-copy
-    assert cycle.stats.host_bytes == 0
+    assert cycle.stats.placement == "host"
+    assert cycle.stats.host_bytes == cycle.stats.pcie_bytes == cycle.stats.device_bytes == 0
     state.onload()
     train_step(model, opt, 1)
     now = {k: v.clone() for k, v in model.state_dict().items()}
@@ -124,15 +143,16 @@ def test_megatron_default_groups_and_plugin():
     assert isinstance(plugin, MasterRebuild) and isinstance(plugin, Rebuild) and plugin.group == "params"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("config", ["distrib_ep", "float16_no_param_data"])
-def test_megatron_cycle_with_rebuild_is_exact_and_moves_fewer_bytes(config):
+def test_megatron_cycle_with_rebuild_is_exact_and_moves_fewer_bytes(config, engine, monkeypatch):
     results = {}
     for rebuild in ("auto", None):
         ddp, opt = build(config)
         fake_train_step(ddp, opt, _x(0))
         frozen_ddp, frozen_opt = build(config)
         fake_train_step(frozen_ddp, frozen_opt, _x(0))
-        state = ModelState(ddp, opt)
+        state = _engine(ModelState(ddp, opt), engine, monkeypatch)
         cycle = PiOldCycle(state, rebuild=rebuild)  # type: ignore[arg-type]
         router = ddp.module.module.moe.router
         biases = []
@@ -152,7 +172,8 @@ def test_megatron_cycle_with_rebuild_is_exact_and_moves_fewer_bytes(config):
     (with_rb, weights_rb), (without, weights) = results["auto"], results[None]
     for k in weights:
         assert torch.equal(weights_rb[k], weights[k]), k
-    assert with_rb.rebuilds == N - 1 and without.rebuilds == 0
+    assert with_rb.rebuilds == N - 1 and without.rebuilds == 0 and not with_rb.fallbacks
+    assert with_rb.placement == without.placement == "host"  # CPU model: pi_old in CPU memory
     params = ModelState(*build(config)).nbytes("params")
     assert without.stashed_bytes - with_rb.stashed_bytes == (N - 1) * params  # no stash of the params
     assert without.host_bytes - with_rb.host_bytes == 2 * (N - 1) * params  # (on CPU every copy is host to host)
@@ -175,13 +196,55 @@ def test_megatron_falls_back_to_the_stash_when_rebuild_is_not_exact():
     assert cycle.stats.rebuilds == 0 and cycle.stats.fallbacks
 
 
-def test_megatron_cycle_accounting_matches_the_bytes():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_megatron_cycle_accounting_matches_the_bytes(engine, monkeypatch):
     ddp, opt = build("distrib")
     fake_train_step(ddp, opt, _x(0))
-    state = ModelState(ddp, opt)
+    state = _engine(ModelState(ddp, opt), engine, monkeypatch)
     cycle = PiOldCycle(state)
     p, b = state.nbytes("params"), state.nbytes("buffers")
     cycle.run([_x(i) for i in range(N)], lambda x: None, lambda x: fake_train_step(ddp, opt, x))
     # snapshot (p + b), then each of N-1 swaps writes p + b and stashes b out and back
     assert cycle.stats.host_bytes == (p + b) + (N - 1) * (p + b + 2 * b)
     assert cycle.stats.stashed_bytes == (N - 1) * b
+    assert cycle.stats.pcie_bytes == cycle.stats.device_bytes == 0  # a CPU model: nothing crosses to a GPU
+    assert cycle.stats.rebuilds == N - 1 and not cycle.stats.fallbacks
+
+
+# ----------------------------------------------------------------------------- the placement decision
+
+
+def test_auto_placement_follows_where_the_state_lives_and_that_devices_free_memory(monkeypatch):
+    """Simulated GPU residency (no tensor is touched: only ``choose_placement`` runs)."""
+    ddp, opt = build("distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    cycle = PiOldCycle(state)
+    asked = []
+    free = {"bytes": 0}
+    gib = 1 << 30
+
+    def mem_get_info(dev):
+        asked.append(torch.device(dev))
+        return free["bytes"], 80 * gib
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
+    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
+    assert cycle.state_device() == torch.device("cpu")
+    assert cycle.choose_placement() == "host" and asked == []  # CPU-resident: CPU memory, no GPU asked
+    slots = [s for g in cycle.groups for s in state._groups[g].slots]
+    for s in slots:
+        monkeypatch.setattr(s, "device", torch.device("cuda", 0))
+    assert cycle.state_device() == torch.device("cuda", 0)
+    free["bytes"] = 80 * gib
+    assert cycle.choose_placement() == "device" and asked == [torch.device("cuda", 0)]
+    free["bytes"] = 4 * gib  # under the default headroom (max(1 GiB, 5 % of 80 GiB) = 4 GiB) once pi_old is in
+    assert cycle.choose_placement() == "host"
+    for s in slots:  # params on another GPU than the engine's (where device snapshots would go)
+        monkeypatch.setattr(s, "device", torch.device("cuda", 1))
+    free["bytes"], asked[:] = 80 * gib, []
+    assert cycle.choose_placement() == "host" and asked == []
+    monkeypatch.setattr(slots[0], "device", torch.device("cuda", 0))  # spread over two GPUs
+    assert cycle.state_device() is None and cycle.choose_placement() == "host"

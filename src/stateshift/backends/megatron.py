@@ -352,17 +352,21 @@ class MegatronModelBackend:
                 f"{base}.param_data",
                 f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
             )
-        self._sync_native(cpu)
+        self._sync_native(cpu, pd.device)
         return NativeHome(values=cpu, on_onload=functools.partial(_forget_param_cpu, buf, cpu))
 
-    def _sync_native(self, cpu: torch.Tensor) -> None:
-        """Wait for Megatron's own (event-less, non-blocking) copy into ``param_data_cpu`` once per new write."""
-        if not torch.cuda.is_available():
+    def _sync_native(self, cpu: torch.Tensor, device: torch.device) -> None:
+        """Wait for Megatron's own (event-less, non-blocking) copy into ``param_data_cpu`` once per new write.
+
+        Only a copy from a CUDA ``param_data`` can be in flight (from a CPU
+        buffer it was synchronous), whatever else the machine has.
+        """
+        if device.type != "cuda":
             return
         seen = self._synced.get(id(cpu))
         if seen is not None and seen[0]() is cpu and seen[1] == cpu._version:
             return
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         self._synced[id(cpu)] = (weakref.ref(cpu), cpu._version)
 
     def _grad_entries(self, ref: _BufferRef) -> Iterator[Entry]:
@@ -633,6 +637,7 @@ class MasterRebuild:
             pair[1].append(m)
         self._by_device = list(by_device.values())
         self._masters = srcs
+        self._pairs = list(zip(dsts, srcs, strict=True))
         self._nbytes = (sum(m.numel() * m.element_size() for m in srcs), sum(d.numel() * d.element_size() for d in dsts))
         self._static = self._static_reason()
         self._sig = sig
@@ -665,14 +670,24 @@ class MasterRebuild:
         return None
 
     def available(self) -> str | None:
-        """``None`` when rebuilding the params group from masters is exact now; otherwise why not."""
+        """``None`` when rebuilding the params group from masters is exact now; otherwise why not.
+
+        "On the device" means resident where the params they rebuild live:
+        each master must be on its destination's own device (not the copy
+        engine's: a CPU model on a CUDA machine has CPU masters and CPU
+        params, and rebuilds on the CPU) and hold its storage (not released by
+        ``state.offload("optim")``). Megatron's own ``offload_to_cpu`` moves
+        the masters to the CPU (``p.data = p.data.cpu()``) while the params
+        stay on the GPU: a rebuild would then cross PCIe, so the stash is used.
+        """
         self._prepare()
         if self._static is not None:
             return self._static
-        dev = self.state.engine.device if self.state.engine.device is not None else torch.device("cpu")
-        for m in self._masters:
-            if m.device != dev or _storage_bytes(m) == 0:
-                return "the fp32 masters are not on the device (optimizer offloaded)"
+        for dst, m in self._pairs:
+            if _storage_bytes(m) == 0:
+                return "the fp32 masters are not on the device (optimizer offloaded: their storage is released)"
+            if m.device != dst.device:
+                return f"the fp32 masters are not on the device of the params ({m.device}, params on {dst.device}: optimizer offloaded)"
         return None
 
     def nbytes(self) -> tuple[int, int]:

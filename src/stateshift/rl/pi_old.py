@@ -9,8 +9,12 @@ through PCIe. Here:
 - **one snapshot per cycle** (``begin``), taken wherever the params live
   (device-resident: one copy; offloaded: zero-copy from the home);
 - **device placement when it fits** (``placement="auto"``): pi_old stays on
-  the GPU and each swap is a device-to-device copy; otherwise host (pinned,
-  pooled, reused by the next cycle);
+  the GPU the params live on and each swap is a device-to-device copy;
+  otherwise host (pinned, pooled, reused by the next cycle). The decision
+  follows where the state lives, not what the machine has: params on the
+  CPU (a CPU model, even on a machine with CUDA) get ``host`` -- pooled CPU
+  memory, which *is* their own device's memory, so every copy is host to
+  host -- and a GPU's free memory is only consulted for params on that GPU;
 - **no stash of the current weights when they can be rebuilt**: a backend
   plug-in (``Rebuild``; Megatron: ``MasterRebuild``, bf16 params recomputed
   from the fp32 master shards on the device) replaces "copy out, copy back"
@@ -21,7 +25,10 @@ through PCIe. Here:
 Bytes per cycle of N mini-batches with params of P bytes on the device:
 host placement ``P + (N-1)P`` through PCIe (plus, without a rebuild plug-in,
 ``2(N-1)P`` of stash traffic); device placement the same counts as
-device-to-device copies. ``CycleStats`` records what was moved.
+device-to-device copies. ``CycleStats`` records what was moved, by where
+each copy really ran (a slot's own device, the snapshot's own memory): for
+params on the CPU every copy is host to host, whether or not the machine
+has a GPU.
 
 When results are safe to read: as for ``ModelState.swapped`` -- the model
 computes under pi_old inside ``old_policy()`` (compute enqueued there is
@@ -114,8 +121,16 @@ class PiOldCycle:
         groups: what pi_old holds (default: ``default_groups(state)``, e.g.
             ``params`` and ``buffers`` -- MoE ``expert_bias`` included --
             but not frozen weights).
-        placement: ``"auto"`` (device if the snapshot fits on the GPU with
-            ``device_headroom_bytes`` to spare, else host), ``"host"`` or ``"device"``.
+        placement: ``"auto"`` (device if the params live on the copy engine's
+            GPU and the snapshot fits in that GPU's free memory with
+            ``device_headroom_bytes`` to spare, else host; params on the CPU:
+            host, i.e. CPU memory), ``"host"`` or ``"device"``. An explicit
+            ``"device"`` is honoured as ``ModelState.snapshot`` places it: on
+            the copy engine's accelerator (``state.engine.device``; the CPU when
+            there is none), so for a CPU model on a CUDA machine it costs GPU
+            memory and PCIe copies -- ``"auto"`` never picks that. Pass
+            ``ModelState(..., device=torch.device("cpu"))`` to keep a CPU model
+            off the GPU altogether.
         rebuild: ``"auto"`` (the plug-in a backend offers), ``None`` (always
             stash), or a ``Rebuild``.
         device_headroom_bytes: GPU memory that must stay free after placing
@@ -156,12 +171,30 @@ class PiOldCycle:
             raise RuntimeError("no pi_old: call begin() first")
         return self._snapshot
 
+    def state_device(self) -> torch.device | None:
+        """The one accelerator the groups' slots live on (resident or not); the CPU if none does.
+
+        ``None`` when they span several accelerators. A slot's device is its
+        storage's own (an offloaded slot keeps it), never the copy engine's.
+        """
+        devices = {s.device for g in self.groups for s in self._slots(g)}
+        accelerators = {d for d in devices if d.type != "cpu"}
+        if not accelerators:
+            return torch.device("cpu")
+        return accelerators.pop() if len(accelerators) == 1 else None
+
     def choose_placement(self) -> Literal["host", "device"]:
-        """Where pi_old goes this cycle: ``device`` when it fits (with headroom), else ``host``."""
+        """Where pi_old goes this cycle: ``device`` when it fits (with headroom), else ``host``.
+
+        Based on where the state lives (``state_device``) and on the free
+        memory of *that* device: params on the CPU -> ``host`` (CPU memory,
+        their own); on a GPU -> ``device`` if that GPU is the copy engine's
+        (device snapshots and stashes are allocated there) and has room.
+        """
         if self.placement != "auto":
             return self.placement  # type: ignore[return-value]
-        dev = self.state.engine.device
-        if dev is None:
+        dev = self.state_device()
+        if dev is None or dev.type != "cuda" or dev != self.state.engine.device:
             return "host"
         need = sum(self.state._groups[g].layout.total for g in self.groups)  # (as of the last refresh)
         if self.rebuild is None or self.rebuild.group not in self.groups:
@@ -265,9 +298,16 @@ class PiOldCycle:
         """The group's slots as of the last refresh (every verb refreshes; accounting need not)."""
         return self.state._groups[group].slots
 
+    # Where each copy runs follows the tensors themselves: a slot's storage is on its own
+    # device (``slot.device``: the CPU for a CPU model, even on a CUDA machine); homes and host
+    # snapshots are CPU memory; a device snapshot or stash is where ModelState allocated it
+    # (the copy engine's accelerator, else the CPU).
+
+    def _device_snapshot_on_accelerator(self) -> bool:
+        return self.state.engine.device is not None
+
     def _account_snapshot(self, placement: str) -> None:
-        on_device = self.state.engine.device is not None
-        to_dev = placement == "device" and on_device
+        to_dev = placement == "device" and self._device_snapshot_on_accelerator()
         for g in self.groups:
             slots = self._slots(g)
             whole_home = placement == "host" and slots and all(
@@ -275,20 +315,26 @@ class PiOldCycle:
             )
             for s in slots:
                 if s.residency is Residency.DEVICE:
-                    self._move(s.nbytes, on_device, to_dev)
+                    self._move(s.nbytes, _on_accelerator(s), to_dev)
                 elif s.residency is Residency.HOST and not whole_home:
-                    self._move(s.nbytes, False, to_dev)
+                    self._move(s.nbytes, False, to_dev)  # from the (CPU) home
 
     def _account_swap(self, snap: Snapshot, rebuild: dict[str, Callable[[], None]]) -> None:
-        on_device = self.state.engine.device is not None
-        from_dev = snap.placement == "device" and on_device
         for part in snap.parts:
+            at_dev = part.device is not None and part.device.device.type != "cpu"
+            # the stash waits where pi_old lives (``stash=snap.placement``: same device as the part)
             for s in self._slots(part.group):
-                self._move(s.nbytes, from_dev, on_device)  # write pi_old in
+                on_dev = _on_accelerator(s)
+                self._move(s.nbytes, at_dev, on_dev)  # write pi_old in
                 if s.residency is Residency.DEVICE and part.group not in rebuild:
                     self.stats.stashed_bytes += s.nbytes
-                    self._move(s.nbytes, on_device, from_dev)  # stash out
-                    self._move(s.nbytes, from_dev, on_device)  # and back
+                    self._move(s.nbytes, on_dev, at_dev)  # stash out
+                    self._move(s.nbytes, at_dev, on_dev)  # and back
         for fn in rebuild.values():
             read, written = fn.nbytes() if hasattr(fn, "nbytes") else (0, 0)  # type: ignore[attr-defined]
             self.stats.rebuild_bytes += read + written
+
+
+def _on_accelerator(slot: Any) -> bool:
+    """Whether the slot's storage (when resident) is accelerator memory: its own device, not the engine's."""
+    return slot.device.type != "cpu"
