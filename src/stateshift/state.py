@@ -312,7 +312,7 @@ class ModelState:
             if placement == "host":
                 part = SnapshotPart(g, gs.layout, host=self.pool.acquire(gs.layout.total))
             else:
-                part = SnapshotPart(g, gs.layout, device=torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for_snapshots()))
+                part = SnapshotPart(g, gs.layout, device=torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for(gs)))
             parts.append(part)
             for i, s in enumerate(gs.slots):
                 if s.residency is Residency.DEVICE:
@@ -424,7 +424,7 @@ class ModelState:
             rebuilt = part.group in rebuild
             if not rebuilt and any(s.residency is Residency.DEVICE for s in gs.slots):
                 if on_device:
-                    arena = torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for_snapshots())
+                    arena = torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for(gs))
                     stashes.append(arena)
                 else:
                     block = self.pool.acquire(gs.layout.total)
@@ -694,11 +694,15 @@ class ModelState:
         if stash != "auto":
             return stash == "device"
         dev = self.engine.device
-        if dev is None:
+        if dev is None or not any(self._device_for(gs) == dev for gs in groups):
             return False
         need = sum(gs.layout.total for gs in groups)
         free, _ = torch.cuda.mem_get_info(dev)
         return free >= 2 * need
 
-    def _device_for_snapshots(self) -> torch.device:
-        return self.engine.device if self.engine.device is not None else torch.device("cpu")
+    def _device_for(self, gs: GroupState) -> torch.device:
+        """Where a device-placed snapshot or stash of a group goes: the accelerator if the group lives there."""
+        dev = self.engine.device
+        if dev is not None and any(s.device.type == dev.type for s in gs.slots):
+            return dev
+        return torch.device("cpu")

@@ -41,7 +41,7 @@ if [[ $WHAT == *bench* ]]; then
       step "$b bench"
       case $b in
         megatron) args=""; limit=230 ;;
-        checkpoint) args="--hidden 2048 --layers 8 --repeat 3"; limit=110 ;;
+        checkpoint) args="--hidden 1024 --layers 8 --repeat 3"; limit=200 ;;
         *) args=""; limit=110 ;;
       esac
       timeout $limit python3 benchmarks/${b}_bench.py --out "$RES" $args 2>&1 | tail -40 || status=1
