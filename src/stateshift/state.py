@@ -314,13 +314,14 @@ class ModelState:
             else:
                 part = SnapshotPart(g, gs.layout, device=torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for(gs)))
             parts.append(part)
+            regions = part.regions()
             for i, s in enumerate(gs.slots):
                 if s.residency is Residency.DEVICE:
-                    pairs.append((part.region(i), s.bytes()))
+                    pairs.append((regions[i], s.bytes()))
                 elif s.residency is Residency.HOST:
-                    pairs.append((part.region(i), self._home_region(gs, i)))
+                    pairs.append((regions[i], self._home_region(gs, i)))
                 else:
-                    part.region(i).zero_()
+                    regions[i].zero_()
         self._sync_host_sources(pairs)
         transfer = self.engine.copy(pairs).merged(pending)
         snap = Snapshot(tag=tag, version=version, placement=placement, parts=tuple(parts), _pool=self.pool, _transfer=transfer)
@@ -358,12 +359,13 @@ class ModelState:
                     s.residency = Residency.HOST
                 continue
             home = self._writable_home(gs, rewriting={s.key for s in offloaded}) if offloaded else None
+            regions = part.regions()
             for i, s in enumerate(gs.slots):
                 if s.residency is Residency.DEVICE:
-                    pairs.append((s.bytes(), part.region(i)))
+                    pairs.append((s.bytes(), regions[i]))
                 else:
                     assert home is not None
-                    pairs.append((self._home_region(gs, i), part.region(i)))
+                    pairs.append((self._home_region(gs, i), regions[i]))
                     s.residency = Residency.HOST
             if home is not None:
                 homes.append(gs)
@@ -430,6 +432,7 @@ class ModelState:
                     block = self.pool.acquire(gs.layout.total)
                     stashes.append(block)
                     arena = block.data
+            regions = part.regions()
             for i, s in enumerate(gs.slots):
                 if s.residency is Residency.DEVICE and rebuilt:
                     undo.append((s, Residency.DEVICE, None))
@@ -441,7 +444,7 @@ class ModelState:
                 else:
                     s.regrow_storage()
                     undo.append((s, s.residency, None))
-                write_pairs.append((s.bytes(), part.region(i)))
+                write_pairs.append((s.bytes(), regions[i]))
         stashed = self.engine.copy(stash_pairs)
         self._sync_host_sources(write_pairs, snapshot)
         written = self.engine.copy(write_pairs)
@@ -670,7 +673,7 @@ class ModelState:
 
     def _sync_host_sources(self, pairs: list[Pair], snapshot: Snapshot | None = None) -> None:
         """Before host-to-host copies run on this thread, wait for device copies into their sources."""
-        if not any(d.device.type == "cpu" and s.device.type == "cpu" for d, s in pairs):
+        if not any(d.is_cpu and s.is_cpu for d, s in pairs):
             return
         for gs in self._groups.values():
             if gs.home is not None:

@@ -111,7 +111,7 @@ class CopyEngine:
                 raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
             if dst.numel() == 0:
                 continue
-            dst_dev, src_dev = dst.device.type != "cpu", src.device.type != "cpu"
+            dst_dev, src_dev = not dst.is_cpu, not src.is_cpu
             if not dst_dev and not src_dev:
                 dst.copy_(src)
             elif dst_dev and src_dev:
