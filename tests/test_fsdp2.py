@@ -26,6 +26,7 @@ try:
 except ImportError:  # tests/ not on sys.path (importlib mode)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dist_harness import run_distributed
+from helpers import capture  # noqa: E402  (tests/ is on sys.path by now)
 
 from stateshift import LayoutMismatchError, ModelState, OffloadedStateError, Residency
 
@@ -221,13 +222,6 @@ def direct(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def capture(state: ModelState, groups=None) -> dict[str, torch.Tensor]:
-    """Every member's values through a temporary snapshot."""
-    snap = state.snapshot(groups if groups is not None else state.groups, tag="_capture")
-    try:
-        return {k: v.cpu() for k, v in snap.tensors().items()}
-    finally:
-        state.release(snap)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
