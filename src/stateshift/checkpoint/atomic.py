@@ -529,6 +529,24 @@ def _make_manifest(
     )
 
 
+def _install_or_discard(
+    tmp: Path, final: Path, manifest: Manifest, stage: _Stage, previous: Any, update_latest: bool
+) -> None:
+    """``_install`` a fully written ``tmp``; on failure remove it and raise the typed error
+    (the previous checkpoint at ``final`` intact); on success move ``latest`` if asked."""
+    try:
+        _install(tmp, final, manifest, stage)
+    except _Installed as e:
+        raise _installed_error(final, e.error, stage) from e.error
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _write_error(final, previous, manifest.total_bytes, e, stage.now, tmp) from e
+        raise
+    if update_latest:
+        set_latest(final)
+
+
 def _install(tmp: Path, final: Path, manifest: Manifest, stage: _Stage) -> None:
     """Write the manifest into ``tmp`` and put ``tmp`` in place of ``final`` (see the module doc).
 
@@ -765,17 +783,7 @@ def write_checkpoint_distributed(
                 backend=backend, layout=full_layout, files=files_all, tag=tag, version=version,
                 extra=extra_d, checksum=checksum, total=all_total,
             )
-            try:
-                _install(tmp, final, manifest, stage)
-            except _Installed as e:
-                raise _installed_error(final, e.error, stage) from e.error
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(e, OSError):
-                    raise _write_error(final, previous, all_total, e, stage.now, tmp) from e
-                raise
-            if update_latest:
-                set_latest(final)
+            _install_or_discard(tmp, final, manifest, stage, previous, update_latest)
             result = [(None, manifest.to_json())]
         except BaseException as e:  # noqa: BLE001
             mine = e

@@ -39,16 +39,13 @@ from .atomic import (
     Manifest,
     _check_args,
     _check_target,
-    _install,
-    _Installed,
-    _installed_error,
+    _install_or_discard,
     _make_manifest,
     _new_tmp,
     _Stage,
     _write_error,
     read_manifest,
     resolve_checkpoint,
-    set_latest,
     verify,
 )
 from .format import (
@@ -201,17 +198,7 @@ def save_dcp(
                 files=dict(sorted(files.items())), tag=tag, version=version, extra=dict(extra or {}),
                 checksum=checksum, total=sum(f.bytes for f in files.values()),
             )
-            try:
-                _install(tmp, final, manifest, stage)
-            except _Installed as e:
-                raise _installed_error(final, e.error, stage) from e.error
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(e, OSError):
-                    raise _write_error(final, previous, manifest.total_bytes, e, stage.now, tmp) from e
-                raise
-            if update_latest:
-                set_latest(final)
+            _install_or_discard(tmp, final, manifest, stage, previous, update_latest)
             result = manifest.to_json()
         except BaseException as e:  # noqa: BLE001
             mine = e
