@@ -68,13 +68,16 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[k].cpu(), b[k].cpu()), f"values differ at {k}"
 
 
-def perturb(model, opt=None, amount: float = 0.5) -> None:
-    """In-place change of every resident tensor (the same tensor objects)."""
+def perturb(model, opt=None, amount: float = 0.5, local=lambda t: t) -> None:
+    """In-place change of every resident tensor (the same tensor objects).
+
+    ``local`` maps a (D)Tensor to the tensor that owns storage (FSDP2: its local shard).
+    """
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(amount)
+            local(p).add_(amount)
             if p.grad is not None:
-                p.grad.add_(amount)
+                local(p.grad).add_(amount)
         for b in model.buffers():
             if b.dtype.is_floating_point:
                 b.add_(amount)
@@ -82,7 +85,7 @@ def perturb(model, opt=None, amount: float = 0.5) -> None:
             for st in opt.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-                        v.add_(amount)
+                        local(v).add_(amount)
 
 
 def _block0(name: str) -> bool:

@@ -27,6 +27,7 @@ except ImportError:  # tests/ not on sys.path (importlib mode)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dist_harness import run_distributed
 from helpers import capture  # noqa: E402  (tests/ is on sys.path by now)
+from helpers import perturb as shared_perturb  # noqa: E402
 
 from stateshift import LayoutMismatchError, ModelState, OffloadedStateError, Residency
 
@@ -238,19 +239,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def perturb(model: nn.Module, opt=None, amount: float = 0.5) -> None:
     """In-place change of every resident local tensor (params, grads, buffers, optimizer state)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            _local(p).add_(amount)
-            if p.grad is not None:
-                _local(p.grad).add_(amount)
-        for b in model.buffers():
-            if b.dtype.is_floating_point:
-                b.add_(amount)
-        if opt is not None:
-            for st in opt.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-                        _local(v).add_(amount)
+    shared_perturb(model, opt, amount, local=_local)
 
 
 def _block0(name: str) -> bool:
