@@ -261,7 +261,7 @@ class ModelState:
                 else:
                     zero.append(s)
                 onloaded.append(s)
-        self._sync_host_sources(pairs)
+        self._sync_host_sources(pairs, names)
         transfer = self.engine.copy(pairs)
         for s in zero:
             s.bytes().zero_()
@@ -322,7 +322,7 @@ class ModelState:
                     pairs.append((regions[i], self._home_region(gs, i)))
                 else:
                     regions[i].zero_()
-        self._sync_host_sources(pairs)
+        self._sync_host_sources(pairs, names)
         transfer = self.engine.copy(pairs).merged(pending)
         snap = Snapshot(tag=tag, version=version, placement=placement, parts=tuple(parts), _pool=self.pool, _transfer=transfer)
         for p in parts:
@@ -369,8 +369,7 @@ class ModelState:
                     s.residency = Residency.HOST
             if home is not None:
                 homes.append(gs)
-        del names
-        self._sync_host_sources(pairs, snapshot)
+        self._sync_host_sources(pairs, names, snapshot)
         transfer = self.engine.copy(pairs)
         for gs in homes:
             assert gs.home is not None
@@ -446,7 +445,7 @@ class ModelState:
                     undo.append((s, s.residency, None))
                 write_pairs.append((s.bytes(), regions[i]))
         stashed = self.engine.copy(stash_pairs)
-        self._sync_host_sources(write_pairs, snapshot)
+        self._sync_host_sources(write_pairs, names, snapshot)
         written = self.engine.copy(write_pairs)
         for s, _, _ in undo:
             s.residency = Residency.DEVICE
@@ -461,7 +460,7 @@ class ModelState:
             for group in names:
                 if group in rebuild and any(s.info.group == group and was is Residency.DEVICE for s, was, _ in undo):
                     rebuild[group]()
-            self._sync_host_sources(back)
+            self._sync_host_sources(back, names)
             returned = self.engine.copy(back)
             for s, was, _ in undo:
                 if was is not Residency.DEVICE:
@@ -671,13 +670,14 @@ class ModelState:
         gs.home.sync()
         return gs.home
 
-    def _sync_host_sources(self, pairs: list[Pair], snapshot: Snapshot | None = None) -> None:
-        """Before host-to-host copies run on this thread, wait for device copies into their sources."""
+    def _sync_host_sources(self, pairs: list[Pair], names: Iterable[str], snapshot: Snapshot | None = None) -> None:
+        """Before host-to-host copies of groups ``names`` run on this thread, wait for device copies into their homes."""
         if not any(d.is_cpu and s.is_cpu for d, s in pairs):
             return
-        for gs in self._groups.values():
-            if gs.home is not None:
-                gs.home.sync()
+        for g in names:
+            home = self._groups[g].home
+            if home is not None:
+                home.sync()
         if snapshot is not None:
             snapshot._transfer.wait()
 
