@@ -11,7 +11,7 @@ import time
 import torch
 
 from stateshift import ModelState
-from stateshift.cli import ManySmall
+from stateshift.cli.bench import ManySmall
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--count", type=int, default=4000)

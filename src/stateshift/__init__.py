@@ -9,11 +9,27 @@ Public API::
     with state.swapped(pi_old):          # compute under pi_old, then the current weights are back
         ...
     state.restore(pi_old)
+
+Checkpoints: ``stateshift.checkpoint``; the RL trainer: ``stateshift.rl``.
+Everything else (the engine in ``stateshift.core``, the backends in
+``stateshift.backends``) is internal and may change.
 """
 
+from . import backends as _backends  # noqa: F401 - registers backend detection with the engine
+from .core.pool import PoolStats
+from .core.slot import Residency
+from .core.snapshot import Snapshot
+from .core.state import ModelState
 from .errors import (
     BackendError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ClosedStateError,
     ForeignStateError,
+    FSDP2StateError,
     LayoutMismatchError,
     NotReleasableError,
     OffloadedStateError,
@@ -25,24 +41,21 @@ from .errors import (
     SwapActiveError,
     UnknownGroupError,
 )
-from .pool import HostPool, PoolStats
-from .slot import Entry, NativeHome, Residency
-from .snapshot import Layout, Snapshot, SnapshotStore
-from .state import ModelState
-from .transfer import CopyEngine, Transfer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
-    "CopyEngine",
-    "Entry",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+    "ClosedStateError",
+    "FSDP2StateError",
     "ForeignStateError",
-    "HostPool",
-    "Layout",
     "LayoutMismatchError",
     "ModelState",
-    "NativeHome",
     "NotReleasableError",
     "OffloadedStateError",
     "PinningUnavailableError",
@@ -52,10 +65,8 @@ __all__ = [
     "Residency",
     "Snapshot",
     "SnapshotBudgetError",
-    "SnapshotStore",
     "StateShiftError",
     "SwapActiveError",
-    "Transfer",
     "UnknownGroupError",
     "__version__",
 ]

@@ -9,7 +9,7 @@ Timing: warm-up runs first, then the median of ``repeat`` runs; each run is
 bracketed by ``torch.cuda.synchronize()`` and a host clock, so it counts the
 whole verb (host work, both streams, the waits), not one kernel.
 
-Results follow DESIGN.md section 7 (``BenchResult.to_json``).
+Result files follow ``docs/results.md`` (``BenchResult.to_json``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .state import ModelState
+from .core.state import ModelState
 
 
 @dataclass
@@ -75,22 +75,27 @@ class BenchResult:
 
 
 class Progress:
-    """A one-line progress indicator on stderr (silent when disabled)."""
+    """Progress on stderr: a redrawn bar on a terminal, one plain line per step otherwise (log files)."""
 
     def __init__(self, total: int, enabled: bool = True) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
         self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
 
     def step(self, what: str) -> None:
         self.done += 1
-        if self.enabled:
-            width = 24
-            filled = width * self.done // max(self.total, 1)
-            elapsed = time.perf_counter() - self.start
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {what:<40}")
-            sys.stderr.flush()
-            if self.done >= self.total:
-                sys.stderr.write("\n")
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        if not self.tty:
+            sys.stderr.write(f"[{self.done}/{self.total}] {elapsed:.1f}s {what}\n")
+            return
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {what:<40}")
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def _sync() -> None:
@@ -154,6 +159,114 @@ def machine_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+@dataclass
+class VerbBench:
+    """Times every verb on ``groups`` of ``state`` in each residency, appending ``Row``s (see ``bench_state``)."""
+
+    state: ModelState
+    backend: str
+    ceilings: dict[str, float]
+    groups: tuple[str, ...] = ("params",)
+    repeat: int = 5
+    progress: Progress | None = None
+    rows: list[Row] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dev = self.state.engine.device or torch.device("cpu")
+        self.cuda = self.dev.type == "cuda"
+        self.nbytes = self.state.nbytes(self.groups)
+        host = self.ceilings["host_memcpy_gbps"]
+        c = self.ceilings
+        self.d2h, self.h2d, self.d2d = (c["d2h_gbps"], c["h2d_gbps"], c["d2d_gbps"]) if self.cuda else (host, host, host)
+        self.names = ("d2h", "h2d", "d2d") if self.cuda else ("host_memcpy",) * 3
+
+    def add(self, op: str, residency: str, seconds: float, ceiling: float, bound: str, note: str = "") -> None:
+        gbps = self.nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+        # the device-copy ceiling counts bytes read + written: count the row's bytes the same way
+        ratio = gbps * (2 if bound == "d2d" else 1) / ceiling
+        self.rows.append(Row(self.backend, op, residency, self.dev.type, self.nbytes, seconds, gbps, ratio, bound, note))
+        if self.progress is not None:
+            self.progress.step(f"{op} ({residency})")
+
+    def add_mixed(self, op: str, seconds: float, pcie_bytes: int, d2d_bytes: int, note: str) -> None:
+        """A row that moves bytes over PCIe and on the device: its bound is the sum of both at their ceilings."""
+        bound = pcie_bytes / (min(self.d2h, self.h2d) * 1e9) + 2 * d2d_bytes / (self.d2d * 1e9)
+        self.rows.append(Row(self.backend, op, "device", self.dev.type, pcie_bytes + d2d_bytes, seconds,
+                             (pcie_bytes + d2d_bytes) / seconds / 1e9, bound / seconds, "pcie+d2d" if self.cuda else "host_memcpy",
+                             note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB"))
+        if self.progress is not None:
+            self.progress.step(op)
+
+    def snap(self, placement: str = "host") -> None:
+        self.state.snapshot(self.groups, tag="bench", placement=placement)  # type: ignore[arg-type]
+
+    def resident(self) -> None:
+        """Snapshot, restore, offload and onload with the groups on the device."""
+        st, g, r = self.state, self.groups, self.repeat
+        d2h_name, h2d_name, d2d_name = self.names
+        st.onload(g)
+        self.add("snapshot", "device", timed(self.snap, repeat=r), self.d2h, d2h_name)
+        self.add("snapshot", "device", timed(lambda: self.snap("device"), repeat=r), self.d2d, d2d_name, note="placement=device")
+        self.saved = st.snapshot(g, tag="bench-saved")
+        self.add("restore", "device", timed(lambda: st.restore(self.saved), repeat=r), self.h2d, h2d_name)
+        saved_dev = st.snapshot(g, tag="bench-saved-dev", placement="device")
+        self.add("restore", "device", timed(lambda: st.restore(saved_dev), repeat=r), self.d2d, d2d_name, note="placement=device")
+        mem_before = torch.cuda.memory_allocated(self.dev) if self.cuda else 0
+        self.add("offload", "device", timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r), self.d2h, d2h_name)
+        if self.cuda:
+            _sync()
+            self.extra.update(gpu_allocated_before_offload=mem_before, tracked_bytes=self.nbytes,
+                              gpu_allocated_after_offload=torch.cuda.memory_allocated(self.dev))
+        self.add("onload", "host", timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r), self.h2d, h2d_name)
+
+    def offloaded(self) -> None:
+        """Snapshot and restore with the groups offloaded (copy-on-write homes)."""
+        st = self.state
+        st.offload(self.groups)
+        self.add("snapshot", "host", timed(self.snap, repeat=self.repeat), self.ceilings["host_memcpy_gbps"], "host_memcpy",
+                 note="zero-copy (copy-on-write home)")
+        self.add("restore", "host", timed(lambda: st.restore(self.saved), repeat=self.repeat), self.ceilings["host_memcpy_gbps"],
+                 "host_memcpy", note="pointer copy")
+        st.onload(self.groups)
+
+    def swaps(self) -> None:
+        """``swapped()`` of a host snapshot with the stash on the device and on the host."""
+        n = self.nbytes
+        for stash in ("device", "host"):
+            def swap(stash: str = stash) -> None:
+                with self.state.swapped(self.saved, stash=stash):  # type: ignore[arg-type]
+                    pass
+
+            on_dev = stash == "device" and self.cuda
+            self.add_mixed("swap", timed(swap, repeat=self.repeat), n if on_dev else 3 * n, 2 * n if on_dev else 0,
+                           f"host snapshot, stash on {stash}")
+
+    def cycles(self, n: int) -> None:
+        """The pi_old cycle of ``n`` mini-batches with pi_old on the host and on the device."""
+        st, nb = self.state, self.nbytes
+        for placement in ("host", "device"):
+            def cycle(placement: str = placement) -> None:
+                pi_old = st.snapshot(self.groups, tag="pi_old", placement=placement)  # type: ignore[arg-type]
+                for _ in range(n):
+                    with st.swapped(pi_old, stash="auto"):
+                        pass
+
+            if placement == "host":
+                stash_dev = self.cuda and st.stash_placement(self.groups) == "device"
+                pcie, d2d_b = ((1 + n) * nb, 2 * n * nb) if stash_dev else ((1 + 3 * n) * nb, 0)
+            else:
+                pcie, d2d_b = 0, (1 + 3 * n) * nb
+            self.add_mixed("pi_old_cycle", timed(cycle, repeat=max(1, self.repeat // 2)), pcie, d2d_b,
+                           f"N={n}, pi_old placement={placement}")
+
+    def cleanup(self) -> None:
+        for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
+            if key in self.state.snapshots:
+                self.state.release(self.state.snapshots.get(*key))
+        _sync()
+
+
 def bench_state(
     state: ModelState,
     *,
@@ -165,89 +278,13 @@ def bench_state(
     progress: Progress | None = None,
 ) -> tuple[list[Row], dict[str, Any]]:
     """Time every verb on ``groups`` of ``state`` in each residency. Leaves the groups on the device."""
-    dev = state.engine.device or torch.device("cpu")
-    cuda = dev.type == "cuda"
-    nbytes = state.nbytes(groups)
-    host = ceilings["host_memcpy_gbps"]
-    d2h, h2d, d2d = (ceilings["d2h_gbps"], ceilings["h2d_gbps"], ceilings["d2d_gbps"]) if cuda else (host, host, host)
-    d2h_name, h2d_name, d2d_name = ("d2h", "h2d", "d2d") if cuda else ("host_memcpy",) * 3
-    rows: list[Row] = []
-    extra: dict[str, Any] = {}
-
-    def add(op: str, residency: str, seconds: float, ceiling: float, bound: str, moved: int = nbytes, note: str = "") -> None:
-        gbps = moved / seconds / 1e9 if seconds > 0 else float("inf")
-        # the device-copy ceiling counts bytes read + written: count the row's bytes the same way
-        ratio = gbps * (2 if bound == "d2d" else 1) / ceiling
-        rows.append(Row(backend, op, residency, dev.type, moved, seconds, gbps, ratio, bound, note))
-        if progress is not None:
-            progress.step(f"{op} ({residency})")
-
-    def snap(placement: str = "host") -> None:
-        state.snapshot(groups, tag="bench", placement=placement)  # type: ignore[arg-type]
-
-    # device-resident
-    state.onload(groups)
-    add("snapshot", "device", timed(snap, repeat=repeat), d2h, d2h_name)
-    add("snapshot", "device", timed(lambda: snap("device"), repeat=repeat), d2d, d2d_name, note="placement=device")
-    saved = state.snapshot(groups, tag="bench-saved")
-    add("restore", "device", timed(lambda: state.restore(saved), repeat=repeat), h2d, h2d_name)
-    saved_dev = state.snapshot(groups, tag="bench-saved-dev", placement="device")
-    add("restore", "device", timed(lambda: state.restore(saved_dev), repeat=repeat), d2d, d2d_name, note="placement=device")
-    mem_before = torch.cuda.memory_allocated(dev) if cuda else 0
-    add("offload", "device", timed(lambda: state.offload(groups), setup=lambda: state.onload(groups), repeat=repeat), d2h, d2h_name)
-    if cuda:
-        _sync()
-        extra["gpu_allocated_before_offload"] = mem_before
-        extra["gpu_allocated_after_offload"] = torch.cuda.memory_allocated(dev)
-        extra["tracked_bytes"] = nbytes
-    add("onload", "host", timed(lambda: state.onload(groups), setup=lambda: state.offload(groups), repeat=repeat), h2d, h2d_name)
-
-    # offloaded
-    state.offload(groups)
-    t = timed(snap, repeat=repeat)
-    add("snapshot", "host", t, host, "host_memcpy", note="zero-copy (copy-on-write home)")
-    add("restore", "host", timed(lambda: state.restore(saved), repeat=repeat), host, "host_memcpy", note="pointer copy")
-    state.onload(groups)
-
-    # swap and the pi_old cycle. The bound of a row that moves bytes over PCIe and
-    # on the device is the sum of both at their ceilings (device bytes read + written).
-    def add_mixed(op: str, seconds: float, pcie_bytes: int, d2d_bytes: int, note: str) -> None:
-        bound = pcie_bytes / (min(d2h, h2d) * 1e9) + 2 * d2d_bytes / (d2d * 1e9)
-        rows.append(Row(backend, op, "device", dev.type, pcie_bytes + d2d_bytes, seconds,
-                        (pcie_bytes + d2d_bytes) / seconds / 1e9, bound / seconds, "pcie+d2d" if cuda else "host_memcpy",
-                        note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB"))
-        if progress is not None:
-            progress.step(f"{op}")
-
-    for stash in ("device", "host"):
-        def swap(stash: str = stash) -> None:
-            with state.swapped(saved, stash=stash):  # type: ignore[arg-type]
-                pass
-
-        on_dev = stash == "device" and cuda
-        add_mixed("swap", timed(swap, repeat=repeat), nbytes if on_dev else 3 * nbytes, 2 * nbytes if on_dev else 0,
-                  f"host snapshot, stash on {stash}")
-
-    n = cycle_minibatches
-    for placement in ("host", "device"):
-        def cycle(placement: str = placement) -> None:
-            pi_old = state.snapshot(groups, tag="pi_old", placement=placement)  # type: ignore[arg-type]
-            for _ in range(n):
-                with state.swapped(pi_old, stash="auto"):
-                    pass
-
-        if placement == "host":
-            stash_dev = cuda and state._stash_on_device("auto", [state._groups[g] for g in groups])
-            pcie, d2d_b = ((1 + n) * nbytes, 2 * n * nbytes) if stash_dev else ((1 + 3 * n) * nbytes, 0)
-        else:
-            pcie, d2d_b = 0, (1 + 3 * n) * nbytes
-        add_mixed("pi_old_cycle", timed(cycle, repeat=max(1, repeat // 2)), pcie, d2d_b,
-                  f"N={n}, pi_old placement={placement}")
-    for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
-        if key in state.snapshots:
-            state.release(state.snapshots.get(*key))
-    _sync()
-    return rows, extra
+    b = VerbBench(state, backend, ceilings, groups, repeat, progress)
+    b.resident()
+    b.offloaded()
+    b.swaps()
+    b.cycles(cycle_minibatches)
+    b.cleanup()
+    return b.rows, b.extra
 
 
 def write_plot(result: BenchResult, path: Path) -> bool:

@@ -7,6 +7,8 @@ Messages name the first offending tensor or setting.
 
 from __future__ import annotations
 
+import os
+
 
 class StateShiftError(Exception):
     """Base class of every error raised by stateshift."""
@@ -24,12 +26,16 @@ class UnknownGroupError(StateShiftError, ValueError):
 class LayoutMismatchError(StateShiftError, ValueError):
     """A snapshot (or checkpoint) does not fit the model it is applied to.
 
-    ``tensor`` names the first offending tensor; ``reason`` says what differs.
+    ``tensor`` names the first offending tensor; ``reason`` says what differs;
+    ``field`` is what kind of difference it is (``"missing"``, ``"extra"``,
+    ``"shape"``, ``"dtype"``, ``"stride"``, ``"offset"``, ``"meta"``,
+    ``"sharing"``, ``"nbytes"``, or ``"layout"`` for anything else).
     """
 
-    def __init__(self, tensor: str, reason: str) -> None:
+    def __init__(self, tensor: str, reason: str, field: str = "layout") -> None:
         self.tensor = tensor
         self.reason = reason
+        self.field = field
         super().__init__(f"layout mismatch at tensor {tensor!r}: {reason}")
 
 
@@ -67,6 +73,10 @@ class SnapshotBudgetError(StateShiftError, MemoryError):
     """The snapshot store would exceed its byte budget."""
 
 
+class ClosedStateError(StateShiftError, RuntimeError):
+    """A verb was called on a ``ModelState`` after ``close()``."""
+
+
 class SwapActiveError(StateShiftError, RuntimeError):
     """A verb touched groups that a ``swapped`` context currently holds."""
 
@@ -89,3 +99,63 @@ class NotReleasableError(StateShiftError, RuntimeError):
     def __init__(self, tensor: str, detail: str) -> None:
         self.tensor = tensor
         super().__init__(f"tensor {tensor!r}: {detail}")
+
+
+class FSDP2StateError(StateShiftError, RuntimeError):
+    """FSDP2 is in a state in which its shards cannot be moved (a forward or backward is running)."""
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointError(StateShiftError):
+    """Base class of every checkpoint error (a ``stateshift.errors.StateShiftError``)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is damaged: checksum mismatch, truncated, bad header.
+
+    ``path`` names the offending file; ``detail`` says what is wrong.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
+        self.path = os.fspath(path)
+        self.detail = detail
+        super().__init__(f"corrupt checkpoint file '{self.path}': {detail}")
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """A checkpoint directory without a (valid) manifest: a write never finished."""
+
+    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
+        self.path = os.fspath(path)
+        self.detail = detail
+        super().__init__(f"incomplete checkpoint '{self.path}': {detail}")
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (ENOSPC, EDQUOT, EFBIG, EIO, ...).
+
+    ``errno`` is the OS error number (None if not an OS error).  The message
+    says whether the previous checkpoint at ``path`` is intact.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], detail: str, errno: int | None = None) -> None:
+        self.path = os.fspath(path)
+        self.detail = detail
+        self.errno = errno
+        super().__init__(f"cannot write checkpoint '{self.path}': {detail}")
+
+
+class CheckpointMismatchError(CheckpointError, LayoutMismatchError):
+    """Bad input: unknown tensor name, wrong byte count / dtype, non-contiguous data.
+
+    Raised before any byte is read or written; ``name`` is the first offending
+    tensor.  Also a ``stateshift.errors.LayoutMismatchError`` (and ``ValueError``).
+    """
+
+    def __init__(self, name: str, detail: str, field: str = "layout") -> None:
+        self.name = self.tensor = name
+        self.detail = self.reason = detail
+        self.field = field
+        Exception.__init__(self, f"tensor '{name}': {detail}")

@@ -1,69 +1,59 @@
-"""Backends: the only code that knows a framework's object layout.
+"""Backends: the only code that knows a framework's object layout (the contract: ``base.py``).
 
-A backend *lists* tensors (``Entry``: name, group, tensor) and installs
-guards; it never moves, copies or pools anything -- the engine does.
-A new framework is one new module here with a ``detect(model, optimizer)``
-function returning its backends (or ``None`` when the objects are not its).
+``REGISTRY`` maps a name to the module that implements a framework, in
+detection order (the most specific first). Each module has a
+``detect(model, optimizer)`` that returns its backends, or ``None`` when
+the objects are not its framework's. Importing this package registers
+``detect_backends`` with the engine, which is how ``ModelState(model,
+optimizer)`` finds them.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
+import torch
+
+from ..core.source import set_detector
 from ..errors import BackendError
-from ..slot import Entry
-
-if TYPE_CHECKING:
-    from ..state import ModelState
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """The contract every backend keeps."""
-
-    #: short name, recorded in benchmark rows and checkpoint manifests
-    name: str
-    #: the groups this backend lists tensors for (disjoint from other backends')
-    groups: tuple[str, ...]
-    #: the groups the forward pass reads: the default of ``snapshot()``
-    forward_groups: tuple[str, ...]
-
-    def entries(self) -> Iterable[Entry]:
-        """The tensors as they are now. Called at every verb; must be cheap and deterministic in order.
-
-        A backend may instead define ``entries(self, groups)`` taking the set of
-        groups wanted; the engine then asks only for the groups a verb touches.
-        """
-        ...
-
-    def install_guards(self, state: ModelState) -> list[Any]:
-        """Hooks that call ``state.check_resident`` before compute touches state; returns removable handles."""
-        ...
-
+from .base import Backend, CheckpointFacts, Detector, Rebuild
 
 #: detection order: the most specific framework first
-DETECTORS: dict[str, str] = {
+REGISTRY: dict[str, str] = {
     "megatron": "stateshift.backends.megatron",
     "fsdp2": "stateshift.backends.fsdp2",
     "torch": "stateshift.backends.torch",
 }
 
 
+def _describe(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def detect_backends(model: Any, optimizer: Any = None) -> list[Backend]:
-    """The backends for ``model`` (and ``optimizer``), by the first detector that recognises them."""
-    for name, module_path in DETECTORS.items():
-        try:
-            module = importlib.import_module(module_path)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_path:
-                continue
-            raise
-        found = module.detect(model, optimizer)
+    """The backends for ``model`` (and ``optimizer``), by the first registered module that recognises them.
+
+    Raises ``BackendError`` naming what was not recognised: the model, or the
+    optimizer when the model alone is known.
+    """
+    for module_path in REGISTRY.values():
+        detect: Detector = importlib.import_module(module_path).detect
+        found = detect(model, optimizer)
         if found is not None:
             return list(found)
-    raise BackendError(f"no backend knows a model of type {type(model).__name__}")
+    if optimizer is not None:
+        for module_path in REGISTRY.values():
+            if importlib.import_module(module_path).detect(model, None) is not None:
+                raise BackendError(
+                    f"the model is known, but no backend knows an optimizer of type {_describe(optimizer)} "
+                    "(a torch.optim.Optimizer or a Megatron optimizer is expected)"
+                )
+    kind = "a list of modules" if isinstance(model, (list, tuple)) else f"a model of type {_describe(model)}"
+    hint = "" if isinstance(model, torch.nn.Module) else " (an nn.Module, Megatron chunks or an FSDP2 model is expected)"
+    raise BackendError(f"no backend knows {kind}{hint}")
 
 
-__all__ = ["Backend", "DETECTORS", "Entry", "detect_backends"]
+set_detector(detect_backends)
+
+__all__ = ["REGISTRY", "Backend", "CheckpointFacts", "Detector", "Rebuild", "detect_backends"]

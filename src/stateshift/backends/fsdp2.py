@@ -17,14 +17,14 @@ user is in ``docs/fsdp2.md``. In short:
   ``reshard_after_forward=False`` -- the root, by default -- stay UNSHARDED:
   their ``_parameters`` hold all-gathered plain tensors, not the shards. Every
   verb (and ``residency()``, ``slots()``, ``nbytes()``, ``layout()``) first
-  calls ``reshard()`` on every FSDP module that is not sharded, so only shard
-  storage is ever moved. This is safe between a forward and its backward
+  calls ``prepare()``, which calls ``reshard()`` on every FSDP module that is
+  not sharded, so only shard storage is ever moved. This is safe between a forward and its backward
   (FSDP all-gathers again in the pre-backward hook, as it does for
   ``reshard_after_forward=True``). A verb called *during* a forward or
   backward (from a hook) raises ``FSDP2StateError`` and changes nothing.
-  Inside ``swapped()`` every FSDP module is resharded right after its
-  forward, so no all-gathered copy of the snapshot's values outlives the
-  context (the next forward would otherwise reuse it: stale weights).
+  The exit of ``swapped()`` calls ``prepare()`` too, so no all-gathered
+  copy of the snapshot's values outlives the context (the next forward
+  would otherwise reuse it: stale weights).
 - **Guards run before FSDP's hooks.** FSDP's own pre-forward hook all-gathers
   the shard storage; reading a released storage is a segfault on the CPU and
   an illegal-address fault on CUDA. Each FSDP module gets a forward pre-hook
@@ -54,18 +54,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..errors import StateShiftError
-from ..slot import Entry
+from ..core.source import Check, Handle
+from ..errors import FSDP2StateError
+from .base import CheckpointFacts
 from .torch import TorchModuleBackend, TorchOptimizerBackend, named_parameters, unwrap
-
-if TYPE_CHECKING:
-    from ..state import ModelState
 
 try:  # torch without torch.distributed (or an old one) has no FSDP2
     from torch.distributed.fsdp import FSDPModule
@@ -75,10 +73,6 @@ except ImportError:  # pragma: no cover - depends on the torch build
     FSDPModule = None  # type: ignore[assignment,misc]
     TrainingState = None  # type: ignore[assignment,misc]
     DTensor = None  # type: ignore[assignment,misc]
-
-
-class FSDP2StateError(StateShiftError, RuntimeError):
-    """FSDP2 is in a state in which its shards cannot be moved (a forward or backward is running)."""
 
 
 # -- DTensor -> local storage, and its fingerprint -----------------------------------------
@@ -286,15 +280,27 @@ class FSDP2ModuleBackend(TorchModuleBackend):
                 stacklevel=3,
             )
 
-    def entries(self, groups: Collection[str] | None = None) -> Iterator[Entry]:
+    def prepare(self, groups: Collection[str]) -> None:
+        """Reshard (``ensure_sharded``), so only shard storage is listed and moved; then the torch guards' cover."""
         self.ensure_sharded()
-        yield from super().entries(groups)
+        super().prepare(groups)
 
     def coverage(self) -> dict[str, list[str]]:
-        self.ensure_sharded()
+        self.prepare(self.groups)
         out = super().coverage()
         out["fsdp units"] = [u.label for u in self._units]
         return out
+
+    def checkpoint_facts(self) -> CheckpointFacts:
+        return CheckpointFacts(
+            sharded=True,
+            module=self.module,
+            export_refusal=(
+                "export_hf needs whole tensors, and this FSDP2 model holds shards on each rank: gather them with "
+                "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options="
+                "StateDictOptions(full_state_dict=True, cpu_offload=True)) and save that, or use save_dcp"
+            ),
+        )
 
     # guards ---------------------------------------------------------------------------
     def _shard_storages(self, units: Iterable[_Unit]) -> Iterator[torch.Tensor]:
@@ -350,22 +356,21 @@ class FSDP2ModuleBackend(TorchModuleBackend):
             needs += [u for u in self._units if any(id(g) in prev for g in u.groups())]
         return needs
 
-    def install_guards(self, state: ModelState) -> list[Any]:
+    def install_guards(self, check: Check) -> list[Handle]:
         """Forward, backward and (through the optimizer backend) ``step()`` on released state raise ``OffloadedStateError``.
 
         Registered after ``fully_shard`` with ``prepend=True``, so they run
         before FSDP's own hooks read the shards.
         """
         handles: list[Any] = []
-        host = self.host_shards_on
         for unit in self._units:
             for owner, module in zip(unit.names, unit.modules, strict=True):
                 label = repr(owner) if owner else f"<root {type(module).__name__}>"
 
                 def pre_forward(mod: nn.Module, args: Any, unit: _Unit = unit, label: str = label) -> None:
                     where = f"forward of FSDP module {label}"
-                    state.check_resident(self._shard_storages(self._forward_needs(unit)), where)
-                    state.check_resident(self._plain(unit), where)
+                    check(self._shard_storages(self._forward_needs(unit)), where)
+                    check(self._plain(unit), where)
 
                 def post_forward(mod: nn.Module, args: Any, output: Any, unit: _Unit = unit, label: str = label) -> None:
                     if not torch.is_grad_enabled():
@@ -374,8 +379,8 @@ class FSDP2ModuleBackend(TorchModuleBackend):
                     def before_backward(grad: torch.Tensor) -> None:
                         needs = self._backward_needs(unit)
                         where = f"backward through FSDP module {label}"
-                        state.check_resident(self._shard_storages(needs), where)
-                        state.check_resident(self._grads(needs), where)
+                        check(self._shard_storages(needs), where)
+                        check(self._grads(needs), where)
 
                     # registered before FSDP's post-forward puts its pre-backward hook on the same
                     # tensors, so this one runs first in the backward
@@ -383,25 +388,10 @@ class FSDP2ModuleBackend(TorchModuleBackend):
                         if isinstance(t, torch.Tensor) and t.requires_grad:
                             t.register_hook(before_backward)
 
-                def after_fsdp_post_forward(mod: nn.Module, args: Any, output: Any, unit: _Unit = unit) -> None:
-                    # Inside swapped() the shards hold the snapshot's values only until the context
-                    # exits; an unsharded copy left behind (the root's, by default) would keep
-                    # serving them afterwards. Reshard as soon as FSDP has finished the forward.
-                    if state.swapping and unit.state._training_state == TrainingState.IDLE:
-                        for g in unit.groups():
-                            if not g.is_sharded:
-                                g.reshard()
-                        if host is not None and host.type == "cuda":
-                            # the context's exit rewrites host shards on the host: let FSDP's
-                            # non-blocking copies of them finish first
-                            torch.cuda.current_stream(host).synchronize()
-
                 # prepend: ahead of FSDP's own hooks (registered by fully_shard, before us)
                 handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
                 handles.append(module.register_forward_hook(post_forward, prepend=True))
-                # appended: after FSDP's post-forward
-                handles.append(module.register_forward_hook(after_fsdp_post_forward))
-        handles.extend(super().install_guards(state))  # per-module checks of the plain torch backend
+        handles.extend(super().install_guards(check))  # per-module checks of the plain torch backend
         return handles
 
 
@@ -420,8 +410,8 @@ class FSDP2OptimizerBackend(TorchOptimizerBackend):
     name: str = "fsdp2-optim"
     host_shards_on: torch.device | None = None
 
-    def install_guards(self, state: ModelState) -> list[Any]:
-        handles = super().install_guards(state)
+    def install_guards(self, check: Check) -> list[Handle]:
+        handles = super().install_guards(check)
         device = self.host_shards_on
         if device is not None and device.type == "cuda":
 
@@ -430,6 +420,9 @@ class FSDP2OptimizerBackend(TorchOptimizerBackend):
 
             handles.append(self.optimizer.register_step_pre_hook(wait_for_device))
         return handles
+
+    def checkpoint_facts(self) -> CheckpointFacts:
+        return CheckpointFacts(sharded=True)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

@@ -13,62 +13,71 @@ Groups:
 ``to_local`` and ``meta_of`` let a sharded backend (FSDP2) reuse this
 traversal: it maps each (D)Tensor to the local tensor that owns storage, and
 adds mesh / placement facts to the fingerprint.
+
+Names are relative to the innermost module: torch DDP / DataParallel
+wrappers and ``torch.compile``'s ``OptimizedModule`` are stripped, so a
+compiled model and the plain one share names (checkpoints, HF export).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..slot import Entry
+from ..core.slot import Entry
+from ..core.source import Check, Handle
+from .base import CheckpointFacts, Rebuild
+from .guards import ModuleGuards, ToLocal, _identity
 
-if TYPE_CHECKING:
-    from ..state import ModelState
-
-ToLocal = Callable[[torch.Tensor], torch.Tensor]
 MetaOf = Callable[[torch.Tensor], tuple[Any, ...]]
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _no_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return ()
 
 
+def _compiled_inner(model: Any) -> torch.nn.Module | None:
+    """The module a ``torch.compile``d model wraps (``OptimizedModule._orig_mod``), else ``None``."""
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module) else None
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside torch DDP / DataParallel wrappers (names then carry no ``module.`` prefix)."""
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
+    """The module inside torch DDP / DataParallel / ``torch.compile`` wrappers (names carry no wrapper prefix)."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif (inner := _compiled_inner(model)) is not None:
+            model = inner
+        else:
+            return model
 
 
-def _walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
+def walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, m in module.named_modules(remove_duplicate=False):
         yield (f"{prefix}{name}" if name else prefix.rstrip(".")), m
 
 
-def _join(owner: str, leaf: str) -> str:
+def join(owner: str, leaf: str) -> str:
     return f"{owner}.{leaf}" if owner else leaf
 
 
 def named_parameters(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Parameter]]:
     """Every parameter under every name it has (tied weights appear once per name)."""
-    for owner, m in _walk(module, prefix):
+    for owner, m in walk(module, prefix):
         for leaf, p in m._parameters.items():
             if p is not None:
-                yield _join(owner, leaf), p
+                yield join(owner, leaf), p
 
 
 def named_buffers(module: torch.nn.Module, prefix: str = "", *, persistent: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    for owner, m in _walk(module, prefix):
+    for owner, m in walk(module, prefix):
         for leaf, b in m._buffers.items():
             if b is not None and (leaf not in m._non_persistent_buffers_set) == persistent:
-                yield _join(owner, leaf), b
+                yield join(owner, leaf), b
 
 
 @dataclass
@@ -82,22 +91,28 @@ class TorchModuleBackend:
     name: str = "torch"
     groups: tuple[str, ...] = ("params", "buffers", "grads")
     forward_groups: tuple[str, ...] = ("params", "buffers")
+    static_groups: tuple[str, ...] = ()
+    _guards: ModuleGuards | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.module = unwrap(self.module)
 
-    def entries(self, groups: Collection[str] | None = None) -> Iterator[Entry]:
-        want = self.groups if groups is None else groups
+    def prepare(self, groups: Collection[str]) -> None:
+        """Hook modules and parameters created since the last verb (the guards cover what can be released)."""
+        if self._guards is not None:
+            self._guards.cover(walk(self.module, self.prefix), named_parameters(self.module, self.prefix))
+
+    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
         local, meta = self.to_local, self.meta_of
-        if "params" in want or "grads" in want:
+        if "params" in groups or "grads" in groups:
             params = list(named_parameters(self.module, self.prefix))
-        if "params" in want:
+        if "params" in groups:
             for name, p in params:
                 yield Entry(name, "params", local(p), meta(p))
-        if "buffers" in want:
+        if "buffers" in groups:
             for name, b in named_buffers(self.module, self.prefix):
                 yield Entry(name, "buffers", local(b), meta(b))
-        if "grads" in want:
+        if "grads" in groups:
             for name, p in params:
                 if p.grad is not None:
                     yield Entry(f"{name}.grad", "grads", local(p.grad), meta(p.grad))
@@ -110,31 +125,16 @@ class TorchModuleBackend:
             "untracked non-persistent buffers": [n for n, _ in named_buffers(self.module, self.prefix, persistent=False)],
         }
 
-    def install_guards(self, state: ModelState) -> list[Any]:
-        handles: list[Any] = []
-        local = self.to_local
-        for owner, m in _walk(self.module, self.prefix):
-            own = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
-            if not own:
-                continue
-            where = f"forward of module {owner or type(m).__name__!r}"
+    def install_guards(self, check: Check) -> list[Handle]:
+        self._guards = ModuleGuards(check, local=self.to_local)
+        self.prepare(self.groups)
+        return [self._guards]
 
-            def pre_hook(mod: torch.nn.Module, args: Any, own: list[torch.Tensor] = own, where: str = where) -> None:
-                state.check_resident((local(t) for t in own), where)
+    def checkpoint_facts(self) -> CheckpointFacts:
+        return CheckpointFacts(sharded=False, module=self.module)
 
-            handles.append(m.register_forward_pre_hook(pre_hook))
-        seen: set[int] = set()
-        for name, p in named_parameters(self.module, self.prefix):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-
-            def grad_hook(grad: torch.Tensor, p: torch.nn.Parameter = p, name: str = name) -> None:
-                if p.grad is not None:
-                    state.check_resident((local(p.grad),), f"backward accumulating into {name}.grad")
-
-            handles.append(p.register_hook(grad_hook))
-        return handles
+    def rebuild_plugin(self) -> Rebuild | None:
+        return None
 
 
 @dataclass
@@ -148,19 +148,26 @@ class TorchOptimizerBackend:
     name: str = "torch-optim"
     groups: tuple[str, ...] = ("optim",)
     forward_groups: tuple[str, ...] = ()
+    static_groups: tuple[str, ...] = ()
 
     def _params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gi, group in enumerate(self.optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 yield self.param_names.get(id(p), f"param_groups.{gi}.params.{pi}"), p
 
-    def entries(self) -> Iterator[Entry]:
+    def prepare(self, groups: Collection[str]) -> None:
+        """Nothing to prepare: an optimizer's state is listed as it is."""
+
+    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
+        if "optim" not in groups:
+            return
         for pname, p in self._params():
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     yield Entry(f"{pname}.{key}", "optim", self.to_local(value), self.meta_of(value))
 
-    def _touched(self) -> Iterable[torch.Tensor]:
+    def touched(self) -> Iterable[torch.Tensor]:
+        """Every tensor ``step()`` reads or writes: params, their grads, the state."""
         for _, p in self._params():
             yield self.to_local(p)
             if p.grad is not None:
@@ -169,11 +176,20 @@ class TorchOptimizerBackend:
                 if isinstance(value, torch.Tensor):
                     yield self.to_local(value)
 
-    def install_guards(self, state: ModelState) -> list[Any]:
+    def coverage(self) -> dict[str, list[str]]:
+        return {"optim": [e.name for e in self.entries(self.groups)]}
+
+    def install_guards(self, check: Check) -> list[Handle]:
         def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
-            state.check_resident(self._touched(), "optimizer.step()")
+            check(self.touched(), "optimizer.step()")
 
         return [self.optimizer.register_step_pre_hook(pre_step)]
+
+    def checkpoint_facts(self) -> CheckpointFacts:
+        return CheckpointFacts(sharded=False)
+
+    def rebuild_plugin(self) -> Rebuild | None:
+        return None
 
 
 def param_names(module: torch.nn.Module, prefix: str = "") -> dict[int, str]:

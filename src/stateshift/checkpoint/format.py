@@ -76,67 +76,13 @@ ProgressFn = Callable[[int], None]
 """Called with the number of bytes just written or read (an increment)."""
 
 
-# --------------------------------------------------------------------------- errors
-
-
-try:  # share the library's error hierarchy when it is there
-    from ..errors import LayoutMismatchError as _LayoutMismatchBase
-    from ..errors import StateShiftError as _ErrorBase
-except ImportError:  # pragma: no cover - the disk layer also works on its own
-    _ErrorBase = Exception  # type: ignore[assignment,misc]
-    _LayoutMismatchBase = ValueError  # type: ignore[assignment,misc]
-
-
-class CheckpointError(_ErrorBase):
-    """Base class of every checkpoint error (a ``stateshift.errors.StateShiftError``)."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is damaged: checksum mismatch, truncated, bad header.
-
-    ``path`` names the offending file; ``detail`` says what is wrong.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        super().__init__(f"corrupt checkpoint file '{self.path}': {detail}")
-
-
-class CheckpointIncompleteError(CheckpointError):
-    """A checkpoint directory without a (valid) manifest: a write never finished."""
-
-    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        super().__init__(f"incomplete checkpoint '{self.path}': {detail}")
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (ENOSPC, EDQUOT, EFBIG, EIO, ...).
-
-    ``errno`` is the OS error number (None if not an OS error).  The message
-    says whether the previous checkpoint at ``path`` is intact.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], detail: str, errno: int | None = None) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        self.errno = errno
-        super().__init__(f"cannot write checkpoint '{self.path}': {detail}")
-
-
-class CheckpointMismatchError(CheckpointError, _LayoutMismatchBase):
-    """Bad input: unknown tensor name, wrong byte count / dtype, non-contiguous data.
-
-    Raised before any byte is read or written; ``name`` is the first offending
-    tensor.  Also a ``stateshift.errors.LayoutMismatchError`` (and ``ValueError``).
-    """
-
-    def __init__(self, name: str, detail: str) -> None:
-        self.name = self.tensor = name
-        self.detail = self.reason = detail
-        Exception.__init__(self, f"tensor '{name}': {detail}")
+from ..errors import (  # noqa: E402 - re-exported for the checkpoint package
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+)
 
 
 # --------------------------------------------------------------------------- dtypes

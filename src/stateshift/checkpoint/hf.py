@@ -38,18 +38,14 @@ __all__ = ["export_hf"]
 
 
 def _module_of(state: Any) -> torch.nn.Module:
+    refusals = []
     for b in state.backends:
-        module = getattr(b, "module", None)
-        if isinstance(module, torch.nn.Module):
-            if b.name.startswith("fsdp2"):
-                raise CheckpointMismatchError(
-                    "(model)",
-                    "export_hf needs whole tensors, and this FSDP2 model holds shards on each rank: gather them with "
-                    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options="
-                    "StateDictOptions(full_state_dict=True, cpu_offload=True)) and save that, or use save_dcp",
-                )
-            return module
-    raise CheckpointMismatchError("(model)", "no torch module backend in this state: export_hf exports nn.Module weights")
+        facts = b.checkpoint_facts()
+        if facts.export_refusal is not None:
+            refusals.append(facts.export_refusal)
+        elif facts.module is not None:
+            return facts.module
+    raise CheckpointMismatchError("(model)", refusals[0] if refusals else "no backend of this state exports nn.Module weights")
 
 
 def _tied_targets(module: torch.nn.Module) -> list[str]:
@@ -78,7 +74,7 @@ def export_hf(
     disk ...) with any previous file of that name intact.
     """
     from ..backends.torch import unwrap
-    from ..state import ModelState
+    from ..core.state import ModelState
 
     own_state = not isinstance(model, ModelState)
     state = ModelState(model, guard=False) if own_state else model

@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ReleasedSnapshotError, UnknownGroupError
-from ..slot import SlotInfo
-from ..snapshot import Layout, Snapshot, SnapshotPart, dtype_of
+from ..core.slot import SlotInfo
+from ..core.layout import Layout, dtype_of
+from ..core.snapshot import Snapshot, SnapshotPart
 from .atomic import (
     CheckpointReader,
     Manifest,
@@ -64,8 +65,8 @@ from .format import (
 )
 
 if TYPE_CHECKING:
-    from ..pool import HostBlock
-    from ..state import ModelState
+    from ..core.pool import HostBlock
+    from ..core.state import ModelState
 
 __all__ = [
     "LAYOUT_FORMAT",
@@ -180,7 +181,7 @@ def _dist_world(group: Any) -> tuple[int, int] | None:
 def _use_distributed(state: ModelState, distributed: bool | None, group: Any) -> bool:
     rw = _dist_world(group)
     if distributed is None:
-        sharded = any(b.name.startswith(("fsdp2", "megatron")) for b in state.backends)
+        sharded = any(b.checkpoint_facts().sharded for b in state.backends)
         return bool(rw and rw[1] > 1 and sharded)
     if distributed and rw is None:
         raise RuntimeError("distributed=True needs an initialised torch.distributed process group")
@@ -662,7 +663,7 @@ def _read_staged(
         for b in blocks:
             state.pool.release(b)
         raise
-    return Snapshot(tag="_checkpoint-load", version=version, placement="host", parts=tuple(parts), _pool=state.pool)
+    return Snapshot.of(tag="_checkpoint-load", version=version, placement="host", parts=tuple(parts), pool=state.pool)
 
 
 def load(

@@ -37,50 +37,30 @@ ordered after the swap's copies) and with its own weights after it.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 
-from ..slot import Residency
-from ..snapshot import Snapshot
-from ..state import ModelState
+from ..backends.base import Rebuild
+from ..core.slot import Residency
+from ..core.snapshot import Snapshot
+from ..core.state import ModelState
+from ..errors import UnknownGroupError
 
 CyclePlacement = Literal["auto", "host", "device"]
 
 
-@runtime_checkable
-class Rebuild(Protocol):
-    """Recomputes one group's current device values (instead of a stash copy-back)."""
-
-    #: the group it rebuilds (e.g. ``"params"``)
-    group: str
-
-    def available(self) -> str | None:
-        """``None`` when a rebuild now gives exactly the current values; otherwise the reason it would not."""
-        ...
-
-    def nbytes(self) -> tuple[int, int]:
-        """(bytes read, bytes written) on the device by one rebuild."""
-        ...
-
-    def __call__(self) -> None:
-        """Rewrite every device-resident slot of ``group`` on the current stream."""
-        ...
-
-
 def find_rebuild(state: ModelState) -> Rebuild | None:
-    """The first rebuild plug-in a backend of ``state`` offers (``backend.rebuild_plugin(state)``), if any."""
+    """The first rebuild plug-in a backend of ``state`` offers (``backend.rebuild_plugin()``), if any."""
     for b in state.backends:
         make = getattr(b, "rebuild_plugin", None)
-        if callable(make):
-            plugin = make(state)
-            if plugin is not None:
-                return plugin
+        plugin = make() if callable(make) else None
+        if plugin is not None:
+            return plugin
     return None
 
 
@@ -152,7 +132,9 @@ class PiOldCycle:
             raise ValueError(f"placement must be 'auto', 'host' or 'device', not {placement!r}")
         self.state = state
         self.groups = tuple(groups) if groups is not None else default_groups(state)
-        state._select(self.groups, check_swap=False)  # UnknownGroupError now, not at the first swap
+        unknown = [g for g in self.groups if g not in state.groups]
+        if unknown:
+            raise UnknownGroupError(unknown[0], state.groups)  # now, not at the first swap
         self.placement = placement
         self.rebuild: Rebuild | None = find_rebuild(state) if rebuild == "auto" else rebuild  # type: ignore[assignment]
         if self.rebuild is not None and not isinstance(self.rebuild, Rebuild):
@@ -160,7 +142,6 @@ class PiOldCycle:
         self.device_headroom_bytes = device_headroom_bytes
         self.tag = tag
         self.stats = CycleStats()
-        self._swapped_takes_stash = "stash" in inspect.signature(state.swapped).parameters
         self._snapshot: Snapshot | None = None
         self._warned: set[str] = set()
 
@@ -196,7 +177,7 @@ class PiOldCycle:
         dev = self.state_device()
         if dev is None or dev.type != "cuda" or dev != self.state.engine.device:
             return "host"
-        need = sum(self.state._groups[g].layout.total for g in self.groups)  # (as of the last refresh)
+        need = sum(self.state.layout(g).total for g in self.groups)
         if self.rebuild is None or self.rebuild.group not in self.groups:
             need *= 2  # a device stash of the current weights during each swap
         free, total = torch.cuda.mem_get_info(dev)
@@ -223,17 +204,15 @@ class PiOldCycle:
         snap = self.snapshot
         rebuild: dict[str, Callable[[], None]] = {}
         plugin = self.rebuild
-        if plugin is not None and plugin.group in snap.groups:
+        if plugin is not None and plugin.group in snap.groups and self._resident(plugin.group):
             why = plugin.available()
             if why is None:
                 rebuild[plugin.group] = plugin
             else:
                 self._fallback(f"stashing {plugin.group!r} instead of rebuilding it: {why}")
         self._account_swap(snap, rebuild)
-        kwargs: dict[str, Any] = {"rebuild": rebuild}
-        if self._swapped_takes_stash:
-            kwargs["stash"] = snap.placement  # the current weights wait where pi_old lives (memory permitting)
-        with self.state.swapped(snap, **kwargs):
+        # the current weights wait where pi_old lives (memory permitting)
+        with self.state.swapped(snap, rebuild=rebuild, stash=snap.placement):
             yield snap
         self.stats.swaps += 1
         self.stats.rebuilds += bool(rebuild)
@@ -295,8 +274,11 @@ class PiOldCycle:
             self.stats.host_bytes += nbytes
 
     def _slots(self, group: str) -> list[Any]:
-        """The group's slots as of the last refresh (every verb refreshes; accounting need not)."""
-        return self.state._groups[group].slots
+        return self.state.slots(group)
+
+    def _resident(self, group: str) -> bool:
+        """Whether any slot of ``group`` is on the device now (else a swap has nothing to stash or rebuild)."""
+        return any(s.residency is Residency.DEVICE for s in self._slots(group))
 
     # Where each copy runs follows the tensors themselves: a slot's storage is on its own
     # device (``slot.device``: the CPU for a CPU model, even on a CUDA machine); homes and host

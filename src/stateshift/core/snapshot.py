@@ -1,10 +1,9 @@
-"""Layouts, snapshots and the snapshot store.
+"""Snapshots and the snapshot store.
 
-A ``Layout`` places a group's slots in one flat byte arena: slots of at least
-``SMALL_BYTES`` first, then the small ones packed together (so the copy
-engine can move them as one staged transfer), every slot aligned to
-``ALIGN`` bytes. Homes and snapshots of a group share its layout, which is
-what makes a snapshot of an offloaded group a pointer copy (copy-on-write).
+A snapshot part holds one group's values in an arena laid out by the
+group's ``Layout`` (``layout.py``), the same layout as the group's home,
+which is what makes a snapshot of an offloaded group a pointer copy
+(copy-on-write).
 
 A ``Snapshot`` is immutable: its memory is written once, when it is taken,
 and never again -- a home that shares a snapshot's block (copy-on-write)
@@ -20,91 +19,16 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from .errors import LayoutMismatchError, ReleasedSnapshotError, SnapshotBudgetError
+from ..errors import ReleasedSnapshotError, SnapshotBudgetError
+from .layout import Layout, dtype_of
 from .slot import SlotInfo
-from .transfer import SMALL_BYTES, Transfer
+from .transfer import Transfer
 
 if TYPE_CHECKING:
     from .pool import HostBlock, HostPool
 
 Placement = Literal["host", "device"]
 PLACEMENTS: tuple[str, ...] = ("host", "device")
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Slots of one group, in listing order, with their byte offsets in an arena."""
-
-    slots: tuple[SlotInfo, ...]
-    offsets: tuple[int, ...]
-    total: int
-
-    @staticmethod
-    def build(slots: tuple[SlotInfo, ...]) -> Layout:
-        offsets = [0] * len(slots)
-        pos = 0
-        large_first = sorted(range(len(slots)), key=lambda i: slots[i].nbytes < SMALL_BYTES)
-        for i in large_first:
-            offsets[i] = pos
-            pos = _align(pos + slots[i].nbytes)
-        return Layout(slots=slots, offsets=tuple(offsets), total=pos)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of values (without alignment padding)."""
-        return sum(s.nbytes for s in self.slots)
-
-    def region(self, arena: torch.Tensor, index: int) -> torch.Tensor:
-        off = self.offsets[index]
-        return arena[off : off + self.slots[index].nbytes]
-
-    def regions(self, arena: torch.Tensor) -> list[torch.Tensor]:
-        return [arena[off : off + s.nbytes] for off, s in zip(self.offsets, self.slots, strict=True)]
-
-    def check_compatible(self, expected: Layout) -> None:
-        """Raise ``LayoutMismatchError`` naming the first tensor where ``self`` (the model now) differs."""
-        if self.slots == expected.slots:
-            return
-        have = {m.name: (s, m) for s in self.slots for m in s.members}
-        want = {m.name: (s, m) for s in expected.slots for m in s.members}
-        for name, (ws, wm) in want.items():
-            if name not in have:
-                raise LayoutMismatchError(name, f"in the snapshot (group {ws.group!r}) but missing from the model")
-            hs, hm = have[name]
-            for what in ("shape", "dtype", "stride", "offset", "meta"):
-                if getattr(hm, what) != getattr(wm, what):
-                    raise LayoutMismatchError(
-                        name, f"{what} is {getattr(hm, what)} in the model but {getattr(wm, what)} in the snapshot"
-                    )
-            if hs.nbytes != ws.nbytes:
-                raise LayoutMismatchError(name, f"storage holds {hs.nbytes} bytes in the model, {ws.nbytes} in the snapshot")
-        for name in have:
-            if name not in want:
-                raise LayoutMismatchError(name, "in the model but not in the snapshot")
-        if len(self.slots) != len(expected.slots):
-            raise LayoutMismatchError(
-                self.slots[0].name if self.slots else "(none)",
-                f"the model has {len(self.slots)} storages, the snapshot {len(expected.slots)} (tied or shared tensors differ)",
-            )
-        for hs, ws in zip(self.slots, expected.slots, strict=True):
-            if hs.name != ws.name or hs.members != ws.members:
-                raise LayoutMismatchError(
-                    hs.name,
-                    f"storage sharing differs: the model's storage holds {[m.name for m in hs.members]}, "
-                    f"the snapshot's {[m.name for m in ws.members]}",
-                )
-
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 @dataclass(eq=False)
@@ -153,6 +77,26 @@ class Snapshot:
     _pool: HostPool = field(repr=False)
     _transfer: Transfer = field(default_factory=Transfer, repr=False)
     _released: bool = field(default=False, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        tag: str,
+        version: int | None,
+        placement: Placement,
+        parts: tuple[SnapshotPart, ...],
+        pool: HostPool,
+        transfer: Transfer | None = None,
+    ) -> Snapshot:
+        """A snapshot of ``parts`` (the engine's constructor): host parts go back to ``pool`` on release;
+        ``transfer`` is what must complete before the values may be read."""
+        return cls(tag=tag, version=version, placement=placement, parts=parts, _pool=pool, _transfer=transfer or Transfer())
+
+    @property
+    def transfer(self) -> Transfer:
+        """The copies that fill this snapshot (``wait()`` waits for them)."""
+        return self._transfer
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -266,6 +210,10 @@ class SnapshotStore:
                 f"snapshot store budget {self.budget_bytes} bytes: holding {self.nbytes}, "
                 f"a new snapshot of {nbytes} bytes would make {total}"
             )
+
+    def find(self, tag: str, version: int | None = None) -> Snapshot | None:
+        """The snapshot stored under exactly ``(tag, version)``, or ``None``."""
+        return self._items.get((tag, version))
 
     def put(self, snapshot: Snapshot) -> None:
         old = self._items.pop(snapshot.key, None)

@@ -56,7 +56,7 @@ from stateshift.checkpoint import format as format_mod
 from stateshift.checkpoint.inspect_cmd import add_parser
 from stateshift.models import TinyConfig
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 ALL = ("params", "buffers", "grads", "optim")
 
 
@@ -128,7 +128,7 @@ MEGATRON_MIXES = {
 @pytest.mark.parametrize("config", ["distrib_ep", "float16"])
 def test_megatron_round_trip_in_every_mix(tmp_path, config, mix):
     """Megatron-core DDP flat buffers (CPU fake of 0.16.1): raw buffer slots, fp32 master shards, expert bias."""
-    from fake_mcore import (
+    from fakes.mcore import (
         FakeMoEModel,
         build_fake_ddp,
         build_fake_optimizer,
@@ -638,7 +638,7 @@ def test_inspect_prints_and_verifies(tmp_path, capsys):
 
 
 def test_checkpoint_bench_writes_rows(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         import checkpoint_bench
     finally:

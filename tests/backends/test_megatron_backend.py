@@ -1,4 +1,4 @@
-"""The Megatron backend on the CPU fake of megatron-core 0.16.1 (``tests/fake_mcore.py``).
+"""The Megatron backend on the CPU fake of megatron-core 0.16.1 (``tests/fakes/mcore/``).
 
 The residency matrix: every model/optimizer configuration (distributed optimizer with
 expert-parallel buffers, one DistributedOptimizer, Float16 optimizer with ``param_data is
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_mcore import (
+from fakes.mcore import (
     FakeDenseModel,
     FakeFloat16Module,
     FakeMoEModel,
@@ -31,20 +31,19 @@ from fake_mcore import (
     fake_finalize_model_grads,
     fake_train_step,
 )
+from fakes.mcore.setups import CONFIGS, HIDDEN, _is_expert, _x, build, pretend_cuda_engine
 
 from stateshift import (
     BackendError,
-    Entry,
     ForeignStateError,
     ModelState,
-    NativeHome,
     OffloadedStateError,
 )
 from stateshift.backends import detect_backends
 from stateshift.backends import megatron as mg
 from stateshift.backends.torch import TorchModuleBackend, TorchOptimizerBackend
+from stateshift.core.slot import Entry, NativeHome
 
-HIDDEN = 16
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,48 +53,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def _x(seed: int, n: int = 8) -> torch.Tensor:
-    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
-
-def _is_expert(name, _p):
-    return ".experts." in name
-
-
-def pretend_cuda_engine(state, monkeypatch):
-    """What a machine with CUDA gives a CPU model: ``ModelState``'s copy engine drives cuda:0.
-
-    The model stays on the CPU, so nothing is copied to a GPU; what this exercises are the
-    decisions (rebuild availability, pi_old placement, byte accounting), which must follow
-    where the state lives. A GPU's free memory must not be consulted for CPU-resident state.
-    (On a machine with CUDA the engine already is on a GPU: this changes nothing there.)
-    """
-    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
-
-    def no_gpu_memory(*_a, **_k):
-        raise AssertionError("a GPU's memory was consulted for state that lives on the CPU")
-
-    for fn in ("mem_get_info", "memory_reserved", "memory_allocated"):
-        monkeypatch.setattr(torch.cuda, fn, no_gpu_memory)
-
-
-CONFIGS = {
-    # what get_megatron_optimizer builds with EP > 1: Chained(Distributed dense, Distributed expert)
-    "distrib_ep": {"model": "moe", "ep": True, "udo": True, "kind": "chained"},
-    "distrib": {"model": "moe", "ep": False, "udo": True, "kind": "distrib"},
-    # use_distributed_optimizer=False: param_data is None, Chained(Float16 dense, Float16 expert)
-    "float16_no_param_data": {"model": "moe", "ep": True, "udo": False, "kind": "chained"},
-    "dense_float16": {"model": "dense", "ep": False, "udo": True, "kind": "float16"},
-}
-
-
-def build(config: str, seed: int = 0):
-    c = CONFIGS[config]
-    model = FakeMoEModel(HIDDEN, seed=seed) if c["model"] == "moe" else FakeDenseModel(HIDDEN, seed=seed)
-    ddp = build_fake_ddp(model, use_distributed_optimizer=c["udo"], expert_parallel_param_filter=_is_expert if c["ep"] else None)
-    return ddp, build_fake_optimizer(ddp, c["kind"])
 
 
 def buffers(ddp):
@@ -653,7 +610,7 @@ def test_master_rebuild_gives_back_exactly_the_current_params(config):
     pi_old = state.snapshot(["params", "buffers"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))
     now = capture(state)
-    plugin = state.backends[1].rebuild_plugin(state)
+    plugin = state.backends[1].rebuild_plugin()
     assert plugin.available() is None  # masters and params both on the CPU, whatever the engine drives
     calls = []
 
@@ -673,13 +630,13 @@ def test_master_rebuild_gives_back_exactly_the_current_params(config):
 def test_master_rebuild_refuses_when_it_would_not_be_exact(engine, monkeypatch):
     dense32 = build_fake_ddp(FakeDenseModel(HIDDEN), bf16=False)
     opt32 = build_fake_optimizer(dense32, "distrib")
-    assert "fp32 model params" in ModelState(dense32, opt32).backends[1].rebuild_plugin(ModelState(dense32, opt32)).available()
+    assert "fp32 model params" in ModelState(dense32, opt32).backends[1].rebuild_plugin().available()
     ddp, opt = build("distrib")
     fake_train_step(ddp, opt, _x(0))
     state = ModelState(ddp, opt)
     if engine == "on_cuda":
         pretend_cuda_engine(state, monkeypatch)
-    plugin = state.backends[1].rebuild_plugin(state)
+    plugin = state.backends[1].rebuild_plugin()
     assert plugin.available() is None  # "on the device" = where the params live (the CPU here)
     state.offload("optim")
     assert "not on the device" in plugin.available()
@@ -687,7 +644,7 @@ def test_master_rebuild_refuses_when_it_would_not_be_exact(engine, monkeypatch):
     assert plugin.available() is None
     # a master on another device than its params (as after Megatron's own offload_to_cpu on a
     # GPU: p.data = p.data.cpu()); "meta" stands in for the other device on a CPU-only machine
-    leaf = mg._optimizers_of(opt)[0]
+    leaf = mg.objects.optimizers_of(opt)[0]
     masters = leaf.shard_fp32_from_float16_groups[0]
     values = masters[0]
     masters[0] = torch.empty_like(values, device="meta")
@@ -708,7 +665,7 @@ def test_master_rebuild_copes_with_masters_offloaded_inside_the_swap():
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))
     now = capture(state, ["params"])
-    plugin = state.backends[1].rebuild_plugin(state)
+    plugin = state.backends[1].rebuild_plugin()
     with state.swapped(pi_old, rebuild={"params": plugin}):
         state.offload("optim")
     assert state.residency()["optim"]["device"] == 0
@@ -750,13 +707,16 @@ class _Backend:
     def __init__(self, fw):
         self.fw = fw
 
-    def entries(self):
+    def prepare(self, groups):
+        pass
+
+    def entries(self, groups):
         native = None
         if self.fw.t.untyped_storage().nbytes() == 0 and (self.fw.cpu is not None or not self.fw.keep):
             native = NativeHome(values=self.fw.cpu, on_onload=self.fw.forget)
         yield Entry("t", "params", self.fw.t, nbytes=64, native_home=native)
 
-    def install_guards(self, state):
+    def install_guards(self, check):
         return []
 
 
@@ -819,7 +779,7 @@ _HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.uti
 def test_real_megatron_core_on_cpu():
     """tests/gpu/test_megatron_gpu.py against the real megatron-core 0.16.1 GPTModel + DDP +
     DistributedOptimizer, on the CPU (megatron patched by benchmarks/megatron_bench.py)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, STATESHIFT_MCORE_DEVICE="cpu", PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-W", "ignore",

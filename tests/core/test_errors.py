@@ -7,7 +7,6 @@ import torch
 
 from helpers import DEVICES, SMALL, assert_same, capture, live, make, train_step, warm
 from stateshift import (
-    HostPool,
     LayoutMismatchError,
     ModelState,
     OffloadedStateError,
@@ -18,6 +17,7 @@ from stateshift import (
     SwapActiveError,
     UnknownGroupError,
 )
+from stateshift.core.pool import HostPool
 from stateshift.models import TinyConfig, TinyTransformer, batch, lm_loss
 
 
@@ -44,8 +44,8 @@ def _other(device, **changes):
     [
         ({"hidden": 48}, "embed.weight", "shape"),
         ({"dtype": torch.float64}, "embed.weight", "dtype"),
-        ({"layers": 3}, "blocks.2.ln1.weight", "in the snapshot (group 'params') but missing from the model"),
-        ({"layers": 1}, "blocks.1.ln1.weight", "in the model but not in the snapshot"),
+        ({"layers": 3}, "blocks.2.ln1.weight", "in the snapshot (group 'params') but not in the model"),
+        ({"layers": 1}, "blocks.1.ln1.weight", "in the model (group 'params') but not in the snapshot"),
         ({"tied": False}, "embed.weight", "tied or shared tensors differ"),
     ],
 )

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
-from fake_mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
+from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
 from helpers import SMALL, make, train_step
-from test_megatron_backend import _x, build, pretend_cuda_engine
+from fakes.mcore.setups import _x, build, pretend_cuda_engine
 
 from stateshift import ModelState, UnknownGroupError
 from stateshift.backends.megatron import MasterRebuild

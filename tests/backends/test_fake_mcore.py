@@ -1,4 +1,4 @@
-"""Checks of tests/fake_mcore.py: the fake itself, and (when megatron-core 0.16.1 is
+"""Checks of tests/fakes/mcore/: the fake itself, and (when megatron-core 0.16.1 is
 importable) the fake against the real classes' source and, on CPU, the real DDP layout.
 
 Nothing here reads a released storage: on CPU that is a segmentation fault, not an error.
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from fake_mcore import (
+from fakes.mcore import (
     MCORE_VERSION,
     FakeChainedOptimizer,
     FakeDenseModel,
@@ -502,7 +502,7 @@ _REAL_LAYOUT_SCRIPT = textwrap.dedent(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
-    import fake_mcore as F
+    import fakes.mcore as F
 
     def layout(ddp):
         names = {p: n for n, p in ddp.named_parameters()}
@@ -582,7 +582,7 @@ def test_real_ddp_layout_matches_the_fake_on_cpu(tmp_path):
     script.write_text(_REAL_LAYOUT_SCRIPT)
     port = str(29500 + os.getpid() % 1000)
     proc = subprocess.run(
-        [sys.executable, str(script), os.path.dirname(__file__), port],
+        [sys.executable, str(script), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), port],
         check=False, capture_output=True, text=True, timeout=300,
     )
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]

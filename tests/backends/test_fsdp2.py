@@ -24,7 +24,7 @@ from torch import nn
 try:
     from dist_harness import run_distributed
 except ImportError:  # tests/ not on sys.path (importlib mode)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dist_harness import run_distributed
 from helpers import capture  # noqa: E402  (tests/ is on sys.path by now)
 from helpers import perturb as shared_perturb  # noqa: E402

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from .errors import PinningUnavailableError, PoolBudgetError
+from ..errors import PinningUnavailableError, PoolBudgetError
 
 if TYPE_CHECKING:
+    from .layout import Layout
     from .transfer import Transfer
 
 #: Requests at least this large get their own ``mmap`` (page aligned, returned
@@ -54,7 +55,7 @@ class HostBlock:
     _regions_layout: object = field(default=None, repr=False)
     _regions: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def regions(self, layout) -> list[torch.Tensor]:  # layout: snapshot.Layout (no import cycle)
+    def regions(self, layout: Layout) -> list[torch.Tensor]:
         """Views of this block's regions under ``layout``, cached for the last layout asked."""
         if self._regions_layout is not layout:
             self._regions = layout.regions(self.data)
@@ -159,6 +160,22 @@ class HostPool:
             self._in_use_bytes += nbytes
         block.sync()
         return block
+
+    def check_room(self, nbytes: int, *, freeing: int = 0) -> None:
+        """Raise ``PoolBudgetError`` now if blocks of ``nbytes`` bytes in all could not be acquired.
+
+        ``freeing``: bytes of blocks the caller will release before acquiring.
+        Verbs call this before they change anything, so a budget error leaves
+        the state as it was (idle blocks are freed by ``acquire`` as needed).
+        """
+        if self.budget_bytes is None:
+            return
+        with self._lock:
+            if self._in_use_bytes - freeing + nbytes > self.budget_bytes:
+                raise PoolBudgetError(
+                    f"host pool budget {self.budget_bytes} bytes: {self._in_use_bytes} in use, "
+                    f"{nbytes} more needed{f' ({freeing} to be freed first)' if freeing else ''}"
+                )
 
     def retain(self, block: HostBlock) -> HostBlock:
         """Add an owner (copy-on-write sharing)."""

@@ -99,6 +99,26 @@ class SlotInfo:
         m = self.members[0]
         return f"{m.name} {list(m.shape)} {m.dtype}"
 
+    @property
+    def covers_storage(self) -> bool:
+        """One member, contiguous from byte 0, exactly as large as the storage: a plain tensor."""
+        if len(self.members) != 1:
+            return False
+        m = self.members[0]
+        if m.offset != 0:
+            return False
+        expect, numel = 1, 1
+        for size, stride in zip(reversed(m.shape), reversed(m.stride), strict=True):
+            if size != 1 and stride != expect:
+                return False
+            expect *= size
+            numel *= size
+        itemsize = _ITEMSIZE.get(m.dtype)
+        return itemsize is not None and numel * itemsize == self.nbytes
+
+
+_ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage; stable across moves (``resize_`` keeps the StorageImpl)."""

@@ -40,7 +40,7 @@ from stateshift.checkpoint import (
 from stateshift.checkpoint import atomic as atomic_mod
 from stateshift.checkpoint import format as format_mod
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 try:
     from dist_harness import run_distributed
 except ImportError:  # tests/ not on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dist_harness import run_distributed
 
 from helpers import assert_same, capture

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from helpers import capture, make, warm
-from stateshift import HostPool, ModelState, SnapshotStore
-from stateshift.transfer import CopyEngine
+from stateshift import ModelState
+from stateshift.core.pool import HostPool
+from stateshift.core.snapshot import SnapshotStore
+from stateshift.core.transfer import CopyEngine
 
 
 def test_pool_exact_sizes_and_reuse():
@@ -145,8 +147,8 @@ def test_staged_runs_never_span_another_item():
     Regression: Adam's ``step`` (a CPU tensor, copied host-to-host) sat between
     small CUDA tensors in the optim arena and was overwritten by the staged span.
     """
-    from stateshift.slot import MemberInfo, SlotInfo
-    from stateshift.snapshot import Layout
+    from stateshift.core.slot import MemberInfo, SlotInfo
+    from stateshift.core.layout import Layout
 
     sizes = [4, 4096, 4, 100, 64, 4, 1, 2048, 63, 65]
     infos = tuple(SlotInfo(f"t{i}", "optim", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
@@ -167,8 +169,8 @@ def test_staged_runs_never_span_another_item():
 @pytest.mark.parametrize("host_is_dst", [True, False])
 def test_staged_move_copies_exactly(host_is_dst):
     """The staging path (gather/scatter through one buffer) on the CPU: every item exact, nothing else written."""
-    from stateshift.slot import MemberInfo, SlotInfo
-    from stateshift.snapshot import Layout
+    from stateshift.core.slot import MemberInfo, SlotInfo
+    from stateshift.core.layout import Layout
 
     g = torch.Generator().manual_seed(0)
     sizes = [int(x) for x in torch.randint(1, 3000, (60,), generator=g)] + [5000, 7]

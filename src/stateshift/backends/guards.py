@@ -1,0 +1,96 @@
+"""Guard hooks shared by the module backends: compute on released state raises, never crashes.
+
+A kernel that reads a released storage is a segmentation fault on the CPU
+and a sticky illegal-address fault on CUDA. ``ModuleGuards`` puts a forward
+pre-hook on every module that owns parameters or buffers, and a gradient hook
+on every trainable parameter, each calling the engine's ``check`` first.
+
+Why nothing added later escapes: the hooks read the module's tensors when
+they run (a replaced parameter is seen), and ``cover()`` is called again by
+the backend's ``prepare()`` before every verb, which hooks modules and
+parameters created since (a LoRA adapter, a resized embedding). A tensor can
+only be released by a verb, and that verb's ``prepare()`` has hooked it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.source import Check
+
+ToLocal = Callable[[torch.Tensor], torch.Tensor]
+#: the tensor a backward accumulates into for a parameter, and its name suffix ("grad", "main_grad")
+GradOf = Callable[[nn.Parameter], tuple[Any, str]]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def plain_grad(p: nn.Parameter) -> tuple[Any, str]:
+    return p.grad, "grad"
+
+
+def _seen(index: dict[int, weakref.ref[Any]], obj: Any) -> bool:
+    """Whether ``obj`` (not merely an object that once had its id) is in ``index``; adds it if not."""
+    ref = index.get(id(obj))
+    if ref is not None and ref() is obj:
+        return True
+    index[id(obj)] = weakref.ref(obj)
+    return False
+
+
+@dataclass(eq=False)
+class ModuleGuards:
+    """The hooks of one backend (see the module docstring); ``remove()`` takes them all off."""
+
+    check: Check
+    local: ToLocal = _identity
+    grad_of: GradOf = plain_grad
+    handles: list[Any] = field(default_factory=list)
+    _modules: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
+    _params: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
+
+    def cover(self, modules: Iterable[tuple[str, nn.Module]], params: Iterable[tuple[str, nn.Parameter]]) -> None:
+        """Hook every module that owns tensors, and every trainable parameter, not hooked yet."""
+        for owner, m in modules:
+            if (m._parameters or m._buffers) and not _seen(self._modules, m):
+                self.handles.append(m.register_forward_pre_hook(self._forward_hook(owner or type(m).__name__)))
+        for name, p in params:
+            if p.requires_grad and not _seen(self._params, p):
+                self.handles.append(p.register_hook(self._grad_hook(p, name)))
+
+    def _forward_hook(self, owner: str) -> Callable[[nn.Module, Any], None]:
+        where = f"forward of module {owner!r}"
+        check, local = self.check, self.local
+
+        def pre_hook(mod: nn.Module, args: Any) -> None:
+            own = (*mod._parameters.values(), *mod._buffers.values())
+            check((local(t) for t in own if t is not None), where)
+
+        return pre_hook
+
+    def _grad_hook(self, p: nn.Parameter, name: str) -> Callable[[torch.Tensor], None]:
+        check, local, grad_of = self.check, self.local, self.grad_of
+        ref = weakref.ref(p)
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            param = ref()
+            target, leaf = grad_of(param) if param is not None else (None, "grad")
+            if isinstance(target, torch.Tensor):
+                check((local(target),), f"backward accumulating into {name}.{leaf}")
+
+        return grad_hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self._modules.clear()
+        self._params.clear()

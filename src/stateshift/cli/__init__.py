@@ -1,0 +1,32 @@
+"""The ``stateshift`` command.
+
+    stateshift bench            # every verb in every residency on the built-in model
+    stateshift bench --help     # sizes, device, output files
+    stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..checkpoint.inspect_cmd import add_parser as _inspect_parser
+from .bench import add_parser as _bench_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="stateshift", description="Move, snapshot and restore a training model's state.")
+    parser.add_argument("--version", action="version", version=f"stateshift {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    _inspect_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+

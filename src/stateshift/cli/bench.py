@@ -1,0 +1,174 @@
+"""``stateshift bench``: every verb in every residency on the built-in model, as ratios to ceilings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time every verb in every residency on the built-in model",
+        description=(
+            "Build the built-in transformer, take one training step (so grads and Adam state exist), then time "
+            "snapshot / restore / offload / onload / swap / pi_old cycle of its parameters in each residency, and "
+            "print GB/s and the ratio to ceilings measured in the same run (pinned copies of the same bytes; a host "
+            "memcpy on CPU-only machines)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=256, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype")
+    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:N]'")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
+    p.add_argument("--minibatches", type=int, default=4, help="N of the pi_old cycle")
+    p.add_argument("--small-tensors", type=int, default=0, help="also bench a model of this many small tensors")
+    p.add_argument("--small-numel", type=int, default=65536, help="elements of each small tensor")
+    p.add_argument("--json", type=Path, default=None, help="write the results here (format: docs/results.md)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the ratios here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_bench)
+
+
+class ManySmall(torch.nn.Module):
+    """``count`` parameters of ``numel`` elements each: the worst case for per-copy overhead."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel).to(dtype)) for _ in range(count))
+
+
+class UsageError(ValueError):
+    """A bad command-line value: printed as ``error: ...`` with exit status 2, before any work starts."""
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {spec!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {spec!r}: only 'cpu' and 'cuda' are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {spec!r} but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
+
+
+def _check_args(args: argparse.Namespace) -> tuple[torch.device, Any]:
+    """Every value checked before the run: a mistake costs nothing but its error message."""
+    from ..models import TinyConfig
+
+    for name in ("repeat", "minibatches", "small_numel"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if args.small_tensors < 0:
+        raise UsageError(f"--small-tensors must be >= 0, not {args.small_tensors}")
+    device = _device(args.device)
+    try:
+        cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                         dtype=DTYPES[args.dtype])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'stateshift[bench]'") from None
+    for path in (args.json, args.plot):
+        if path is not None:
+            _check_writable(Path(path))
+    return device, cfg
+
+
+def _check_writable(path: Path) -> None:
+    """Open the output for appending now (and remove it again if it is new), so a bad path fails first."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .. import bench
+
+    try:
+        device, cfg = _check_args(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    state, model_info = _build(cfg, device, args.dtype)
+    nbytes = state.nbytes("params")
+    ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
+    progress = bench.Progress(12 * (2 if args.small_tensors else 1), enabled=not args.no_progress)
+    result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
+                               ceilings={k: round(v, 2) for k, v in ceilings.items()})
+    rows, extra = bench.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
+                                    cycle_minibatches=args.minibatches, progress=progress)
+    result.rows += rows
+    result.extra.update(model=model_info, **extra)
+    if args.small_tensors:
+        from ..core.state import ModelState
+
+        small = ManySmall(args.small_tensors, args.small_numel, DTYPES[args.dtype]).to(device)
+        small_rows, _ = bench.bench_state(ModelState(small, pool=state.pool), backend="torch", ceilings=ceilings,
+                                          repeat=args.repeat, cycle_minibatches=args.minibatches, progress=progress)
+        for r in small_rows:
+            r.note = (r.note + f"; {args.small_tensors} tensors x {args.small_numel}").lstrip("; ")
+        result.rows += small_rows
+    result.extra["pool"] = state.pool.stats.as_dict()
+    _report(result, state, ceilings)
+    bench.save(result, args.json, args.plot)
+    return 0
+
+
+def _build(cfg: Any, device: torch.device, dtype: str) -> tuple[Any, dict[str, Any]]:
+    """The built-in model after one training step (grads and Adam state exist), and its ``ModelState``."""
+    from ..core.state import ModelState
+    from ..models import batch, build_default, lm_loss
+
+    model = build_default(cfg, device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    lm_loss(model, batch(cfg, 0, device=device)).backward()
+    opt.step()
+    state = ModelState(model, opt)
+    nbytes = state.nbytes("params")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.1f}M params, {nbytes / 1e9:.3f} GB of params ({dtype}) on {device}; "
+          f"state tracked: {state.nbytes() / 1e9:.3f} GB")
+    return state, {"params": params, "param_bytes": nbytes, "dtype": dtype}
+
+
+def _report(result: Any, state: Any, ceilings: dict[str, float]) -> None:
+    stats = state.pool.stats
+    print()
+    print(result.table())
+    print()
+    print("ceilings (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    if "d2h_gbps" not in ceilings:
+        print("CPU only: 'device' rows are the model's own (CPU) memory, every copy is a host memcpy, "
+              "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)")
+    print(f"pinned pool: pinned={stats.pinned} held={stats.held_bytes / 1e9:.3f} GB in use={stats.in_use_bytes / 1e9:.3f} GB "
+          f"allocations={stats.allocations} reuses={stats.reuses} requested={stats.requested_bytes / 1e9:.3f} GB")
+    if "gpu_allocated_after_offload" in result.extra:
+        print(f"GPU allocated: {result.extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
+              f"{result.extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after")

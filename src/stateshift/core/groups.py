@@ -1,0 +1,264 @@
+"""The slot table: every group's slots, layout and home, kept in step with the backends' listings.
+
+``SlotTable.refresh(groups)`` asks the sources to ``prepare`` and then to
+list the groups' tensors, and turns the listing into slots: tensors sharing
+a storage become one slot, a storage seen before keeps its slot (and its
+residency), tensors created since the last look become new slots and
+vanished ones are let go. When a group's slots change, its layout is rebuilt
+and host-resident values are carried into a home of the new layout, so no
+value is lost to a relayout.
+
+Storages released or re-grown by the framework itself since the last look
+(Megatron's ``offload_to_cpu`` / ``reload_from_cpu``) are followed: the
+framework's host copy is adopted as the slot's home (``NativeHome``), or its
+reload is taken as the truth. A storage released by someone else with no
+known copy of its values raises ``ForeignStateError``.
+
+Only ``ModelState`` changes residency; the table changes what exists.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import BackendError, ForeignStateError
+from .layout import Layout
+from .pool import HostBlock, HostPool
+from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_key
+from .source import Source
+
+Only = Callable[[str], bool] | Collection[str] | None
+
+
+def matches(slot: Slot, only: Only) -> bool:
+    """Whether ``only`` (names, or a predicate on names; ``None``: everything) selects one of the slot's members."""
+    if only is None:
+        return True
+    names = [m.name for m in slot.info.members]
+    if callable(only):
+        return any(only(n) for n in names)
+    return any(n in only for n in names)
+
+
+def disown(slot: Slot) -> None:
+    """Stop relying on the framework's copy of a slot's values, and tell the framework (once)."""
+    native, slot.native_home = slot.native_home, None
+    if native is not None and native.on_onload is not None:
+        native.on_onload()
+
+
+def _member_extent(t: torch.Tensor) -> int:
+    """Bytes of storage a tensor needs (offset included)."""
+    if t.numel() == 0:
+        return 0
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return (t.storage_offset() + span) * t.element_size()
+
+
+def _adopt_native(slot: Slot, es: list[Entry]) -> None:
+    """A storage released outside stateshift: host-resident in the framework's copy, or dropped if it kept none."""
+    native = next((e.native_home for e in es if e.native_home is not None), None)
+    if native is None:
+        raise ForeignStateError(
+            es[0].name,
+            "its storage was released outside stateshift and its backend knows no copy of its values; "
+            "reload it with the code that released it, or drop it explicitly",
+        )
+    if native.values is None:
+        slot.residency = Residency.DROPPED
+    else:
+        if native.values.numel() * native.values.element_size() != slot.nbytes:
+            raise ForeignStateError(
+                es[0].name, f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}"
+            )
+        slot.residency = Residency.HOST
+    slot.native_home = native
+
+
+def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int]) -> None:
+    """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload."""
+    for s in slots:
+        size = s.storage.nbytes()
+        if s.residency is Residency.DEVICE and size == 0 and s.nbytes > 0:
+            _adopt_native(s, [e for e, k in zip(entries, keys, strict=True) if k == s.key])
+        elif s.native_home is not None and s.residency is not Residency.DEVICE and size == s.nbytes > 0:
+            s.residency = Residency.DEVICE
+            disown(s)
+
+
+@dataclass(eq=False)
+class GroupState:
+    """The slots of one group, its current layout and its home arena."""
+
+    name: str
+    slots: list[Slot] = field(default_factory=list)
+    layout: Layout = field(default_factory=lambda: Layout.build(()))
+    home: HostBlock | None = None
+    #: what the last full refresh saw: (names, tensor objects, storage keys)
+    listed: tuple[list[str], list[torch.Tensor], list[int]] | None = field(default=None, repr=False)
+    by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
+
+    def index(self) -> dict[int, int]:
+        return {s.key: i for i, s in enumerate(self.slots)}
+
+    def counts(self) -> dict[str, int]:
+        out = {r.value: 0 for r in Residency}
+        for s in self.slots:
+            out[s.residency.value] += 1
+        return out
+
+    def home_is_whole(self) -> bool:
+        """True when every slot's values are in the group home (so a snapshot may share it)."""
+        return (
+            self.home is not None
+            and bool(self.slots)
+            and all(s.residency is Residency.HOST and s.native_home is None for s in self.slots)
+        )
+
+    def has_native(self) -> bool:
+        return any(s.native_home is not None for s in self.slots)
+
+    def home_region(self, index: int) -> torch.Tensor:
+        """Where slot ``index``'s offloaded values are: the framework's own copy, or the group home."""
+        s = self.slots[index]
+        if s.native_home is not None:
+            v = s.native_home.values
+            assert v is not None, "a dropped slot has no home region"
+            return v.reshape(-1).view(torch.uint8) if v.dtype != torch.uint8 else v.reshape(-1)
+        assert self.home is not None, f"slot {s.name!r} is {s.residency} but its group has no home"
+        return self.home.regions(self.layout)[index]
+
+
+class SlotTable:
+    """Every group's ``GroupState``, refreshed from the sources' listings (see the module docstring)."""
+
+    def __init__(self, sources: list[Source], pool: HostPool) -> None:
+        owner: dict[str, str] = {}
+        for b in sources:
+            for g in b.groups:
+                if g in owner:
+                    raise BackendError(f"group {g!r} is listed by both backend {owner[g]!r} and {b.name!r}")
+                owner[g] = b.name
+        self.sources = sources
+        self.pool = pool
+        self.names: tuple[str, ...] = tuple(owner)
+        self.forward: tuple[str, ...] = tuple(g for b in sources for g in b.forward_groups)
+        self.groups: dict[str, GroupState] = {g: GroupState(g) for g in self.names}
+        self.slots: dict[int, Slot] = {}
+
+    def refresh(self, groups: Iterable[str] | None = None) -> None:
+        """Re-list ``groups`` (default all): new tensors become slots, vanished ones are forgotten."""
+        wanted = frozenset(self.names if groups is None else groups)
+        by_group = self._list(wanted)
+        seen: dict[int, Slot] = {k: s for k, s in self.slots.items() if s.info.group not in wanted}
+        for g, entries in by_group.items():
+            self._refresh_group(self.groups[g], entries, seen)
+        self.slots = seen
+
+    def prepare(self, groups: Iterable[str]) -> None:
+        """Let each source bring its framework into a listable, movable state for ``groups``."""
+        wanted = frozenset(groups)
+        for b in self.sources:
+            asked = wanted.intersection(b.groups)
+            if asked:
+                b.prepare(asked)
+
+    def _list(self, wanted: frozenset[str]) -> dict[str, list[Entry]]:
+        by_group: dict[str, list[Entry]] = {g: [] for g in self.names if g in wanted}
+        self.prepare(wanted)
+        for b in self.sources:
+            asked = wanted.intersection(b.groups)
+            if not asked:
+                continue
+            for e in b.entries(asked):
+                if e.group not in self.groups:
+                    raise BackendError(f"backend {b.name!r} listed {e.name!r} in undeclared group {e.group!r}")
+                if e.group in by_group:
+                    by_group[e.group].append(e)
+        return by_group
+
+    def _refresh_group(self, gs: GroupState, entries: list[Entry], seen: dict[int, Slot]) -> None:
+        names = [e.name for e in entries]
+        tensors = [e.tensor for e in entries]
+        keys = list(map(storage_key, tensors))
+        if (
+            gs.listed is not None
+            and keys == gs.listed[2]
+            and names == gs.listed[0]
+            and all(map(operator.is_, tensors, gs.listed[1]))
+            and seen.keys().isdisjoint(gs.by_key)
+        ):
+            seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
+            _follow_framework(gs.slots, entries, keys)
+            return
+        members: dict[int, list[Entry]] = {}
+        for key, e in zip(keys, entries, strict=True):
+            members.setdefault(key, []).append(e)
+        slots: list[Slot] = []
+        changed = False
+        for key, es in members.items():
+            if key in seen:
+                raise BackendError(
+                    f"tensor {es[0].name!r} (group {gs.name!r}) shares storage with {seen[key].name!r} "
+                    f"(group {seen[key].info.group!r}); a storage belongs to one group"
+                )
+            slot, fresh = self._slot_for(key, gs.name, es)
+            changed |= fresh
+            seen[key] = slot
+            slots.append(slot)
+        if changed or len(slots) != len(gs.slots) or any(a is not b for a, b in zip(slots, gs.slots)):
+            layout = Layout.build(tuple(s.info for s in slots))
+            if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
+                self._relayout(gs, slots, layout)
+        gs.listed = (names, tensors, keys)
+        gs.by_key = {sl.key: sl for sl in slots}
+        _follow_framework(gs.slots, entries, keys)
+
+    def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:
+        """The slot for one storage, and whether its fingerprint may have changed."""
+        old = self.slots.get(key)
+        if (
+            old is not None
+            and old.info.group == group
+            and len(old.tensors) == len(es)
+            and all(e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members))
+        ):
+            return old, False  # the same tensor objects under the same names: nothing to re-derive
+        first = es[0]
+        storage = first.tensor.untyped_storage()
+        if old is not None and (old.residency is not Residency.DEVICE or storage.nbytes() == 0):
+            nbytes = old.nbytes  # offloaded by us, or released by the framework since we last looked
+        elif storage.nbytes() > 0 or old is not None:
+            nbytes = storage.nbytes()
+        else:
+            nbytes = first.nbytes if first.nbytes is not None else max(_member_extent(e.tensor) for e in es)
+        info = SlotInfo(name=first.name, group=group, nbytes=nbytes, members=tuple(member_info(e) for e in es))
+        tensors = tuple(e.tensor for e in es)
+        if old is not None and old.info.group == group:
+            if old.info != info:
+                old.info, old._view = info, None
+            old.tensors = tensors
+            return old, True
+        slot = Slot(key=key, info=info, storage=storage, device=first.tensor.device, tensors=tensors)
+        if storage.nbytes() == 0 and nbytes > 0:
+            _adopt_native(slot, es)
+        return slot, True
+
+    def _relayout(self, gs: GroupState, slots: list[Slot], layout: Layout) -> None:
+        """Adopt a new slot list; carry host-resident values over into a home of the new layout."""
+        old_home, old_layout, old_index = gs.home, gs.layout, gs.index()
+        keep = [s for s in slots if s.residency is Residency.HOST and s.native_home is None and s.key in old_index]
+        new_home = self.pool.acquire(layout.total) if keep and old_home is not None else None
+        gs.slots, gs.layout, gs.home = slots, layout, new_home
+        if old_home is None:
+            return
+        if new_home is not None:
+            old_home.sync()
+            new_index = gs.index()
+            for s in keep:
+                layout.region(new_home.data, new_index[s.key]).copy_(old_layout.region(old_home.data, old_index[s.key]))
+        self.pool.release(old_home)

@@ -1,0 +1,81 @@
+"""What the engine needs from a backend, and how it finds one.
+
+The engine moves tensors; it never looks inside a framework's objects. It
+asks its *sources* (the backends, ``stateshift/backends/``) three things:
+
+- ``prepare(groups)``: bring the framework into a state in which its tensors
+  can be listed and moved (FSDP2 reshards; Megatron forgets host copies it
+  must never reload). Called once before every verb touches ``groups``;
+  the only place a backend may change framework state.
+- ``entries(groups)``: the tensors of those groups as they are now, without
+  side effects, deterministic in order, cheap (called at every verb).
+- ``install_guards(check)``: hooks that call ``check(tensors, where)`` before
+  compute reads or writes state; ``check`` raises ``OffloadedStateError``
+  naming the group when a tensor's storage is released.
+
+``backends/base.py`` states the whole contract (these three plus the
+plug-ins a backend may offer); this module holds only the part the engine
+calls, so that the engine imports nothing from ``backends/``. The backends
+package registers its detector here when imported, which is how
+``ModelState(model, optimizer)`` finds the backends without importing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import BackendError
+from .slot import Entry
+
+#: ``check(tensors, where)``: raises ``OffloadedStateError`` if a tensor's storage is released
+Check = Callable[[Iterable[torch.Tensor], str], None]
+
+
+class Handle(Protocol):
+    """A removable hook (``torch.utils.hooks.RemovableHandle`` or a backend's own)."""
+
+    def remove(self) -> None: ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """The part of the backend contract the engine calls (see the module docstring)."""
+
+    #: short name, recorded in benchmark rows and checkpoint manifests
+    name: str
+    #: the groups this source lists tensors for (disjoint from other sources')
+    groups: tuple[str, ...]
+    #: the groups the forward pass reads: the default of ``snapshot()``
+    forward_groups: tuple[str, ...]
+
+    def prepare(self, groups: Collection[str]) -> None:
+        """Make the framework's tensors of ``groups`` listable and movable (see the module docstring)."""
+        ...
+
+    def entries(self, groups: Collection[str]) -> Iterable[Entry]:
+        """The tensors of ``groups`` as they are now; no side effects, deterministic order."""
+        ...
+
+    def install_guards(self, check: Check) -> list[Handle]:
+        """Hooks that call ``check`` before compute touches state; returns removable handles."""
+        ...
+
+
+Detector = Callable[[Any, Any], list[Source]]
+_detector: Detector | None = None
+
+
+def set_detector(detector: Detector) -> None:
+    """Install the function ``ModelState(model, optimizer)`` uses to find backends (``stateshift.backends`` does)."""
+    global _detector
+    _detector = detector
+
+
+def detect(model: Any, optimizer: Any) -> list[Source]:
+    """The sources for ``model`` and ``optimizer``, by the registered detector."""
+    if _detector is None:
+        raise BackendError("no backend registry is loaded: import stateshift (or pass backends=[...] explicitly)")
+    return _detector(model, optimizer)

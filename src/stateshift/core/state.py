@@ -1,0 +1,721 @@
+"""ModelState: a model's state as groups of slots, and the verbs that move it.
+
+Verbs: ``offload``, ``onload``, ``drop``, ``snapshot``, ``restore``,
+``swapped`` and ``release``. Each works in every residency and every mix of
+residencies: a slot is ``device``, ``host`` or ``dropped``, and each verb
+says what it does in each case -- there is no side attribute whose absence
+could raise.
+
+When results are safe to read: every verb returns without blocking the host
+on device copies. Compute enqueued on the current stream after a verb is
+ordered after that verb's copies, so the model may run (or be stepped) at
+once. Host memory written by a verb (a snapshot's values, a home) is safe to
+read on the host only after waiting: ``Snapshot.wait()`` or the returned
+``Transfer.wait()``.
+
+An error changes nothing: each verb validates and allocates everything it
+needs (pooled host blocks, device arenas) before it changes a residency, a
+home or a byte of the model.
+
+Threads: verbs on one ``ModelState`` are serialised by a lock, so a
+rollout thread and a training thread may both call them; ``swapped()``
+holds it on entry and exit, not while its body runs (verbs on the swapped
+groups raise ``SwapActiveError`` meanwhile).
+
+Homes: each group has one host arena (``home``) laid out like its
+snapshots, taken from the pool the first time the group is offloaded and
+kept for reuse. Homes and host snapshots share blocks copy-on-write: a
+snapshot of a fully offloaded group, and a restore into one, move no bytes.
+
+Lifetime: the guard hooks a ``ModelState`` installs on the model hold it,
+so it lives as long as the model; one built with ``guard=False`` keeps
+itself alive while it holds offloaded values, until ``close()``. ``close()``
+brings offloaded values back to the device before it gives the homes up.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ..errors import ClosedStateError, NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from .groups import GroupState, Only, SlotTable, disown, matches
+from .layout import Layout
+from .pool import HostBlock, HostPool
+from .slot import Residency, Slot, storage_key
+from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
+from .source import Handle, Source, detect
+from .swap import Swap, Undo, reads_of
+from .transfer import CopyEngine, Pair, Transfer
+
+GroupArg = str | Iterable[str] | None
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: states built with ``guard=False`` that hold offloaded values: kept alive until ``close()``
+_KEEP_ALIVE: set[ModelState] = set()
+
+
+def _locked(fn: _F) -> _F:
+    """Run a verb under the state's lock, after checking the state is open."""
+
+    @functools.wraps(fn)
+    def verb(self: ModelState, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise ClosedStateError(f"ModelState was closed; {fn.__name__}() needs a new one")
+            return fn(self, *args, **kwargs)
+
+    return verb  # type: ignore[return-value]
+
+
+class ModelState:
+    """The movable state of one model (and optionally its optimizer).
+
+    Args:
+        model: a ``torch.nn.Module`` (or anything a registered backend knows:
+            Megatron-core DDP, FSDP2 modules, lists of model chunks).
+        optimizer: its optimizer, whose state becomes the ``optim`` group.
+        backends: explicit backends instead of detection.
+        pool: the pinned host pool (shared between states if you like).
+        pin: passed to a new ``HostPool`` when ``pool`` is not given.
+        device: the accelerator the copy engine drives (default: current CUDA device, if any).
+        snapshot_budget_bytes: byte budget of ``self.snapshots``.
+        guard: install hooks that raise ``OffloadedStateError`` when compute
+            touches released state (forward, backward into released grads,
+            optimizer step).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        backends: Iterable[Source] | None = None,
+        pool: HostPool | None = None,
+        pin: bool | str = "auto",
+        device: torch.device | None = None,
+        snapshot_budget_bytes: int | None = None,
+        guard: bool = True,
+    ) -> None:
+        self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
+        self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
+        self._table = SlotTable(self.backends, self.pool)
+        self.groups: tuple[str, ...] = self._table.names
+        self.forward_groups: tuple[str, ...] = self._table.forward
+        self.engine = CopyEngine(device)
+        self.snapshots = SnapshotStore(snapshot_budget_bytes)
+        self._groups: dict[str, GroupState] = self._table.groups
+        self._swapping: set[str] = set()
+        self._rebuild_reads: set[str] = set()
+        self._handles: list[Handle] = []
+        self._lock = threading.RLock()
+        self._closed = False
+        self._guarded = guard
+        self._table.refresh()
+        if guard:
+            for b in self.backends:
+                self._handles.extend(b.install_guards(self.check_resident))
+
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def swapping(self) -> frozenset[str]:
+        """The groups a ``swapped()`` context holds right now."""
+        return frozenset(self._swapping)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @_locked
+    def residency(self) -> dict[str, dict[str, int]]:
+        """Per group, how many slots are ``device`` / ``host`` / ``dropped``."""
+        self._table.refresh()
+        return {g: gs.counts() for g, gs in self._groups.items()}
+
+    @_locked
+    def slots(self, group: str | None = None) -> list[Slot]:
+        self._table.refresh()
+        names = self._select(group, check_swap=False) if group is not None else self.groups
+        return [s for g in names for s in self._groups[g].slots]
+
+    @_locked
+    def nbytes(self, groups: GroupArg = None) -> int:
+        self._table.refresh()
+        return sum(s.nbytes for g in self._select(groups, check_swap=False) for s in self._groups[g].slots)
+
+    @_locked
+    def layout(self, group: str) -> Layout:
+        self._table.refresh()
+        return self._groups[self._select(group, check_swap=False)[0]].layout
+
+    @_locked
+    def stash_placement(self, groups: GroupArg = None, stash: Literal["auto", "device", "host"] = "auto") -> str:
+        """Where ``swapped(..., stash=stash)`` would keep the current values of ``groups`` now: ``"device"`` or ``"host"``."""
+        names = self._select(groups, check_swap=False)
+        self._table.refresh(names)
+        return "device" if self._stash_on_device(stash, [self._groups[g] for g in names]) else "host"
+
+    @_locked
+    def refresh(self, groups: Iterable[str] | None = None) -> None:
+        """Re-list the backends' tensors of ``groups`` (default all); every verb does this for the groups it touches."""
+        self._table.refresh(groups)
+
+    # -- verbs ----------------------------------------------------------------------------
+    @_locked
+    def offload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
+        """Copy device-resident slots to their homes and release their device storage.
+
+        ``host`` slots stay as they are; ``dropped`` slots stay dropped. The
+        home is safe to read on the host after the returned transfer's ``wait()``.
+        """
+        names = self._select(groups)
+        self._table.refresh(names)
+        self._check_releasable(names, only)
+        moving: dict[str, list[Slot]] = {}
+        for g in names:
+            slots = [s for s in self._groups[g].slots if s.residency is Residency.DEVICE and s.releasable and matches(s, only)]
+            if slots:
+                moving[g] = slots
+        fresh = self._reserve_homes(moving)
+        pairs: list[Pair] = []
+        for g, slots in moving.items():
+            gs = self._groups[g]
+            home = self._install_home(gs, fresh.get(g), rewriting={s.key for s in slots})
+            idx, regions = gs.index(), home.regions(gs.layout)
+            pairs += [(regions[idx[s.key]], s.bytes()) for s in slots]
+        transfer = self.engine.copy(pairs, frees_sources=True)
+        for g, slots in moving.items():
+            home = self._groups[g].home
+            assert home is not None
+            home.pending = transfer.merged(home.pending)
+            for s in slots:
+                s.release_storage()
+                s.residency = Residency.HOST
+        if moving and not self._guarded:
+            _KEEP_ALIVE.add(self)
+        return transfer
+
+    @_locked
+    def drop(self, groups: GroupArg = None, *, only: Only = None) -> None:
+        """Release device storage without keeping values (``onload`` zero-fills). ``host`` slots become ``dropped`` too."""
+        names = self._select(groups)
+        busy = self._rebuild_reads.intersection(names)
+        if busy:
+            raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context")
+        self._table.refresh(names)
+        self._check_releasable(names, only)
+        for g in names:
+            for s in self._groups[g].slots:
+                if s.residency is not Residency.DROPPED and s.releasable and matches(s, only):
+                    if s.residency is Residency.DEVICE:
+                        s.release_storage()
+                    s.residency = Residency.DROPPED
+                    disown(s)
+
+    @_locked
+    def onload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
+        """Re-grow device storage and fill it: from the home (``host``) or with zeros (``dropped``).
+
+        The same tensor objects hold the values afterwards; compute enqueued
+        after the call sees them.
+        """
+        names = self._select(groups)
+        self._table.refresh(names)
+        todo = [(self._groups[g], [s for s in self._groups[g].slots if s.residency is not Residency.DEVICE and matches(s, only)]) for g in names]
+        transfer = self._fill_from_homes([(gs, slots) for gs, slots in todo if slots])
+        for _, slots in todo:
+            for s in slots:
+                s.residency = Residency.DEVICE
+                disown(s)
+        if groups is None and only is None:
+            _KEEP_ALIVE.discard(self)
+        return transfer
+
+    @_locked
+    def snapshot(
+        self,
+        groups: GroupArg = None,
+        *,
+        tag: str = "snapshot",
+        version: int | None = None,
+        placement: Placement = "host",
+    ) -> Snapshot:
+        """Copy the groups' current values, wherever they live, into a new snapshot.
+
+        Default groups: those the forward pass reads (params, buffers, ...).
+        A snapshot under the same ``(tag, version)`` is replaced (released
+        first, so its memory is reused). A host snapshot of a fully
+        offloaded group shares the home's block instead of copying it.
+        Values are safe to read on the host after ``snapshot.wait()``.
+        """
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+        names = self._select(groups if groups is not None else self.forward_groups, check_swap=False)
+        self._table.refresh(names)
+        gss = [self._groups[g] for g in names]
+        shared = {gs.name for gs in gss if placement == "host" and gs.home_is_whole()}
+        old = self._make_room_for(tag, version, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
+        device_arenas = {gs.name: self._device_arena(gs) for gs in gss if placement == "device"}
+        if old is not None:
+            self.snapshots.discard(old)
+        parts: list[SnapshotPart] = []
+        pairs: list[Pair] = []
+        pending = Transfer()
+        for gs in gss:
+            if gs.name in shared:
+                assert gs.home is not None
+                parts.append(SnapshotPart(gs.name, gs.layout, host=self.pool.retain(gs.home)))
+                pending = pending.merged(gs.home.pending)
+                continue
+            arena = device_arenas.get(gs.name)
+            part = SnapshotPart(gs.name, gs.layout, device=arena) if arena is not None else SnapshotPart(gs.name, gs.layout, host=self.pool.acquire(gs.layout.total))
+            parts.append(part)
+            pairs += self._read_pairs(gs, part.regions())
+        self._sync_host_sources(pairs, names)
+        transfer = self.engine.copy(pairs).merged(pending)
+        return self._store(Snapshot.of(tag=tag, version=version, placement=placement, parts=tuple(parts), pool=self.pool, transfer=transfer))
+
+    @_locked
+    def snapshot_from(
+        self, groups: GroupArg, fill: Callable[[SnapshotPart], None], *, tag: str, version: int | None = None
+    ) -> Snapshot:
+        """A host snapshot of ``groups`` laid out as the model is now, its values written by ``fill(part)``.
+
+        ``fill`` writes every region of each part (``part.regions()``) on this
+        thread (e.g. a checkpoint read straight into pooled host memory). If
+        it raises, the blocks go back to the pool and nothing else changed.
+        Replaces a snapshot stored under the same ``(tag, version)``.
+        """
+        names = self._select(groups, check_swap=False)
+        self._table.refresh(names)
+        gss = [self._groups[g] for g in names]
+        old = self._make_room_for(tag, version, [gs.layout.total for gs in gss])
+        if old is not None:
+            self.snapshots.discard(old)
+        parts = [SnapshotPart(gs.name, gs.layout, host=self.pool.acquire(gs.layout.total)) for gs in gss]
+        try:
+            for part in parts:
+                fill(part)
+        except BaseException:
+            for part in parts:
+                assert part.host is not None
+                self.pool.release(part.host)
+            raise
+        return self._store(Snapshot.of(tag=tag, version=version, placement="host", parts=tuple(parts), pool=self.pool))
+
+    @_locked
+    def restore(self, snapshot: Snapshot) -> Transfer:
+        """Write the snapshot's values into its groups, wherever each slot lives now.
+
+        ``device`` slots are written in place (no temporary full-size device
+        tensor); ``host`` slots get the values in their home (a pointer copy
+        when the whole group is offloaded); ``dropped`` slots become ``host``
+        with the values. Checks the layout of every group first and changes
+        nothing if any differs (``LayoutMismatchError`` names the tensor).
+        """
+        snapshot.check_alive()
+        names = self._select(snapshot.groups)
+        self._table.refresh(names)
+        for part in snapshot.parts:
+            self._groups[part.group].layout.check_compatible(part.layout)
+        adopt: list[tuple[GroupState, SnapshotPart]] = []
+        rewrite: dict[str, list[Slot]] = {}
+        for part in snapshot.parts:
+            gs = self._groups[part.group]
+            offloaded = [s for s in gs.slots if s.residency is not Residency.DEVICE]
+            if part.host is not None and offloaded and len(offloaded) == len(gs.slots) and not gs.has_native():
+                adopt.append((gs, part))  # every slot offloaded: the snapshot's block becomes the home
+            elif offloaded:
+                rewrite[gs.name] = offloaded
+        fresh = self._reserve_homes(rewrite)
+        for gs, part in adopt:
+            self._adopt_home(gs, part)
+        return self._write_parts(snapshot, [p for p in snapshot.parts if p.group not in {gs.name for gs, _ in adopt}], fresh, rewrite)
+
+    @contextmanager
+    def swapped(
+        self,
+        snapshot: Snapshot,
+        *,
+        rebuild: Mapping[str, Callable[[], None]] | None = None,
+        stash: Literal["auto", "device", "host"] = "auto",
+    ) -> Iterator[Snapshot]:
+        """Inside, the model computes with the snapshot's values; after, it has exactly its own back.
+
+        ``device`` slots are stashed and overwritten; ``host`` and ``dropped``
+        slots get device storage filled from the snapshot and are released
+        again on exit, their homes untouched. Changes made inside (e.g. an
+        optimizer step) are discarded. Other verbs on these groups raise
+        ``SwapActiveError`` inside.
+
+        ``rebuild`` maps a group to a function that recomputes its current
+        values on the device (e.g. bf16 params from the optimizer's fp32
+        master weights): that group's device slots are then not stashed, and
+        on exit the function runs instead of copying the stash back -- after
+        every other group of the snapshot has its own values back, with the
+        tensors it declares in ``reads()`` made resident (``swap.py``). It
+        must rewrite every device-resident slot of the group, on the current
+        stream. Groups it reads cannot be dropped inside the context.
+
+        ``stash``: where the current values wait. ``"device"`` costs device
+        memory and moves them at device-copy speed; ``"host"`` uses a pooled
+        pinned block and two PCIe crossings; ``"auto"`` takes the device when
+        its free memory holds twice the stash, else the host.
+        """
+        if stash not in ("auto", "device", "host"):
+            raise ValueError(f"stash must be 'auto', 'device' or 'host', not {stash!r}")
+        swap = self._swap_in(snapshot, dict(rebuild or {}), stash)
+        try:
+            yield snapshot
+        finally:
+            self._swap_out(swap, snapshot)
+
+    @_locked
+    def release(self, snapshot: Snapshot) -> None:
+        """Forget the snapshot and give its memory back (to the pool, for host snapshots)."""
+        self.snapshots.discard(snapshot)
+
+    def close(self) -> None:
+        """Bring offloaded values back to the device, then remove hooks, release snapshots and homes.
+
+        Values are never lost to a close: groups whose values live only in a
+        home are onloaded first (``drop()`` them before if they are not
+        needed). Values kept in a framework's own host copy stay there.
+        Idempotent; other verbs raise ``ClosedStateError`` afterwards.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            held = [g for g, gs in self._groups.items() if any(s.residency is Residency.HOST and s.native_home is None for s in gs.slots)]
+            if held and not self._swapping:
+                self.onload(held)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self.snapshots.clear()
+            for gs in self._groups.values():
+                if gs.home is not None and not any(s.residency is Residency.HOST and s.native_home is None for s in gs.slots):
+                    self.pool.release(gs.home)
+                    gs.home = None
+            self._closed = True
+            _KEEP_ALIVE.discard(self)
+
+    # -- guards ---------------------------------------------------------------------------
+    def check_resident(self, tensors: Iterable[torch.Tensor], where: str) -> None:
+        """Raise ``OffloadedStateError`` if any tensor's storage is released (cheap: no refresh, no lock)."""
+        for t in tensors:
+            if t is None or t.numel() == 0:
+                continue
+            if t.untyped_storage().nbytes() == 0:
+                slot = self._table.slots.get(storage_key(t))
+                if slot is None:
+                    raise OffloadedStateError("(untracked)", "(a tensor)", "released", where)
+                raise OffloadedStateError(slot.info.group, slot.name, slot.residency.value, where)
+
+    # -- internals: selection and memory ----------------------------------------------------
+    def _select(self, groups: GroupArg, *, check_swap: bool = True) -> tuple[str, ...]:
+        if groups is None:
+            names: tuple[str, ...] = self.groups
+        elif isinstance(groups, str):
+            names = (groups,)
+        else:
+            names = tuple(groups)
+            if not names:
+                raise ValueError(f"no groups given (an empty list); valid groups: {', '.join(self.groups)}")
+        for g in names:
+            if g not in self._groups:
+                raise UnknownGroupError(g, self.groups)
+        if len(set(names)) != len(names):
+            raise ValueError(f"a group is named twice in {list(names)}")
+        if check_swap:
+            busy = [g for g in names if g in self._swapping]
+            if busy:
+                raise SwapActiveError(f"group(s) {busy} are inside a swapped() context")
+        return names
+
+    def _make_room_for(self, tag: str, version: int | None, host_sizes: list[int]) -> Snapshot | None:
+        """Check budgets for a new snapshot under ``(tag, version)``; returns the snapshot it replaces."""
+        self.snapshots.check_budget(sum(host_sizes), replacing=(tag, version))
+        old = self.snapshots.find(tag, version)
+        freeing = 0 if old is None else sum(p.host.nbytes for p in old.parts if p.host is not None and not p.host.shared)
+        self.pool.check_room(sum(host_sizes), freeing=freeing)
+        return old
+
+    def _store(self, snap: Snapshot) -> Snapshot:
+        for p in snap.parts:
+            if p.host is not None:
+                p.host.pending = snap.transfer
+        self.snapshots.put(snap)
+        return snap
+
+    def _device_arena(self, gs: GroupState) -> torch.Tensor:
+        return torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for(gs))
+
+    def _reserve_homes(self, writing: Mapping[str, list[Slot]]) -> dict[str, HostBlock]:
+        """Phase one of a home write: a fresh block for every group whose home is missing or shared.
+
+        All blocks are acquired (or ``PoolBudgetError`` raised) before any home
+        changes, so a budget error leaves every group as it was.
+        """
+        need = [g for g in writing if self._groups[g].home is None or self._groups[g].home.shared]  # type: ignore[union-attr]
+        self.pool.check_room(sum(self._groups[g].layout.total for g in need))
+        return {g: self.pool.acquire(self._groups[g].layout.total) for g in need}
+
+    def _install_home(self, gs: GroupState, fresh: HostBlock | None, rewriting: set[int]) -> HostBlock:
+        """Phase two: make ``fresh`` the group's home (copying over host values not being rewritten).
+
+        Native slots being rewritten leave their framework copy: their values
+        will now live in our home. Returns the home, free of pending readers.
+        """
+        for s in gs.slots:
+            if s.key in rewriting:
+                disown(s)
+        if fresh is not None:
+            old, gs.home = gs.home, fresh
+            if old is not None:
+                carry = [i for i, s in enumerate(gs.slots) if s.residency is Residency.HOST and s.native_home is None and s.key not in rewriting]
+                if carry:
+                    old.sync()
+                    for i in carry:
+                        gs.layout.region(fresh.data, i).copy_(gs.layout.region(old.data, i))
+                self.pool.release(old)
+        assert gs.home is not None
+        gs.home.sync()
+        return gs.home
+
+    def _adopt_home(self, gs: GroupState, part: SnapshotPart) -> None:
+        """Restore into a fully offloaded group: the snapshot's block becomes its home (copy-on-write)."""
+        assert part.host is not None
+        old, gs.home = gs.home, self.pool.retain(part.host)
+        if old is not None:
+            self.pool.release(old)
+        for s in gs.slots:
+            s.residency = Residency.HOST
+
+    # -- internals: copies ---------------------------------------------------------------------
+    def _read_pairs(self, gs: GroupState, regions: list[torch.Tensor]) -> list[Pair]:
+        """Copies of every slot's current values into ``regions`` (dropped slots: zeros, written now)."""
+        pairs: list[Pair] = []
+        for i, s in enumerate(gs.slots):
+            if s.residency is Residency.DEVICE:
+                pairs.append((regions[i], s.bytes()))
+            elif s.residency is Residency.HOST:
+                pairs.append((regions[i], gs.home_region(i)))
+            else:
+                regions[i].zero_()
+        return pairs
+
+    def _write_parts(
+        self, snapshot: Snapshot, parts: list[SnapshotPart], fresh: dict[str, HostBlock], rewrite: Mapping[str, list[Slot]]
+    ) -> Transfer:
+        """Copy ``parts`` into their groups: device slots in place, offloaded ones into (private) homes."""
+        pairs: list[Pair] = []
+        homes: list[HostBlock] = []
+        for part in parts:
+            gs = self._groups[part.group]
+            offloaded = rewrite.get(gs.name, [])
+            home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded}) if offloaded else None
+            regions = part.regions()
+            for i, s in enumerate(gs.slots):
+                if s.residency is Residency.DEVICE:
+                    pairs.append((s.bytes(), regions[i]))
+                else:
+                    pairs.append((gs.home_region(i), regions[i]))
+                    s.residency = Residency.HOST
+            if home is not None:
+                homes.append(home)
+        self._sync_host_sources(pairs, snapshot.groups, snapshot)
+        transfer = self.engine.copy(pairs)
+        for home in homes:
+            home.pending = transfer.merged(home.pending)
+        for part in snapshot.parts:
+            if part.host is not None:
+                part.host.pending = transfer.merged(part.host.pending)
+        if homes and not self._guarded:
+            _KEEP_ALIVE.add(self)
+        return transfer
+
+    def _fill_from_homes(self, todo: list[tuple[GroupState, list[Slot]]]) -> Transfer:
+        """Re-grow the slots' storage and fill it from their homes (dropped slots: zeros). Residency unchanged."""
+        pairs: list[Pair] = []
+        zero: list[Slot] = []
+        for gs, slots in todo:
+            idx = gs.index()
+            for s in slots:
+                s.regrow_storage()
+                if s.residency is Residency.HOST:
+                    pairs.append((s.bytes(), gs.home_region(idx[s.key])))
+                else:
+                    zero.append(s)
+        self._sync_host_sources(pairs, [gs.name for gs, _ in todo])
+        transfer = self.engine.copy(pairs)
+        for s in zero:
+            s.bytes().zero_()
+        if pairs:
+            for gs, _ in todo:
+                if gs.home is not None:
+                    gs.home.pending = transfer.merged(gs.home.pending)
+        return transfer
+
+    # -- internals: swapped() -----------------------------------------------------------------
+    @_locked
+    def _swap_in(self, snapshot: Snapshot, rebuild: dict[str, Callable[[], None]], stash: str) -> Swap:
+        snapshot.check_alive()
+        names = self._select(snapshot.groups)
+        unknown = [g for g in rebuild if g not in names]
+        if unknown:
+            raise UnknownGroupError(unknown[0], names)
+        self._table.refresh(names)
+        for part in snapshot.parts:
+            self._groups[part.group].layout.check_compatible(part.layout)
+        swap = Swap(names, rebuild)
+        stashing = [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in self._groups[p.group].slots)]
+        self._new_stashes(swap, stashing, self._stash_on_device(stash, stashing))
+        try:
+            stash_pairs, write_pairs = self._swap_pairs(swap, snapshot)
+        except BaseException:
+            self._undo_regrow(swap)
+            raise
+        swap.stashed = self.engine.copy(stash_pairs)
+        self._sync_host_sources(write_pairs, names, snapshot)
+        swap.written = self.engine.copy(write_pairs)
+        for u in swap.undo:
+            u.slot.residency = Residency.DEVICE
+        self._swapping.update(names)
+        self._rebuild_reads.update(g for fn in rebuild.values() for g in reads_of(fn))
+        return swap
+
+    def _new_stashes(self, swap: Swap, groups: list[GroupState], on_device: bool) -> None:
+        """Allocate every stash arena before anything changes (device memory, or pooled pinned blocks)."""
+        if not on_device:
+            self.pool.check_room(sum(gs.layout.total for gs in groups))
+        for gs in groups:
+            if on_device:
+                swap.stashes.append(self._device_arena(gs))
+            else:
+                swap.stashes.append(self.pool.acquire(gs.layout.total))
+        swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
+
+    def _swap_pairs(self, swap: Swap, snapshot: Snapshot) -> tuple[list[Pair], list[Pair]]:
+        """Stash copies of device slots and writes of the snapshot's values; offloaded slots get storage back."""
+        stash_pairs: list[Pair] = []
+        write_pairs: list[Pair] = []
+        for part in snapshot.parts:
+            gs = self._groups[part.group]
+            arena = swap.arenas.get(gs.name)
+            regions = part.regions()
+            for i, s in enumerate(gs.slots):
+                if s.residency is Residency.DEVICE and arena is not None:
+                    region = gs.layout.region(arena, i)
+                    stash_pairs.append((region, s.bytes()))
+                    swap.undo.append(Undo(s, Residency.DEVICE, region))
+                elif s.residency is Residency.DEVICE:
+                    swap.undo.append(Undo(s, Residency.DEVICE))
+                else:
+                    swap.undo.append(Undo(s, s.residency))
+                    s.regrow_storage()
+                write_pairs.append((s.bytes(), regions[i]))
+        return stash_pairs, write_pairs
+
+    def _undo_regrow(self, swap: Swap) -> None:
+        """A failed entry: give back the storage re-grown so far and the stashes."""
+        for u in swap.undo:
+            if u.was is not Residency.DEVICE:
+                u.slot.release_storage()
+        self._free_stashes(swap, Transfer())
+
+    @_locked
+    def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
+        returned = Transfer()
+        try:
+            self._table.prepare(swap.groups)  # e.g. FSDP2: no all-gathered copy of the snapshot outlives the context
+            back = [(u.slot.bytes(), u.stash) for u in swap.undo if u.was is Residency.DEVICE and u.stash is not None]
+            self._sync_host_sources(back, swap.groups)
+            returned = self.engine.copy(back)
+            for u in swap.undo:
+                if u.was is not Residency.DEVICE:
+                    u.slot.release_storage()
+                    u.slot.residency = u.was
+            for g in swap.rebuilt_groups():
+                self._run_rebuild(swap.rebuild[g])
+        finally:
+            self._free_stashes(swap, returned)
+            for part in snapshot.parts:
+                if part.host is not None:
+                    part.host.pending = swap.written.merged(part.host.pending)
+            self._swapping.difference_update(swap.groups)
+            self._rebuild_reads.clear()
+
+    def _free_stashes(self, swap: Swap, returned: Transfer) -> None:
+        for st in swap.stashes:
+            if isinstance(st, HostBlock):
+                st.pending = returned.merged(swap.stashed)
+                self.pool.release(st)
+        swap.stashes.clear()
+
+    def _run_rebuild(self, fn: Callable[[], None]) -> None:
+        """Run a rebuild with the offloaded tensors it reads lent back to the device, then released again.
+
+        Their homes are not written: the rebuild only reads them, so the
+        values stay where they were and the slots stay ``host``.
+        """
+        lent: list[tuple[GroupState, list[Slot]]] = []
+        for g, wanted in reads_of(fn).items():
+            gs = self._groups.get(g)
+            if gs is not None:
+                slots = [s for s in gs.slots if s.residency is Residency.HOST and matches(s, wanted)]
+                if slots:
+                    lent.append((gs, slots))
+        self._fill_from_homes(lent)
+        try:
+            fn()
+        finally:
+            for _, slots in lent:
+                for s in slots:
+                    s.release_storage()
+
+    # -- internals: host ordering and placement ---------------------------------------------------
+    def _sync_host_sources(self, pairs: list[Pair], names: Iterable[str], snapshot: Snapshot | None = None) -> None:
+        """Before host-to-host copies of groups ``names`` run on this thread, wait for device copies into their homes."""
+        if not any(d.is_cpu and s.is_cpu for d, s in pairs):
+            return
+        for g in names:
+            home = self._groups[g].home
+            if home is not None:
+                home.sync()
+        if snapshot is not None:
+            snapshot.wait()
+
+    def _check_releasable(self, names: tuple[str, ...], only: Only) -> None:
+        """Storage that cannot be resized cannot be released: fine on the host (it already is host
+        memory, e.g. FSDP2's pinned shards under CPUOffloadPolicy: it stays where it is), an error
+        on an accelerator -- raised before anything moves."""
+        for g in names:
+            for s in self._groups[g].slots:
+                if s.residency is Residency.DEVICE and s.device.type != "cpu" and not s.releasable and matches(s, only):
+                    raise NotReleasableError(
+                        s.name, f"its {s.device.type} storage is not resizable (allocated outside torch's caching "
+                        "allocator?), so it cannot be released in place"
+                    )
+
+    def _stash_on_device(self, stash: str, groups: list[GroupState]) -> bool:
+        if stash != "auto":
+            return stash == "device"
+        dev = self.engine.device
+        if dev is None or not any(self._device_for(gs) == dev for gs in groups):
+            return False
+        need = sum(gs.layout.total for gs in groups)
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free >= 2 * need
+
+    def _device_for(self, gs: GroupState) -> torch.device:
+        """Where a device-placed snapshot or stash of a group goes: the accelerator if the group lives there."""
+        dev = self.engine.device
+        if dev is not None and any(s.device.type == dev.type for s in gs.slots):
+            return dev
+        return torch.device("cpu")

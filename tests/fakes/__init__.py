@@ -1,0 +1,1 @@
+"""Faithful CPU fakes of frameworks that need hardware the CI machine lacks."""

@@ -1,0 +1,130 @@
+"""The shape of the package, checked by reading it: imports point one way, functions stay short,
+every backend keeps the contract, the public surface stays narrow."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import stateshift
+from stateshift.backends import REGISTRY, base
+
+SRC = Path(stateshift.__file__).resolve().parent
+ENGINE = ["core/state.py", "core/snapshot.py", "core/transfer.py", "core/slot.py", "core/pool.py", "core/layout.py",
+          "core/groups.py", "core/swap.py", "core/source.py"]
+MAX_LINES = 60
+#: packages still being cut to size (issue 9 rewrites checkpoint/; this set empties when it lands)
+PENDING = ("checkpoint",)
+
+
+def _imports(path: Path) -> list[str]:
+    """Absolute module names a file imports (relative imports resolved against the package)."""
+    package = ["stateshift", *path.relative_to(SRC).parent.parts]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base_parts = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base_parts, *(node.module.split(".") if node.module else [])])
+            out += [module] + [f"{module}.{a.name}" for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("name", ENGINE)
+def test_engine_imports_nothing_above_it(name):
+    path = SRC / name
+    assert path.exists(), name
+    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.cli")
+    bad = [m for m in _imports(path) if m.startswith(above)]
+    assert not bad, f"{name} imports {bad}"
+
+
+def test_every_engine_module_is_listed():
+    assert sorted(str(p.relative_to(SRC)) for p in (SRC / "core").glob("*.py") if p.name != "__init__.py") == sorted(ENGINE)
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            yield node.name, node.lineno, node.end_lineno - start + 1
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).parts[0] in PENDING:
+            continue
+        for name, line, n in _functions(ast.parse(path.read_text())):
+            if n > MAX_LINES:
+                long.append(f"{path.relative_to(SRC)}:{line} {name} ({n} lines)")
+    assert not long, "functions over 60 lines (decorators and docstrings included):\n" + "\n".join(long)
+
+
+def _contract() -> dict[str, object]:
+    """Every member the Backend protocol (with its Source part) requires: data members and methods."""
+    members: dict[str, object] = {}
+    for proto in reversed(base.Backend.__mro__):
+        if proto in (object,) or not getattr(proto, "_is_protocol", False):
+            continue
+        for name in getattr(proto, "__annotations__", {}):
+            members[name] = None
+        for name, value in vars(proto).items():
+            if callable(value) and not name.startswith("_"):
+                members[name] = value
+    return members
+
+
+def _shipped_backend_classes() -> list[type]:
+    import importlib
+
+    classes = []
+    for module_path in REGISTRY.values():
+        module = importlib.import_module(module_path)
+        for name in dir(module):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) and name.endswith("Backend") and obj.__module__.startswith("stateshift.backends"):
+                classes.append(obj)
+    return sorted(set(classes), key=lambda c: c.__qualname__)
+
+
+def test_contract_lists_what_the_engine_and_library_call():
+    assert {"name", "groups", "forward_groups", "prepare", "entries", "install_guards", "static_groups", "coverage",
+            "checkpoint_facts", "rebuild_plugin"} <= set(_contract())
+
+
+@pytest.mark.parametrize("cls", _shipped_backend_classes(), ids=lambda c: c.__qualname__)
+def test_every_shipped_backend_keeps_the_contract(cls):
+    missing = [m for m in _contract() if not hasattr(cls, m)]
+    assert not missing, f"{cls.__qualname__} lacks {missing}"
+    for name, proto_fn in _contract().items():
+        if proto_fn is None:
+            continue
+        want = list(inspect.signature(proto_fn).parameters)
+        have = list(inspect.signature(getattr(cls, name)).parameters)
+        assert have == want, f"{cls.__qualname__}.{name}{tuple(have)} != contract {tuple(want)}"
+
+
+def test_the_torch_backends_are_runtime_instances_of_the_protocol():
+    import torch
+
+    from stateshift import ModelState
+
+    model = torch.nn.Linear(2, 2)
+    state = ModelState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(isinstance(b, base.Backend) for b in state.backends)
+    assert len(_shipped_backend_classes()) >= 6  # torch, torch-optim, fsdp2 x2, megatron x2
+
+
+def test_public_surface_is_narrow():
+    assert set(stateshift.__all__) == {
+        "ModelState", "Snapshot", "Residency", "PoolStats", "__version__",
+        *(n for n in stateshift.__all__ if n.endswith("Error")),
+    }
+    errors = [getattr(stateshift, n) for n in stateshift.__all__ if n.endswith("Error")]
+    assert all(issubclass(e, stateshift.StateShiftError) for e in errors)
+    assert {e.__module__ for e in errors} == {"stateshift.errors"}  # every error lives in one module
