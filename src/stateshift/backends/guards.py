@@ -2,8 +2,15 @@
 
 A kernel that reads a released storage is a segmentation fault on the CPU
 and a sticky illegal-address fault on CUDA. ``ModuleGuards`` puts a forward
-pre-hook on every module that owns parameters or buffers, and a gradient hook
-on every trainable parameter, each calling the engine's ``check`` first.
+pre-hook, a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on
+every module that owns parameters or buffers, and a gradient hook on every
+trainable parameter, each calling the engine's ``check`` first.
+
+What torch offers no hook for stays unsafe on released state (a segfault on
+the CPU, an illegal-address fault on CUDA): reading a tensor directly
+(``print(p)``, ``p.sum()``, ``p.clone()``, indexing), ``copy.deepcopy(model)``,
+``model.to(...)`` / ``.cuda()`` / ``.half()``, and free functions such as
+``torch.nn.utils.clip_grad_norm_``. Onload first.
 
 Why nothing added later escapes: the hooks read the module's tensors when
 they run (a replaced parameter is seen), and ``cover()`` is called again by
@@ -14,6 +21,7 @@ only be released by a verb, and that verb's ``prepare()`` has hooked it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -61,16 +69,21 @@ class ModuleGuards:
         """Hook every module that owns tensors, and every trainable parameter, not hooked yet."""
         for owner, m in modules:
             if (m._parameters or m._buffers) and not _seen(self._modules, m):
-                self.handles.append(m.register_forward_pre_hook(self._forward_hook(owner or type(m).__name__)))
+                label = owner or type(m).__name__
+                self.handles.append(m.register_forward_pre_hook(self._module_hook(f"forward of module {label!r}")))
+                self.handles.append(m.register_state_dict_pre_hook(self._module_hook(f"state_dict() of module {label!r}")))
+                self.handles.append(
+                    m.register_load_state_dict_pre_hook(self._module_hook(f"load_state_dict() into module {label!r}"))
+                )
         for name, p in params:
             if p.requires_grad and not _seen(self._params, p):
                 self.handles.append(p.register_hook(self._grad_hook(p, name)))
 
-    def _forward_hook(self, owner: str) -> Callable[[nn.Module, Any], None]:
-        where = f"forward of module {owner!r}"
+    def _module_hook(self, where: str) -> Callable[..., None]:
+        """A hook (forward, state_dict or load_state_dict pre-hook) that checks the module's own tensors."""
         check, local = self.check, self.local
 
-        def pre_hook(mod: nn.Module, args: Any) -> None:
+        def pre_hook(mod: nn.Module, *args: Any) -> None:
             own = (*mod._parameters.values(), *mod._buffers.values())
             check((local(t) for t in own if t is not None), where)
 
@@ -94,3 +107,38 @@ class ModuleGuards:
         self.handles.clear()
         self._modules.clear()
         self._params.clear()
+
+
+class MethodGuard:
+    """An instance-level wrapper of ``obj.<method>`` that checks ``tensors()`` first; ``remove()`` undoes it.
+
+    For methods torch offers no hook for (``Optimizer.zero_grad``, Megatron's
+    ``offload_to_cpu``). ``when(*args, **kwargs)`` says whether a call reads
+    the tensors at all (default: always).
+    """
+
+    def __init__(
+        self,
+        check: Check,
+        obj: Any,
+        method: str,
+        tensors: Callable[[], Iterable[torch.Tensor]],
+        what: str | None = None,
+        when: Callable[..., bool] | None = None,
+    ) -> None:
+        self.obj, self.method = obj, method
+        original = getattr(obj, method)
+        what = what or f"{type(obj).__name__}.{method}()"
+
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if when is None or when(*args, **kwargs):
+                check(tensors(), what)
+            return original(*args, **kwargs)
+
+        self.guarded = guarded
+        obj.__dict__[method] = guarded
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get(self.method) is self.guarded:
+            del self.obj.__dict__[self.method]

@@ -30,7 +30,7 @@ import torch
 from ..core.slot import Entry
 from ..core.source import Check, Handle
 from .base import CheckpointFacts, Rebuild
-from .guards import ModuleGuards, ToLocal, _identity
+from .guards import MethodGuard, ModuleGuards, ToLocal, _identity
 
 MetaOf = Callable[[torch.Tensor], tuple[Any, ...]]
 
@@ -78,6 +78,16 @@ def named_buffers(module: torch.nn.Module, prefix: str = "", *, persistent: bool
         for leaf, b in m._buffers.items():
             if b is not None and (leaf not in m._non_persistent_buffers_set) == persistent:
                 yield join(owner, leaf), b
+
+
+def state_dict_names(module: torch.nn.Module) -> list[str]:
+    """The keys ``module.state_dict()`` would have, in its order, without calling it (so without reading
+    any value, and without its guard: safe while the state is offloaded)."""
+    names: list[str] = []
+    for owner, m in walk(module, ""):
+        names += [join(owner, leaf) for leaf, p in m._parameters.items() if p is not None]
+        names += [join(owner, leaf) for leaf, b in m._buffers.items() if b is not None and leaf not in m._non_persistent_buffers_set]
+    return names
 
 
 @dataclass
@@ -179,11 +189,40 @@ class TorchOptimizerBackend:
     def coverage(self) -> dict[str, list[str]]:
         return {"optim": [e.name for e in self.entries(self.groups)]}
 
+    def state_tensors(self) -> Iterable[torch.Tensor]:
+        for _, p in self._params():
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    yield self.to_local(value)
+
+    def grads(self) -> Iterable[torch.Tensor]:
+        for _, p in self._params():
+            if p.grad is not None:
+                yield self.to_local(p.grad)
+
     def install_guards(self, check: Check) -> list[Handle]:
-        def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+        """``step()``, ``state_dict()``, ``load_state_dict()`` and ``zero_grad(set_to_none=False)`` on released state raise."""
+        opt = self.optimizer
+
+        def pre_step(o: Any, args: Any, kwargs: Any) -> None:
             check(self.touched(), "optimizer.step()")
 
-        return [self.optimizer.register_step_pre_hook(pre_step)]
+        def pre_state_dict(o: Any, *args: Any) -> None:
+            check(self.state_tensors(), "optimizer.state_dict()")
+
+        def pre_load(o: Any, *args: Any) -> None:
+            check(self.state_tensors(), "optimizer.load_state_dict()")
+
+        def zero_grad_checks(*args: Any, **kwargs: Any) -> bool:
+            set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+            return not set_to_none  # writing zeros reads the grads' storage; setting None does not
+
+        return [
+            opt.register_step_pre_hook(pre_step),
+            opt.register_state_dict_pre_hook(pre_state_dict),
+            opt.register_load_state_dict_pre_hook(pre_load),
+            MethodGuard(check, opt, "zero_grad", self.grads, "optimizer.zero_grad(set_to_none=False)", when=zero_grad_checks),
+        ]
 
     def checkpoint_facts(self) -> CheckpointFacts:
         return CheckpointFacts(sharded=False)

@@ -73,14 +73,14 @@ def export_hf(
     Returns the file's path. Raises :class:`CheckpointWriteError` (full
     disk ...) with any previous file of that name intact.
     """
-    from ..backends.torch import unwrap
+    from ..backends.torch import state_dict_names, unwrap
     from ..core.state import ModelState
 
     own_state = not isinstance(model, ModelState)
     state = ModelState(model, guard=False) if own_state else model
     try:
         module = unwrap(_module_of(state))
-        names = list(module.state_dict(keep_vars=True))  # reads no values: safe while offloaded
+        names = state_dict_names(module)  # reads no values: safe while offloaded
         groups = tuple(g for g in ("params", "buffers") if g in state.groups)
         snap = state.snapshot(groups, tag=f"_export-{uuid.uuid4().hex[:12]}", placement="host")
         try:

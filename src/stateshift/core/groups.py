@@ -20,6 +20,7 @@ Only ``ModelState`` changes residency; the table changes what exists.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -59,9 +60,24 @@ def _member_extent(t: torch.Tensor) -> int:
     return (t.storage_offset() + span) * t.element_size()
 
 
+#: every open slot table: a storage released by one of them is theirs (``holder``)
+_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
+
+
+def holder(key: int) -> SlotTable | None:
+    """The open table that tracks the storage ``key`` (offloaded values are in its homes), if any."""
+    return next((t for t in list(_TABLES) if key in t.slots), None)
+
+
 def _adopt_native(slot: Slot, es: list[Entry]) -> None:
     """A storage released outside stateshift: host-resident in the framework's copy, or dropped if it kept none."""
     native = next((e.native_home for e in es if e.native_home is not None), None)
+    if native is None and holder(slot.key) is not None:
+        raise ForeignStateError(
+            es[0].name,
+            "its storage was released by another ModelState that is still alive and holds its values; get that "
+            "state with ModelState.owner(tensor) and onload() or close() it first",
+        )
     if native is None:
         raise ForeignStateError(
             es[0].name,
@@ -149,6 +165,11 @@ class SlotTable:
         self.forward: tuple[str, ...] = tuple(g for b in sources for g in b.forward_groups)
         self.groups: dict[str, GroupState] = {g: GroupState(g) for g in self.names}
         self.slots: dict[int, Slot] = {}
+        _TABLES.add(self)
+
+    def close(self) -> None:
+        """This table no longer holds any storage (``holder`` stops naming it)."""
+        _TABLES.discard(self)
 
     def refresh(self, groups: Iterable[str] | None = None) -> None:
         """Re-list ``groups`` (default all): new tensors become slots, vanished ones are forgotten."""

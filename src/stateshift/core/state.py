@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
@@ -58,6 +59,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: states built with ``guard=False`` that hold offloaded values: kept alive until ``close()``
 _KEEP_ALIVE: set[ModelState] = set()
+#: every open state, for ``ModelState.owner``
+_OPEN: weakref.WeakSet[ModelState] = weakref.WeakSet()
 
 
 def _locked(fn: _F) -> _F:
@@ -116,10 +119,23 @@ class ModelState:
         self._lock = threading.RLock()
         self._closed = False
         self._guarded = guard
-        self._table.refresh()
+        try:
+            self._table.refresh()
+        except BaseException:
+            self._table.close()
+            raise
         if guard:
             for b in self.backends:
                 self._handles.extend(b.install_guards(self.check_resident))
+        _OPEN.add(self)
+
+    @classmethod
+    def owner(cls, tensor: torch.Tensor) -> ModelState | None:
+        """The open ``ModelState`` that tracks ``tensor``'s storage (e.g. one whose reference was lost
+        while it held offloaded values: it is kept alive, and this gets it back), or ``None``."""
+        t = getattr(tensor, "_local_tensor", tensor)  # a DTensor's storage is its local shard's
+        key = storage_key(t)
+        return next((s for s in list(_OPEN) if not s._closed and key in s._table.slots), None)
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -403,7 +419,9 @@ class ModelState:
                     self.pool.release(gs.home)
                     gs.home = None
             self._closed = True
+            self._table.close()
             _KEEP_ALIVE.discard(self)
+            _OPEN.discard(self)
 
     # -- guards ---------------------------------------------------------------------------
     def check_resident(self, tensors: Iterable[torch.Tensor], where: str) -> None:

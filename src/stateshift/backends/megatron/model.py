@@ -18,10 +18,9 @@ from ...core.slot import Entry, NativeHome
 from ...core.source import Check, Handle
 from ...errors import BackendError, ForeignStateError
 from ..base import CheckpointFacts, Rebuild
-from ..guards import ModuleGuards
+from ..guards import MethodGuard, ModuleGuards
 from ..torch import join, walk
 from .objects import inner_module, is_ddp_chunk, storage_bytes
-from .optimizer import MethodGuard
 
 
 def _forget_param_cpu(buf: Any, cpu: torch.Tensor) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,6 +12,7 @@ from ...core.slot import Entry
 from ...core.source import Check, Handle
 from ...errors import BackendError
 from ..base import CheckpointFacts, Rebuild
+from ..guards import MethodGuard
 from .objects import dp_shard_meta, master_pairs, optimizers_of, state_owners
 
 if TYPE_CHECKING:
@@ -151,24 +151,3 @@ class MegatronOptimizerBackend:
         from .rebuild import MasterRebuild
 
         return MasterRebuild(self)
-
-
-class MethodGuard:
-    """An instance-level wrapper of ``obj.<method>`` that checks residency first; ``remove()`` undoes it."""
-
-    def __init__(self, check: Check, obj: Any, method: str, tensors: Callable[[], Iterable[torch.Tensor]], what: str | None = None) -> None:
-        self.obj, self.method = obj, method
-        original = getattr(obj, method)
-        what = what or f"{type(obj).__name__}.{method}()"
-
-        @functools.wraps(original)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            check(tensors(), what)
-            return original(*args, **kwargs)
-
-        self.guarded = guarded
-        obj.__dict__[method] = guarded
-
-    def remove(self) -> None:
-        if self.obj.__dict__.get(self.method) is self.guarded:
-            del self.obj.__dict__[self.method]

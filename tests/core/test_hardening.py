@@ -1,0 +1,302 @@
+"""Regressions from adversarial testing (issue 13): no value lost, no crash where a Python error belongs.
+
+Each test is named after what it guards and failed before its fix.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from fakes.mcore import fake_train_step
+from fakes.mcore.setups import _x, build
+from helpers import assert_same, capture, live, make, warm
+
+from stateshift import ClosedStateError, ForeignStateError, ModelState, PoolBudgetError
+from stateshift.core.pool import HostPool
+from stateshift.rl import PiOldCycle
+
+# ----------------------------------------------------------------------------- 1. an error changes nothing
+
+
+def test_restore_out_of_pool_budget_leaves_every_value_in_place():
+    """Params and optim offloaded, a host snapshot sharing both homes, room for one params-sized block:
+    the restore of a device snapshot must fail before the params' home is swapped for a fresh block."""
+    model, opt = make()
+    warm(model, opt)
+    pool = HostPool()
+    state = ModelState(model, opt, pool=pool)
+    state.offload(["params", "optim"])
+    state.snapshot(["params", "optim"], tag="shared")  # shares both homes copy-on-write
+    other = state.snapshot(["params", "optim"], tag="other", placement="device")
+    pool.budget_bytes = pool.stats.in_use_bytes + state.layout("params").total
+    before, residency = capture(state, ["params", "optim"]), state.residency()
+    with pytest.raises(PoolBudgetError):
+        state.restore(other)
+    assert state.residency() == residency
+    assert_same(capture(state, ["params", "optim"]), before)
+    pool.budget_bytes = None
+    state.onload()
+    assert_same(capture(state, ["params", "optim"]), before)
+
+
+def test_snapshot_out_of_pool_budget_keeps_the_snapshot_it_would_replace():
+    model, opt = make()
+    warm(model, opt)
+    pool = HostPool()
+    state = ModelState(model, opt, pool=pool)
+    old = state.snapshot(["params"], tag="s")
+    pool.budget_bytes = pool.stats.in_use_bytes  # no room for the optim part of a new "s"
+    with pytest.raises(PoolBudgetError):
+        state.snapshot(["params", "optim"], tag="s")
+    assert not old.released and state.snapshots.get("s") is old
+
+
+# ----------------------------------------------------------------------------- 2. rebuild after the other groups
+
+
+@pytest.mark.parametrize("config", ["dense_float16", "distrib", "distrib_ep"])
+def test_swapped_params_and_optim_with_master_rebuild_gives_back_the_current_params(config):
+    """The rebuild reads the fp32 masters: it must run after the optim stash is back, not under pi_old's masters."""
+    ddp, opt = build(config)
+    for i in range(2):
+        fake_train_step(ddp, opt, _x(i))
+    state = ModelState(ddp, opt)
+    pi_old = state.snapshot(["params", "optim"], tag="pi_old")
+    fake_train_step(ddp, opt, _x(2))
+    now = capture(state, ["params", "optim"])
+    plugin = state.backends[1].rebuild_plugin()
+    assert plugin.available() is None
+    with state.swapped(pi_old, rebuild={"params": plugin}):
+        pass
+    assert_same(capture(state, ["params", "optim"]), now)
+
+
+@pytest.mark.parametrize("config", ["distrib", "dense_float16"])
+def test_swapped_params_with_rebuild_while_optim_is_offloaded_outside(config):
+    """Optim offloaded before a swap of params and optim: the rebuild must read the current masters from
+    their home (lent to the device for it), and optim stays offloaded afterwards."""
+    ddp, opt = build(config)
+    for i in range(2):
+        fake_train_step(ddp, opt, _x(i))
+    state = ModelState(ddp, opt)
+    pi_old = state.snapshot(["params", "optim"], tag="pi_old")
+    fake_train_step(ddp, opt, _x(2))
+    now = capture(state, ["params", "optim"])
+    plugin = state.backends[1].rebuild_plugin()
+    with state.swapped(pi_old, rebuild={"params": plugin}):
+        state.offload("buffers")
+    state.offload("optim")
+    with state.swapped(pi_old, rebuild={"params": plugin}):
+        pass
+    assert state.residency()["optim"]["device"] == 0
+    assert_same(capture(state, ["params", "optim"]), now)
+
+
+# ----------------------------------------------------------------------------- 3. close and lifetime
+
+
+def test_close_while_offloaded_brings_the_values_back():
+    model, opt = make()
+    warm(model, opt)
+    want = live(model, opt)
+    state = ModelState(model, opt)
+    state.offload()
+    state.close()
+    assert_same(live(model, opt), want)
+    with pytest.raises(ClosedStateError):
+        state.onload()
+    state.close()  # idempotent
+
+
+def test_losing_the_last_reference_to_an_offloaded_state_loses_nothing():
+    model, opt = make()
+    warm(model, opt)
+    want = live(model, opt)
+    state = ModelState(model, opt, guard=False)
+    state.offload()
+    del state
+    gc.collect()
+    with pytest.raises(ForeignStateError, match="ModelState.owner"):
+        ModelState(model, opt)
+    owner = ModelState.owner(next(model.parameters()))
+    assert owner is not None
+    owner.close()
+    assert_same(live(model, opt), want)
+    assert ModelState.owner(next(model.parameters())) is None
+    ModelState(model, opt).offload()  # a new state works
+
+
+# ----------------------------------------------------------------------------- 4. two threads
+
+_THREADS = textwrap.dedent(
+    """
+    import sys, threading, torch
+    sys.path[:0] = sys.argv[1:3]
+    from helpers import capture, make, warm, assert_same
+    from stateshift import ModelState
+    torch.manual_seed(0)
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    want = capture(state)
+    errors = []
+
+    def mover():
+        try:
+            for _ in range(150):
+                state.offload(); state.onload()
+        except Exception as e:
+            errors.append(repr(e))
+
+    def snapper():
+        try:
+            for _ in range(150):
+                s = state.snapshot(state.groups, tag="t")
+                state.restore(s)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=mover), threading.Thread(target=snapper)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert not errors, errors
+    state.onload()
+    assert_same(capture(state), want)
+    print("OK")
+    """
+)
+
+
+def test_verbs_from_two_threads_neither_crash_nor_corrupt(tmp_path):
+    import os
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(os.path.dirname(tests), "src")
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS)
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, str(script), tests, src], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+# ----------------------------------------------------------------------------- 7. rebuild with params offloaded
+
+
+@pytest.mark.parametrize("config", ["distrib", "distrib_ep"])
+def test_pi_old_cycle_with_params_offloaded_under_the_distributed_optimizer(config):
+    ddp, opt = build(config)
+    for i in range(2):
+        fake_train_step(ddp, opt, _x(i))
+    state = ModelState(ddp, opt)
+    state.offload("params")
+    plugin = state.backends[1].rebuild_plugin()
+    assert "offloaded" in plugin.available()  # a reason, not a raw RuntimeError
+    cycle = PiOldCycle(state)
+    cycle.begin()
+    with cycle.old_policy():
+        pass
+    cycle.end()
+    assert state.residency()["params"]["device"] == 0
+
+
+# ----------------------------------------------------------------------------- 13. input a user gets wrong
+
+
+def test_unknown_optimizer_is_named_not_the_model():
+    model, _ = make()
+    with pytest.raises(Exception, match="optimizer of type builtins.object"):
+        ModelState(model, object())
+
+
+@pytest.mark.parametrize("groups", [["params", "params"], []])
+def test_duplicate_or_empty_group_lists_are_refused(groups):
+    model, opt = make()
+    state = ModelState(model, opt)
+    for verb in (state.offload, state.onload, state.drop, state.snapshot):
+        with pytest.raises(ValueError, match="twice|no groups"):
+            verb(groups)
+
+
+# ----------------------------------------------------------------------------- 5. reads of offloaded state
+
+
+def _offloaded():
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    state.offload()
+    return model, opt, state
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        pytest.param(lambda model, opt: model.state_dict(), id="module.state_dict"),
+        pytest.param(lambda model, opt: model.blocks[0].state_dict(keep_vars=True), id="submodule.state_dict"),
+        pytest.param(lambda model, opt: model.load_state_dict({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in _shapes(model).items()}), id="load_state_dict"),
+        pytest.param(lambda model, opt: opt.state_dict(), id="optimizer.state_dict"),
+        pytest.param(lambda model, opt: opt.load_state_dict(opt.state_dict()), id="optimizer.load_state_dict"),
+        pytest.param(lambda model, opt: opt.zero_grad(set_to_none=False), id="zero_grad(set_to_none=False)"),
+    ],
+)
+def test_common_reads_of_offloaded_state_raise_a_python_error(read):
+    from stateshift import OffloadedStateError
+
+    model, opt, state = _offloaded()
+    with pytest.raises(OffloadedStateError):
+        read(model, opt)
+    state.onload()
+    read(model, opt)  # resident: fine
+
+
+def _shapes(model):
+    return {n: t for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()] if n != "mask"}
+
+
+def test_zero_grad_to_none_with_grads_offloaded_is_allowed():
+    model, opt, state = _offloaded()
+    opt.zero_grad(set_to_none=True)  # reads nothing
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- 6. state added later
+
+
+def test_module_added_after_the_state_was_built_is_guarded():
+    model, opt = make()
+    state = ModelState(model, opt)
+    model.blocks[0].adapter = torch.nn.Linear(model.cfg.hidden, model.cfg.hidden)  # a LoRA-like adapter
+    old_forward = model.blocks[0].forward
+    model.blocks[0].forward = lambda x, mask: old_forward(x, mask) + model.blocks[0].adapter(x)
+    state.offload("params")
+    from stateshift import OffloadedStateError
+
+    with pytest.raises(OffloadedStateError, match="params"):
+        model.blocks[0].adapter(torch.zeros(1, model.cfg.hidden))
+
+
+def test_parameter_replaced_by_a_new_object_is_guarded():
+    model, opt = make()
+    state = ModelState(model, None)
+    model.ln_f.weight = torch.nn.Parameter(torch.ones(model.cfg.hidden))  # a new object, not yet listed
+    state.offload("params")
+    from stateshift import OffloadedStateError
+
+    with pytest.raises(OffloadedStateError, match="params"):
+        model.ln_f(torch.zeros(1, model.cfg.hidden))
+
+
+# ----------------------------------------------------------------------------- 8. torch.compile
+
+
+def test_compiled_model_has_the_plain_models_names():
+    model, opt = make()
+    plain = {s.name for s in ModelState(model, opt, guard=False).slots()}
+    compiled = ModelState(torch.compile(model), opt, guard=False)
+    assert {s.name for s in compiled.slots()} == plain
+    assert not any("_orig_mod" in m.name for s in compiled.slots() for m in s.info.members)
