@@ -9,7 +9,7 @@ from helpers import capture, make, warm
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
 from stateshift.core.snapshot import SnapshotStore
-from stateshift.core.transfer import CopyEngine
+from stateshift.core.transfer import CopyEngine, plan
 
 
 def test_pool_exact_sizes_and_reuse():
@@ -117,21 +117,27 @@ def test_restore_into_offloaded_group_is_a_pointer_copy():
     assert torch.equal(capture(state, ["params"])["embed.weight"], snap.tensors()["embed.weight"])
 
 
-def _pairs(sizes, gap=0):
-    host = torch.zeros(sum(sizes) + gap * len(sizes), dtype=torch.uint8)
-    pairs, pos = [], 0
+def _offsets(sizes, gap=0):
+    offsets, pos = [], 0
     for n in sizes:
-        pairs.append((host[pos : pos + n], torch.zeros(n, dtype=torch.uint8)))
+        offsets.append(pos)
         pos += n + gap
-    return pairs
+    return offsets
+
+
+def _plan(sizes, offsets, **kw):
+    views = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    return plan(offsets, sizes, [True] * len(sizes), views.__getitem__, **kw)
 
 
 def test_copy_engine_coalesces_small_neighbours():
-    engine = CopyEngine(torch.device("cpu"), small_bytes=1000, staging_bytes=4000)
-    runs = engine._runs(_pairs([10, 20, 5000, 30, 40, 990, 999, 999, 999, 999]), 0)
-    assert [len(r) for r in runs] == [2, 1, 5, 2]  # large item alone; a run stops at staging_bytes
-    spaced = engine._runs(_pairs([10, 10, 10], gap=5000), 0)
-    assert [len(r) for r in spaced] == [1, 1, 1]  # too far apart to share one staged copy
+    sizes = [10, 20, 5000, 30, 40, 990, 999, 999, 999, 999]
+    runs = _plan(sizes, _offsets(sizes), small=1000, chunk=4000).runs
+    # a large item moves alone, in chunks of at most `chunk` bytes; a staged run stops at `chunk` bytes
+    assert [len(r.items) for r in runs] == [2, 1, 1, 5, 2]
+    assert [(r.offset, r.nbytes) for r in runs[1:3]] == [(0, 4000), (4000, 1000)] and runs[1].items == runs[2].items == (2,)
+    spaced = _plan([10, 10, 10], _offsets([10, 10, 10], gap=5000), small=1000, chunk=4000).runs
+    assert [len(r.items) for r in spaced] == [1, 1, 1]  # too far apart to share one staged copy
 
 
 def test_copy_engine_host_copies():
@@ -147,30 +153,24 @@ def test_staged_runs_never_span_another_item():
     Regression: Adam's ``step`` (a CPU tensor, copied host-to-host) sat between
     small CUDA tensors in the optim arena and was overwritten by the staged span.
     """
-    from stateshift.core.slot import MemberInfo, SlotInfo
     from stateshift.core.layout import Layout
+    from stateshift.core.slot import MemberInfo, SlotInfo
 
     sizes = [4, 4096, 4, 100, 64, 4, 1, 2048, 63, 65]
     infos = tuple(SlotInfo(f"t{i}", "optim", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
     layout = Layout.build(infos)
-    arena = torch.zeros(layout.total, dtype=torch.uint8)
-    engine = CopyEngine(torch.device("cpu"))
     moving = [i for i, n in enumerate(sizes) if n != 4]  # the 4-byte items are copied elsewhere
-    pairs = [(layout.region(arena, i), torch.zeros(sizes[i], dtype=torch.uint8)) for i in moving]
-    for run in engine._runs(sorted(pairs, key=lambda p: p[0].data_ptr()), 0):
-        start = run[0][0].data_ptr()
-        end = run[-1][0].data_ptr() + run[-1][0].numel()
+    for run in _plan(sizes, list(layout.offsets), indices=moving).runs:
         for i, n in enumerate(sizes):
             if i not in moving:
-                off = arena.data_ptr() + layout.offsets[i]
-                assert not (start <= off < end), f"run [{start}, {end}) covers item {i}"
+                assert not (run.start <= layout.offsets[i] < run.end), f"run [{run.start}, {run.end}) covers item {i}"
 
 
-@pytest.mark.parametrize("host_is_dst", [True, False])
-def test_staged_move_copies_exactly(host_is_dst):
-    """The staging path (gather/scatter through one buffer) on the CPU: every item exact, nothing else written."""
-    from stateshift.core.slot import MemberInfo, SlotInfo
+@pytest.mark.parametrize("to_arena", [True, False])
+def test_staged_move_copies_exactly(to_arena):
+    """Staged runs (split + multi-tensor copy) on the CPU: every item exact, nothing else written."""
     from stateshift.core.layout import Layout
+    from stateshift.core.slot import MemberInfo, SlotInfo
 
     g = torch.Generator().manual_seed(0)
     sizes = [int(x) for x in torch.randint(1, 3000, (60,), generator=g)] + [5000, 7]
@@ -182,15 +182,15 @@ def test_staged_move_copies_exactly(host_is_dst):
     dev_before = [t.clone() for t in devs]
     skip = set(range(0, len(sizes), 7))  # items not in this batch must stay untouched
     regions = layout.regions(arena)
-    batch = [((regions[i], devs[i]) if host_is_dst else (devs[i], regions[i])) for i in range(len(sizes)) if i not in skip]
-    engine = CopyEngine(torch.device("cpu"), small_bytes=4096, staging_bytes=20000)
-    assert any(len(r) > 1 for r in engine._runs(sorted(batch, key=lambda p: p[0 if host_is_dst else 1].data_ptr()), 0 if host_is_dst else 1))
-    engine._move(batch, host_is_dst, None, False)
+    engine = CopyEngine(torch.device("cpu"), small_bytes=4096, chunk_bytes=20000)
+    p = engine.plan(layout.offsets, sizes, [True] * len(sizes), devs.__getitem__, [i for i in range(len(sizes)) if i not in skip])
+    assert any(len(r.items) > 1 for r in p.runs)
+    (engine.to_arena if to_arena else engine.from_arena)(p, arena).wait()
     for i in range(len(sizes)):
         if i in skip:
             assert torch.equal(regions[i], before[layout.offsets[i] : layout.offsets[i] + sizes[i]]), i
             assert torch.equal(devs[i], dev_before[i]), i
-        elif host_is_dst:
+        elif to_arena:
             assert torch.equal(regions[i], dev_before[i]), i
         else:
             assert torch.equal(devs[i], regions[i]), i

@@ -22,12 +22,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__)"
 if [[ $WHAT == *tests* ]]; then
   step pytest
-  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" ${TESTS:-tests} --ignore=tests/test_state_machine.py \
+  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" ${TESTS:-tests} --ignore=tests/core/test_state_machine.py \
     --junitxml="$RES/gpu-tests.xml" -o junit_family=xunit2 > "$RES/gpu-tests.log" 2>&1 || status=1
   tail -30 "$RES/gpu-tests.log"
   step state machine on cuda
   STATESHIFT_TEST_DEVICE=cuda STATESHIFT_MACHINE_EXAMPLES=15 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_state_machine.py 2>&1 | tail -3 || status=1
+    tests/core/test_state_machine.py 2>&1 | tail -3 || status=1
   step profile
   python3 benchmarks/profile_small.py 2>&1 | head -30
 fi

@@ -121,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
     progress = bench.Progress(12 * (2 if args.small_tensors else 1), enabled=not args.no_progress)
     result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
-                               ceilings={k: round(v, 2) for k, v in ceilings.items()})
+                               ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()})
     rows, extra = bench.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
                                     cycle_minibatches=args.minibatches, progress=progress)
     result.rows += rows

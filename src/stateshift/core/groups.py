@@ -31,6 +31,7 @@ from .layout import Layout
 from .pool import HostBlock, HostPool
 from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_key
 from .source import Source
+from .transfer import CopyEngine, Plan, Transfer
 
 Only = Callable[[str], bool] | Collection[str] | None
 
@@ -117,6 +118,58 @@ class GroupState:
     #: what the last full refresh saw: (names, tensor objects, storage keys)
     listed: tuple[list[str], list[torch.Tensor], list[int]] | None = field(default=None, repr=False)
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
+    #: copy plans by slot subset (``None``: every slot), valid until the next relayout
+    plans: dict[tuple[int, ...] | None, Plan] = field(default_factory=dict, repr=False)
+
+    def plan(self, engine: CopyEngine, indices: list[int]) -> Plan:
+        """The copy plan between slots ``indices`` and any arena of this group's layout (cached)."""
+        key = None if len(indices) == len(self.slots) else tuple(indices)
+        p = self.plans.get(key)
+        if p is None:
+            slots = self.slots
+            p = self.plans[key] = engine.plan(
+                self.layout.offsets, [s.nbytes for s in slots], [s.device.type == "cpu" for s in slots],
+                lambda i: slots[i].bytes(), indices,
+            )
+        return p
+
+    def select(self, keep: Callable[[Slot], bool]) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if keep(s)]
+
+    # -- copies between this group and arenas of its layout (homes, snapshots, stashes) -------------
+    def copy_out(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, frees: bool = False) -> Transfer:
+        """Device storage of slots ``indices`` -> their regions of ``arena``."""
+        return engine.to_arena(self.plan(engine, indices), arena, frees_sources=frees) if indices else Transfer()
+
+    def copy_in(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor) -> Transfer:
+        """Regions of ``arena`` -> device storage of slots ``indices`` (which must hold storage)."""
+        return engine.from_arena(self.plan(engine, indices), arena) if indices else Transfer()
+
+    def exchange(self, engine: CopyEngine, indices: list[int], out: torch.Tensor, inp: torch.Tensor) -> Transfer:
+        """Slots ``indices`` -> ``out`` and ``inp`` -> the slots, both directions at once."""
+        return engine.exchange(self.plan(engine, indices), out, inp) if indices else Transfer()
+
+    def copy_home(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, into_home: bool = False) -> Transfer:
+        """Offloaded slots ``indices``: their values (home or framework copy) -> ``arena``, or back with
+        ``into_home``. Both arenas share the layout, so each run is one range copy."""
+        native = [i for i in indices if self.slots[i].native_home is not None]
+        own = [i for i in indices if self.slots[i].native_home is None] if native else indices
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if own:
+            assert self.home is not None
+            home = self.home.data
+            for run in self.plan(engine, own).runs:
+                a, b = (home, arena) if into_home else (arena, home)
+                pairs.append((a[run.start : run.end], b[run.start : run.end]))
+        for i in native:
+            region = self.layout.region(arena, i)
+            pairs.append((self.home_region(i), region) if into_home else (region, self.home_region(i)))
+        return engine.copy(pairs)
+
+    def zero_regions(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor) -> None:
+        """Write zeros into the regions of slots ``indices`` (dropped slots read as zeros)."""
+        for run in self.plan(engine, indices).runs if indices else ():
+            arena[run.start : run.end].zero_()
 
     def index(self) -> dict[int, int]:
         return {s.key: i for i, s in enumerate(self.slots)}
@@ -275,6 +328,7 @@ class SlotTable:
         keep = [s for s in slots if s.residency is Residency.HOST and s.native_home is None and s.key in old_index]
         new_home = self.pool.acquire(layout.total) if keep and old_home is not None else None
         gs.slots, gs.layout, gs.home = slots, layout, new_home
+        gs.plans = {}
         if old_home is None:
             return
         if new_home is not None:

@@ -17,6 +17,7 @@ host memory; everything else behaves the same.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import warnings
@@ -31,6 +32,8 @@ from ..errors import PinningUnavailableError, PoolBudgetError
 if TYPE_CHECKING:
     from .layout import Layout
     from .transfer import Transfer
+
+_log = logging.getLogger("stateshift")
 
 #: Requests at least this large get their own ``mmap`` (page aligned, returned
 #: to the OS on ``trim``); smaller ones come from torch's CPU allocator.
@@ -227,7 +230,8 @@ class HostPool:
                 f"host pool budget {self.budget_bytes} bytes: {self._in_use_bytes} in use, "
                 f"{nbytes} more asked ({idle} idle bytes could be freed, not enough)"
             )
-        self._trim_locked(max(0, self.budget_bytes - self._in_use_bytes - nbytes))
+        freed = self._trim_locked(max(0, self.budget_bytes - self._in_use_bytes - nbytes))
+        _log.info("host pool: freed %d idle bytes to stay within its budget of %d bytes", freed, self.budget_bytes)
 
     def _trim_locked(self, keep_bytes: int) -> int:
         freed = 0
@@ -259,6 +263,7 @@ class HostPool:
         block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm)
         self._blocks[id(block)] = block
         self._held += nbytes
+        _log.debug("host pool: new %s block of %d bytes (%d held)", "pinned" if pinned else "pageable", nbytes, self._held)
         self._peak = max(self._peak, self._held)
         return block
 

@@ -154,6 +154,7 @@ class Slot:
     #: the member tensors as last listed (identity fast path of ``ModelState.refresh``)
     tensors: tuple[torch.Tensor, ...] = field(default=(), repr=False)
     _view: torch.Tensor | None = field(default=None, repr=False)
+    _releasable: bool | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -174,7 +175,10 @@ class Slot:
     @property
     def releasable(self) -> bool:
         """Whether the storage can be resized in place (pinned storages of torch's host allocator cannot)."""
-        return self.storage.resizable()
+        r = self._releasable
+        if r is None:
+            r = self._releasable = self.storage.resizable()
+        return r
 
     def release_storage(self) -> None:
         """Free the storage's memory; its tensors keep their identity (and must not be read)."""

@@ -36,6 +36,7 @@ brings offloaded values back to the device before it gives the homes up.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,10 +52,11 @@ from .pool import HostBlock, HostPool
 from .slot import Residency, Slot, storage_key
 from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
 from .source import Handle, Source, detect
-from .swap import Swap, Undo, reads_of
-from .transfer import CopyEngine, Pair, Transfer
+from .swap import Swap, reads_of
+from .transfer import CopyEngine, Transfer
 
 GroupArg = str | Iterable[str] | None
+_log = logging.getLogger("stateshift")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: states built with ``guard=False`` that hold offloaded values: kept alive until ``close()``
@@ -90,7 +92,17 @@ class ModelState:
         snapshot_budget_bytes: byte budget of ``self.snapshots``.
         guard: install hooks that raise ``OffloadedStateError`` when compute
             touches released state (forward, backward into released grads,
-            optimizer step).
+            optimizer step, ``state_dict``).
+        free_device_memory: hand device memory that ``offload`` and ``drop``
+            release back to the driver (``torch.cuda.empty_cache()``), so a
+            rollout engine with its own allocator, or another process, can use
+            it. PyTorch's caching allocator cannot return one tensor's memory
+            alone: this also returns every other unused block it has cached
+            for this process (they are allocated again on demand), and it waits
+            for the copies that read the released memory, so such a verb
+            returns when its copies are done. ``False`` keeps the memory cached
+            for this process (the verb stays asynchronous). No effect on a
+            machine without CUDA.
     """
 
     def __init__(
@@ -104,6 +116,7 @@ class ModelState:
         device: torch.device | None = None,
         snapshot_budget_bytes: int | None = None,
         guard: bool = True,
+        free_device_memory: bool = True,
     ) -> None:
         self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
         self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
@@ -119,6 +132,7 @@ class ModelState:
         self._lock = threading.RLock()
         self._closed = False
         self._guarded = guard
+        self.free_device_memory = free_device_memory
         try:
             self._table.refresh()
         except BaseException:
@@ -187,33 +201,35 @@ class ModelState:
         """Copy device-resident slots to their homes and release their device storage.
 
         ``host`` slots stay as they are; ``dropped`` slots stay dropped. The
-        home is safe to read on the host after the returned transfer's ``wait()``.
+        home is safe to read on the host after the returned transfer's
+        ``wait()``. With ``free_device_memory`` (the default) the released
+        memory goes back to the driver before this returns (see ``__init__``).
         """
         names = self._select(groups)
         self._table.refresh(names)
         self._check_releasable(names, only)
-        moving: dict[str, list[Slot]] = {}
+        moving: dict[str, list[int]] = {}
         for g in names:
-            slots = [s for s in self._groups[g].slots if s.residency is Residency.DEVICE and s.releasable and matches(s, only)]
-            if slots:
-                moving[g] = slots
-        fresh = self._reserve_homes(moving)
-        pairs: list[Pair] = []
-        for g, slots in moving.items():
+            idx = self._groups[g].select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
+            if idx:
+                moving[g] = idx
+        fresh = self._reserve_homes({g: [self._groups[g].slots[i] for i in idx] for g, idx in moving.items()})
+        transfer = Transfer()
+        for g, idx in moving.items():
             gs = self._groups[g]
-            home = self._install_home(gs, fresh.get(g), rewriting={s.key for s in slots})
-            idx, regions = gs.index(), home.regions(gs.layout)
-            pairs += [(regions[idx[s.key]], s.bytes()) for s in slots]
-        transfer = self.engine.copy(pairs, frees_sources=True)
-        for g, slots in moving.items():
-            home = self._groups[g].home
-            assert home is not None
-            home.pending = transfer.merged(home.pending)
-            for s in slots:
-                s.release_storage()
-                s.residency = Residency.HOST
+            home = self._install_home(gs, fresh.get(g), rewriting={gs.slots[i].key for i in idx})
+            moved = gs.copy_out(self.engine, idx, home.data, frees=True)
+            home.pending = moved.merged(home.pending)
+            transfer = transfer.merged(moved)
+        for g, idx in moving.items():
+            for i in idx:
+                slot = self._groups[g].slots[i]
+                slot.release_storage()
+                slot.residency = Residency.HOST
         if moving and not self._guarded:
             _KEEP_ALIVE.add(self)
+        self._released(moving)
+        _log.debug("offload %s: %d bytes", list(moving), transfer.total_bytes)
         return transfer
 
     @_locked
@@ -225,13 +241,16 @@ class ModelState:
             raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context")
         self._table.refresh(names)
         self._check_releasable(names, only)
+        released: dict[str, list[int]] = {}
         for g in names:
-            for s in self._groups[g].slots:
+            for i, s in enumerate(self._groups[g].slots):
                 if s.residency is not Residency.DROPPED and s.releasable and matches(s, only):
                     if s.residency is Residency.DEVICE:
                         s.release_storage()
+                        released.setdefault(g, []).append(i)
                     s.residency = Residency.DROPPED
                     disown(s)
+        self._released(released)
 
     @_locked
     def onload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
@@ -242,14 +261,15 @@ class ModelState:
         """
         names = self._select(groups)
         self._table.refresh(names)
-        todo = [(self._groups[g], [s for s in self._groups[g].slots if s.residency is not Residency.DEVICE and matches(s, only)]) for g in names]
-        transfer = self._fill_from_homes([(gs, slots) for gs, slots in todo if slots])
-        for _, slots in todo:
-            for s in slots:
-                s.residency = Residency.DEVICE
-                disown(s)
+        todo = [(gs, gs.select(lambda s: s.residency is not Residency.DEVICE and matches(s, only))) for gs in map(self._groups.__getitem__, names)]
+        transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
+        for gs, idx in todo:
+            for i in idx:
+                gs.slots[i].residency = Residency.DEVICE
+                disown(gs.slots[i])
         if groups is None and only is None:
             _KEEP_ALIVE.discard(self)
+        _log.debug("onload %s: %d bytes", names, transfer.total_bytes)
         return transfer
 
     @_locked
@@ -280,20 +300,17 @@ class ModelState:
         if old is not None:
             self.snapshots.discard(old)
         parts: list[SnapshotPart] = []
-        pairs: list[Pair] = []
-        pending = Transfer()
+        transfer = Transfer()
         for gs in gss:
             if gs.name in shared:
                 assert gs.home is not None
                 parts.append(SnapshotPart(gs.name, gs.layout, host=self.pool.retain(gs.home)))
-                pending = pending.merged(gs.home.pending)
+                transfer = transfer.merged(gs.home.pending)
                 continue
             arena = device_arenas.get(gs.name)
             part = SnapshotPart(gs.name, gs.layout, device=arena) if arena is not None else SnapshotPart(gs.name, gs.layout, host=self.pool.acquire(gs.layout.total))
             parts.append(part)
-            pairs += self._read_pairs(gs, part.regions())
-        self._sync_host_sources(pairs, names)
-        transfer = self.engine.copy(pairs).merged(pending)
+            transfer = transfer.merged(self._read_group(gs, part.arena))
         return self._store(Snapshot.of(tag=tag, version=version, placement=placement, parts=tuple(parts), pool=self.pool, transfer=transfer))
 
     @_locked
@@ -516,69 +533,70 @@ class ModelState:
             s.residency = Residency.HOST
 
     # -- internals: copies ---------------------------------------------------------------------
-    def _read_pairs(self, gs: GroupState, regions: list[torch.Tensor]) -> list[Pair]:
-        """Copies of every slot's current values into ``regions`` (dropped slots: zeros, written now)."""
-        pairs: list[Pair] = []
-        for i, s in enumerate(gs.slots):
-            if s.residency is Residency.DEVICE:
-                pairs.append((regions[i], s.bytes()))
-            elif s.residency is Residency.HOST:
-                pairs.append((regions[i], gs.home_region(i)))
-            else:
-                regions[i].zero_()
-        return pairs
+    def _read_group(self, gs: GroupState, arena: torch.Tensor) -> Transfer:
+        """Every slot's current values into ``arena``: device slots copied, offloaded ones from their homes,
+        dropped ones as zeros."""
+        by = {r: gs.select(lambda s, r=r: s.residency is r) for r in Residency}
+        if by[Residency.HOST] and arena.is_cpu and gs.home is not None:
+            gs.home.sync()  # host-to-host: the device copies still writing the home must be done
+        gs.zero_regions(self.engine, by[Residency.DROPPED], arena)
+        return gs.copy_out(self.engine, by[Residency.DEVICE], arena).merged(gs.copy_home(self.engine, by[Residency.HOST], arena))
 
     def _write_parts(
         self, snapshot: Snapshot, parts: list[SnapshotPart], fresh: dict[str, HostBlock], rewrite: Mapping[str, list[Slot]]
     ) -> Transfer:
         """Copy ``parts`` into their groups: device slots in place, offloaded ones into (private) homes."""
-        pairs: list[Pair] = []
-        homes: list[HostBlock] = []
+        transfer = Transfer()
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded}) if offloaded else None
-            regions = part.regions()
-            for i, s in enumerate(gs.slots):
-                if s.residency is Residency.DEVICE:
-                    pairs.append((s.bytes(), regions[i]))
-                else:
-                    pairs.append((gs.home_region(i), regions[i]))
-                    s.residency = Residency.HOST
-            if home is not None:
-                homes.append(home)
-        self._sync_host_sources(pairs, snapshot.groups, snapshot)
-        transfer = self.engine.copy(pairs)
-        for home in homes:
-            home.pending = transfer.merged(home.pending)
+            resident = gs.select(lambda s: s.residency is Residency.DEVICE)
+            if offloaded:
+                home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
+                idx = gs.select(lambda s: s.residency is not Residency.DEVICE)
+                if part.host is not None:
+                    snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
+                written = gs.copy_home(self.engine, idx, part.arena, into_home=True)
+                home.pending = written.merged(home.pending)
+                transfer = transfer.merged(written)
+                for i in idx:
+                    gs.slots[i].residency = Residency.HOST
+            transfer = transfer.merged(gs.copy_in(self.engine, resident, part.arena))
         for part in snapshot.parts:
             if part.host is not None:
                 part.host.pending = transfer.merged(part.host.pending)
-        if homes and not self._guarded:
+        if rewrite and not self._guarded:
             _KEEP_ALIVE.add(self)
         return transfer
 
-    def _fill_from_homes(self, todo: list[tuple[GroupState, list[Slot]]]) -> Transfer:
-        """Re-grow the slots' storage and fill it from their homes (dropped slots: zeros). Residency unchanged."""
-        pairs: list[Pair] = []
-        zero: list[Slot] = []
-        for gs, slots in todo:
-            idx = gs.index()
-            for s in slots:
-                s.regrow_storage()
-                if s.residency is Residency.HOST:
-                    pairs.append((s.bytes(), gs.home_region(idx[s.key])))
-                else:
-                    zero.append(s)
-        self._sync_host_sources(pairs, [gs.name for gs, _ in todo])
-        transfer = self.engine.copy(pairs)
-        for s in zero:
-            s.bytes().zero_()
-        if pairs:
-            for gs, _ in todo:
-                if gs.home is not None:
-                    gs.home.pending = transfer.merged(gs.home.pending)
+    def _fill_from_homes(self, todo: list[tuple[GroupState, list[int]]]) -> Transfer:
+        """Re-grow slots ``indices`` and fill them from their homes (dropped slots: zeros). Residency unchanged."""
+        transfer = Transfer()
+        for gs, idx in todo:
+            for i in idx:
+                gs.slots[i].regrow_storage()
+            host = [i for i in idx if gs.slots[i].residency is Residency.HOST]
+            zeros = [gs.slots[i].bytes() for i in idx if gs.slots[i].residency is Residency.DROPPED]
+            if zeros:
+                torch._foreach_zero_(zeros)
+            own = [i for i in host if gs.slots[i].native_home is None]
+            if own:
+                assert gs.home is not None
+                if any(gs.slots[i].device.type == "cpu" for i in own):
+                    gs.home.sync()  # host-to-host copies read the home on this thread
+                moved = gs.copy_in(self.engine, own, gs.home.data)
+                gs.home.pending = moved.merged(gs.home.pending)
+                transfer = transfer.merged(moved)
+            native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None]
+            transfer = transfer.merged(self.engine.copy(native))
         return transfer
+
+    def _released(self, released: Mapping[str, list[int]]) -> None:
+        """Device memory was released: hand it back to the driver if asked (``free_device_memory``)."""
+        if not released or not self.free_device_memory or self.engine.device is None:
+            return
+        if any(not self._groups[g].slots[i].device.type == "cpu" for g, idx in released.items() for i in idx[:1]):
+            torch.cuda.empty_cache()
 
     # -- internals: swapped() -----------------------------------------------------------------
     @_locked
@@ -595,15 +613,15 @@ class ModelState:
         stashing = [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in self._groups[p.group].slots)]
         self._new_stashes(swap, stashing, self._stash_on_device(stash, stashing))
         try:
-            stash_pairs, write_pairs = self._swap_pairs(swap, snapshot)
+            self._give_storage(swap, snapshot)
         except BaseException:
             self._undo_regrow(swap)
             raise
-        swap.stashed = self.engine.copy(stash_pairs)
-        self._sync_host_sources(write_pairs, names, snapshot)
-        swap.written = self.engine.copy(write_pairs)
-        for u in swap.undo:
-            u.slot.residency = Residency.DEVICE
+        for part in snapshot.parts:
+            self._write_swapped(swap, part, snapshot)
+        for g in names:
+            for i, _ in swap.offloaded[g]:
+                self._groups[g].slots[i].residency = Residency.DEVICE
         self._swapping.update(names)
         self._rebuild_reads.update(g for fn in rebuild.values() for g in reads_of(fn))
         return swap
@@ -619,32 +637,38 @@ class ModelState:
                 swap.stashes.append(self.pool.acquire(gs.layout.total))
         swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
 
-    def _swap_pairs(self, swap: Swap, snapshot: Snapshot) -> tuple[list[Pair], list[Pair]]:
-        """Stash copies of device slots and writes of the snapshot's values; offloaded slots get storage back."""
-        stash_pairs: list[Pair] = []
-        write_pairs: list[Pair] = []
+    def _give_storage(self, swap: Swap, snapshot: Snapshot) -> None:
+        """Record each group's residency; offloaded slots get device storage (uninitialised) for the context."""
         for part in snapshot.parts:
             gs = self._groups[part.group]
-            arena = swap.arenas.get(gs.name)
-            regions = part.regions()
-            for i, s in enumerate(gs.slots):
-                if s.residency is Residency.DEVICE and arena is not None:
-                    region = gs.layout.region(arena, i)
-                    stash_pairs.append((region, s.bytes()))
-                    swap.undo.append(Undo(s, Residency.DEVICE, region))
-                elif s.residency is Residency.DEVICE:
-                    swap.undo.append(Undo(s, Residency.DEVICE))
-                else:
-                    swap.undo.append(Undo(s, s.residency))
-                    s.regrow_storage()
-                write_pairs.append((s.bytes(), regions[i]))
-        return stash_pairs, write_pairs
+            swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
+            offloaded = swap.offloaded[gs.name] = [(i, s.residency) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
+            for i, _ in offloaded:
+                gs.slots[i].regrow_storage()
+
+    def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
+        """Stash the group's resident values (unless rebuilt) and write the snapshot's into every slot.
+
+        A host stash and a host snapshot cross PCIe in both directions at once (``exchange``)."""
+        gs = self._groups[part.group]
+        resident, stash = swap.resident[gs.name], swap.arenas.get(gs.name)
+        offloaded = [i for i, _ in swap.offloaded[gs.name]]
+        if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
+            snapshot.wait()  # host-to-host copies read the snapshot on this thread
+        if stash is not None and stash.is_cpu and part.arena.is_cpu:
+            t = gs.exchange(self.engine, resident, stash, part.arena)
+            swap.stashed, swap.written = swap.stashed.merged(t), swap.written.merged(t)
+        else:
+            if stash is not None:
+                swap.stashed = swap.stashed.merged(gs.copy_out(self.engine, resident, stash))
+            swap.written = swap.written.merged(gs.copy_in(self.engine, resident, part.arena))
+        swap.written = swap.written.merged(gs.copy_in(self.engine, offloaded, part.arena))
 
     def _undo_regrow(self, swap: Swap) -> None:
         """A failed entry: give back the storage re-grown so far and the stashes."""
-        for u in swap.undo:
-            if u.was is not Residency.DEVICE:
-                u.slot.release_storage()
+        for g, offloaded in swap.offloaded.items():
+            for i, _ in offloaded:
+                self._groups[g].slots[i].release_storage()
         self._free_stashes(swap, Transfer())
 
     @_locked
@@ -652,13 +676,13 @@ class ModelState:
         returned = Transfer()
         try:
             self._table.prepare(swap.groups)  # e.g. FSDP2: no all-gathered copy of the snapshot outlives the context
-            back = [(u.slot.bytes(), u.stash) for u in swap.undo if u.was is Residency.DEVICE and u.stash is not None]
-            self._sync_host_sources(back, swap.groups)
-            returned = self.engine.copy(back)
-            for u in swap.undo:
-                if u.was is not Residency.DEVICE:
-                    u.slot.release_storage()
-                    u.slot.residency = u.was
+            for g, stash in swap.arenas.items():
+                returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
+            for g, offloaded in swap.offloaded.items():
+                for i, was in offloaded:
+                    slot = self._groups[g].slots[i]
+                    slot.release_storage()
+                    slot.residency = was
             for g in swap.rebuilt_groups():
                 self._run_rebuild(swap.rebuild[g])
         finally:
@@ -682,33 +706,22 @@ class ModelState:
         Their homes are not written: the rebuild only reads them, so the
         values stay where they were and the slots stay ``host``.
         """
-        lent: list[tuple[GroupState, list[Slot]]] = []
+        lent: list[tuple[GroupState, list[int]]] = []
         for g, wanted in reads_of(fn).items():
             gs = self._groups.get(g)
             if gs is not None:
-                slots = [s for s in gs.slots if s.residency is Residency.HOST and matches(s, wanted)]
-                if slots:
-                    lent.append((gs, slots))
+                idx = gs.select(lambda s: s.residency is Residency.HOST and matches(s, wanted))
+                if idx:
+                    lent.append((gs, idx))
         self._fill_from_homes(lent)
         try:
             fn()
         finally:
-            for _, slots in lent:
-                for s in slots:
-                    s.release_storage()
+            for gs, idx in lent:
+                for i in idx:
+                    gs.slots[i].release_storage()
 
     # -- internals: host ordering and placement ---------------------------------------------------
-    def _sync_host_sources(self, pairs: list[Pair], names: Iterable[str], snapshot: Snapshot | None = None) -> None:
-        """Before host-to-host copies of groups ``names`` run on this thread, wait for device copies into their homes."""
-        if not any(d.is_cpu and s.is_cpu for d, s in pairs):
-            return
-        for g in names:
-            home = self._groups[g].home
-            if home is not None:
-                home.sync()
-        if snapshot is not None:
-            snapshot.wait()
-
     def _check_releasable(self, names: tuple[str, ...], only: Only) -> None:
         """Storage that cannot be resized cannot be released: fine on the host (it already is host
         memory, e.g. FSDP2's pinned shards under CPUOffloadPolicy: it stays where it is), an error

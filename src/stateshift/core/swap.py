@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .pool import HostBlock
-from .slot import Residency, Slot
+from .slot import Residency
 from .transfer import Transfer
 
 
@@ -45,21 +45,18 @@ def reads_of(fn: Callable[[], None]) -> Mapping[str, Collection[str]]:
 
 
 @dataclass(eq=False)
-class Undo:
-    """One slot a swap overwrote: its residency before, and where its current values wait (if stashed)."""
-
-    slot: Slot
-    was: Residency
-    stash: torch.Tensor | None = None
-
-
-@dataclass(eq=False)
 class Swap:
-    """The record of one ``swapped()`` context (see the module docstring)."""
+    """The record of one ``swapped()`` context (see the module docstring).
+
+    Per group: ``resident`` slots (device storage valid on entry: stashed,
+    or rebuilt, and overwritten) and ``offloaded`` ones (slot index and the
+    residency to return to: given device storage for the context only).
+    """
 
     groups: tuple[str, ...]
     rebuild: dict[str, Callable[[], None]]
-    undo: list[Undo] = field(default_factory=list)
+    resident: dict[str, list[int]] = field(default_factory=dict)
+    offloaded: dict[str, list[tuple[int, Residency]]] = field(default_factory=dict)
     #: host blocks and device arenas holding the stash (host blocks go back to the pool on exit)
     stashes: list[HostBlock | torch.Tensor] = field(default_factory=list)
     #: group -> the byte arena its stash lives in (a host block's data or a device tensor)
@@ -69,6 +66,4 @@ class Swap:
 
     def rebuilt_groups(self) -> list[str]:
         """Groups whose rebuild must run on exit: those with a rebuilder and a slot that was resident."""
-        return [
-            g for g in self.groups if g in self.rebuild and any(u.slot.info.group == g and u.was is Residency.DEVICE for u in self.undo)
-        ]
+        return [g for g in self.groups if g in self.rebuild and self.resident.get(g)]

@@ -1,54 +1,79 @@
-"""The copy engine: every byte stateshift moves goes through ``CopyEngine.copy``.
+"""The copy engine: every byte stateshift moves goes through ``CopyEngine``.
 
-A call takes pairs of byte tensors (``dst``, ``src``: 1-D ``uint8`` views of
-equal length) and enqueues the copies without blocking the host:
+Most copies go between a group's slots and an *arena* (a home, a snapshot,
+a stash) laid out by the group's ``Layout``. Their shape is fixed by the
+layout, so it is planned once: ``Plan`` (built by ``plan``, cached by the
+caller per layout and slot subset) groups the slots into *runs* in arena
+order -- a chunk of at most ``CHUNK_BYTES`` of one large slot, or many small
+slots that are neighbours in the arena. A verb on an unchanged group then
+does no per-tensor Python work beyond the copies: each staged run is one
+split, one multi-tensor kernel and one PCIe copy.
+
+Directions and streams:
 
 - device-to-host and host-to-device copies run on two side streams, one per
   direction, so an offload and an onload (or a stash and a write) overlap;
-- device-to-device copies run as one multi-tensor kernel on the current stream;
-- host-to-host copies run at once, on the calling thread.
+  ``exchange`` pipelines both: chunk k of the values going out and chunk k
+  of the values coming in move at once, and a chunk is overwritten only
+  after its outgoing copy has completed;
+- small slots cross PCIe through staging buffers on the device: outgoing
+  ones are gathered by one multi-tensor kernel on the current stream into a
+  ring of ``RING`` buffers the device-to-host stream drains (a buffer is
+  reused only after the copy that drained it completed: events, never a
+  synchronize); incoming ones are copied into one buffer and scattered by
+  the host-to-device stream itself;
+- device-to-device copies (device-placed snapshots and stashes) run on the
+  current stream; host-to-host copies run at once on the calling thread.
 
 Ordering (DESIGN.md rules 3 and 4): each side stream first waits for the
-current (compute) stream, so a copy reads the values as of the call; the
-current stream then waits for the copy's event, so compute enqueued after the
-call neither overwrites a source still being read nor reads a destination not
-yet written; sources that the caller frees right after the call (offload) are
-``record_stream``-ed on the side stream, so their memory is not reused
-before the copy has read it. Host memory
+current stream, so copies read the values as of the call; the current stream
+then waits for every side stream's last event, so compute enqueued after the
+call neither overwrites a source still being read nor reads a destination
+not yet written. Large slots read on a side stream by a caller that frees
+them right after (offload) are ``record_stream``-ed there; small ones are
+read by the gather on the current stream and need nothing. Host memory
 written by a copy is safe to read only after the returned ``Transfer`` has
 been waited on.
-
-Small copies are coalesced: below ``small_bytes`` a copy costs more in fixed
-overhead (about 5 us) than in bytes, so runs of small items that are adjacent
-in host memory are gathered on the device into a staging buffer with one
-kernel and moved with one copy (or the reverse for host-to-device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
-#: Below this many bytes an item is coalesced with its neighbours.
+#: Below this many bytes a slot is staged with its neighbours (a copy costs ~5 us of fixed overhead).
 SMALL_BYTES = 1 << 20
-#: The largest staging run, bounding the device memory coalescing borrows.
-STAGING_BYTES = 64 << 20
-#: Largest gap allowed between two items of one staged run. A device-to-host
-#: run writes its whole host span, gaps included, so a gap must never hold
-#: another item: layouts align every item to 64 bytes (``snapshot.ALIGN``), so
-#: a gap under 64 bytes is padding only.
+#: The largest single copy: large slots move in chunks of this size, staged runs are at most this long.
+CHUNK_BYTES = 64 << 20
+#: Largest gap allowed between two slots of one staged run. A device-to-host run writes its whole
+#: arena span, gaps included, so a gap must never hold another slot: layouts align every slot to 64
+#: bytes (``layout.ALIGN``), so a gap under 64 bytes is padding only.
 MAX_GAP = 63
+#: Staging buffers in flight per direction.
+RING = 3
+
+_STREAMS = ("d2h", "h2d", "d2d", "h2h")
 
 
 @dataclass
 class Transfer:
-    """Handle of enqueued copies. ``wait()`` makes the host side safe to read."""
+    """Handle of enqueued copies: ``wait()`` makes the host side safe to read.
+
+    ``nbytes`` counts the bytes moved per direction (``d2h``, ``h2d``, ``d2d``,
+    ``h2h``); ``seconds()`` waits and returns how long the copies took (CUDA
+    event timing on the device, wall time of host copies on the CPU).
+    """
 
     events: list[torch.cuda.Event] = field(default_factory=list)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
+    host_seconds: float = 0.0
 
     def wait(self) -> None:
         for event in self.events:
@@ -61,148 +86,393 @@ class Transfer:
     def merged(self, other: Transfer | None) -> Transfer:
         if other is None:
             return self
-        return Transfer(self.events + other.events)
+        nbytes = dict(self.nbytes)
+        for k, v in other.nbytes.items():
+            nbytes[k] = nbytes.get(k, 0) + v
+        return Transfer(self.events + other.events, nbytes, self.timing + other.timing, self.host_seconds + other.host_seconds)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    def seconds(self) -> float:
+        """Seconds the copies took: the longest timed device span, plus host copy time. Waits first."""
+        for start, end in self.timing:
+            end.synchronize()
+        device = max((start.elapsed_time(end) / 1e3 for start, end in self.timing), default=0.0)
+        return device + self.host_seconds
 
 
-def _host_span(items: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A uint8 view from the first item's start to the last item's end (same storage)."""
-    first, last = items[0], items[-1]
-    start = first.storage_offset()
-    end = last.storage_offset() + last.numel()
-    span = torch.empty(0, dtype=torch.uint8)
-    return span.set_(first.untyped_storage(), start, (end - start,), (1,))
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Run:
+    """Bytes ``[start, end)`` of an arena and the slots (or the slot chunk) they hold.
+
+    A *chunk* run (``sizes is None``) is bytes ``[offset, offset + end - start)``
+    of one slot. A *staged* run holds several small slots; ``sizes`` splits its
+    span into slots and gaps, ``keep`` picks the slots out of that split.
+    """
+
+    start: int
+    end: int
+    items: tuple[int, ...]
+    sizes: tuple[int, ...] | None = None
+    keep: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def views(self, span: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer)."""
+        assert self.sizes is not None
+        parts = span.split(self.sizes)
+        return parts if self.keep is None else self.keep(parts)
+
+
+@dataclass
+class Plan:
+    """Runs over one arena layout and one set of slots.
+
+    ``devs[k]``: run k's slot side -- the chunk's byte view, or the staged
+    slots' byte views in run order -- resolved on first use (through
+    ``view_of``), which must come when those slots hold their storage: making
+    a byte view of a released storage would re-grow it. Byte views follow
+    their storage through release and re-growth, so a plan stays valid until
+    the layout changes.
+    """
+
+    runs: tuple[Run, ...]
+    host: tuple[bool, ...]  #: per run: the slots' own storage is host memory (a CPU model)
+    nbytes: int
+    view_of: Callable[[int], torch.Tensor] = field(repr=False)
+    _devs: tuple[Sequence[torch.Tensor], ...] | None = field(default=None, repr=False)
+
+    @property
+    def devs(self) -> tuple[Sequence[torch.Tensor], ...]:
+        if self._devs is None:
+            self._devs = tuple(_run_views(r, self.view_of) for r in self.runs)
+        return self._devs
+
+
+def plan(
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    on_host: Sequence[bool],
+    view_of: Callable[[int], torch.Tensor],
+    indices: Sequence[int] | None = None,
+    *,
+    small: int = SMALL_BYTES,
+    chunk: int = CHUNK_BYTES,
+) -> Plan:
+    """Plan the copies between slots ``indices`` (default all) and an arena with these slot offsets.
+
+    ``on_host[i]``: slot i's storage is host memory; ``view_of(i)``: slot i's
+    byte view (a 1-D uint8 tensor over its whole storage), asked for only when
+    the plan is first used to copy.
+    """
+    order = sorted(range(len(offsets)) if indices is None else indices, key=offsets.__getitem__)
+    runs: list[Run] = []
+    pending: list[int] = []
+
+    def flush() -> None:
+        if len(pending) == 1:
+            i = pending[0]
+            runs.append(Run(offsets[i], offsets[i] + sizes[i], (i,)))
+        elif pending:
+            runs.append(_staged(pending, offsets, sizes))
+        pending.clear()
+
+    for i in order:
+        n, off = sizes[i], offsets[i]
+        if n == 0:
+            continue
+        if n >= small:
+            flush()
+            runs += [Run(off + a, off + min(a + chunk, n), (i,), offset=a) for a in range(0, n, chunk)]
+            continue
+        if pending:
+            last = pending[-1]
+            gap = off - offsets[last] - sizes[last]
+            if not (0 <= gap <= MAX_GAP and on_host[last] == on_host[i] and off + n - offsets[pending[0]] <= chunk):
+                flush()
+        pending.append(i)
+    flush()
+    host = tuple(on_host[r.items[0]] for r in runs)
+    return Plan(tuple(runs), host, sum(sizes[i] for i in {i for r in runs for i in r.items}), view_of)
+
+
+def _staged(items: list[int], offsets: Sequence[int], sizes: Sequence[int]) -> Run:
+    split: list[int] = []
+    keep: list[int] = []
+    pos = offsets[items[0]]
+    for i in items:
+        gap = offsets[i] - pos
+        if gap:
+            split.append(gap)
+        keep.append(len(split))
+        split.append(sizes[i])
+        pos = offsets[i] + sizes[i]
+    getter = None if len(keep) == len(split) else operator.itemgetter(*keep)
+    return Run(offsets[items[0]], pos, tuple(items), tuple(split), getter)
+
+
+def _run_views(run: Run, view_of: Callable[[int], torch.Tensor]) -> Sequence[torch.Tensor]:
+    if run.sizes is None:
+        v = view_of(run.items[0])
+        whole = run.offset == 0 and run.nbytes == v.numel()
+        return (v,) if whole else (v[run.offset : run.offset + run.nbytes],)
+    return tuple(view_of(i) for i in run.items)
+
+
+# --------------------------------------------------------------------------- the engine
 
 
 class CopyEngine:
-    """One engine per accelerator device (or one no-op engine on CPU-only machines)."""
+    """One engine per accelerator device (or one engine without streams on CPU-only machines)."""
 
     def __init__(
         self,
         device: torch.device | None = None,
         *,
         small_bytes: int = SMALL_BYTES,
-        staging_bytes: int = STAGING_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+        timing: bool = True,
     ) -> None:
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device if device is not None and device.type == "cuda" else None
         self.small_bytes = small_bytes
-        self.staging_bytes = staging_bytes
+        self.chunk_bytes = chunk_bytes
+        self.timing = timing
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
         if self.device is not None:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
 
-    def copy(self, pairs: Sequence[Pair], *, frees_sources: bool = False) -> Transfer:
-        """Enqueue ``dst.copy_(src)`` for every pair; see the module docstring for ordering.
+    def plan(
+        self,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        on_host: Sequence[bool],
+        view_of: Callable[[int], torch.Tensor],
+        indices: Sequence[int] | None = None,
+    ) -> Plan:
+        """``plan`` with this engine's small-slot and chunk sizes."""
+        return plan(offsets, sizes, on_host, view_of, indices, small=self.small_bytes, chunk=self.chunk_bytes)
 
-        ``frees_sources``: the caller releases the device sources right after
-        the call (offload), so they are ``record_stream``-ed on the side stream
-        and their memory is not reused before the copy has read it. Without
-        it, memory freed later on the current stream is still safe, because
-        the current stream waits for the copy.
+    # -- arena copies -------------------------------------------------------------------------
+    def to_arena(self, p: Plan, arena: torch.Tensor, *, frees_sources: bool = False) -> Transfer:
+        """Copy the plan's slots into ``arena``. ``frees_sources``: the caller releases them right after."""
+        return self._arena(p, arena, out=True, frees_sources=frees_sources)
+
+    def from_arena(self, p: Plan, arena: torch.Tensor) -> Transfer:
+        """Copy ``arena`` into the plan's slots."""
+        return self._arena(p, arena, out=False, frees_sources=False)
+
+    def exchange(self, p: Plan, out: torch.Tensor, inp: torch.Tensor) -> Transfer:
+        """Copy the slots into ``out`` and ``inp`` into the slots, both directions at once over PCIe.
+
+        Run k of ``inp`` is written only after run k's outgoing copy completed.
         """
-        d2h: list[Pair] = []
-        h2d: list[Pair] = []
-        d2d: list[Pair] = []
-        for dst, src in pairs:
-            if dst.numel() != src.numel():
-                raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
-            if dst.numel() == 0:
-                continue
-            dst_dev, src_dev = not dst.is_cpu, not src.is_cpu
-            if not dst_dev and not src_dev:
-                dst.copy_(src)
-            elif dst_dev and src_dev:
-                d2d.append((dst, src))
-            elif src_dev:
-                d2h.append((dst, src))
+        host_out = out.is_cpu
+        if self.device is None or host_out != inp.is_cpu or not host_out:
+            return self.to_arena(p, out).merged(self.from_arena(p, inp))
+        pcie = [k for k, h in enumerate(p.host) if not h]
+        rest = [k for k, h in enumerate(p.host) if h]
+        t = self._host_runs(p, rest, out, True).merged(self._host_runs(p, rest, inp, False))
+        return t.merged(self._pcie(p, pcie, out, inp, frees_sources=False))
+
+    def _arena(self, p: Plan, arena: torch.Tensor, *, out: bool, frees_sources: bool) -> Transfer:
+        if arena.is_cpu:
+            host_runs = [k for k, h in enumerate(p.host) if h]
+            pcie = [k for k, h in enumerate(p.host) if not h]
+            t = self._host_runs(p, host_runs, arena, out)
+            if pcie:
+                t = t.merged(self._pcie(p, pcie, arena if out else None, None if out else arena, frees_sources=frees_sources))
+            return t
+        return self._device_runs(p, arena, out)
+
+    def _host_runs(self, p: Plan, ks: list[int], arena: torch.Tensor, out: bool) -> Transfer:
+        """Runs whose slots and arena are both host memory: plain copies on this thread."""
+        if not ks:
+            return Transfer()
+        t0 = time.perf_counter()
+        moved = 0
+        for k in ks:
+            moved += self._local_run(p.runs[k], p.devs[k], arena, out)
+        return Transfer(nbytes={"h2h": moved}, host_seconds=time.perf_counter() - t0)
+
+    @staticmethod
+    def _local_run(run: Run, devs: Sequence[torch.Tensor], arena: torch.Tensor, out: bool) -> int:
+        """One run between slots and an arena on the same side (host-host or device-device)."""
+        span = arena[run.start : run.end]
+        if run.sizes is None:
+            (span.copy_(devs[0]) if out else devs[0].copy_(span))
+        elif out:
+            torch._foreach_copy_(run.views(span), devs)
+        else:
+            torch._foreach_copy_(devs, run.views(span))
+        return run.nbytes
+
+    def _device_runs(self, p: Plan, arena: torch.Tensor, out: bool) -> Transfer:
+        """Slots to/from a device arena: on the current stream (host slots of a device arena: PCIe pairs)."""
+        pairs: list[Pair] = []
+        moved = 0
+        start = self._timed_start()
+        for k, run in enumerate(p.runs):
+            if p.host[k]:
+                span = arena[run.start : run.end]
+                regions = (span,) if run.sizes is None else run.views(span)
+                pairs += list(zip(regions, p.devs[k], strict=True)) if out else list(zip(p.devs[k], regions, strict=True))
             else:
-                h2d.append((dst, src))
-        if not (d2h or h2d or d2d):
+                moved += self._local_run(run, p.devs[k], arena, out)
+        assert self.device is not None
+        current = torch.cuda.current_stream(self.device)
+        t = Transfer([current.record_event()], {"d2d": moved}, self._timed_end(start, current))
+        return t.merged(self.copy(pairs)) if pairs else t
+
+    # -- PCIe -----------------------------------------------------------------------------------
+    def _pcie(self, p: Plan, ks: list[int], out: torch.Tensor | None, inp: torch.Tensor | None, *, frees_sources: bool) -> Transfer:
+        """Runs ``ks`` across PCIe: slots -> ``out`` and/or ``inp`` -> slots (host arenas), pipelined per run.
+
+        Outgoing staged runs are gathered on the current stream (sources as of
+        the call; nothing to record for a caller that frees them) into a ring
+        of buffers the device-to-host stream drains; incoming ones land in one
+        buffer the host-to-device stream copies into and scatters from. With
+        both directions, the incoming copy of run k waits for the outgoing
+        copy of run k only, so run k+1 goes out while run k comes in.
+        """
+        if not ks:
             return Transfer()
         if self.device is None:
             raise RuntimeError("device tensors given to a copy engine built without a CUDA device")
         current = torch.cuda.current_stream(self.device)
-        events: list[torch.cuda.Event] = []
-        for stream, batch, host_is_dst in ((self._d2h, d2h, True), (self._h2d, h2d, False)):
+        d2h, h2d = self._d2h, self._h2d
+        assert d2h is not None and h2d is not None
+        starts = [self._timed_start(s) for s in (d2h, h2d)]
+        for s in (d2h, h2d):
+            s.wait_stream(current)
+        biggest = max((p.runs[k].nbytes for k in ks if p.runs[k].sizes is not None), default=0)
+        ring = _Ring(self.device, biggest) if out is not None else None
+        in_buf = torch.empty(biggest, dtype=torch.uint8, device=self.device) if inp is not None and biggest else None
+        nbytes = {"d2h": 0, "h2d": 0}
+        for k in ks:
+            run, devs = p.runs[k], p.devs[k]
+            if out is not None:
+                assert ring is not None
+                nbytes["d2h"] += self._out(run, devs, out[run.start : run.end], ring, current, d2h, frees_sources)
+            if inp is not None:
+                if out is not None:
+                    h2d.wait_stream(d2h)  # run k's old values are out before new ones overwrite them
+                nbytes["h2d"] += self._in(run, devs, inp[run.start : run.end], in_buf, h2d)
+        events = [d2h.record_event(), h2d.record_event()]
+        for e in events:
+            current.wait_event(e)
+        timing = [(st, s.record_event(torch.cuda.Event(enable_timing=True))) for st, s in zip(starts, (d2h, h2d)) if st is not None]
+        return Transfer(events, {k: v for k, v in nbytes.items() if v}, timing)
+
+    @staticmethod
+    def _out(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, ring: _Ring,
+             current: torch.cuda.Stream, side: torch.cuda.Stream, frees_sources: bool) -> int:
+        if run.sizes is None:
+            with torch.cuda.stream(side):
+                span.copy_(devs[0], non_blocking=True)
+            if frees_sources:
+                devs[0].record_stream(side)
+            return run.nbytes
+        buf = ring.take(run.nbytes, current)  # the copy that drained it last is done
+        torch._foreach_copy_(run.views(buf), devs)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            span.copy_(buf, non_blocking=True)
+        ring.used(side)
+        return run.nbytes
+
+    @staticmethod
+    def _in(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, buf: torch.Tensor | None, side: torch.cuda.Stream) -> int:
+        with torch.cuda.stream(side):
+            if run.sizes is None:
+                devs[0].copy_(span, non_blocking=True)
+            else:
+                assert buf is not None
+                staged = buf[: run.nbytes]
+                staged.copy_(span, non_blocking=True)
+                torch._foreach_copy_(devs, run.views(staged))  # same stream: after the copy, before the next
+        return run.nbytes
+
+    # -- generic pairs --------------------------------------------------------------------------
+    def copy(self, pairs: Sequence[Pair], *, frees_sources: bool = False) -> Transfer:
+        """Enqueue ``dst.copy_(src)`` for arbitrary pairs of byte views (paths no plan covers)."""
+        by_kind: dict[str, list[Pair]] = {k: [] for k in _STREAMS}
+        for dst, src in pairs:
+            if dst.numel() != src.numel():
+                raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
+            kind = ("h" if src.is_cpu else "d") + "2" + ("h" if dst.is_cpu else "d")
+            by_kind[kind].append((dst, src))
+        t0 = time.perf_counter()
+        for dst, src in by_kind["h2h"]:
+            dst.copy_(src)
+        t = Transfer(nbytes={"h2h": sum(d.numel() for d, _ in by_kind["h2h"])}, host_seconds=time.perf_counter() - t0)
+        if not (by_kind["d2h"] or by_kind["h2d"] or by_kind["d2d"]):
+            return t
+        if self.device is None:
+            raise RuntimeError("device tensors given to a copy engine built without a CUDA device")
+        current = torch.cuda.current_stream(self.device)
+        events = []
+        for kind, stream in (("d2h", self._d2h), ("h2d", self._h2d), ("d2d", current)):
+            batch = by_kind[kind]
             if batch:
                 assert stream is not None
                 stream.wait_stream(current)
                 with torch.cuda.stream(stream):
-                    self._move(batch, host_is_dst, stream, frees_sources)
+                    for dst, src in batch:
+                        dst.copy_(src, non_blocking=True)
+                        if frees_sources and kind == "d2h":
+                            src.record_stream(stream)
                     events.append(stream.record_event())
-        if d2d:
-            small = [p for p in d2d if p[0].numel() < self.small_bytes]
-            for dst, src in d2d:
-                if dst.numel() >= self.small_bytes:
-                    dst.copy_(src)
-            if small:
-                torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
-            events.append(current.record_event())
-        for event in events:
-            current.wait_event(event)
-        return Transfer(events)
+                t.nbytes[kind] = sum(d.numel() for d, _ in batch)
+        for e in events:
+            current.wait_event(e)
+        t.events += events
+        return t
 
-    def _move(self, batch: list[Pair], host_is_dst: bool, stream: torch.cuda.Stream, frees_sources: bool) -> None:
-        h, d = (0, 1) if host_is_dst else (1, 0)  # which side of a pair is host memory
-        if frees_sources and host_is_dst:
-            for pair in batch:
-                pair[1].record_stream(stream)
-        batch = sorted(batch, key=lambda p: p[h].data_ptr())
-        for run in self._runs(batch, h):
-            if len(run) == 1:
-                dst, src = run[0]
-                dst.copy_(src, non_blocking=True)
-                continue
-            hosts = [pair[h] for pair in run]
-            span = _host_span(hosts)
-            staging = torch.empty(span.numel(), dtype=torch.uint8, device=self.device)
-            base = hosts[0].storage_offset()
-            # per-item slices: measured faster than one Tensor.split with gap sizes (its Python wrapper
-            # cost ~4 ms per 500 items on the H200 host)
-            views = [staging[item.storage_offset() - base : item.storage_offset() - base + item.numel()] for item in hosts]
-            devs = [pair[d] for pair in run]
-            if host_is_dst:
-                torch._foreach_copy_(views, devs)
-                span.copy_(staging, non_blocking=True)
-            else:
-                staging.copy_(span, non_blocking=True)
-                torch._foreach_copy_(devs, views)
+    # -- timing ---------------------------------------------------------------------------------
+    def _timed_start(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        if not self.timing or self.device is None:
+            return None
+        s = stream or torch.cuda.current_stream(self.device)
+        return s.record_event(torch.cuda.Event(enable_timing=True))
 
-    def _runs(self, batch: list[Pair], h: int) -> list[list[Pair]]:
-        """Split host-address-sorted pairs into runs: each large item alone, small neighbours together.
+    def _timed_end(self, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        if start is None:
+            return []
+        return [(start, stream.record_event(torch.cuda.Event(enable_timing=True)))]
 
-        ``h`` is the index of the host tensor in each pair.
-        """
-        runs: list[list[Pair]] = []
-        current: list[Pair] = []
-        run_start = run_end = 0
-        base = None
-        for pair in batch:
-            host = pair[h]
-            n = host.numel()
-            if n >= self.small_bytes:
-                if current:
-                    runs.append(current)
-                    current = []
-                runs.append([pair])
-                continue
-            ptr = host.data_ptr()
-            owner = host._base if host._base is not None else host  # regions are slices of one arena
-            same = (
-                current
-                and owner is base
-                and 0 <= ptr - run_end <= MAX_GAP
-                and ptr + n - run_start <= self.staging_bytes
-            )
-            if not same:
-                if current:
-                    runs.append(current)
-                current, run_start, base = [], ptr, owner
-            current.append(pair)
-            run_end = ptr + n
-        if current:
-            runs.append(current)
-        return runs
+
+class _Ring:
+    """``RING`` device staging buffers reused round-robin: a buffer is handed to the current stream again
+    only after the side-stream copy that drained it last (recorded with ``used``) has completed."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device, self.size = device, size
+        self.bufs: list[torch.Tensor] = []
+        self.last: list[torch.cuda.Event | None] = []
+        self.i = -1
+
+    def take(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        self.i = (self.i + 1) % RING
+        if self.i == len(self.bufs):
+            self.bufs.append(torch.empty(self.size, dtype=torch.uint8, device=self.device))
+            self.last.append(None)
+        event = self.last[self.i]
+        if event is not None:
+            stream.wait_event(event)
+        return self.bufs[self.i][:nbytes]
+
+    def used(self, stream: torch.cuda.Stream) -> None:
+        self.last[self.i] = stream.record_event()

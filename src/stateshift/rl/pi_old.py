@@ -37,6 +37,7 @@ ordered after the swap's copies) and with its own weights after it.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -261,6 +262,7 @@ class PiOldCycle:
     # -- accounting -----------------------------------------------------------------------
     def _fallback(self, why: str) -> None:
         self.stats.fallbacks.append(why)
+        logging.getLogger("stateshift").info("pi_old cycle: %s", why)
         if why not in self._warned:
             self._warned.add(why)
             warnings.warn(f"pi_old cycle: {why}", stacklevel=3)
