@@ -11,14 +11,14 @@ import time
 import torch
 
 from stateshift import ModelState
-from stateshift.cli.bench import ManySmall
+from stateshift.bench import ManySmall
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--count", type=int, default=4000)
 parser.add_argument("--numel", type=int, default=65536)
 args = parser.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
-model = ManySmall(args.count, args.numel, torch.bfloat16).to(device)
+model = ManySmall(args.count, 2 * args.numel, device)
 state = ModelState(model)
 
 

@@ -41,6 +41,11 @@ class Row:
     ratio: float
     bound: str
     note: str = ""
+    #: what the row measures beyond op and residency ("small-512KiB", "bidirectional", "address-stable", ...)
+    case: str = ""
+    #: the plain-loop baseline of the same run (GB/s) and our throughput over it
+    loop_gbps: float | None = None
+    vs_loop: float | None = None
 
 
 @dataclass
@@ -64,12 +69,13 @@ class BenchResult:
         return out
 
     def table(self) -> str:
-        head = f"{'backend':<9} {'op':<20} {'residency':<9} {'GB':>8} {'seconds':>9} {'GB/s':>9} {'ratio':>6}  bound"
+        head = f"{'backend':<9} {'op':<13} {'residency':<9} {'case':<14} {'GB':>7} {'seconds':>8} {'GB/s':>7} {'ratio':>6} {'vs loop':>7}  bound"
         lines = [head, "-" * len(head)]
         for r in self.rows:
+            vs = f"{r.vs_loop:>7.2f}" if r.vs_loop is not None else f"{'':>7}"
             lines.append(
-                f"{r.backend:<9} {r.op:<20} {r.residency:<9} {r.bytes / 1e9:>8.3f} {r.seconds:>9.4f} "
-                f"{r.gbps:>9.1f} {r.ratio:>6.2f}  {r.bound}{('  ' + r.note) if r.note else ''}"
+                f"{r.backend:<9} {r.op:<13} {r.residency:<9} {r.case:<14} {r.bytes / 1e9:>7.3f} {r.seconds:>8.4f} "
+                f"{r.gbps:>7.1f} {r.ratio:>6.2f} {vs}  {r.bound}{('  ' + r.note) if r.note else ''}"
             )
         return "\n".join(lines)
 
@@ -132,9 +138,29 @@ def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> d
         out["d2h_gbps"] = nbytes / timed(lambda: pinned.copy_(dev_a, non_blocking=True), repeat=repeat) / 1e9
         out["h2d_gbps"] = nbytes / timed(lambda: dev_a.copy_(pinned, non_blocking=True), repeat=repeat) / 1e9
         out["d2d_gbps"] = 2 * nbytes / timed(lambda: dev_b.copy_(dev_a), repeat=repeat) / 1e9
+        out["bidir_gbps"] = 2 * nbytes / timed(lambda: _both_ways(pinned, dev_a, dev_b), repeat=repeat) / 1e9
         del pinned, dev_a, dev_b
     del host_a, host_b
     return out
+
+
+_BIDIR: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream, torch.Tensor]] = {}
+
+
+def _both_ways(pinned: torch.Tensor, dev_a: torch.Tensor, dev_b: torch.Tensor) -> None:
+    """A D2H copy and an H2D copy of the same size at once, on two streams (the bidirectional ceiling)."""
+    dev = dev_a.device
+    if dev not in _BIDIR or _BIDIR[dev][2].numel() != pinned.numel():
+        _BIDIR[dev] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev), torch.empty_like(pinned).pin_memory())
+    s1, s2, other = _BIDIR[dev]
+    s1.wait_stream(torch.cuda.current_stream(dev))
+    s2.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s1):
+        pinned.copy_(dev_a, non_blocking=True)
+    with torch.cuda.stream(s2):
+        dev_b.copy_(other, non_blocking=True)
+    torch.cuda.current_stream(dev).wait_stream(s1)
+    torch.cuda.current_stream(dev).wait_stream(s2)
 
 
 def git_sha() -> str:
@@ -189,14 +215,23 @@ class VerbBench:
         if self.progress is not None:
             self.progress.step(f"{op} ({residency})")
 
+    def add_bound(self, op: str, seconds: float, moved: int, bound_seconds: float, bound: str, note: str, case: str = "") -> None:
+        """A row whose bound is a sum of phases at their ceilings (``bound_seconds``); ratio = bound / measured."""
+        self.rows.append(Row(self.backend, op, "device", self.dev.type, moved, seconds, moved / seconds / 1e9,
+                             bound_seconds / seconds, bound if self.cuda else "host_memcpy", note, case))
+        if self.progress is not None:
+            self.progress.step(op)
+
     def add_mixed(self, op: str, seconds: float, pcie_bytes: int, d2d_bytes: int, note: str) -> None:
         """A row that moves bytes over PCIe and on the device: its bound is the sum of both at their ceilings."""
         bound = pcie_bytes / (min(self.d2h, self.h2d) * 1e9) + 2 * d2d_bytes / (self.d2d * 1e9)
-        self.rows.append(Row(self.backend, op, "device", self.dev.type, pcie_bytes + d2d_bytes, seconds,
-                             (pcie_bytes + d2d_bytes) / seconds / 1e9, bound / seconds, "pcie+d2d" if self.cuda else "host_memcpy",
-                             note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB"))
-        if self.progress is not None:
-            self.progress.step(op)
+        self.add_bound(op, seconds, pcie_bytes + d2d_bytes, bound, "pcie+d2d",
+                       note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB")
+
+    def bidir_seconds(self, n: int) -> float:
+        """Bound of one host-stash swap of ``n`` bytes: in = n out and n in at once, out = n in."""
+        both = self.ceilings.get("bidir_gbps", self.ceilings["host_memcpy_gbps"]) * 1e9
+        return 2 * n / both + n / (self.h2d * 1e9)
 
     def snap(self, placement: str = "host") -> None:
         self.state.snapshot(self.groups, tag="bench", placement=placement)  # type: ignore[arg-type]
@@ -231,34 +266,39 @@ class VerbBench:
         st.onload(self.groups)
 
     def swaps(self) -> None:
-        """``swapped()`` of a host snapshot with the stash on the device and on the host."""
-        n = self.nbytes
-        for stash in ("device", "host"):
-            def swap(stash: str = stash) -> None:
-                with self.state.swapped(self.saved, stash=stash):  # type: ignore[arg-type]
-                    pass
+        """``swapped()`` of a host snapshot: host stash (both directions at once on entry) and device stash."""
+        n, st = self.nbytes, self.state
 
-            on_dev = stash == "device" and self.cuda
-            self.add_mixed("swap", timed(swap, repeat=self.repeat), n if on_dev else 3 * n, 2 * n if on_dev else 0,
-                           f"host snapshot, stash on {stash}")
+        def swap(stash: str) -> None:
+            with st.swapped(self.saved, stash=stash):  # type: ignore[arg-type]
+                pass
+
+        self.add_bound("swap", timed(lambda: swap("host"), repeat=self.repeat), 3 * n, self.bidir_seconds(n), "bidir+h2d",
+                       "host snapshot, stash on host: in = out+in at once, out = in", case="bidirectional")
+        on_dev = self.cuda
+        self.add_mixed("swap", timed(lambda: swap("device"), repeat=self.repeat), n if on_dev else 3 * n,
+                       2 * n if on_dev else 0, "host snapshot, stash on device")
 
     def cycles(self, n: int) -> None:
-        """The pi_old cycle of ``n`` mini-batches with pi_old on the host and on the device."""
+        """The pi_old cycle of ``n`` mini-batches without a rebuild: pi_old on the host with a host stash
+        (bidirectional), on the host with a device stash, on the device."""
         st, nb = self.state, self.nbytes
-        for placement in ("host", "device"):
-            def cycle(placement: str = placement) -> None:
+        for placement, stash in (("host", "host"), ("host", "device"), ("device", "device")):
+            def cycle(placement: str = placement, stash: str = stash) -> None:
                 pi_old = st.snapshot(self.groups, tag="pi_old", placement=placement)  # type: ignore[arg-type]
                 for _ in range(n):
-                    with st.swapped(pi_old, stash="auto"):
+                    with st.swapped(pi_old, stash=stash):  # type: ignore[arg-type]
                         pass
 
-            if placement == "host":
-                stash_dev = self.cuda and st.stash_placement(self.groups) == "device"
-                pcie, d2d_b = ((1 + n) * nb, 2 * n * nb) if stash_dev else ((1 + 3 * n) * nb, 0)
+            t = timed(cycle, repeat=max(1, self.repeat // 2))
+            note = f"N={n}, pi_old placement={placement}, stash={stash}"
+            if placement == "host" and stash == "host":
+                bound = nb / (self.d2h * 1e9) + n * self.bidir_seconds(nb)
+                self.add_bound("pi_old_cycle", t, (1 + 3 * n) * nb, bound, "bidir+h2d", note, case="bidirectional")
+            elif placement == "host":
+                self.add_mixed("pi_old_cycle", t, (1 + n) * nb if self.cuda else (1 + 3 * n) * nb, 2 * n * nb if self.cuda else 0, note)
             else:
-                pcie, d2d_b = 0, (1 + 3 * n) * nb
-            self.add_mixed("pi_old_cycle", timed(cycle, repeat=max(1, self.repeat // 2)), pcie, d2d_b,
-                           f"N={n}, pi_old placement={placement}")
+                self.add_mixed("pi_old_cycle", t, 0, (1 + 3 * n) * nb, note)
 
     def cleanup(self) -> None:
         for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
@@ -317,3 +357,57 @@ def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) ->
         json_path.write_text(json.dumps(result.to_json(), indent=1))
     if plot_path is not None:
         write_plot(result, plot_path)
+
+
+# --------------------------------------------------------------------------- many small tensors
+
+
+class ManySmall(torch.nn.Module):
+    """``count`` parameters of ``nbytes`` bytes each (bf16): the worst case for per-copy overhead."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        numel = max(1, nbytes // dtype.itemsize)
+        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(numel, dtype=dtype, device=device)) for _ in range(count))
+
+
+def size_label(nbytes: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div}{unit}"
+    return f"{nbytes}B"
+
+
+def bench_small(count: int, nbytes: int, device: torch.device, ceilings: dict[str, float], *, repeat: int = 5,
+                progress: Progress | None = None) -> list[Row]:
+    """Snapshot, restore, offload and onload of ``count`` tensors of ``nbytes``, each beside the plain loop
+    a user would write: ``copy_(non_blocking=True)`` per tensor into (or from) preallocated host memory."""
+    model = ManySmall(count, nbytes, device)
+    params = list(model.parameters())
+    state = ModelState(model, free_device_memory=False)  # the copies alone, like the loop (memory: see full_state)
+    total = state.nbytes("params")
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = [pinned[i * p.numel() * 2 : (i + 1) * p.numel() * 2].view(p.dtype) for i, p in enumerate(params)]
+    loops = {"d2h": timed(lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, params)], repeat=repeat),
+             "h2d": timed(lambda: [p.data.copy_(h, non_blocking=True) for h, p in zip(host, params)], repeat=repeat)}
+    snap = state.snapshot("params", tag="small")
+    ops = {
+        "snapshot": ("d2h", lambda: state.snapshot("params", tag="small-b"), None),
+        "restore": ("h2d", lambda: state.restore(snap), None),
+        "offload": ("d2h", lambda: state.offload("params"), lambda: state.onload("params")),
+        "onload": ("h2d", lambda: state.onload("params"), lambda: state.offload("params")),
+    }
+    case = f"small-{size_label(nbytes)}"
+    rows = []
+    for op, (direction, fn, setup) in ops.items():
+        t = timed(fn, repeat=repeat, setup=setup)
+        ceiling = ceilings.get(f"{direction}_gbps", ceilings["host_memcpy_gbps"])
+        gbps, loop = total / t / 1e9, total / loops[direction] / 1e9
+        rows.append(Row("torch", op, "device" if op in ("snapshot", "offload", "restore") else "host", device.type, total, t,
+                        gbps, gbps / ceiling, direction if device.type == "cuda" else "host_memcpy",
+                        f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s", case, loop, gbps / loop))
+        if progress is not None:
+            progress.step(f"{op} ({case})")
+    state.onload()
+    state.close()
+    return rows

@@ -710,11 +710,11 @@ class _Backend:
     def prepare(self, groups):
         pass
 
-    def entries(self, groups):
+    def entries(self, group):
         native = None
         if self.fw.t.untyped_storage().nbytes() == 0 and (self.fw.cpu is not None or not self.fw.keep):
             native = NativeHome(values=self.fw.cpu, on_onload=self.fw.forget)
-        yield Entry("t", "params", self.fw.t, nbytes=64, native_home=native)
+        return [Entry("t", "params", self.fw.t, nbytes=64, native_home=native)]
 
     def install_guards(self, check):
         return []

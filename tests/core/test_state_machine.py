@@ -40,7 +40,7 @@ only = st.one_of(st.none(), st.sampled_from([None, "blocks.0.", "blocks.1.", "em
 
 def reference_values(model, opt) -> dict[str, torch.Tensor]:
     backends = [TorchModuleBackend(model), TorchOptimizerBackend(opt, param_names(model))]
-    return {e.name: e.tensor for b in backends for e in b.entries(b.groups)}
+    return {e.name: e.tensor for b in backends for g in b.groups for e in b.entries(g)}
 
 
 class Verbs(RuleBasedStateMachine):

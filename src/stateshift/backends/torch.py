@@ -21,7 +21,8 @@ compiled model and the plain one share names (checkpoints, HF export).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+import operator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,29 +104,57 @@ class TorchModuleBackend:
     forward_groups: tuple[str, ...] = ("params", "buffers")
     static_groups: tuple[str, ...] = ()
     _guards: ModuleGuards | None = field(default=None, repr=False)
+    _signature: tuple[Any, ...] | None = field(default=None, repr=False)
+    _lists: dict[str, list[Entry]] = field(default_factory=dict, repr=False)
+    _named: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list, repr=False)
+    _last_grads: list[Any] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.module = unwrap(self.module)
 
-    def prepare(self, groups: Collection[str]) -> None:
-        """Hook modules and parameters created since the last verb (the guards cover what can be released)."""
-        if self._guards is not None:
-            self._guards.cover(walk(self.module, self.prefix), named_parameters(self.module, self.prefix))
+    def _structure(self) -> tuple[Any, ...]:
+        """Which modules hold which tensors under which names, by identity (cheap: tuples built in C).
 
-    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
-        local, meta = self.to_local, self.meta_of
-        if "params" in groups or "grads" in groups:
-            params = list(named_parameters(self.module, self.prefix))
-        if "params" in groups:
-            for name, p in params:
-                yield Entry(name, "params", local(p), meta(p))
-        if "buffers" in groups:
-            for name, b in named_buffers(self.module, self.prefix):
-                yield Entry(name, "buffers", local(b), meta(b))
-        if "grads" in groups:
-            for name, p in params:
-                if p.grad is not None:
-                    yield Entry(f"{name}.grad", "grads", local(p.grad), meta(p.grad))
+        The cached lists below hold the tensors, so an id in here cannot be reused while it is cached.
+        """
+        return tuple(
+            (id(m), tuple(m._parameters), tuple(map(id, m._parameters.values())), tuple(m._buffers),
+             tuple(map(id, m._buffers.values())), len(m._non_persistent_buffers_set))
+            for _, m in walk(self.module, self.prefix)
+        )
+
+    def prepare(self, groups: Collection[str]) -> None:
+        """Re-read the module tree if a module, parameter or buffer was added or replaced since the last
+        verb; hook what is new (the guards cover what can be released)."""
+        sig = self._structure()
+        if sig == self._signature:
+            return
+        self._signature, self._lists = sig, {}
+        self._named = list(named_parameters(self.module, self.prefix))
+        self._last_grads = []
+        if self._guards is not None:
+            self._guards.cover(walk(self.module, self.prefix), self._named)
+
+    def entries(self, group: str) -> Sequence[Entry]:
+        """The group's tensors; the same list object while nothing changed (``prepare`` decides)."""
+        if self._signature is None:
+            self.prepare((group,))
+        if group == "grads":
+            return self._grad_entries()
+        cached = self._lists.get(group)
+        if cached is None:
+            local, meta = self.to_local, self.meta_of
+            named = self._named if group == "params" else list(named_buffers(self.module, self.prefix))
+            cached = self._lists[group] = [Entry(n, group, local(t), meta(t)) for n, t in named]
+        return cached
+
+    def _grad_entries(self) -> list[Entry]:
+        grads = [p.grad for _, p in self._named]
+        if "grads" not in self._lists or not all(map(operator.is_, grads, self._last_grads)):
+            local, meta = self.to_local, self.meta_of
+            self._last_grads = grads
+            self._lists["grads"] = [Entry(f"{n}.grad", "grads", local(g), meta(g)) for (n, _), g in zip(self._named, grads) if g is not None]
+        return self._lists["grads"]
 
     def coverage(self) -> dict[str, list[str]]:
         """What is tracked and what deliberately is not."""
@@ -137,6 +166,7 @@ class TorchModuleBackend:
 
     def install_guards(self, check: Check) -> list[Handle]:
         self._guards = ModuleGuards(check, local=self.to_local)
+        self._signature = None  # re-read the tree now, so what exists is hooked before any verb
         self.prepare(self.groups)
         return [self._guards]
 
@@ -168,13 +198,13 @@ class TorchOptimizerBackend:
     def prepare(self, groups: Collection[str]) -> None:
         """Nothing to prepare: an optimizer's state is listed as it is."""
 
-    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
-        if "optim" not in groups:
-            return
-        for pname, p in self._params():
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield Entry(f"{pname}.{key}", "optim", self.to_local(value), self.meta_of(value))
+    def entries(self, group: str) -> Sequence[Entry]:
+        return [
+            Entry(f"{pname}.{key}", "optim", self.to_local(value), self.meta_of(value))
+            for pname, p in self._params()
+            for key, value in self.optimizer.state.get(p, {}).items()
+            if isinstance(value, torch.Tensor)
+        ]
 
     def touched(self) -> Iterable[torch.Tensor]:
         """Every tensor ``step()`` reads or writes: params, their grads, the state."""
@@ -187,7 +217,7 @@ class TorchOptimizerBackend:
                     yield self.to_local(value)
 
     def coverage(self) -> dict[str, list[str]]:
-        return {"optim": [e.name for e in self.entries(self.groups)]}
+        return {"optim": [e.name for e in self.entries("optim")]}
 
     def state_tensors(self) -> Iterable[torch.Tensor]:
         for _, p in self._params():

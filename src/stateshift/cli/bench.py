@@ -33,20 +33,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:N]'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--minibatches", type=int, default=4, help="N of the pi_old cycle")
-    p.add_argument("--small-tensors", type=int, default=0, help="also bench a model of this many small tensors")
-    p.add_argument("--small-numel", type=int, default=65536, help="elements of each small tensor")
+    p.add_argument("--small", action="append", default=None, metavar="COUNTxSIZE",
+                   help="also time snapshot/restore/offload/onload of COUNT bf16 tensors of SIZE each beside a plain "
+                   "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none)")
+    p.add_argument("--small-tensors", type=int, default=0, help="one more small case: this many tensors ...")
+    p.add_argument("--small-numel", type=int, default=65536, help="... of this many bf16 elements each")
     p.add_argument("--json", type=Path, default=None, help="write the results here (format: docs/results.md)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the ratios here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_bench)
 
 
-class ManySmall(torch.nn.Module):
-    """``count`` parameters of ``numel`` elements each: the worst case for per-copy overhead."""
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel).to(dtype)) for _ in range(count))
+
+def parse_small(spec: str) -> tuple[int, int]:
+    """``"2000x512KiB"`` -> (2000, 524288)."""
+    count, _, size = spec.partition("x")
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if size.endswith(u)), "B")
+    try:
+        n, nbytes = int(count), int(size.removesuffix(unit)) * _UNITS[unit]
+    except ValueError:
+        raise UsageError(f"--small {spec!r}: use COUNTxSIZE, e.g. 2000x512KiB or 20000x16KiB") from None
+    if n < 1 or nbytes < 2:
+        raise UsageError(f"--small {spec!r}: the count must be >= 1 and the size >= 2 bytes")
+    return n, nbytes
 
 
 class UsageError(ValueError):
@@ -78,7 +89,12 @@ def _check_args(args: argparse.Namespace) -> tuple[torch.device, Any]:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
     if args.small_tensors < 0:
         raise UsageError(f"--small-tensors must be >= 0, not {args.small_tensors}")
+    args.small_cases = [parse_small(spec) for spec in (args.small or [])]
+    if args.small_tensors:
+        args.small_cases.append((args.small_tensors, 2 * args.small_numel))
     device = _device(args.device)
+    if args.small is None and device.type == "cuda":
+        args.small_cases[:0] = [(2000, 512 << 10), (20000, 16 << 10)]
     try:
         cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                          dtype=DTYPES[args.dtype])
@@ -119,22 +135,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     state, model_info = _build(cfg, device, args.dtype)
     nbytes = state.nbytes("params")
     ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
-    progress = bench.Progress(12 * (2 if args.small_tensors else 1), enabled=not args.no_progress)
+    progress = bench.Progress(13 + 4 * len(args.small_cases), enabled=not args.no_progress)
     result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
                                ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()})
     rows, extra = bench.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
                                     cycle_minibatches=args.minibatches, progress=progress)
     result.rows += rows
     result.extra.update(model=model_info, **extra)
-    if args.small_tensors:
-        from ..core.state import ModelState
-
-        small = ManySmall(args.small_tensors, args.small_numel, DTYPES[args.dtype]).to(device)
-        small_rows, _ = bench.bench_state(ModelState(small, pool=state.pool), backend="torch", ceilings=ceilings,
-                                          repeat=args.repeat, cycle_minibatches=args.minibatches, progress=progress)
-        for r in small_rows:
-            r.note = (r.note + f"; {args.small_tensors} tensors x {args.small_numel}").lstrip("; ")
-        result.rows += small_rows
+    for count, nbytes in args.small_cases:
+        result.rows += bench.bench_small(count, nbytes, device, ceilings, repeat=args.repeat, progress=progress)
     result.extra["pool"] = state.pool.stats.as_dict()
     _report(result, state, ceilings)
     bench.save(result, args.json, args.plot)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +117,8 @@ class GroupState:
     home: HostBlock | None = None
     #: what the last full refresh saw: (names, tensor objects, storage keys)
     listed: tuple[list[str], list[torch.Tensor], list[int]] | None = field(default=None, repr=False)
+    #: the sequence the source returned last (a source returns the same one while nothing changed)
+    entries: Sequence[Entry] | None = field(default=None, repr=False)
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
     plans: dict[tuple[int, ...] | None, Plan] = field(default_factory=dict, repr=False)
@@ -241,32 +243,23 @@ class SlotTable:
             if asked:
                 b.prepare(asked)
 
-    def _list(self, wanted: frozenset[str]) -> dict[str, list[Entry]]:
-        by_group: dict[str, list[Entry]] = {g: [] for g in self.names if g in wanted}
+    def _list(self, wanted: frozenset[str]) -> dict[str, Sequence[Entry]]:
         self.prepare(wanted)
+        by_group: dict[str, Sequence[Entry]] = {}
         for b in self.sources:
-            asked = wanted.intersection(b.groups)
-            if not asked:
-                continue
-            for e in b.entries(asked):
-                if e.group not in self.groups:
-                    raise BackendError(f"backend {b.name!r} listed {e.name!r} in undeclared group {e.group!r}")
-                if e.group in by_group:
-                    by_group[e.group].append(e)
+            for g in b.groups:
+                if g in wanted:
+                    entries = by_group[g] = b.entries(g)
+                    bad = next((e for e in entries if e.group != g), None) if entries is not self.groups[g].entries else None
+                    if bad is not None:
+                        raise BackendError(f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}")
         return by_group
 
-    def _refresh_group(self, gs: GroupState, entries: list[Entry], seen: dict[int, Slot]) -> None:
-        names = [e.name for e in entries]
-        tensors = [e.tensor for e in entries]
-        keys = list(map(storage_key, tensors))
-        if (
-            gs.listed is not None
-            and keys == gs.listed[2]
-            and names == gs.listed[0]
-            and all(map(operator.is_, tensors, gs.listed[1]))
-            and seen.keys().isdisjoint(gs.by_key)
-        ):
+    def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], seen: dict[int, Slot]) -> None:
+        keys = [storage_key(e.tensor) for e in entries]
+        if gs.listed is not None and keys == gs.listed[2] and seen.keys().isdisjoint(gs.by_key) and self._same(gs, entries):
             seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
+            gs.entries = entries
             _follow_framework(gs.slots, entries, keys)
             return
         members: dict[int, list[Entry]] = {}
@@ -288,9 +281,19 @@ class SlotTable:
             layout = Layout.build(tuple(s.info for s in slots))
             if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
                 self._relayout(gs, slots, layout)
-        gs.listed = (names, tensors, keys)
+        gs.listed = ([e.name for e in entries], [e.tensor for e in entries], keys)
+        gs.entries = entries
         gs.by_key = {sl.key: sl for sl in slots}
         _follow_framework(gs.slots, entries, keys)
+
+    @staticmethod
+    def _same(gs: GroupState, entries: Sequence[Entry]) -> bool:
+        """The listing names the same tensor objects under the same names as last time (the source says so
+        by returning the very same sequence, or the names and objects are compared)."""
+        if entries is gs.entries:
+            return True
+        assert gs.listed is not None
+        return [e.name for e in entries] == gs.listed[0] and all(map(operator.is_, (e.tensor for e in entries), gs.listed[1]))
 
     def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:
         """The slot for one storage, and whether its fingerprint may have changed."""

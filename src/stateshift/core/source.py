@@ -7,8 +7,10 @@ asks its *sources* (the backends, ``stateshift/backends/``) three things:
   can be listed and moved (FSDP2 reshards; Megatron forgets host copies it
   must never reload). Called once before every verb touches ``groups``;
   the only place a backend may change framework state.
-- ``entries(groups)``: the tensors of those groups as they are now, without
-  side effects, deterministic in order, cheap (called at every verb).
+- ``entries(group)``: the tensors of one group as they are now, without
+  side effects, deterministic in order, cheap (called at every verb). The
+  same sequence object may come back while nothing changed: the engine then
+  re-checks only that each tensor still has its storage.
 - ``install_guards(check)``: hooks that call ``check(tensors, where)`` before
   compute reads or writes state; ``check`` raises ``OffloadedStateError``
   naming the group when a tensor's storage is released.
@@ -22,7 +24,7 @@ package registers its detector here when imported, which is how
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -55,8 +57,9 @@ class Source(Protocol):
         """Make the framework's tensors of ``groups`` listable and movable (see the module docstring)."""
         ...
 
-    def entries(self, groups: Collection[str]) -> Iterable[Entry]:
-        """The tensors of ``groups`` as they are now; no side effects, deterministic order."""
+    def entries(self, group: str) -> Sequence[Entry]:
+        """The tensors of ``group`` as they are now; no side effects, deterministic order. Return the same
+        sequence object only if the names and tensor objects are the same as last time."""
         ...
 
     def install_guards(self, check: Check) -> list[Handle]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,28 +161,25 @@ class MegatronModelBackend:
                 if p is not None:
                     yield join(owner, leaf), p
 
-    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
-        want = groups
-        if "params" in want:
+    def entries(self, group: str) -> Sequence[Entry]:
+        """One group's tensors: flat buffers with their views, params outside the buffers, module buffers, grads."""
+        if group == "buffers":
+            return [Entry(name, "buffers", b) for name, b in self._buffers()]
+        out: list[Entry] = []
+        if group == "params":
             for ref in self._refs:
-                yield from self._param_entries(ref)
-        if "params" in want or "frozen" in want or "grads" in want:
-            outside = list(self.outside_params())
-            for name, p in outside:
-                group = "params" if p.requires_grad else "frozen"
-                if group in want:
-                    yield Entry(name, group, p)
-        if "buffers" in want:
-            for name, b in self._buffers():
-                yield Entry(name, "buffers", b)
-        if "grads" in want:
+                out += self._param_entries(ref)
+        if group == "grads":
             for ref in self._refs:
-                yield from self._grad_entries(ref)
-            seen: set[int] = set()
-            for name, p in outside:
-                if p.grad is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    yield Entry(f"{name}.grad", "grads", p.grad)
+                out += self._grad_entries(ref)
+        seen: set[int] = set()
+        for name, p in self.outside_params():
+            if group in ("params", "frozen") and group == ("params" if p.requires_grad else "frozen"):
+                out.append(Entry(name, group, p))
+            elif group == "grads" and p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(Entry(f"{name}.grad", "grads", p.grad))
+        return out
 
     def _base(self, ref: _BufferRef) -> str:
         return f"{self.prefixes[ref.chunk]}{ref.kind}.{ref.index}"
@@ -241,8 +238,8 @@ class MegatronModelBackend:
         """What each group holds, by name, and what is deliberately not tracked."""
         out: dict[str, list[str]] = {g: [] for g in self.groups}
         self.prepare(self.groups)
-        for e in self.entries(self.groups):
-            out[e.group].append(e.name)
+        for g in self.groups:
+            out[g] += [e.name for e in self.entries(g)]
         out["untracked"] = [
             "transient master grads (.grad of fp32 masters when grads are not fp32): rebuilt by every step",
             "bucket/shard views (bucket.param_data, cached shard lists): views of the listed flat buffers",

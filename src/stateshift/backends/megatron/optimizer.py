@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,21 +81,19 @@ class MegatronOptimizerBackend:
         self._plan_sig, self._plan_cache = sig, plan
         return plan
 
-    def entries(self, groups: Collection[str]) -> Iterator[Entry]:
-        if "optim" not in groups:
-            return
+    def entries(self, group: str) -> Sequence[Entry]:
+        """The fp32 masters, then every tensor of each inner optimizer's state."""
+        out: list[Entry] = []
         for inner, masters, keys in self.plan():
-            for name, master, meta in masters:
-                yield Entry(name, "optim", master, meta)
+            out += [Entry(name, "optim", master, meta) for name, master, meta in masters]
             if inner is None:
                 continue
             state = inner.state
             for pname, key in keys:
-                st = state.get(key)
-                if st:
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor):
-                            yield Entry(f"{pname}.{k}", "optim", v)
+                for k, v in (state.get(key) or {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(Entry(f"{pname}.{k}", "optim", v))
+        return out
 
     def inner_touched(self, leaves: list[Any] | None = None) -> list[torch.Tensor]:
         """What Megatron's own ``offload_to_cpu``/``restore_from_cpu`` read: inner params and state."""
@@ -126,7 +124,7 @@ class MegatronOptimizerBackend:
         """Nothing to prepare: the plan follows the param groups, the state is read as it is."""
 
     def coverage(self) -> dict[str, list[str]]:
-        return {"optim": [e.name for e in self.entries(self.groups)]}
+        return {"optim": [e.name for e in self.entries("optim")]}
 
     def install_guards(self, check: Check) -> list[Handle]:
         handles: list[Handle] = []
