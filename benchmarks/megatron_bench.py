@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         everything = state.groups
         total = state.nbytes(everything)
         _sync()
+        memory = sb.memory_handed_back(state, everything)
         allocated = torch.cuda.memory_allocated() if cuda else 0
         t_off = sb.timed(lambda: state.offload(everything), setup=lambda: state.onload(everything), repeat=args.repeat)
         _sync()
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         t_on = sb.timed(lambda: state.onload(everything), setup=lambda: state.offload(everything), repeat=args.repeat)
         add("onload", "host", t_on, total, h2d, "h2d" if cuda else "host_memcpy", "params+frozen+buffers+grads+optim")
         extra["full_state"] = {"bytes": total, "gpu_allocated_before": allocated, "gpu_allocated_after_offload": after_off,
-                               "groups": {g: state.nbytes(g) for g in everything}}
+                               "groups": {g: state.nbytes(g) for g in everything}, **memory}
         # training still works after it all
         loss = train_step(ddp, opt, batch(spec, 1, device, size=1))
         extra["full_state"]["loss_after"] = loss

@@ -21,6 +21,7 @@ from .core.slot import Residency
 from .core.snapshot import Snapshot
 from .core.state import ModelState
 from .errors import (
+    AddressStableError,
     BackendError,
     CheckpointCorruptError,
     CheckpointError,
@@ -45,6 +46,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AddressStableError",
     "BackendError",
     "CheckpointCorruptError",
     "CheckpointError",

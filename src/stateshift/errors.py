@@ -73,6 +73,11 @@ class SnapshotBudgetError(StateShiftError, MemoryError):
     """The snapshot store would exceed its byte budget."""
 
 
+class AddressStableError(StateShiftError, RuntimeError):
+    """The address-stable mode cannot do what was asked (torch_memory_saver missing, a partial move
+    of an address-stable group, too little free memory to map a group back)."""
+
+
 class ClosedStateError(StateShiftError, RuntimeError):
     """A verb was called on a ``ModelState`` after ``close()``."""
 

@@ -106,3 +106,18 @@ def test_verbs_log_under_the_stateshift_logger(caplog):
         state.offload("params")
         state.onload("params")
     assert any(r.name == "stateshift" and "offload" in r.getMessage() for r in caplog.records)
+
+
+def test_address_stable_is_accepted_and_a_no_op_with_a_warning_on_the_cpu():
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: tests/gpu/test_address_stable_gpu.py covers the real mode")
+    model, opt = make()
+    warm(model, opt)
+    with pytest.warns(UserWarning, match="no effect on a machine without CUDA"):
+        state = ModelState(model, opt, address_stable=True)
+    want = capture(state)
+    state.offload()
+    state.onload()
+    assert_same(capture(state), want)

@@ -144,6 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.extra.update(model=model_info, **extra)
     for count, nbytes in args.small_cases:
         result.rows += bench.bench_small(count, nbytes, device, ceilings, repeat=args.repeat, progress=progress)
+    result.extra["full_state"] = bench.memory_handed_back(state)
     result.extra["pool"] = state.pool.stats.as_dict()
     _report(result, state, ceilings)
     bench.save(result, args.json, args.plot)
@@ -178,6 +179,11 @@ def _report(result: Any, state: Any, ceilings: dict[str, float]) -> None:
               "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)")
     print(f"pinned pool: pinned={stats.pinned} held={stats.held_bytes / 1e9:.3f} GB in use={stats.in_use_bytes / 1e9:.3f} GB "
           f"allocations={stats.allocations} reuses={stats.reuses} requested={stats.requested_bytes / 1e9:.3f} GB")
+    full = result.extra.get("full_state") or {}
+    if full:
+        print(f"full offload of {full['bytes'] / 1e9:.3f} GB: allocated -{full['allocated_drop_bytes'] / 1e9:.3f} GB, "
+              f"reserved -{full['reserved_drop_bytes'] / 1e9:.3f} GB, driver free +{full['driver_free_gain_bytes'] / 1e9:.3f} GB "
+              f"(free_device_memory={full['free_device_memory']}); the onload after it: {full['onload_after_gbps']:.1f} GB/s")
     if "gpu_allocated_after_offload" in result.extra:
         print(f"GPU allocated: {result.extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
               f"{result.extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after")

@@ -52,6 +52,7 @@ from .pool import HostBlock, HostPool
 from .slot import Residency, Slot, storage_key
 from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
 from .source import Handle, Source, detect
+from .stable import StoragePolicy, make_policy
 from .swap import Swap, reads_of
 from .transfer import CopyEngine, Transfer
 
@@ -103,6 +104,12 @@ class ModelState:
             returns when its copies are done. ``False`` keeps the memory cached
             for this process (the verb stays asynchronous). No effect on a
             machine without CUDA.
+        address_stable: keep device addresses across offload and onload (CUDA
+            graphs captured before an offload replay correctly after it), with
+            the optional ``torch_memory_saver`` (``pip install 'stateshift[tms]'``;
+            ``AddressStableError`` without it). A group becomes address-stable
+            the first time it is onloaded, and then moves whole. Accepted with
+            a warning, and a no-op, on a machine without CUDA. See ``stable.py``.
     """
 
     def __init__(
@@ -117,6 +124,7 @@ class ModelState:
         snapshot_budget_bytes: int | None = None,
         guard: bool = True,
         free_device_memory: bool = True,
+        address_stable: bool = False,
     ) -> None:
         self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
         self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
@@ -124,6 +132,8 @@ class ModelState:
         self.groups: tuple[str, ...] = self._table.names
         self.forward_groups: tuple[str, ...] = self._table.forward
         self.engine = CopyEngine(device)
+        self._storage: StoragePolicy = make_policy(address_stable, self.engine.device, f"stateshift-{id(self):x}")
+        self._paused_keys: set[int] = set()
         self.snapshots = SnapshotStore(snapshot_budget_bytes)
         self._groups: dict[str, GroupState] = self._table.groups
         self._swapping: set[str] = set()
@@ -222,10 +232,9 @@ class ModelState:
             home.pending = moved.merged(home.pending)
             transfer = transfer.merged(moved)
         for g, idx in moving.items():
+            self._release(self._groups[g], idx)
             for i in idx:
-                slot = self._groups[g].slots[i]
-                slot.release_storage()
-                slot.residency = Residency.HOST
+                self._groups[g].slots[i].residency = Residency.HOST
         if moving and not self._guarded:
             _KEEP_ALIVE.add(self)
         self._released(moving)
@@ -243,14 +252,14 @@ class ModelState:
         self._check_releasable(names, only)
         released: dict[str, list[int]] = {}
         for g in names:
-            for i, s in enumerate(self._groups[g].slots):
-                if s.residency is not Residency.DROPPED and s.releasable and matches(s, only):
-                    if s.residency is Residency.DEVICE:
-                        s.release_storage()
-                        released.setdefault(g, []).append(i)
-                    s.residency = Residency.DROPPED
-                    disown(s)
-        self._released(released)
+            gs = self._groups[g]
+            idx = gs.select(lambda s: s.residency is not Residency.DROPPED and s.releasable and matches(s, only))
+            released[g] = [i for i in idx if gs.slots[i].residency is Residency.DEVICE]
+            self._release(gs, released[g])
+            for i in idx:
+                gs.slots[i].residency = Residency.DROPPED
+                disown(gs.slots[i])
+        self._released({g: idx for g, idx in released.items() if idx})
 
     @_locked
     def onload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
@@ -442,11 +451,15 @@ class ModelState:
 
     # -- guards ---------------------------------------------------------------------------
     def check_resident(self, tensors: Iterable[torch.Tensor], where: str) -> None:
-        """Raise ``OffloadedStateError`` if any tensor's storage is released (cheap: no refresh, no lock)."""
+        """Raise ``OffloadedStateError`` if any tensor's storage is released (cheap: no refresh, no lock).
+
+        A paused address-stable storage keeps its size but not its memory: it is looked up by key."""
+        paused = self._paused_keys
         for t in tensors:
             if t is None or t.numel() == 0:
                 continue
-            if t.untyped_storage().nbytes() == 0:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or (paused and storage._cdata in paused):
                 slot = self._table.slots.get(storage_key(t))
                 if slot is None:
                     raise OffloadedStateError("(untracked)", "(a tensor)", "released", where)
@@ -573,8 +586,7 @@ class ModelState:
         """Re-grow slots ``indices`` and fill them from their homes (dropped slots: zeros). Residency unchanged."""
         transfer = Transfer()
         for gs, idx in todo:
-            for i in idx:
-                gs.slots[i].regrow_storage()
+            self._regrow(gs, idx)
             host = [i for i in idx if gs.slots[i].residency is Residency.HOST]
             zeros = [gs.slots[i].bytes() for i in idx if gs.slots[i].residency is Residency.DROPPED]
             if zeros:
@@ -590,6 +602,25 @@ class ModelState:
             native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None]
             transfer = transfer.merged(self.engine.copy(native))
         return transfer
+
+    def _release(self, gs: GroupState, idx: list[int]) -> None:
+        """Release the storage of resident slots ``idx`` (residency is the caller's to set)."""
+        if not idx:
+            return
+        resident = sum(s.residency is Residency.DEVICE for s in gs.slots)
+        self._storage.release(gs.name, [gs.slots[i] for i in idx], whole=len(idx) >= resident)
+        if self._storage.paused(gs.name):
+            self._paused_keys.update(s.key for s in gs.slots)
+
+    def _regrow(self, gs: GroupState, idx: list[int]) -> None:
+        """Give slots ``idx`` device storage back (uninitialised; residency is the caller's to set)."""
+        if not idx:
+            return
+        offloaded = sum(s.residency is not Residency.DEVICE for s in gs.slots)
+        was_paused = self._storage.paused(gs.name)
+        self._storage.regrow(gs.name, [gs.slots[i] for i in idx], whole=len(idx) >= offloaded)
+        if was_paused:
+            self._paused_keys.difference_update(s.key for s in gs.slots)
 
     def _released(self, released: Mapping[str, list[int]]) -> None:
         """Device memory was released: hand it back to the driver if asked (``free_device_memory``)."""
@@ -643,8 +674,7 @@ class ModelState:
             gs = self._groups[part.group]
             swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
             offloaded = swap.offloaded[gs.name] = [(i, s.residency) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
-            for i, _ in offloaded:
-                gs.slots[i].regrow_storage()
+            self._regrow(gs, [i for i, _ in offloaded])
 
     def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
         """Stash the group's resident values (unless rebuilt) and write the snapshot's into every slot.
@@ -667,8 +697,9 @@ class ModelState:
     def _undo_regrow(self, swap: Swap) -> None:
         """A failed entry: give back the storage re-grown so far and the stashes."""
         for g, offloaded in swap.offloaded.items():
-            for i, _ in offloaded:
-                self._groups[g].slots[i].release_storage()
+            gs = self._groups[g]
+            if not self._storage.paused(g):
+                self._release(gs, [i for i, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
         self._free_stashes(swap, Transfer())
 
     @_locked
@@ -679,10 +710,9 @@ class ModelState:
             for g, stash in swap.arenas.items():
                 returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
             for g, offloaded in swap.offloaded.items():
+                self._release(self._groups[g], [i for i, _ in offloaded])
                 for i, was in offloaded:
-                    slot = self._groups[g].slots[i]
-                    slot.release_storage()
-                    slot.residency = was
+                    self._groups[g].slots[i].residency = was
             for g in swap.rebuilt_groups():
                 self._run_rebuild(swap.rebuild[g])
         finally:
@@ -710,7 +740,8 @@ class ModelState:
         for g, wanted in reads_of(fn).items():
             gs = self._groups.get(g)
             if gs is not None:
-                idx = gs.select(lambda s: s.residency is Residency.HOST and matches(s, wanted))
+                moves_whole = self._storage.paused(g)  # an address-stable group is mapped back whole
+                idx = gs.select(lambda s: s.residency is Residency.HOST and (moves_whole or matches(s, wanted)))
                 if idx:
                     lent.append((gs, idx))
         self._fill_from_homes(lent)
@@ -718,8 +749,7 @@ class ModelState:
             fn()
         finally:
             for gs, idx in lent:
-                for i in idx:
-                    gs.slots[i].release_storage()
+                self._release(gs, idx)
 
     # -- internals: host ordering and placement ---------------------------------------------------
     def _check_releasable(self, names: tuple[str, ...], only: Only) -> None:
