@@ -31,7 +31,7 @@ from .layout import Layout
 from .pool import HostBlock, HostPool
 from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_key
 from .source import Source
-from .transfer import CopyEngine, Plan, Transfer
+from .transfer import CopyEngine, Plan, Run, Transfer
 
 Only = Callable[[str], bool] | Collection[str] | None
 
@@ -143,9 +143,21 @@ class GroupState:
         """Device storage of slots ``indices`` -> their regions of ``arena``."""
         return engine.to_arena(self.plan(engine, indices), arena, frees_sources=frees) if indices else Transfer()
 
-    def copy_in(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor) -> Transfer:
-        """Regions of ``arena`` -> device storage of slots ``indices`` (which must hold storage)."""
-        return engine.from_arena(self.plan(engine, indices), arena) if indices else Transfer()
+    def copy_in(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, regrow: bool = False) -> Transfer:
+        """Regions of ``arena`` -> device storage of slots ``indices``. With ``regrow`` their released storage
+        is given back run by run, just before each run's copy (overlapping the copies already going);
+        otherwise they must hold storage."""
+        if not indices:
+            return Transfer()
+        before = None
+        if regrow:
+            slots = self.slots
+
+            def before(run: Run) -> None:
+                for i in run.items:
+                    slots[i].regrow_storage()
+
+        return engine.from_arena(self.plan(engine, indices), arena, before=before)
 
     def exchange(self, engine: CopyEngine, indices: list[int], out: torch.Tensor, inp: torch.Tensor) -> Transfer:
         """Slots ``indices`` -> ``out`` and ``inp`` -> the slots, both directions at once."""

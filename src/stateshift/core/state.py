@@ -52,7 +52,7 @@ from .pool import HostBlock, HostPool
 from .slot import Residency, Slot, storage_key
 from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
 from .source import Handle, Source, detect
-from .stable import StoragePolicy, make_policy
+from .stable import InPlace, StoragePolicy, make_policy
 from .swap import Swap, reads_of
 from .transfer import CopyEngine, Transfer
 
@@ -586,17 +586,19 @@ class ModelState:
         """Re-grow slots ``indices`` and fill them from their homes (dropped slots: zeros). Residency unchanged."""
         transfer = Transfer()
         for gs, idx in todo:
-            self._regrow(gs, idx)
             host = [i for i in idx if gs.slots[i].residency is Residency.HOST]
+            own = [i for i in host if gs.slots[i].native_home is None]
+            # in place, the storage of slots refilled from the home is given back run by run, overlapping the copies
+            late = set(own) if isinstance(self._storage, InPlace) else set()
+            self._regrow(gs, [i for i in idx if i not in late])
             zeros = [gs.slots[i].bytes() for i in idx if gs.slots[i].residency is Residency.DROPPED]
             if zeros:
                 torch._foreach_zero_(zeros)
-            own = [i for i in host if gs.slots[i].native_home is None]
             if own:
                 assert gs.home is not None
                 if any(gs.slots[i].device.type == "cpu" for i in own):
                     gs.home.sync()  # host-to-host copies read the home on this thread
-                moved = gs.copy_in(self.engine, own, gs.home.data)
+                moved = gs.copy_in(self.engine, own, gs.home.data, regrow=bool(late))
                 gs.home.pending = moved.merged(gs.home.pending)
                 transfer = transfer.merged(moved)
             native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None]

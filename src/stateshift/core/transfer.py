@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+#: called with a run just before it is enqueued (``CopyEngine.from_arena``)
+BeforeRun = Callable[["Run"], None]
 
 #: Below this many bytes a slot is staged with its neighbours (a copy costs ~5 us of fixed overhead).
 SMALL_BYTES = 1 << 20
@@ -151,11 +153,29 @@ class Plan:
     view_of: Callable[[int], torch.Tensor] = field(repr=False)
     _devs: tuple[Sequence[torch.Tensor], ...] | None = field(default=None, repr=False)
 
+    _whole: Plan | None = field(default=None, repr=False)
+
     @property
     def devs(self) -> tuple[Sequence[torch.Tensor], ...]:
         if self._devs is None:
             self._devs = tuple(_run_views(r, self.view_of) for r in self.runs)
         return self._devs
+
+    def whole(self) -> Plan:
+        """The same copies with each large slot in one piece: chunks only pay off across PCIe (a pipeline);
+        on one side of it a copy per chunk is a kernel per chunk."""
+        if self._whole is None:
+            runs: list[Run] = []
+            host: list[bool] = []
+            for run, h in zip(self.runs, self.host, strict=True):
+                last = runs[-1] if runs else None
+                if run.sizes is None and run.offset and last is not None and last.sizes is None and last.items == run.items:
+                    runs[-1] = Run(last.start, run.end, run.items, offset=last.offset)
+                else:
+                    runs.append(run)
+                    host.append(h)
+            self._whole = Plan(tuple(runs), tuple(host), self.nbytes, self.view_of)
+        return self._whole
 
 
 def plan(
@@ -270,9 +290,10 @@ class CopyEngine:
         """Copy the plan's slots into ``arena``. ``frees_sources``: the caller releases them right after."""
         return self._arena(p, arena, out=True, frees_sources=frees_sources)
 
-    def from_arena(self, p: Plan, arena: torch.Tensor) -> Transfer:
-        """Copy ``arena`` into the plan's slots."""
-        return self._arena(p, arena, out=False, frees_sources=False)
+    def from_arena(self, p: Plan, arena: torch.Tensor, *, before: BeforeRun | None = None) -> Transfer:
+        """Copy ``arena`` into the plan's slots. ``before(run)`` runs on this thread just before a run is
+        enqueued (e.g. to give its slots their storage back, so that work overlaps the copies already going)."""
+        return self._arena(p, arena, out=False, frees_sources=False, before=before)
 
     def exchange(self, p: Plan, out: torch.Tensor, inp: torch.Tensor) -> Transfer:
         """Copy the slots into ``out`` and ``inp`` into the slots, both directions at once over PCIe.
@@ -287,23 +308,25 @@ class CopyEngine:
         t = self._host_runs(p, rest, out, True).merged(self._host_runs(p, rest, inp, False))
         return t.merged(self._pcie(p, pcie, out, inp, frees_sources=False))
 
-    def _arena(self, p: Plan, arena: torch.Tensor, *, out: bool, frees_sources: bool) -> Transfer:
+    def _arena(self, p: Plan, arena: torch.Tensor, *, out: bool, frees_sources: bool, before: BeforeRun | None = None) -> Transfer:
         if arena.is_cpu:
-            host_runs = [k for k, h in enumerate(p.host) if h]
+            whole = p.whole()
+            t = self._host_runs(whole, [k for k, h in enumerate(whole.host) if h], arena, out, before)
             pcie = [k for k, h in enumerate(p.host) if not h]
-            t = self._host_runs(p, host_runs, arena, out)
             if pcie:
-                t = t.merged(self._pcie(p, pcie, arena if out else None, None if out else arena, frees_sources=frees_sources))
+                t = t.merged(self._pcie(p, pcie, arena if out else None, None if out else arena, frees_sources=frees_sources, before=before))
             return t
-        return self._device_runs(p, arena, out)
+        return self._device_runs(p.whole(), arena, out, before)
 
-    def _host_runs(self, p: Plan, ks: list[int], arena: torch.Tensor, out: bool) -> Transfer:
+    def _host_runs(self, p: Plan, ks: list[int], arena: torch.Tensor, out: bool, before: BeforeRun | None = None) -> Transfer:
         """Runs whose slots and arena are both host memory: plain copies on this thread."""
         if not ks:
             return Transfer()
         t0 = time.perf_counter()
         moved = 0
         for k in ks:
+            if before is not None:
+                before(p.runs[k])
             moved += self._local_run(p.runs[k], p.devs[k], arena, out)
         return Transfer(nbytes={"h2h": moved}, host_seconds=time.perf_counter() - t0)
 
@@ -319,12 +342,14 @@ class CopyEngine:
             torch._foreach_copy_(devs, run.views(span))
         return run.nbytes
 
-    def _device_runs(self, p: Plan, arena: torch.Tensor, out: bool) -> Transfer:
+    def _device_runs(self, p: Plan, arena: torch.Tensor, out: bool, before: BeforeRun | None = None) -> Transfer:
         """Slots to/from a device arena: on the current stream (host slots of a device arena: PCIe pairs)."""
         pairs: list[Pair] = []
         moved = 0
         start = self._timed_start()
         for k, run in enumerate(p.runs):
+            if before is not None:
+                before(run)
             if p.host[k]:
                 span = arena[run.start : run.end]
                 regions = (span,) if run.sizes is None else run.views(span)
@@ -337,7 +362,10 @@ class CopyEngine:
         return t.merged(self.copy(pairs)) if pairs else t
 
     # -- PCIe -----------------------------------------------------------------------------------
-    def _pcie(self, p: Plan, ks: list[int], out: torch.Tensor | None, inp: torch.Tensor | None, *, frees_sources: bool) -> Transfer:
+    def _pcie(
+        self, p: Plan, ks: list[int], out: torch.Tensor | None, inp: torch.Tensor | None, *, frees_sources: bool,
+        before: BeforeRun | None = None,
+    ) -> Transfer:
         """Runs ``ks`` across PCIe: slots -> ``out`` and/or ``inp`` -> slots (host arenas), pipelined per run.
 
         Outgoing staged runs are gathered on the current stream (sources as of
@@ -367,6 +395,9 @@ class CopyEngine:
                 assert ring is not None
                 nbytes["d2h"] += self._out(run, devs, out[run.start : run.end], ring, current, d2h, frees_sources)
             if inp is not None:
+                if before is not None:
+                    before(run)  # e.g. storage given back on the current stream: the copy waits for it
+                    h2d.wait_stream(current)
                 if out is not None:
                     h2d.wait_stream(d2h)  # run k's old values are out before new ones overwrite them
                 nbytes["h2d"] += self._in(run, devs, inp[run.start : run.end], in_buf, h2d)
