@@ -337,7 +337,7 @@ def write_plot(result: BenchResult, path: Path) -> bool:
     except ImportError:
         print(f"matplotlib not installed: no plot written to {path} (pip install 'stateshift[bench]')", file=sys.stderr)
         return False
-    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}" for r in result.rows]
+    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}" for r in result.rows]
     ratios = [min(r.ratio, 2.0) for r in result.rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5))
     ax.bar(range(len(labels)), ratios, color=["tab:green" if r >= 0.9 else "tab:orange" for r in ratios])
