@@ -19,7 +19,7 @@ and, on the same tensors in the same run, times:
 Ours runs with the groups resident (``device``) and offloaded (``host``).
 ``ratio`` = our GB/s over the faster baseline's GB/s for the op (named in
 ``bound``); the baselines' GB/s are the run's ``ceilings``. Results follow
-DESIGN.md section 7 (JSON + PNG via ``stateshift.bench``). Loads read from
+docs/results.md (JSON + PNG via ``stateshift.bench``). Loads read from
 the page cache unless ``--cold`` (then every file's cached pages are dropped
 with ``posix_fadvise(DONTNEED)`` before each load, for ours and the baselines).
 """

@@ -4,7 +4,7 @@ On the GPU machine (world size 1, NCCL; a >= 2 GB bf16 model wrapped with ``full
 
     python3 benchmarks/fsdp2_bench.py --out $OUT
 
-writes ``$OUT/<yyyy-mm-dd>-<machine>-fsdp2.json`` (DESIGN.md section 7) and the
+writes ``$OUT/<yyyy-mm-dd>-<machine>-fsdp2.json`` (format: docs/results.md) and the
 PNG beside it, and prints the table. The rows that must reach 0.9 of the
 pinned ceiling (snapshot and restore of device-resident shards, offload,
 onload) are listed at the end; ``--check`` makes the exit status say whether
@@ -38,7 +38,7 @@ except ImportError:  # run from a checkout without installing
 from stateshift import ModelState, bench
 from stateshift.models import TinyConfig, TinyTransformer, batch
 
-#: the rows DESIGN.md section 5 asks >= 0.9 of the pinned ceiling for
+#: the rows whose target is >= 0.9 of the pinned ceiling
 TARGETS = (("snapshot", "device"), ("restore", "device"), ("offload", "device"), ("onload", "host"))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

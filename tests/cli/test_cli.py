@@ -1,4 +1,4 @@
-"""The README's main job: `stateshift bench` on a tiny built-in model, JSON in the DESIGN.md format."""
+"""The README's main job: `stateshift bench` on a tiny built-in model, JSON in the format of docs/results.md."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ Directions and streams:
 - device-to-device copies (device-placed snapshots and stashes) run on the
   current stream; host-to-host copies run at once on the calling thread.
 
-Ordering (DESIGN.md rules 3 and 4): each side stream first waits for the
+Ordering (``docs/design.md``, rules 3 and 4): each side stream first waits for the
 current stream, so copies read the values as of the call; the current stream
 then waits for every side stream's last event, so compute enqueued after the
 call neither overwrites a source still being read nor reads a destination
