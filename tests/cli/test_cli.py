@@ -43,3 +43,53 @@ def test_bench_rejects_bad_sizes(argv, message, capsys):
 def test_help_runs():
     result = subprocess.run([sys.executable, "-m", "stateshift.cli", "bench", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--json" in result.stdout
+
+
+# ----------------------------------------------------------------------------- bad input, before any work (issue 13, item 14)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "foo"], "is not a device"),
+        (["--device", "meta"], "only 'cpu' and 'cuda'"),
+        (["--small-tensors", "-1"], "--small-tensors must be >= 0"),
+        (["--small-numel", "0"], "--small-numel must be >= 1"),
+        (["--small", "3y"], "COUNTxSIZE"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--json", "/proc/no/such/dir/out.json"], "cannot write"),
+    ],
+)
+def test_bad_bench_arguments_fail_at_once_naming_the_argument(capsys, args, message):
+    rc = main(["bench", "--no-progress", *args])
+    err = capsys.readouterr()
+    assert rc == 2 and message in err.err
+    assert "ratio" not in err.out  # nothing ran
+
+
+def test_plot_without_matplotlib_fails_before_running(monkeypatch, capsys, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    rc = main(["bench", "--no-progress", "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr()
+    assert rc == 2 and "stateshift[bench]" in err.err and "ratio" not in err.out
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
+    rc = main(["bench", "--layers", "1", "--hidden", "32", "--vocab", "64", "--seq", "8", "--repeat", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "\r" not in err and "[1/" in err
+
+
+def test_version_and_python_dash_m():
+    for cmd in ([sys.executable, "-m", "stateshift", "--version"], [sys.executable, "-m", "stateshift.cli", "--version"]):
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith("stateshift "), out
