@@ -108,3 +108,17 @@ def expected_after(values: dict[str, torch.Tensor], dropped: set[str]) -> dict[s
     if "grads" not in dropped:
         return values
     return {k: (torch.zeros_like(v) if k.endswith(".grad") else v) for k, v in values.items()}
+
+
+def block_import(monkeypatch, prefix: str) -> None:
+    """Make ``import <prefix>...`` fail as if the package were not installed."""
+    import builtins
+
+    real = builtins.__import__
+
+    def blocked(name, *a, **k):
+        if name.startswith(prefix):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)

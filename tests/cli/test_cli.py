@@ -68,16 +68,9 @@ def test_bad_bench_arguments_fail_at_once_naming_the_argument(capsys, args, mess
 
 
 def test_plot_without_matplotlib_fails_before_running(monkeypatch, capsys, tmp_path):
-    import builtins
+    from helpers import block_import
 
-    real = builtins.__import__
-
-    def no_mpl(name, *a, **k):
-        if name.startswith("matplotlib"):
-            raise ImportError("No module named 'matplotlib'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    block_import(monkeypatch, "matplotlib")
     rc = main(["bench", "--no-progress", "--plot", str(tmp_path / "p.png")])
     err = capsys.readouterr()
     assert rc == 2 and "stateshift[bench]" in err.err and "ratio" not in err.out

@@ -59,17 +59,22 @@ def test_snapshot_out_of_pool_budget_keeps_the_snapshot_it_would_replace():
 # ----------------------------------------------------------------------------- 2. rebuild after the other groups
 
 
-@pytest.mark.parametrize("config", ["dense_float16", "distrib", "distrib_ep"])
-def test_swapped_params_and_optim_with_master_rebuild_gives_back_the_current_params(config):
-    """The rebuild reads the fp32 masters: it must run after the optim stash is back, not under pi_old's masters."""
+def _pi_old_then_a_step(config):
+    """A fake Megatron state after two steps, pi_old (params and optim) taken, one more step: the state,
+    pi_old, the current values and the master-rebuild plug-in."""
     ddp, opt = build(config)
     for i in range(2):
         fake_train_step(ddp, opt, _x(i))
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params", "optim"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))
-    now = capture(state, ["params", "optim"])
-    plugin = state.backends[1].rebuild_plugin()
+    return state, pi_old, capture(state, ["params", "optim"]), state.backends[1].rebuild_plugin()
+
+
+@pytest.mark.parametrize("config", ["dense_float16", "distrib", "distrib_ep"])
+def test_swapped_params_and_optim_with_master_rebuild_gives_back_the_current_params(config):
+    """The rebuild reads the fp32 masters: it must run after the optim stash is back, not under pi_old's masters."""
+    state, pi_old, now, plugin = _pi_old_then_a_step(config)
     assert plugin.available() is None
     with state.swapped(pi_old, rebuild={"params": plugin}):
         pass
@@ -80,14 +85,7 @@ def test_swapped_params_and_optim_with_master_rebuild_gives_back_the_current_par
 def test_swapped_params_with_rebuild_while_optim_is_offloaded_outside(config):
     """Optim offloaded before a swap of params and optim: the rebuild must read the current masters from
     their home (lent to the device for it), and optim stays offloaded afterwards."""
-    ddp, opt = build(config)
-    for i in range(2):
-        fake_train_step(ddp, opt, _x(i))
-    state = ModelState(ddp, opt)
-    pi_old = state.snapshot(["params", "optim"], tag="pi_old")
-    fake_train_step(ddp, opt, _x(2))
-    now = capture(state, ["params", "optim"])
-    plugin = state.backends[1].rebuild_plugin()
+    state, pi_old, now, plugin = _pi_old_then_a_step(config)
     with state.swapped(pi_old, rebuild={"params": plugin}):
         state.offload("buffers")
     state.offload("optim")

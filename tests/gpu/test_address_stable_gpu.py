@@ -37,17 +37,11 @@ def test_cuda_graph_replays_after_offload_and_onload():
 
 
 def test_address_stable_without_the_extra_is_a_clear_error(monkeypatch):
-    import builtins
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import block_import
 
     from stateshift import AddressStableError, ModelState
 
-    real = builtins.__import__
-
-    def no_tms(name, *a, **k):
-        if name.startswith("torch_memory_saver"):
-            raise ImportError("No module named 'torch_memory_saver'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_tms)
+    block_import(monkeypatch, "torch_memory_saver")
     with pytest.raises(AddressStableError, match=r"stateshift\[tms\]"):
         ModelState(torch.nn.Linear(4, 4).cuda(), address_stable=True)
