@@ -78,6 +78,11 @@ class AddressStableError(StateShiftError, RuntimeError):
     of an address-stable group, too little free memory to map a group back)."""
 
 
+class DiskTierError(StateShiftError, OSError):
+    """The disk tier cannot do what was asked: no directory configured, a full disk, an I/O error.
+    Raised before anything changed residency: the values are still where they were."""
+
+
 class ClosedStateError(StateShiftError, RuntimeError):
     """A verb was called on a ``ModelState`` after ``close()``."""
 

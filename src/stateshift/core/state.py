@@ -35,30 +35,29 @@ brings offloaded values back to the device before it gives the homes up.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
-from ..errors import ClosedStateError, NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from ..errors import NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
 from .groups import GroupState, Only, SlotTable, disown, matches
 from .layout import Layout
 from .pool import HostBlock, HostPool
 from .slot import Residency, Slot, storage_key
 from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
 from .source import Handle, Source, detect
+from .locking import locked as _locked
 from .stable import InPlace, StoragePolicy, make_policy
-from .swap import Swap, reads_of
+from .swap import SwapVerbs, reads_of
 from .transfer import CopyEngine, Transfer
 
 GroupArg = str | Iterable[str] | None
 _log = logging.getLogger("stateshift")
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: states built with ``guard=False`` that hold offloaded values: kept alive until ``close()``
 _KEEP_ALIVE: set[ModelState] = set()
@@ -66,20 +65,7 @@ _KEEP_ALIVE: set[ModelState] = set()
 _OPEN: weakref.WeakSet[ModelState] = weakref.WeakSet()
 
 
-def _locked(fn: _F) -> _F:
-    """Run a verb under the state's lock, after checking the state is open."""
-
-    @functools.wraps(fn)
-    def verb(self: ModelState, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            if self._closed:
-                raise ClosedStateError(f"ModelState was closed; {fn.__name__}() needs a new one")
-            return fn(self, *args, **kwargs)
-
-    return verb  # type: ignore[return-value]
-
-
-class ModelState:
+class ModelState(SwapVerbs):
     """The movable state of one model (and optionally its optimizer).
 
     Args:
@@ -630,128 +616,6 @@ class ModelState:
             return
         if any(not self._groups[g].slots[i].device.type == "cpu" for g, idx in released.items() for i in idx[:1]):
             torch.cuda.empty_cache()
-
-    # -- internals: swapped() -----------------------------------------------------------------
-    @_locked
-    def _swap_in(self, snapshot: Snapshot, rebuild: dict[str, Callable[[], None]], stash: str) -> Swap:
-        snapshot.check_alive()
-        names = self._select(snapshot.groups)
-        unknown = [g for g in rebuild if g not in names]
-        if unknown:
-            raise UnknownGroupError(unknown[0], names)
-        self._table.refresh(names)
-        for part in snapshot.parts:
-            self._groups[part.group].layout.check_compatible(part.layout)
-        swap = Swap(names, rebuild)
-        stashing = [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in self._groups[p.group].slots)]
-        self._new_stashes(swap, stashing, self._stash_on_device(stash, stashing))
-        try:
-            self._give_storage(swap, snapshot)
-        except BaseException:
-            self._undo_regrow(swap)
-            raise
-        for part in snapshot.parts:
-            self._write_swapped(swap, part, snapshot)
-        for g in names:
-            for i, _ in swap.offloaded[g]:
-                self._groups[g].slots[i].residency = Residency.DEVICE
-        self._swapping.update(names)
-        self._rebuild_reads.update(g for fn in rebuild.values() for g in reads_of(fn))
-        return swap
-
-    def _new_stashes(self, swap: Swap, groups: list[GroupState], on_device: bool) -> None:
-        """Allocate every stash arena before anything changes (device memory, or pooled pinned blocks)."""
-        if not on_device:
-            self.pool.check_room(sum(gs.layout.total for gs in groups))
-        for gs in groups:
-            if on_device:
-                swap.stashes.append(self._device_arena(gs))
-            else:
-                swap.stashes.append(self.pool.acquire(gs.layout.total))
-        swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
-
-    def _give_storage(self, swap: Swap, snapshot: Snapshot) -> None:
-        """Record each group's residency; offloaded slots get device storage (uninitialised) for the context."""
-        for part in snapshot.parts:
-            gs = self._groups[part.group]
-            swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
-            offloaded = swap.offloaded[gs.name] = [(i, s.residency) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
-            self._regrow(gs, [i for i, _ in offloaded])
-
-    def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
-        """Stash the group's resident values (unless rebuilt) and write the snapshot's into every slot.
-
-        A host stash and a host snapshot cross PCIe in both directions at once (``exchange``)."""
-        gs = self._groups[part.group]
-        resident, stash = swap.resident[gs.name], swap.arenas.get(gs.name)
-        offloaded = [i for i, _ in swap.offloaded[gs.name]]
-        if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
-            snapshot.wait()  # host-to-host copies read the snapshot on this thread
-        if stash is not None and stash.is_cpu and part.arena.is_cpu:
-            t = gs.exchange(self.engine, resident, stash, part.arena)
-            swap.stashed, swap.written = swap.stashed.merged(t), swap.written.merged(t)
-        else:
-            if stash is not None:
-                swap.stashed = swap.stashed.merged(gs.copy_out(self.engine, resident, stash))
-            swap.written = swap.written.merged(gs.copy_in(self.engine, resident, part.arena))
-        swap.written = swap.written.merged(gs.copy_in(self.engine, offloaded, part.arena))
-
-    def _undo_regrow(self, swap: Swap) -> None:
-        """A failed entry: give back the storage re-grown so far and the stashes."""
-        for g, offloaded in swap.offloaded.items():
-            gs = self._groups[g]
-            if not self._storage.paused(g):
-                self._release(gs, [i for i, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
-        self._free_stashes(swap, Transfer())
-
-    @_locked
-    def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
-        returned = Transfer()
-        try:
-            self._table.prepare(swap.groups)  # e.g. FSDP2: no all-gathered copy of the snapshot outlives the context
-            for g, stash in swap.arenas.items():
-                returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
-            for g, offloaded in swap.offloaded.items():
-                self._release(self._groups[g], [i for i, _ in offloaded])
-                for i, was in offloaded:
-                    self._groups[g].slots[i].residency = was
-            for g in swap.rebuilt_groups():
-                self._run_rebuild(swap.rebuild[g])
-        finally:
-            self._free_stashes(swap, returned)
-            for part in snapshot.parts:
-                if part.host is not None:
-                    part.host.pending = swap.written.merged(part.host.pending)
-            self._swapping.difference_update(swap.groups)
-            self._rebuild_reads.clear()
-
-    def _free_stashes(self, swap: Swap, returned: Transfer) -> None:
-        for st in swap.stashes:
-            if isinstance(st, HostBlock):
-                st.pending = returned.merged(swap.stashed)
-                self.pool.release(st)
-        swap.stashes.clear()
-
-    def _run_rebuild(self, fn: Callable[[], None]) -> None:
-        """Run a rebuild with the offloaded tensors it reads lent back to the device, then released again.
-
-        Their homes are not written: the rebuild only reads them, so the
-        values stay where they were and the slots stay ``host``.
-        """
-        lent: list[tuple[GroupState, list[int]]] = []
-        for g, wanted in reads_of(fn).items():
-            gs = self._groups.get(g)
-            if gs is not None:
-                moves_whole = self._storage.paused(g)  # an address-stable group is mapped back whole
-                idx = gs.select(lambda s: s.residency is Residency.HOST and (moves_whole or matches(s, wanted)))
-                if idx:
-                    lent.append((gs, idx))
-        self._fill_from_homes(lent)
-        try:
-            fn()
-        finally:
-            for gs, idx in lent:
-                self._release(gs, idx)
 
     # -- internals: host ordering and placement ---------------------------------------------------
     def _check_releasable(self, names: tuple[str, ...], only: Only) -> None:

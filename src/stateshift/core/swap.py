@@ -19,13 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from .pool import HostBlock
+from ..errors import UnknownGroupError
+from .groups import GroupState, SlotTable, matches
+from .locking import locked
+from .pool import HostBlock, HostPool
 from .slot import Residency
-from .transfer import Transfer
+from .snapshot import Snapshot, SnapshotPart
+from .stable import StoragePolicy
+from .transfer import CopyEngine, Transfer
+
 
 
 @runtime_checkable
@@ -67,3 +73,137 @@ class Swap:
     def rebuilt_groups(self) -> list[str]:
         """Groups whose rebuild must run on exit: those with a rebuilder and a slot that was resident."""
         return [g for g in self.groups if g in self.rebuild and self.resident.get(g)]
+
+
+class SwapVerbs:
+    """The entry and exit halves of ``ModelState.swapped`` (a mixin of ``ModelState``: it uses its slot
+    table, pool, copy engine and storage policy; the verb itself and its contract are in ``state.py``)."""
+
+    _groups: dict[str, GroupState]
+    _table: SlotTable
+    _storage: StoragePolicy
+    _swapping: set[str]
+    _rebuild_reads: set[str]
+    engine: CopyEngine
+    pool: HostPool
+
+    @locked
+    def _swap_in(self, snapshot: Snapshot, rebuild: dict[str, Callable[[], None]], stash: str) -> Swap:
+        snapshot.check_alive()
+        names = self._select(snapshot.groups)
+        unknown = [g for g in rebuild if g not in names]
+        if unknown:
+            raise UnknownGroupError(unknown[0], names)
+        self._table.refresh(names)
+        for part in snapshot.parts:
+            self._groups[part.group].layout.check_compatible(part.layout)
+        swap = Swap(names, rebuild)
+        stashing = [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in self._groups[p.group].slots)]
+        self._new_stashes(swap, stashing, self._stash_on_device(stash, stashing))
+        try:
+            self._give_storage(swap, snapshot)
+        except BaseException:
+            self._undo_regrow(swap)
+            raise
+        for part in snapshot.parts:
+            self._write_swapped(swap, part, snapshot)
+        for g in names:
+            for i, _ in swap.offloaded[g]:
+                self._groups[g].slots[i].residency = Residency.DEVICE
+        self._swapping.update(names)
+        self._rebuild_reads.update(g for fn in rebuild.values() for g in reads_of(fn))
+        return swap
+
+    def _new_stashes(self, swap: Swap, groups: list[GroupState], on_device: bool) -> None:
+        """Allocate every stash arena before anything changes (device memory, or pooled pinned blocks)."""
+        if not on_device:
+            self.pool.check_room(sum(gs.layout.total for gs in groups))
+        for gs in groups:
+            if on_device:
+                swap.stashes.append(self._device_arena(gs))
+            else:
+                swap.stashes.append(self.pool.acquire(gs.layout.total))
+        swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
+
+    def _give_storage(self, swap: Swap, snapshot: Snapshot) -> None:
+        """Record each group's residency; offloaded slots get device storage (uninitialised) for the context."""
+        for part in snapshot.parts:
+            gs = self._groups[part.group]
+            swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
+            offloaded = swap.offloaded[gs.name] = [(i, s.residency) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
+            self._regrow(gs, [i for i, _ in offloaded])
+
+    def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
+        """Stash the group's resident values (unless rebuilt) and write the snapshot's into every slot.
+
+        A host stash and a host snapshot cross PCIe in both directions at once (``exchange``)."""
+        gs = self._groups[part.group]
+        resident, stash = swap.resident[gs.name], swap.arenas.get(gs.name)
+        offloaded = [i for i, _ in swap.offloaded[gs.name]]
+        if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
+            snapshot.wait()  # host-to-host copies read the snapshot on this thread
+        if stash is not None and stash.is_cpu and part.arena.is_cpu:
+            t = gs.exchange(self.engine, resident, stash, part.arena)
+            swap.stashed, swap.written = swap.stashed.merged(t), swap.written.merged(t)
+        else:
+            if stash is not None:
+                swap.stashed = swap.stashed.merged(gs.copy_out(self.engine, resident, stash))
+            swap.written = swap.written.merged(gs.copy_in(self.engine, resident, part.arena))
+        swap.written = swap.written.merged(gs.copy_in(self.engine, offloaded, part.arena))
+
+    def _undo_regrow(self, swap: Swap) -> None:
+        """A failed entry: give back the storage re-grown so far and the stashes."""
+        for g, offloaded in swap.offloaded.items():
+            gs = self._groups[g]
+            if not self._storage.paused(g):
+                self._release(gs, [i for i, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
+        self._free_stashes(swap, Transfer())
+
+    @locked
+    def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
+        returned = Transfer()
+        try:
+            self._table.prepare(swap.groups)  # e.g. FSDP2: no all-gathered copy of the snapshot outlives the context
+            for g, stash in swap.arenas.items():
+                returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
+            for g, offloaded in swap.offloaded.items():
+                self._release(self._groups[g], [i for i, _ in offloaded])
+                for i, was in offloaded:
+                    self._groups[g].slots[i].residency = was
+            for g in swap.rebuilt_groups():
+                self._run_rebuild(swap.rebuild[g])
+        finally:
+            self._free_stashes(swap, returned)
+            for part in snapshot.parts:
+                if part.host is not None:
+                    part.host.pending = swap.written.merged(part.host.pending)
+            self._swapping.difference_update(swap.groups)
+            self._rebuild_reads.clear()
+
+    def _free_stashes(self, swap: Swap, returned: Transfer) -> None:
+        for st in swap.stashes:
+            if isinstance(st, HostBlock):
+                st.pending = returned.merged(swap.stashed)
+                self.pool.release(st)
+        swap.stashes.clear()
+
+    def _run_rebuild(self, fn: Callable[[], None]) -> None:
+        """Run a rebuild with the offloaded tensors it reads lent back to the device, then released again.
+
+        Their homes are not written: the rebuild only reads them, so the
+        values stay where they were and the slots stay ``host``.
+        """
+        lent: list[tuple[GroupState, list[int]]] = []
+        for g, wanted in reads_of(fn).items():
+            gs = self._groups.get(g)
+            if gs is not None:
+                moves_whole = self._storage.paused(g)  # an address-stable group is mapped back whole
+                idx = gs.select(lambda s: s.residency is Residency.HOST and (moves_whole or matches(s, wanted)))
+                if idx:
+                    lent.append((gs, idx))
+        self._fill_from_homes(lent)
+        try:
+            fn()
+        finally:
+            for gs, idx in lent:
+                self._release(gs, idx)

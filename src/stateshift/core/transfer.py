@@ -41,7 +41,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -160,6 +160,12 @@ class Plan:
         if self._devs is None:
             self._devs = tuple(_run_views(r, self.view_of) for r in self.runs)
         return self._devs
+
+    def window(self, ks: Sequence[int], lo: int) -> Plan:
+        """Runs ``ks`` only, their arena offsets shifted by ``-lo`` (a window of the arena, e.g. a staging buffer)."""
+        runs = tuple(replace(self.runs[k], start=self.runs[k].start - lo, end=self.runs[k].end - lo) for k in ks)
+        devs = self.devs
+        return Plan(runs, tuple(self.host[k] for k in ks), sum(r.nbytes for r in runs), self.view_of, tuple(devs[k] for k in ks))
 
     def whole(self) -> Plan:
         """The same copies with each large slot in one piece: chunks only pay off across PCIe (a pipeline);
