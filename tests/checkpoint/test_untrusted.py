@@ -24,9 +24,6 @@ from stateshift.checkpoint import load, load_dcp, save, save_dcp, verify
 from stateshift.cli import main as cli
 from stateshift.errors import CheckpointCorruptError, CheckpointError
 
-# Written before the fix: 28 of these 33 fail on the checkpoint package as it was (issue 13, items 9-12).
-pytestmark = pytest.mark.xfail(reason="issue 13 items 9-12: fixed by the checkpoint rewrite", strict=False)
-
 
 def _reseal(d: dict) -> dict:
     try:
