@@ -76,7 +76,7 @@ def read_manifest(path):
 
 
 def list_tensors(path):
-    return Checkpoint.open(path).records()
+    return [t for e in read_manifest(path).files.values() for t in e.tensors]
 
 
 def _cfg(**changes) -> TinyConfig:

@@ -1,31 +1,24 @@
 """Committing a checkpoint: a fresh directory, fsync, rename, and the ``latest`` pointer written last.
 
-Checkpoints are immutable: a save creates a new directory (``step-100``, ``step-200``, ...) and
-never writes into an existing checkpoint. ``commit`` does it, for one process or every rank:
+Checkpoints are immutable: a save creates a new directory and never writes into an existing
+checkpoint. ``commit``, for one process or every rank: (1) rank 0 refuses a path that exists
+(anything but an empty directory), removes what a crashed write to the same path left
+(``.<name>.tmp-*``) and creates ``.<name>.tmp-<random>`` beside it; (2) every rank writes and
+fsyncs its files there; (3) rank 0 writes ``manifest.json`` (temporary name, fsync, rename),
+fsyncs the directory, renames it to ``<name>`` in one atomic step and fsyncs the parent; only then
+does ``latest`` move (temporary file, fsync, rename, fsync), so it never names a checkpoint that is
+not complete and durable. A crash or a full disk at any point leaves no ``<name>`` or the complete
+one, and touches nothing that existed before: the previous checkpoint and ``latest`` survive.
 
-1. rank 0 refuses a path that exists (anything but an empty directory), removes what a crashed
-   write to the same path left (``.<name>.tmp-*``), and creates ``.<name>.tmp-<random>`` beside it;
-2. every rank writes its files into it and fsyncs them;
-3. rank 0 writes ``manifest.json`` (temporary name, fsync, rename), fsyncs the directory, renames
-   it to ``<name>`` -- one atomic step -- and fsyncs the parent; only then is ``latest`` moved
-   (``<parent>/latest``: temporary file, fsync, rename, fsync), so it never names a checkpoint
-   that is not complete and durable.
+Dropped, and why: replacing a checkpoint in place needed an atomic directory swap
+(``renameat2(RENAME_EXCHANGE)`` through ctypes) or two renames with a window in which the path is
+missing -- hence readers picking the newest complete sibling, recovery renaming it back, and
+pid-liveness checks telling a crashed writer's leftovers from a live one's. With fresh directories
+there is no such window, and none of it is needed. Still assumed: one writer per checkpoint path
+at a time (a second one fails; it never corrupts the first's checkpoint).
 
-A crash (SIGKILL, power loss) or a full disk at any point leaves either no ``<name>`` at all or
-the complete one; a temporary directory is hidden, never taken for a checkpoint, and removed by the
-next write to the same path. Nothing that existed before is touched, so the previous checkpoint,
-and ``latest`` naming it, survive every failure; the errors say so.
-
-Dropped, and why: the previous design replaced an existing checkpoint at the same path in place.
-That needs an atomic swap (``renameat2(RENAME_EXCHANGE)`` through ctypes) or two renames with a
-window in which the path is missing; hence readers that picked the newest complete sibling,
-recovery that renamed it back, and pid-liveness checks to tell a crashed writer's leftovers from a
-live one's. With fresh directories there is no window in which a checkpoint is missing or half
-there, and none of that is needed. What remains assumed: one writer per checkpoint path at a time
-(a second writer of the same path fails at the rename; it never corrupts the first's checkpoint).
-
-Reading ``latest``: it holds one plain name; the directory it names must be a real directory
-inside the same parent (a symbolic link, or a name leaving the parent, is refused).
+Reading ``latest``: it holds one plain name, of a real directory beside it (a symbolic link, or a
+name leaving the directory, is refused).
 """
 
 from __future__ import annotations

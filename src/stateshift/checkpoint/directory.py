@@ -18,7 +18,6 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,6 @@ from .commit import commit, read_latest, write_error
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A stored tensor, for listings: ``offset`` is its first byte in ``file``."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    file: str
-    offset: int
 
 
 def _not_a_checkpoint(p: Path) -> Exception:
@@ -128,36 +115,11 @@ class Checkpoint:
             fmt.check_file(fd, size, entry, path)
             yield fd, entry, path
 
-    def records(self) -> list[TensorInfo]:
-        """Every tensor of every safetensors file, file by file (per-rank files repeat names)."""
-        return [TensorInfo(t.name, t.dtype, t.shape, t.nbytes, name, e.header[0] + t.start)
-                for name, e in self.manifest.files.items() if e.header is not None for t in e.tensors]
-
-    def _file_of(self, name: str) -> str:
-        found = [f for f, e in self.manifest.files.items() if any(t.name == name for t in e.tensors)]
-        if len(found) != 1:
-            raise CheckpointMismatchError(name, f"stored in {len(found)} files of '{self.path}'; name the file")
-        return found[0]
-
-    def read_into(self, dsts: Mapping[str, torch.Tensor | None], *, file: str | None = None,
-                  progress: ProgressFn | None = None) -> None:
-        """Read tensors straight into caller buffers and verify them (``format.read_into``: staging
-        memory only, since a corrupt file leaves them unspecified). ``file``: where they are stored
-        (default: found by name)."""
-        by_file: dict[str, dict[str, torch.Tensor | None]] = {}
-        for name, dst in dsts.items():
-            by_file.setdefault(file or self._file_of(name), {})[name] = dst
-        for fname, wanted in by_file.items():
-            with self.file(fname) as (fd, entry, path):
-                fmt.read_into(fd, entry, wanted, path, progress)
-
-    def read_tensors(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Fresh CPU tensors of the named tensors (default: all), verified."""
-        infos = {i.name: i for i in self.records()}
-        out = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) if n in infos else None
-               for n in (infos if names is None else names)}
-        self.read_into(out)
-        return {k: v for k, v in out.items() if v is not None}
+    def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
+        """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
+        pass staging memory, since a corrupt file leaves them unspecified)."""
+        with self.file(file) as (fd, entry, path):
+            fmt.read_into(fd, entry, dsts, path, progress)
 
     def verify(self, files: Iterable[str] | None = None) -> mf.Manifest:
         """Hash every file (or ``files``) against the manifest; ``CheckpointCorruptError`` naming the first bad one."""

@@ -1,36 +1,31 @@
 """Safetensors files with a crc32 per tensor, written from and read into caller memory, in parallel.
 
-Every data file is plain safetensors (``safetensors.torch.load_file`` reads it)::
-
-    u64 little-endian N | N bytes of JSON header, space-padded to 8 | tensor bytes, no gaps
-
-Tensors are laid out largest element size first (each starts at a multiple of its element size,
-as safetensors does). What the file cannot say about itself goes into the manifest as a
-``FileEntry``: the file's size and crc32, its header's size and crc32, and each tensor's crc32.
+Every data file is plain safetensors (``safetensors.torch.load_file`` reads it): a u64 header
+length, the JSON header padded to 8, then the tensors without gaps, largest element size first (so
+each starts at a multiple of its element size). What a file cannot say about itself goes into the
+manifest as its ``FileEntry``: size and crc32 of the file, of its header, and of each tensor.
 
 Why not ``safetensors.torch.save_file`` / ``load_file``: they copy every tensor through a fresh
-allocation; here bytes go straight from a pinned pool block to the file and straight back into one
-(``pwritev`` / ``preadv`` on memoryviews of the caller's tensors), with no second host copy.
+allocation; here bytes go straight between a pinned pool block and the file (``pwritev`` /
+``preadv`` on memoryviews of the caller's tensors). The bytes are cut into tasks of about
+``CHUNK_BYTES`` (a large tensor into several, small neighbours into one); each task -- one
+positioned call and the ``zlib.crc32`` of its pieces, both releasing the GIL -- runs on a thread
+pool, and a tensor's crc32 is combined from its pieces' (``crc32_combine``). So the manifest holds
+exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names its bad tensor.
 
-Parallelism: the bytes are cut into tasks of about ``CHUNK_BYTES`` (a large tensor into several,
-small neighbours into one), and each task -- one ``pwritev``/``preadv`` at its offset and
-``zlib.crc32`` of its pieces -- runs on a thread pool; both calls release the GIL. A tensor's
-crc32 is combined from its pieces' (``crc32_combine``), so the manifest holds exactly
-``zlib.crc32`` of each tensor's bytes and of the whole file, and a corrupt file names its bad tensor.
+Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
+signed, so a cryptographic digest would not stop someone who can rewrite the directory.
 
-Why crc32 only: it is what detects damage (bit flips, torn writes, truncation) at memory speed; the
-manifest is not signed, so a cryptographic digest would add no protection against someone who can
-rewrite the directory.
-
-Limits on untrusted input: a header is at most ``MAX_HEADER_BYTES``; JSON nested deeper than the
-parser allows is ``CheckpointCorruptError``, never ``RecursionError``. Files are opened only as
-regular files that are not symbolic links (``open_regular``), without blocking on a FIFO.
+Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
+``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
+that are not symbolic links, without blocking on a FIFO (``open_regular``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import math
 import os
@@ -38,6 +33,7 @@ import stat
 import struct
 import threading
 import zlib
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,25 +80,26 @@ def dtype_from_name(name: str) -> torch.dtype:
 # --------------------------------------------------------------------------- crc32 of pieces
 
 
+def _times(mat: Sequence[int], vec: int) -> int:
+    """A GF(2) 32x32 matrix (rows as ints) times a vector."""
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
 @functools.cache
 def _zero_ops() -> tuple[tuple[int, ...], ...]:
-    """``ops[k]``: the GF(2) matrix that appends ``2**k`` zero bytes to a crc32 (zlib's crc32_combine)."""
-
-    def times(mat: Sequence[int], vec: int) -> int:
-        out, i = 0, 0
-        while vec:
-            if vec & 1:
-                out ^= mat[i]
-            vec >>= 1
-            i += 1
-        return out
-
+    """``ops[k]``: the matrix that appends ``2**k`` zero bytes to a crc32 (as zlib's crc32_combine)."""
     op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
     for _ in range(3):  # -> one zero byte
-        op = [times(op, row) for row in op]
+        op = [_times(op, row) for row in op]
     ops = [tuple(op)]
     for _ in range(47):
-        ops.append(tuple(times(ops[-1], row) for row in ops[-1]))
+        ops.append(tuple(_times(ops[-1], row) for row in ops[-1]))
     return tuple(ops)
 
 
@@ -111,13 +108,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     ops, k = _zero_ops(), 0
     while len2:
         if len2 & 1:
-            mat, vec, out, i = ops[k], crc1, 0, 0
-            while vec:
-                if vec & 1:
-                    out ^= mat[i]
-                vec >>= 1
-                i += 1
-            crc1 = out
+            crc1 = _times(ops[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
@@ -270,25 +261,27 @@ def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str) -> 
 
 def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``progress`` runs on this thread, in file order.
+    returns each span's crc32. ``progress`` runs on this thread, in file order, and at most
+    ``2 * WORKERS`` tasks run ahead of it (an error it raises stops the transfer promptly).
 
     Never returns (nor raises) while a worker still touches caller memory.
     """
-    tasks = _tasks(spans)
+    tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
-    with ThreadPoolExecutor(min(WORKERS, max(1, len(tasks))), thread_name_prefix="stateshift-io") as pool:
-        futures = [pool.submit(_run_task, op, fd, t, path) for t in tasks]
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
+        running = deque(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
-            for fut in futures:
+            while running:
                 moved = 0
-                for idx, crc, n in fut.result():
+                for idx, crc, n in running.popleft().result():
                     prev = crcs[idx]
                     crcs[idx] = crc if prev is None else crc32_combine(prev, crc, n)
                     moved += n
                 if progress is not None:
                     progress(moved)
+                running.extend(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 1))
         except BaseException:
-            for f in futures:
+            for f in running:
                 f.cancel()
             raise
     return [0 if c is None else c for c in crcs]
@@ -376,9 +369,8 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
 def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ...]:
     """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order,
     checked against the file's size (their ``crc32`` is 0: a header does not record it)."""
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n != len(raw):
-        raise CheckpointCorruptError(path, "header length field does not match the header")
+    if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
     header = load_json(raw[8:], path, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
@@ -403,18 +395,6 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
         what = "truncated" if len(raw) + pos > file_size else "has trailing bytes"
         raise CheckpointCorruptError(path, f"file {what}: header describes {len(raw) + pos} bytes, file holds {file_size}")
     return tuple(found)
-
-
-def read_header(fd: int, size: int, path: str) -> tuple[bytes, tuple[TensorEntry, ...]]:
-    """Read and parse the header of the safetensors file open at ``fd`` (of ``size`` bytes)."""
-    raw = os.pread(fd, 8, 0)
-    if len(raw) < 8:
-        raise CheckpointCorruptError(path, f"file truncated: {size} bytes, shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", raw)
-    if n > MAX_HEADER_BYTES or 8 + n > size:
-        raise CheckpointCorruptError(path, f"header length impossible for a {size}-byte file (truncated?)")
-    raw += os.pread(fd, n, 8)
-    return raw, parse_header(raw, size, path)
 
 
 def check_file(fd: int, size: int, entry: FileEntry, path: str) -> None:

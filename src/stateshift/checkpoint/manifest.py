@@ -46,7 +46,7 @@ import torch
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError
-from .format import FileEntry, TensorEntry, dtype_from_name, dtype_name, load_json, open_regular
+from .format import MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, load_json, open_regular
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2
@@ -333,7 +333,7 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
         if t.start != pos:
             raise _Bad(f"{where}: tensor {t.name!r} starts at {t.start}, expected {pos}")
         pos += t.nbytes
-    if hsize < 8 or hsize + pos != size or len({t.name for t in tensors}) != len(tensors):
+    if not 8 <= hsize <= MAX_HEADER_BYTES or hsize + pos != size or len({t.name for t in tensors}) != len(tensors):
         raise _Bad(f"{where}: header and tensors do not add up to the file's {size} bytes (or a name repeats)")
     return FileEntry(size, crc, (hsize, hcrc), tensors)
 
@@ -385,6 +385,9 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
             by_name = {t.name: t for t in entry.tensors}
             slots = _get(stored[g], "slots", "list", gw)
             decoded[g] = StoredGroup(fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots)))
+            names = [m.name for s in decoded[g].slots for m in s.info.members]
+            if len(set(names)) != len(names):
+                raise _Bad(f"{gw}: a tensor name repeats")
         out.append(decoded)
     return tuple(out)
 

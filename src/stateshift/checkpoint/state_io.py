@@ -1,24 +1,12 @@
 """Save and load a ``ModelState`` through snapshots: any residency, atomic, verified, in the background.
 
-* ``save`` takes a *host snapshot* of the groups -- zero bytes moved for a fully offloaded group
-  (it shares the pinned home, copy-on-write), one device-to-host copy into a pooled pinned block
-  otherwise -- waits for it, and writes the snapshot's slot regions straight from the pinned block
-  into one safetensors file per group (per group and rank when each rank writes its own shard).
-  Nothing is brought back to the device, there is no second host copy.
-* ``load`` compares the checkpoint's layout with the model's first (``Layout.check_compatible``,
-  the one comparison restore and swapped use too), then reads every file straight into a host
-  snapshot laid out like the model now (``state.snapshot_from``), verifying every tensor's crc32,
-  and only then ``restore``s it (a pointer copy for a fully offloaded group). Any error before the
-  restore leaves the model as it was; with several ranks, all agree before any restores.
-* ``async_save`` returns once the snapshot is staged; a thread writes it. The checkpoint holds the
-  values of the call: a snapshot is never written after it is taken, and a home it shares is copied
-  before it is written. Saves in one process are written one at a time, in call order (so
-  ``latest`` moves in call order), and the writer gives the staged memory back to the pool itself.
-
-Per slot: one plain tensor of a safetensors dtype is stored typed under its name
-(``blocks.0.fc1.weight``, ``...weight.exp_avg``); any other slot (tied weights, a flat buffer
-with many views, a padded FSDP2 shard) as its storage's raw bytes (``U8``) under the slot's name,
-its members listed in the manifest.
+``save`` writes the regions of a host snapshot (a pointer copy of an offloaded group's home, one
+pinned device-to-host copy otherwise) straight into one safetensors file per group (and rank);
+``load`` checks the layout with ``Layout.check_compatible`` (the comparison restore and swapped
+use), reads straight into a snapshot laid out like the model (``state.snapshot_from``), verifying
+every crc32, and only then restores it. Per slot, one plain tensor of a safetensors dtype is stored
+typed under its name; any other slot (tied weights, a flat buffer, a padded FSDP2 shard) as its
+storage's raw bytes (``U8``) under the slot's name, its members listed in the manifest.
 """
 
 from __future__ import annotations
@@ -99,20 +87,16 @@ def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Stag
         raise
 
 
-class _CallOrder:
-    """Saves of this process are written one at a time, in call order: each waits for the one before."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: threading.Event | None = None
-
-    def enqueue(self, finished: threading.Event) -> threading.Event | None:
-        with self._lock:
-            before, self._last = self._last, finished
-        return before
+_ORDER_LOCK = threading.Lock()
+#: the completion of the last save started in this process: saves are written one at a time, in call order
+_last_save: list[threading.Event] = []
 
 
-_ORDER = _CallOrder()
+def _after_last(finished: threading.Event) -> threading.Event | None:
+    with _ORDER_LOCK:
+        before = _last_save[0] if _last_save else None
+        _last_save[:] = [finished]
+    return before
 
 
 class SaveHandle:
@@ -175,7 +159,7 @@ def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterab
     comm = comm.for_writer_thread() if background else comm
     staged = _stage(state, names, comm)
     handle = SaveHandle(final, sum(p.layout.nbytes for p in staged.snapshot.parts))
-    before = _ORDER.enqueue(handle._finished)
+    before = _after_last(handle._finished)
 
     def run() -> None:
         try:
@@ -297,7 +281,7 @@ def _fill(ckpt: Checkpoint, stored: Mapping[str, mf.StoredGroup], plans: dict[st
                 casts.append((region.view(dtype_of(info.members[0].dtype)).view(info.members[0].shape), tmp))
             else:
                 dsts[slot.record] = region
-        ckpt.read_into(dsts, file=stored[part.group].file, progress=progress)
+        ckpt.read_into(stored[part.group].file, dsts, progress)
         for dst, tmp in casts:
             dst.copy_(tmp)
 

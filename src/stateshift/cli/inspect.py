@@ -54,13 +54,14 @@ def _human(n: float) -> str:
 
 
 def _tensors(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """Every stored tensor, file by file (a DCP checkpoint's from its manifest: nothing is unpickled)."""
     from ..core.layout import dtype_of
 
     if ckpt.manifest.dcp_tensors:
         return [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": math.prod(t.shape) * dtype_of(t.dtype).itemsize,
                  "file": "(dcp)"} for n, t in ckpt.manifest.dcp_tensors.items()]
     return [{"name": t.name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": t.nbytes,
-             "file": t.file} for t in ckpt.records()]
+             "file": name} for name, e in ckpt.manifest.files.items() for t in e.tensors]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
