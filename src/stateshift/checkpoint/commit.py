@@ -60,8 +60,9 @@ def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> Checkpo
     return CheckpointWriteError(final, msg, e.errno)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by its path."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -75,11 +76,7 @@ def replacing(path: Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -87,7 +84,7 @@ def replacing(path: Path) -> Iterator[Path]:
         except OSError:
             pass
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_durable(path: Path, data: bytes) -> None:
@@ -105,7 +102,7 @@ def make_parents(directory: Path) -> None:
         directory = directory.parent
     for d in reversed(missing):
         d.mkdir(exist_ok=True)
-        fsync_dir(d.parent)
+        fsync_path(d.parent)
 
 
 # --------------------------------------------------------------------------- the latest pointer
@@ -185,9 +182,9 @@ def _check_space(final: Path, nbytes: int) -> None:
 def _install(tmp: Path, final: Path, manifest: bytes) -> None:
     """Rank 0, step 3: the manifest, then the rename (each made durable first)."""
     write_durable(tmp / MANIFEST_NAME, manifest)
-    fsync_dir(tmp)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:

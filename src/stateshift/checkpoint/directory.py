@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ..errors import CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
 from . import format as fmt
 from . import manifest as mf
 from .collective import Collective
-from .commit import commit, read_latest, write_error
+from .commit import commit, fsync_path, read_latest, write_error
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$")
@@ -206,12 +207,19 @@ def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[
     meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})
 
     def write(tmp: Path) -> dict[str, Any]:
-        entries = {}
-        for fname, recs in plan.items():
-            try:
-                entries[fname] = fmt.write_file(str(tmp / fname), recs, metadata=meta, progress=progress)
-            except OSError as e:
-                raise write_error(final, e, f"writing '{fname}'", nbytes) from e
+        entries, synced = {}, []
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # file k syncs while k+1 is written
+            for fname, recs in plan.items():
+                try:
+                    entries[fname] = fmt.write_file(str(tmp / fname), recs, metadata=meta, progress=progress, fsync=False)
+                except OSError as e:
+                    raise write_error(final, e, f"writing '{fname}'", nbytes) from e
+                synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
+            for fname, done in synced:
+                try:
+                    done.result()
+                except OSError as e:
+                    raise write_error(final, e, f"syncing '{fname}'", nbytes) from e
         return {"files": entries, "layout": rank_layout}
 
     def build(reports: list[Any]) -> bytes:
