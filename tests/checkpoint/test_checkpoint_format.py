@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -59,14 +59,7 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    file: str
-    offset: int  # of the first byte in the file
+TensorInfo = namedtuple("TensorInfo", "name dtype shape nbytes file offset")  # offset: of the first byte in the file
 
 
 class _Reader:

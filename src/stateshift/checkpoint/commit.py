@@ -128,24 +128,18 @@ def set_latest(path: str | os.PathLike[str]) -> Path:
 def read_latest(root: str | os.PathLike[str]) -> Path | None:
     """The checkpoint ``<root>/latest`` names (a real directory inside ``root``), or ``None`` if there is no pointer."""
     root_p = Path(os.path.abspath(root))
-    pointer = root_p / LATEST
-    dir_fd = os.open(root_p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        try:
-            fd, size = open_regular(dir_fd, LATEST, str(pointer))
-        except FileNotFoundError:
-            return None
-        try:
-            raw = os.pread(fd, min(size, 4096), 0)
-        finally:
-            os.close(fd)
-        name = raw.decode("utf-8", "replace").strip()
-        if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
-            raise CheckpointCorruptError(pointer, "latest does not hold the plain name of a checkpoint in this directory")
-        if os.path.islink(root_p / name):
-            raise CheckpointCorruptError(root_p / name, f"latest names a symbolic link ({name!r}); refusing to follow it")
+        fd, size, path = open_regular(root_p, LATEST)
+    except FileNotFoundError:
+        return None
+    try:
+        name = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     finally:
-        os.close(dir_fd)
+        os.close(fd)
+    if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
+        raise CheckpointCorruptError(path, "latest does not hold the plain name of a checkpoint in this directory")
+    if os.path.islink(root_p / name):
+        raise CheckpointCorruptError(root_p / name, f"latest names a symbolic link ({name!r}); refusing to follow it")
     return root_p / name
 
 

@@ -66,18 +66,13 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     """This rank's share of the files DCP wrote: crc32 and size of each."""
-    names = sorted(os.listdir(tmp))
     out = {}
-    dir_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for name in names[comm.rank :: comm.world]:
-            fd, size = open_regular(dir_fd, name, str(tmp / name))
-            try:
-                out[mf.check_file_name(name)] = FileEntry(size, file_crc32(fd, size, str(tmp / name)))
-            finally:
-                os.close(fd)
-    finally:
-        os.close(dir_fd)
+    for name in sorted(os.listdir(tmp))[comm.rank :: comm.world]:
+        fd, size, path = open_regular(tmp, name)
+        try:
+            out[mf.check_file_name(name)] = FileEntry(size, file_crc32(fd, size, path))
+        finally:
+            os.close(fd)
     return out
 
 

@@ -67,23 +67,6 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return latest
 
 
-@contextmanager
-def _opened(root: Path, name: str) -> Iterator[tuple[int, int, str]]:
-    """``(fd, size, path)`` of a file of the checkpoint, opened safely (``format.open_regular``)."""
-    path = str(root / name)
-    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd, size = fmt.open_regular(dir_fd, name, path)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "listed in the manifest but missing") from None
-    finally:
-        os.close(dir_fd)
-    try:
-        yield fd, size, path
-    finally:
-        os.close(fd)
-
-
 class Checkpoint:
     """One complete checkpoint, opened: its decoded manifest, and the files checked so far."""
 
@@ -95,13 +78,8 @@ class Checkpoint:
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc."""
         root = resolve(path)
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            manifest = mf.read(dir_fd, str(root / mf.MANIFEST_NAME))
-        finally:
-            os.close(dir_fd)
-        ckpt = cls(root, manifest)
-        for name in manifest.files if files is None else files:
+        ckpt = cls(root, mf.read(root))
+        for name in ckpt.manifest.files if files is None else files:
             with ckpt.file(name):
                 pass
         return ckpt
@@ -112,9 +90,15 @@ class Checkpoint:
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
-        with _opened(self.path, name) as (fd, size, path):
+        try:
+            fd, size, path = fmt.open_regular(self.path, name)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
+        try:
             fmt.check_file(fd, size, entry, path)
             yield fd, entry, path
+        finally:
+            os.close(fd)
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:

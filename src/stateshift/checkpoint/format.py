@@ -27,6 +27,7 @@ that are not symbolic links, without blocking on a FIFO (``open_regular``).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import itertools
 import json
@@ -297,25 +298,29 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
 # --------------------------------------------------------------------------- opening and JSON
 
 
-def open_regular(dir_fd: int, name: str, path: str) -> tuple[int, int]:
-    """Open ``name`` inside the directory ``dir_fd`` for reading: ``(fd, size)``.
+def open_regular(root: os.PathLike[str], name: str) -> tuple[int, int, str]:
+    """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``.
 
     Refuses (``CheckpointCorruptError``) a symbolic link and anything that is not a regular file
     (a FIFO is opened non-blocking, so it cannot hang us). ``FileNotFoundError`` if absent.
     """
+    path = os.path.join(root, name)
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno == 40:  # ELOOP: the last component is a symbolic link
+        if e.errno == errno.ELOOP:  # the last component is a symbolic link
             raise CheckpointCorruptError(path, "is a symbolic link; a checkpoint holds only its own regular files") from None
         raise
+    finally:
+        os.close(dir_fd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
     os.set_blocking(fd, True)
-    return fd, st.st_size
+    return fd, st.st_size, path
 
 
 def load_json(raw: bytes, path: str, what: str) -> Any:

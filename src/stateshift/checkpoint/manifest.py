@@ -456,12 +456,9 @@ def loads(raw: bytes, path: str) -> Manifest:
         raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
 
 
-def read(dir_fd: int, path: str) -> Manifest:
-    """Read and decode ``manifest.json`` of the directory open at ``dir_fd`` (``path`` names it in errors).
-
-    ``FileNotFoundError`` if there is none.
-    """
-    fd, size = open_regular(dir_fd, MANIFEST_NAME, path)
+def read(root: os.PathLike[str]) -> Manifest:
+    """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
+    fd, size, path = open_regular(root, MANIFEST_NAME)
     try:
         if size > MAX_MANIFEST_BYTES:
             raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
@@ -475,4 +472,3 @@ def read(dir_fd: int, path: str) -> Manifest:
         return loads(b"".join(chunks), path)
     finally:
         os.close(fd)
-
