@@ -175,8 +175,7 @@ def _check_space(final: Path, nbytes: int) -> None:
 
 def _install(tmp: Path, final: Path, manifest: bytes) -> None:
     """Rank 0, step 3: the manifest, then the rename (each made durable first)."""
-    write_durable(tmp / MANIFEST_NAME, manifest)
-    fsync_path(tmp)
+    write_durable(tmp / MANIFEST_NAME, manifest)  # and fsyncs tmp: every entry of it is durable
     os.rename(tmp, final)
     fsync_path(final.parent)
 
