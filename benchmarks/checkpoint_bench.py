@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ours("device")
     ours("host")
+    load_before = os.getloadavg()
     med = _rounds(fns, args.repeat)
     state.onload(groups)
     base_gbps = {k: nbytes / med[k] / 1e9 for k in base_names}
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                "dtype": args.dtype, "groups": list(groups), "tensors": len(tensors)},
         baselines={k: {"seconds": med[k], "gbps": base_gbps[k]} for k in base_names},
         timing="round-robin: each round times every baseline and every op of ours once; medians over rounds",
+        load_average={"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         cold=args.cold,
         pool=state.pool.stats.as_dict(),
     )
