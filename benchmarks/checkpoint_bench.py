@@ -17,11 +17,15 @@ and, on the same tensors in the same run, times:
   into pinned memory), against the faster baseline's whole save.
 
 Ours runs with the groups resident (``device``) and offloaded (``host``).
-``ratio`` = our GB/s over the faster baseline's GB/s for the op (named in
-``bound``); the baselines' GB/s are the run's ``ceilings``. Results follow
-docs/results.md (JSON + PNG via ``stateshift.bench``). Loads read from
-the page cache unless ``--cold`` (then every file's cached pages are dropped
-with ``posix_fadvise(DONTNEED)`` before each load, for ours and the baselines).
+``ratio`` = our GB/s over ``safetensors``' GB/s for the op in the same run
+(named in ``bound``: ``safetensors.save_file`` / ``safetensors.load_file``);
+every baseline's GB/s is in the run's ``ceilings``. Every save, ours and the
+baselines', writes a file or directory that does not exist yet (the previous
+one is removed untimed): stateshift never overwrites a checkpoint. The result
+file (``stateshift.bench``: JSON with ``machine``, ``torch``, ``stateshift``,
+``ceilings`` and ``rows``, plus a PNG) is the one every benchmark writes. Loads read from the page cache unless ``--cold`` (then
+every file's cached pages are dropped with ``posix_fadvise(DONTNEED)`` before
+each load, for ours and the baselines).
 """
 
 from __future__ import annotations
@@ -64,11 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="directory for <date>-<machine>-checkpoint.json and .png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--cold", action="store_true", help="drop the files' cached pages before every load")
+    p.add_argument("--name", default=None, help="machine name in the result file's name (default: from the machine)")
     return p
-
-
-def _median(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
-    return bench.timed(fn, repeat=repeat, setup=setup)
 
 
 def _fsync(path: Path) -> None:
@@ -109,10 +110,26 @@ def _live_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, with_optim
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+def _rounds(fns: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int) -> dict[str, float]:
+    """Median seconds of each ``fn``, timed round-robin (one run of each per round, after a warm-up round),
+    so that a busy machine weighs on ours and the baselines alike. ``setup`` runs untimed before each run."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(1 + repeat):
+        for name, (fn, setup) in fns.items():
+            if setup is not None:
+                setup()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _build(args: argparse.Namespace, device: torch.device) -> tuple[ModelState, dict[str, torch.Tensor], tuple[str, ...]]:
     cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                      dtype=DTYPES[args.dtype])
     model = build_default(cfg, device=device)
@@ -120,22 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     lm_loss(model, batch(cfg, 0, size=1, device=device)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    state = ModelState(model, opt)
     groups = ("params", "buffers", "optim") if args.groups == "all" else ("params", "buffers")
     tensors = _live_tensors(model, opt, args.groups == "all")
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params ({args.dtype}) on {device}; "
-          f"checkpoint of {', '.join(groups)}: {nbytes / 1e9:.3f} GB in {len(tensors)} tensors", file=sys.stderr)
+          f"checkpoint of {', '.join(groups)}: {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB in "
+          f"{len(tensors)} tensors", file=sys.stderr)
+    return ModelState(model, opt), tensors, groups
 
+
+def _baselines(tensors: dict[str, torch.Tensor], work: Path, device: torch.device, cold: Callable, fresh: Callable):
+    """torch.save / safetensors.save_file of the tensors (fsynced), and their loads into the live tensors."""
     from safetensors.torch import load_file, save_file
 
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
-    ours, ours_async = work / "ours", work / "ours-async"
     pt, st = work / "baseline.pt", work / "baseline.safetensors"
-    cold = (lambda p: (lambda: _drop_cache(p))) if args.cold else (lambda p: None)
-    r = args.repeat
 
     def torch_save() -> None:
         with open(pt, "wb") as f:
@@ -147,72 +161,85 @@ def main(argv: list[str] | None = None) -> int:
         save_file(tensors, st)
         _fsync(st)
 
-    def torch_load() -> None:
-        loaded = torch.load(pt, map_location=device, weights_only=True)
+    def copy_in(loaded: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for k, v in loaded.items():
                 tensors[k].copy_(v)
 
-    def st_load() -> None:
-        loaded = load_file(st, device=str(device))
-        with torch.no_grad():
-            for k, v in loaded.items():
-                tensors[k].copy_(v)
-
-    base = {
-        "torch.save": _median(torch_save, r),
-        "safetensors.save_file": _median(st_save, r),
-        "torch.load": _median(torch_load, r, setup=cold(pt)),
-        "safetensors.load_file": _median(st_load, r, setup=cold(st)),
+    return {
+        "torch.save": (torch_save, fresh(pt)),
+        "safetensors.save_file": (st_save, fresh(st)),
+        "torch.load": (lambda: copy_in(torch.load(pt, map_location=device, weights_only=True)), cold(pt)),
+        "safetensors.load_file": (lambda: copy_in(load_file(st, device=str(device))), cold(st)),
     }
-    base_gbps = {k: nbytes / v / 1e9 for k, v in base.items()}
-    best_save = max(("torch.save", "safetensors.save_file"), key=lambda k: base_gbps[k])
-    best_load = max(("torch.load", "safetensors.load_file"), key=lambda k: base_gbps[k])
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    state, tensors, groups = _build(args, device)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    cold = (lambda p: (lambda: _drop_cache(p))) if args.cold else (lambda p: None)
+    fresh = lambda p: (lambda: shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True))  # noqa: E731
+    fns = {k: (fn, lambda setup=setup: (state.onload(groups), setup and setup()))  # the baselines need it resident
+           for k, (fn, setup) in _baselines(tensors, work, device, cold, fresh).items()}
+    base_names = list(fns)
+    blocked: dict[str, list[float]] = {"device": [], "host": []}
+
+    def ours(residency: str) -> None:
+        path, path_async = work / f"ours-{residency}", work / f"ours-async-{residency}"
+
+        def start_async() -> None:
+            t0 = time.perf_counter()
+            handle = async_save(state, path_async, groups)
+            blocked[residency].append(time.perf_counter() - t0)
+            handle.wait()
+
+        def place() -> None:
+            state.offload(groups) if residency == "host" else state.onload(groups)
+
+        fns[f"save/{residency}"] = (lambda: save(state, path, groups), lambda: (place(), fresh(path)()))
+        fns[f"load/{residency}"] = (lambda: load(state, path, groups), lambda: (place(), (cold(path) or (lambda: None))()))
+        fns[f"async/{residency}"] = (start_async, lambda: (place(), fresh(path_async)()))
+
+    ours("device")
+    ours("host")
+    load_before = os.getloadavg()
+    med = _rounds(fns, args.repeat)
+    state.onload(groups)
+    base_gbps = {k: nbytes / med[k] / 1e9 for k in base_names}
     ceilings = {f"{k}_gbps": round(v, 3) for k, v in base_gbps.items()}
-    ceilings.update({k: round(v, 2) for k, v in bench.measure_ceilings(nbytes, device, repeat=r).items()})
+    ceilings.update({k: round(v, 2) for k, v in bench.measure_ceilings(nbytes, device, repeat=args.repeat).items()})
     result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
                                ceilings=ceilings)
-    warm = "" if args.cold else "page cache warm"
-
-    def add(op: str, residency: str, seconds: float, bound: str, note: str = "") -> None:
-        gbps = nbytes / seconds / 1e9
-        result.rows.append(bench.Row("torch", op, residency, device.type, nbytes, seconds, gbps,
-                                     gbps / base_gbps[bound], bound, note))
-
-    blocked: list[float] = []
-
-    def start_async() -> None:
-        t0 = time.perf_counter()
-        handle = async_save(state, ours_async, groups)
-        blocked.append(time.perf_counter() - t0)
-        handle.wait()
-
+    warm = "" if args.cold else "; page cache warm"
     for residency in ("device", "host"):
-        if residency == "host":
-            state.offload(groups)
-        else:
-            state.onload(groups)
-        add("save", residency, _median(lambda: save(state, ours, groups), r), best_save, "fsynced")
-        add("load", residency, _median(lambda: load(state, ours, groups), r, setup=cold(ours)), best_load,
-            f"checksums verified; {warm}".strip("; "))
-        blocked.clear()
-        _median(start_async, r)
-        add("async_save_blocking", residency, statistics.median(blocked[1:]), best_save,
-            "caller blocked until staged; write continues in a thread")
-    state.onload(groups)
-
+        for op, key, bound, note in (
+            ("save", f"save/{residency}", "safetensors.save_file", "fsynced"),
+            ("load", f"load/{residency}", "safetensors.load_file", f"checksums verified{warm}"),
+            ("async_save_blocking", None, "safetensors.save_file", "caller blocked until staged; write continues in a thread"),
+        ):
+            seconds = med[key] if key else statistics.median(blocked[residency][1:])
+            gbps = nbytes / seconds / 1e9
+            result.rows.append(bench.Row("torch", op, residency, device.type, nbytes, seconds, gbps,
+                                         gbps / base_gbps[bound], bound, note))
     result.extra.update(
-        model={"params": sum(p.numel() for p in model.parameters()), "dtype": args.dtype, "groups": list(groups),
-               "tensors": len(tensors)},
-        baselines={k: {"seconds": base[k], "gbps": base_gbps[k]} for k in base},
+        model={"params": sum(p.numel() for p in state.backends[0].checkpoint_facts().module.parameters()),
+               "dtype": args.dtype, "groups": list(groups), "tensors": len(tensors)},
+        baselines={k: {"seconds": med[k], "gbps": base_gbps[k]} for k in base_names},
+        timing="round-robin: each round times every baseline and every op of ours once; medians over rounds",
+        load_average={"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         cold=args.cold,
         pool=state.pool.stats.as_dict(),
     )
     print(result.table())
     print("baselines (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in base_gbps.items()))
     if args.out is not None:
-        slug = re.sub(r"[^a-z0-9]+", "-", result.machine.lower()).strip("-")
+        slug = args.name or re.sub(r"[^a-z0-9]+", "-", result.machine.lower()).strip("-")
         stem = f"{datetime.date.today().isoformat()}-{slug}-checkpoint"
         bench.save(result, args.out / f"{stem}.json", None if args.no_plot else args.out / f"{stem}.png")
         print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)

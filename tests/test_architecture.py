@@ -17,7 +17,7 @@ ENGINE = ["core/state.py", "core/snapshot.py", "core/transfer.py", "core/slot.py
           "core/groups.py", "core/swap.py", "core/source.py", "core/stable.py", "core/locking.py", "core/disk.py"]
 MAX_LINES = 60
 #: packages still being cut to size (issue 9 rewrites checkpoint/; this set empties when it lands)
-PENDING = ("checkpoint",)
+PENDING = ()
 
 
 def _imports(path: Path) -> list[str]:

@@ -123,24 +123,45 @@ class CheckpointError(StateShiftError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is damaged: checksum mismatch, truncated, bad header.
+    """A checkpoint file is damaged or malformed: checksum mismatch, truncated, bad header or manifest,
+    a file that is not a regular file inside the checkpoint directory, an input over a size or depth limit.
 
-    ``path`` names the offending file; ``detail`` says what is wrong.
+    ``path`` names the offending file; ``tensor`` the offending tensor when one is known; ``detail``
+    says what is wrong.
     """
 
-    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], detail: str, tensor: str | None = None) -> None:
         self.path = os.fspath(path)
         self.detail = detail
+        self.tensor = tensor
         super().__init__(f"corrupt checkpoint file '{self.path}': {detail}")
 
 
 class CheckpointIncompleteError(CheckpointError):
-    """A checkpoint directory without a (valid) manifest: a write never finished."""
+    """A checkpoint directory whose write never finished (its manifest, written last, is missing)."""
 
     def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
         self.path = os.fspath(path)
         self.detail = detail
         super().__init__(f"incomplete checkpoint '{self.path}': {detail}")
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No stateshift checkpoint at a path: nothing there, an empty directory, a Hugging Face export,
+    a directory of other files. Also a ``FileNotFoundError``."""
+
+    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
+        self.path = os.fspath(path)
+        self.detail = detail
+        super().__init__(f"no stateshift checkpoint at '{self.path}': {detail}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CheckpointUntrustedError(CheckpointError):
+    """Loading would unpickle a file of the checkpoint (DCP's ``.metadata``) that the caller has not
+    said it trusts; unpickling can run arbitrary code."""
 
 
 class CheckpointWriteError(CheckpointError):

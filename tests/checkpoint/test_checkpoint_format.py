@@ -1,8 +1,10 @@
-"""Disk layer of checkpoints: format, checksums, atomic install, crashes, full disks.
+"""Disk layer of checkpoints: format, checksums, atomic commit, crashes, full disks.
 
 CPU only.  The crash and full-disk tests use real subprocesses: a real SIGKILL
 in the middle of a write, a real RLIMIT_FSIZE (EFBIG) and, when mounting is
-permitted, a real 4 MiB tmpfs (ENOSPC).
+permitted, a real 4 MiB tmpfs (ENOSPC).  Checkpoints are never overwritten: a
+write goes to a fresh directory, and every failure leaves the previous
+checkpoint (and ``latest``) as it was.
 """
 
 from __future__ import annotations
@@ -11,34 +13,29 @@ import errno
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 
-from stateshift.checkpoint import (
-    MANIFEST_NAME,
+from stateshift.checkpoint import format as format_mod
+from stateshift.checkpoint import verify
+from stateshift.checkpoint.commit import read_latest, set_latest
+from stateshift.checkpoint.directory import Checkpoint, write_checkpoint
+from stateshift.checkpoint.format import Record as TensorRecord
+from stateshift.checkpoint.manifest import MANIFEST_NAME
+from stateshift.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CheckpointWriteError,
-    TensorRecord,
-    list_tensors,
-    open_checkpoint,
-    read_header,
-    read_latest,
-    read_manifest,
-    recover_checkpoint,
-    resolve_checkpoint,
-    set_latest,
-    verify,
-    write_checkpoint,
 )
-from stateshift.checkpoint import atomic as atomic_mod
-from stateshift.checkpoint import format as format_mod
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -60,6 +57,53 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "empty.bf16": torch.empty(3, 0, dtype=torch.bfloat16),
         "c64": torch.randn(4, generator=g, dtype=torch.complex64),
     }
+
+
+TensorInfo = namedtuple("TensorInfo", "name dtype shape nbytes file offset")  # offset: of the first byte in the file
+
+
+class _Reader:
+    """A checkpoint opened for the tests: tensors listed and read by name across its files."""
+
+    def __init__(self, path: Path) -> None:
+        self.ckpt = Checkpoint.open(path)
+
+    def records(self) -> list[TensorInfo]:
+        return [TensorInfo(t.name, t.dtype, t.shape, t.nbytes, f, e.header[0] + t.start)
+                for f, e in self.ckpt.manifest.files.items() for t in e.tensors]
+
+    def read_into(self, dsts: dict[str, torch.Tensor]) -> None:
+        where = {i.name: i.file for i in self.records()}
+        unknown = [n for n in dsts if n not in where]
+        if unknown:
+            raise CheckpointMismatchError(unknown[0], "not stored in this checkpoint")
+        for f in sorted(set(where[n] for n in dsts)):
+            self.ckpt.read_into(f, {n: d for n, d in dsts.items() if where[n] == f})
+
+    def read_tensors(self, names=None) -> dict[str, torch.Tensor]:
+        infos = {i.name: i for i in self.records()}
+        out = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) for n in (infos if names is None else names)}
+        self.read_into(out)
+        return out
+
+
+def open_checkpoint(path: Path) -> _Reader:
+    return _Reader(path)
+
+
+def read_manifest(path: Path):
+    return Checkpoint.open(path, files=()).manifest
+
+
+def list_tensors(path: Path) -> list[TensorInfo]:
+    return _Reader(path).records()
+
+
+def read_header(path: Path):
+    """Parse a bare safetensors file's header (no manifest to compare it with)."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else 0
+    return format_mod.parse_header(raw[: 8 + n], len(raw), str(path))
 
 
 def _records(ts: dict[str, torch.Tensor]) -> list[TensorRecord]:
@@ -132,13 +176,20 @@ def test_round_trip_all_dtypes(tmp_path: Path) -> None:
     assert verify(tmp_path / "ck") == m
 
 
-@pytest.mark.parametrize("algorithm", ["blake2b", "sha256"])
-def test_other_checksums(tmp_path: Path, algorithm: str) -> None:
+def test_checksums_are_zlib_crc32_of_each_tensor_header_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zlib
+
+    monkeypatch.setattr(format_mod, "CHUNK_BYTES", 4 << 10)  # tensors cut into pieces, crcs combined
     ts = _tensors(1)
-    m = _write(tmp_path / "ck", ts, checksum=algorithm)
-    assert all(e.checksum.startswith(algorithm + ":") for e in m.files.values())
-    _assert_same(open_checkpoint(tmp_path / "ck").read_tensors(), ts)
-    verify(tmp_path / "ck")
+    ts["big"] = torch.randn(10_000)
+    m = _write(tmp_path / "ck", ts)
+    for fname, entry in m.files.items():
+        raw = (tmp_path / "ck" / fname).read_bytes()
+        assert entry.checksum == f"crc32:{zlib.crc32(raw):08x}" and entry.bytes == len(raw)
+        assert entry.header == (entry.header[0], zlib.crc32(raw[: entry.header[0]]))
+        for t in entry.tensors:
+            begin = entry.header[0] + t.start
+            assert t.crc32 == zlib.crc32(raw[begin : begin + t.nbytes]), t.name
 
 
 def test_loadable_by_safetensors(tmp_path: Path) -> None:
@@ -179,11 +230,15 @@ def test_chunked_streaming_and_partial_read(tmp_path: Path, monkeypatch: pytest.
     _assert_same(r.read_tensors(["t2"]), {"t2": big["t2"]})
     _assert_same(r.read_tensors(), big)
     verify(tmp_path / "ck")
-    # A flip inside a tensor that was *not* requested is still detected (whole-file checksum).
-    off = r.info("t0").offset + 1000
+    # A crc32 per tensor: a flip inside t0 names t0, wherever it is found; t3 still reads, verified by its own crc.
+    off = {i.name: i for i in r.records()}["t0"].offset + 1000
     _flip_byte(tmp_path / "ck" / "x.safetensors", off)
-    with pytest.raises(CheckpointCorruptError):
-        r.read_tensors(["t3"])
+    with pytest.raises(CheckpointCorruptError, match="'t0'") as ei:
+        r.read_tensors(["t0"])
+    assert ei.value.tensor == "t0"
+    with pytest.raises(CheckpointCorruptError, match="'t0'"):
+        verify(tmp_path / "ck")
+    _assert_same(r.read_tensors(["t3"]), {"t3": big["t3"]})
 
 
 def test_bad_input_is_rejected_before_anything_happens(tmp_path: Path) -> None:
@@ -285,6 +340,21 @@ def test_truncated_file(tmp_path: Path) -> None:
         verify(tmp_path / "ck")
 
 
+def test_what_is_not_a_checkpoint_is_said(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="nothing there"):
+        open_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="empty directory"):
+        open_checkpoint(tmp_path / "empty")
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="torch.distributed.checkpoint"):
+        open_checkpoint(tmp_path / "dcp")
+    (tmp_path / ".ck.tmp-0123abcd").mkdir()
+    with pytest.raises(CheckpointIncompleteError, match="never finished"):
+        open_checkpoint(tmp_path / ".ck.tmp-0123abcd")
+
+
 def test_missing_manifest_is_incomplete(tmp_path: Path) -> None:
     _write(tmp_path / "ck", _tensors())
     (tmp_path / "ck" / MANIFEST_NAME).unlink()
@@ -309,18 +379,24 @@ def test_corrupt_manifest(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- atomic install
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
-def test_replace_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
-    monkeypatch.setattr(atomic_mod, "_USE_EXCHANGE", exchange)
-    p = tmp_path / "ck"
+def test_checkpoints_are_never_overwritten(tmp_path: Path) -> None:
+    """Fresh directories, ``latest`` moved last; a save to an existing checkpoint is refused and changes nothing."""
     for seed in range(3):
         ts = _tensors(seed)
-        _write(p, ts, version=seed, update_latest=True)
-        _assert_same(open_checkpoint(p).read_tensors(), ts)
-        assert read_manifest(p).version == seed
-        assert _siblings(p) == []
-    assert read_latest(tmp_path) == p
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["ck", "latest"]
+        _write(tmp_path / f"step-{seed}", ts, version=seed, update_latest=True)
+        _assert_same(open_checkpoint(tmp_path / f"step-{seed}").read_tensors(), ts)
+        assert read_latest(tmp_path) == tmp_path / f"step-{seed}"
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        _write(tmp_path / "step-1", _tensors(9), version=9, update_latest=True)
+    assert read_manifest(tmp_path / "step-1").version == 1 and read_latest(tmp_path) == tmp_path / "step-2"
+    _assert_same(open_checkpoint(tmp_path).read_tensors(), _tensors(2))  # the directory of latest opens what it names
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["latest", "step-0", "step-1", "step-2"]
+
+
+def test_an_empty_directory_may_receive_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    _write(tmp_path / "ck", _tensors(3))
+    _assert_same(open_checkpoint(tmp_path / "ck").read_tensors(), _tensors(3))
 
 
 def test_latest_pointer(tmp_path: Path) -> None:
@@ -334,36 +410,17 @@ def test_latest_pointer(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
-def test_crash_between_the_two_renames(tmp_path: Path) -> None:
-    """Fallback install crashed after rename(path, old) and before rename(tmp, path)."""
-    p = tmp_path / "ck"
-    old_ts, new_ts = _tensors(1), _tensors(2)
-    _write(p, old_ts)
-    _write(tmp_path / "staged", new_ts)
-    pid = _dead_pid()
-    os.rename(p, tmp_path / f".ck.old-{pid}-0a0a0a0a")
-    os.rename(tmp_path / "staged", tmp_path / f".ck.tmp-{pid}-0b0b0b0b")
-    (tmp_path / f".ck.tmp-{pid}-0c0c0c0c").mkdir()  # an unrelated incomplete leftover
-    assert resolve_checkpoint(p).name == f".ck.tmp-{pid}-0b0b0b0b"
-    _assert_same(open_checkpoint(p).read_tensors(), new_ts)  # readers pick the complete, newer one
-    assert recover_checkpoint(p) == p  # the next writer rolls it forward and cleans up
-    _assert_same(open_checkpoint(p).read_tensors(), new_ts)
-    assert _siblings(p) == []
-
-
-def test_leftovers_of_live_processes_are_kept(tmp_path: Path) -> None:
-    p = tmp_path / "ck"
-    _write(p, _tensors())
-    mine = tmp_path / f".ck.tmp-{os.getpid()}-deadbeef"
-    mine.mkdir()
-    recover_checkpoint(p)
-    assert mine.exists()
+def test_leftovers_are_never_checkpoints_and_the_next_write_to_the_path_removes_them(tmp_path: Path) -> None:
+    """A crashed write leaves ``.<name>.tmp-*`` (even one with a complete manifest): never loaded, cleaned on retry."""
+    _write(tmp_path / "staged", _tensors(2))
+    os.rename(tmp_path / "staged", tmp_path / ".ck.tmp-0b0b0b0b0b0b")  # crashed just before its rename
+    (tmp_path / ".ck.tmp-0c0c0c0c0c0c").mkdir()  # crashed earlier
+    (tmp_path / ".other.tmp-0d0d0d0d0d0d").mkdir()  # another path's: not ours to remove
+    with pytest.raises(CheckpointNotFoundError):
+        open_checkpoint(tmp_path / "ck")
+    _write(tmp_path / "ck", _tensors(3), version=3)
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".other.tmp-0d0d0d0d0d0d", "ck"]
+    _assert_same(open_checkpoint(tmp_path / "ck").read_tensors(), _tensors(3))
 
 
 # --------------------------------------------------------------------------- real crashes and full disks
@@ -377,13 +434,14 @@ def _run_child(code: str, **kw) -> subprocess.Popen:
 
 
 def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    p = tmp_path / "ck"
+    prev_path, p = tmp_path / "ck", tmp_path / "ck2"
     prev = _tensors(5)
-    _write(p, prev, version=1)
+    _write(prev_path, prev, version=1, update_latest=True)
     child = _run_child(
         f"""
         import sys, time, torch
-        from stateshift.checkpoint import TensorRecord, write_checkpoint
+        from stateshift.checkpoint.directory import write_checkpoint
+        from stateshift.checkpoint.format import Record as TensorRecord
         from stateshift.checkpoint import format as fmt
         fmt.CHUNK_BYTES = 1 << 20
         first = torch.ones(4 << 20, dtype=torch.uint8)               # 4 MiB
@@ -398,7 +456,7 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
                 time.sleep(0.01)
         write_checkpoint({str(p)!r}, {{"first.safetensors": [TensorRecord.from_tensor("first", first)],
                                        "second.safetensors": [TensorRecord.from_tensor("second", second)]}},
-                         backend="t", layout={{}}, version=2, progress=progress)
+                         backend="t", layout={{}}, version=2, progress=progress, update_latest=True)
         sys.stdout.write("finished\\n"); sys.stdout.flush()
         """
     )
@@ -409,25 +467,28 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert len(tmp_dirs) == 1 and (tmp_dirs[0] / "first.safetensors").exists()  # really mid-write
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait() == -signal.SIGKILL
-    # The previous checkpoint is untouched and verifies; nothing else looks complete.
-    assert read_manifest(p).version == 1
-    verify(p)
-    _assert_same(open_checkpoint(p).read_tensors(), prev)
+    # The previous checkpoint is untouched and verifies, latest still names it; nothing else looks complete.
+    assert read_manifest(prev_path).version == 1 and read_latest(tmp_path) == prev_path
+    verify(prev_path)
+    _assert_same(open_checkpoint(tmp_path).read_tensors(), prev)
     assert _complete_siblings(p) == []
-    assert resolve_checkpoint(p) == p
-    # The next write cleans the dead writer's leftovers.
+    with pytest.raises(CheckpointNotFoundError):
+        open_checkpoint(p)
+    # The next write to that path cleans the dead writer's leftovers.
     _write(p, _tensors(6), version=3)
     assert _siblings(p) == [] and read_manifest(p).version == 3
 
 
 def test_file_size_limit_efbig(tmp_path: Path) -> None:
-    p = tmp_path / "ck"
+    prev_path, p = tmp_path / "ck", tmp_path / "ck2"
     prev = _tensors(7)
-    _write(p, prev, version=1)
+    _write(prev_path, prev, version=1)
     child = _run_child(
         f"""
         import json, resource, signal, sys, torch
-        from stateshift.checkpoint import CheckpointWriteError, TensorRecord, write_checkpoint
+        from stateshift.errors import CheckpointWriteError
+        from stateshift.checkpoint.directory import write_checkpoint
+        from stateshift.checkpoint.format import Record as TensorRecord
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # so write() returns EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
         big = torch.zeros(8 << 20, dtype=torch.uint8)
@@ -444,10 +505,10 @@ def test_file_size_limit_efbig(tmp_path: Path) -> None:
     assert res["errno"] == errno.EFBIG
     assert "EFBIG" in res["msg"] and "previous checkpoint" in res["msg"] and "intact" in res["msg"]
     assert "big.safetensors" in res["msg"]
-    assert _siblings(p) == []
-    assert read_manifest(p).version == 1
-    verify(p)
-    _assert_same(open_checkpoint(p).read_tensors(), prev)
+    assert _siblings(p) == [] and not p.exists()
+    assert read_manifest(prev_path).version == 1
+    verify(prev_path)
+    _assert_same(open_checkpoint(prev_path).read_tensors(), prev)
 
 
 @pytest.fixture
@@ -471,9 +532,9 @@ def tiny_tmpfs(tmp_path: Path):
 
 
 def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    p = tiny_tmpfs / "ck"
+    prev_path, p = tiny_tmpfs / "ck", tiny_tmpfs / "ck2"
     prev = {"w": torch.randn(256 << 10)}  # 1 MiB
-    write_checkpoint(p, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1)
+    write_checkpoint(prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True)
 
     # 1) Clearly too big: refused before a byte is written.
     huge = {"w": torch.zeros(8 << 20, dtype=torch.uint8)}
@@ -502,10 +563,10 @@ def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
     assert ei.value.errno == errno.ENOSPC
     assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
     assert "w.safetensors" in str(ei.value)
-    assert _siblings(p) == []
-    assert read_manifest(p).version == 1
-    verify(p)
-    _assert_same(open_checkpoint(p).read_tensors(), prev)
+    assert _siblings(p) == [] and not p.exists()
+    assert read_manifest(prev_path).version == 1 and read_latest(tiny_tmpfs) == prev_path
+    verify(prev_path)
+    _assert_same(open_checkpoint(prev_path).read_tensors(), prev)
 
     # Space comes back: the same write now succeeds (the temporary directory really was removed).
     filler.unlink()

@@ -39,21 +39,18 @@ from stateshift import (
     UnknownGroupError,
 )
 from stateshift.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
     async_save,
     export_hf,
     init_optimizer_state,
-    list_tensors,
     load,
-    read_latest,
-    read_manifest,
     save,
     verify,
 )
 from stateshift.checkpoint import format as format_mod
-from stateshift.checkpoint.inspect_cmd import add_parser
+from stateshift.checkpoint.commit import read_latest
+from stateshift.checkpoint.directory import Checkpoint
+from stateshift.cli.inspect import add_parser
+from stateshift.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError
 from stateshift.models import TinyConfig
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -72,6 +69,14 @@ def _warmed(device: str, seed: int = 0, cfg: TinyConfig = SMALL):
     if seed:
         perturb(model, opt, 0.1 * seed)
     return model, opt, ModelState(model, opt)
+
+
+def read_manifest(path):
+    return Checkpoint.open(path, files=()).manifest
+
+
+def list_tensors(path):
+    return [t for e in read_manifest(path).files.values() for t in e.tensors]
 
 
 def _cfg(**changes) -> TinyConfig:
@@ -194,7 +199,7 @@ def test_save_of_resident_state_stages_one_copy_through_the_pool(tmp_path):
     after = state.pool.stats
     assert after.requested_bytes - before.requested_bytes == total  # exactly one staged copy, no more
     assert after.in_use_bytes == before.in_use_bytes
-    save(state, tmp_path / "ck")  # the second save reuses the pooled blocks
+    save(state, tmp_path / "ck2")  # the second save reuses the pooled blocks
     assert state.pool.stats.allocations == after.allocations
 
 
@@ -368,7 +373,7 @@ def test_resume_from_fresh_optimizer_is_bit_identical(tmp_path):
 
 
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "ck"
+    path, path2 = tmp_path / "ck", tmp_path / "ck2"
     big = "TinyConfig(vocab=512, hidden=128, layers=2, heads=4, seq=16)"  # ~5 MB with Adam state
 
     def build(seed: int):
@@ -382,7 +387,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
 
     _model1, _opt1, state1 = build(1)
     want = capture(state1, ("params", "buffers", "optim"))
-    save(state1, path, version=1)
+    save(state1, path, version=1, update_latest=True)
     code = f"""
         import sys, time, torch
         from stateshift import ModelState
@@ -402,7 +407,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
                 if done - n <= (1 << 20):
                     print("ready", flush=True)
                 time.sleep(0.05)
-        save(state, {str(path)!r}, version=2, progress=progress)
+        save(state, {str(path2)!r}, version=2, progress=progress, update_latest=True)
         print("finished", flush=True)
         """
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -411,16 +416,16 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert child.stdout is not None
     line = child.stdout.readline()
     assert line == b"ready\n", (line, child.stderr.read() if child.stderr else b"")
-    assert [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]  # really mid-write
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".ck2.tmp-")]  # really mid-write
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait() == -signal.SIGKILL
 
     _, _, state = build(3)
-    assert read_manifest(path).version == 1
-    load(state, path)
+    assert read_manifest(path).version == 1 and read_latest(tmp_path) == path
+    load(state, tmp_path)  # through latest
     assert_same(capture(state, ("params", "buffers", "optim")), want)
-    save(state, path, version=3)  # the next save cleans up after the dead writer
-    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    save(state, path2, version=3)  # the next save to that path cleans up after the dead writer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck2", "latest"]
 
 
 @pytest.fixture
@@ -461,7 +466,7 @@ def test_real_full_disk_is_a_clear_error_and_the_previous_checkpoint_loads(tiny_
                 assert e.errno == errno.ENOSPC
 
     with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
-        save(state, path, version=2, progress=fill_disk)
+        save(state, tiny_tmpfs / "ck2", version=2, progress=fill_disk)
     assert ei.value.errno == errno.ENOSPC
     assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["ck", "filler"]  # the temporary directory was removed
@@ -522,7 +527,7 @@ def test_async_save_error_reaches_wait_and_memory_goes_back(tmp_path):
     def boom(n: int) -> None:
         raise RuntimeError("disk on fire")
 
-    handle = async_save(state, tmp_path / "ck", version=2, progress=boom)
+    handle = async_save(state, tmp_path / "ck2", version=2, progress=boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
         handle.wait(timeout=60)
     assert isinstance(handle.exception(), RuntimeError)
@@ -531,34 +536,37 @@ def test_async_save_error_reaches_wait_and_memory_goes_back(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
 
 
-def test_async_saves_to_one_path_are_written_in_call_order(tmp_path):
+def test_async_saves_are_written_in_call_order_and_latest_follows(tmp_path):
     model, opt, state = _warmed("cpu")
     gate = _Gate()
-    first = async_save(state, tmp_path / "ck", version=1, progress=gate)
+    first = async_save(state, tmp_path / "step-1", version=1, progress=gate, update_latest=True)
     assert gate.started.wait(30)
     train_step(model, opt, 1)
     second_values = capture(state, ("params", "buffers", "optim"))
-    second = async_save(state, tmp_path / "ck", version=2)
+    second = async_save(state, tmp_path / "step-2", version=2, update_latest=True)
     assert not second.done()  # waits for the first writer
     gate.open.set()
     assert first.wait(60).version == 1 and second.wait(60).version == 2
-    assert read_manifest(tmp_path / "ck").version == 2
+    assert read_latest(tmp_path) == tmp_path / "step-2"  # latest moved in call order
     _, _, fresh = _warmed("cpu", seed=1)
-    load(fresh, tmp_path / "ck")
+    assert load(fresh, tmp_path).version == 2
     assert_same(capture(fresh, ("params", "buffers", "optim")), second_values)
+    with pytest.raises(FileExistsError):  # a checkpoint is never overwritten, in the background either
+        async_save(state, tmp_path / "step-2", version=3).wait(60)
+    assert read_manifest(tmp_path / "step-2").version == 2
 
 
 def test_release_under_an_async_save_aborts_it(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck", version=1)
     gate = _Gate()
-    handle = async_save(state, tmp_path / "ck", version=2, progress=gate)
+    handle = async_save(state, tmp_path / "ck2", version=2, progress=gate)
     assert gate.started.wait(30)
     state.snapshots.clear()  # someone frees the staged copy mid-write
     gate.open.set()
     with pytest.raises(ReleasedSnapshotError):
         handle.wait(60)
-    assert read_manifest(tmp_path / "ck").version == 1
+    assert read_manifest(tmp_path / "ck").version == 1 and not (tmp_path / "ck2").exists()
     verify(tmp_path / "ck")
 
 

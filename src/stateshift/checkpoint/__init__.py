@@ -1,108 +1,34 @@
-"""Disk layer of checkpoints: safetensors files, verified checksums, atomic directories.
+"""Checkpoints of a model's state: atomic, verified, from any residency, in the background if you like.
 
-Engine-independent: it writes and reads raw bytes of contiguous CPU tensors
-(typically pinned homes) and knows nothing about slots or backends.
+    save(state, "ckpt/step-100", tag="step", version=100, update_latest=True)
+    handle = async_save(state, "ckpt/step-200", update_latest=True)   # returns once staged
+    handle.wait()                                                      # the manifest, or the writer's error
+    load(state, "ckpt")                        # the checkpoint 'latest' names: checked, verified, restored
+    verify("ckpt/step-100")                    # every byte against its crc32
+    export_hf(model, "export/")                # model.safetensors under the usual names
+    save_dcp(path, model, opt); load_dcp(path, model, opt, trusted=True)   # resharding via torch DCP
+    init_optimizer_state(opt)                  # before loading into a fresh torch optimizer
 
-Write::
-
-    manifest = write_checkpoint(path, {"params.safetensors": [TensorRecord(...), ...]},
-                                backend="megatron", layout=fingerprint, tag="step", version=100)
-
-Read::
-
-    reader = open_checkpoint(path)
-    reader.records()                      # names, dtypes, shapes, sizes, files
-    reader.read_into({"w": pinned_uint8}) # verified before it returns
-
-Model state (any residency, any backend)::
-
-    save(state, "ckpt/step-100", tag="step", version=100)      # atomic, durable on return
-    handle = async_save(state, "ckpt/step-200")                 # returns once staged
-    load(state, "ckpt/step-100")                                # checked, verified, then restored
-    export_hf(model, "export/")                                 # model.safetensors, usual names
-    save_dcp(path, model, opt) / load_dcp(path, model, opt)     # resharding via torch DCP
+Inside (``docs/checkpoints.md``): ``format.py`` (safetensors files, a crc32 per tensor, parallel
+I/O), ``manifest.py`` (the one schema), ``commit.py`` (fresh directory, fsync, rename, ``latest``),
+``collective.py`` (all ranks agree), ``directory.py`` (open, read, verify, write a checkpoint),
+``state_io.py`` (save / load of a ``ModelState``), ``dcp.py``, ``hf.py``. The errors live in
+``stateshift.errors``.
 """
 
-from .atomic import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    CheckpointReader,
-    FileEntry,
-    Manifest,
-    list_tensors,
-    open_checkpoint,
-    read_latest,
-    read_manifest,
-    recover_checkpoint,
-    resolve_checkpoint,
-    set_latest,
-    verify,
-    write_checkpoint,
-    write_checkpoint_distributed,
-)
-from .dcp import check_dcp, load_dcp, save_dcp
-from .format import (
-    CHECKSUM_ALGORITHMS,
-    DEFAULT_CHECKSUM,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointIncompleteError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    TensorInfo,
-    TensorRecord,
-    read_header,
-    read_safetensors_into,
-    write_safetensors,
-)
+from .dcp import load_dcp, save_dcp
+from .directory import verify
 from .hf import export_hf
-from .model_io import (
-    LAYOUT_FORMAT,
-    SaveHandle,
-    async_save,
-    default_groups,
-    init_optimizer_state,
-    load,
-    save,
-)
+from .state_io import SaveHandle, async_save, init_optimizer_state, load, save
 
 __all__ = [
-    "CHECKSUM_ALGORITHMS",
-    "DEFAULT_CHECKSUM",
-    "FORMAT_VERSION",
-    "LAYOUT_FORMAT",
-    "MANIFEST_NAME",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointIncompleteError",
-    "CheckpointMismatchError",
-    "CheckpointReader",
-    "CheckpointWriteError",
-    "FileEntry",
-    "Manifest",
     "SaveHandle",
-    "TensorInfo",
-    "TensorRecord",
     "async_save",
-    "check_dcp",
-    "default_groups",
     "export_hf",
     "init_optimizer_state",
-    "list_tensors",
     "load",
     "load_dcp",
-    "open_checkpoint",
-    "read_header",
-    "read_latest",
-    "read_manifest",
-    "read_safetensors_into",
-    "recover_checkpoint",
-    "resolve_checkpoint",
     "save",
     "save_dcp",
-    "set_latest",
     "verify",
-    "write_checkpoint",
-    "write_checkpoint_distributed",
-    "write_safetensors",
 ]

@@ -1,24 +1,21 @@
 """Export a plain torch / Hugging Face model's weights under their usual names.
 
-``export_hf(model_or_state, directory)`` writes ``<directory>/model.safetensors``:
-every parameter and persistent buffer under its ``state_dict`` name, as a
-typed contiguous tensor, tied duplicates written once (the name Hugging Face
-``transformers`` declares as tied is dropped, as ``save_pretrained`` does;
-otherwise the first name is kept). The file loads with
-``safetensors.torch.load_file`` and with ``transformers``'
-``from_pretrained`` (next to the model's ``config.json``), as it is.
+``export_hf(model_or_state, directory)`` writes ``<directory>/model.safetensors``: every parameter
+and persistent buffer under its ``state_dict`` name, typed and contiguous, tied duplicates once
+(the name ``transformers`` declares tied is dropped, as ``save_pretrained`` does; otherwise the
+first name is kept). It loads with ``safetensors.torch.load_file`` and, next to the model's
+``config.json``, with ``transformers``' ``from_pretrained``.
 
-Values come from a host snapshot, so the model may be on the GPU, offloaded
-or mixed; nothing is brought back to the device. The file is written to a
-temporary name, fsynced and renamed into place; other files in ``directory``
-(``config.json``, tokenizer files) are left alone.
+Values come from a host snapshot, so the model may be on the GPU, offloaded or mixed; nothing is
+brought back to the device. The file replaces any previous one atomically (``commit.replacing``:
+temporary name, fsync, rename); other files of the directory (``config.json``, tokenizer files)
+are left alone. Which module to export, or why not, comes from the backends' ``checkpoint_facts``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import secrets
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,15 +23,10 @@ from typing import Any
 
 import torch
 
-from .atomic import _fsync_dir, _space_error_detail
-from .format import (
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    TensorRecord,
-    write_safetensors,
-)
-
-__all__ = ["export_hf"]
+from ..backends.torch import state_dict_names, unwrap
+from ..errors import CheckpointMismatchError, CheckpointWriteError
+from .commit import describe_os_error, make_parents, replacing
+from .format import Record, write_file
 
 
 def _module_of(state: Any) -> torch.nn.Module:
@@ -48,93 +40,67 @@ def _module_of(state: Any) -> torch.nn.Module:
     raise CheckpointMismatchError("(model)", refusals[0] if refusals else "no backend of this state exports nn.Module weights")
 
 
-def _tied_targets(module: torch.nn.Module) -> list[str]:
+def _tied_targets(module: torch.nn.Module) -> list[re.Pattern[str]]:
     """Names (or patterns) that Hugging Face drops when saving tied weights."""
     expanded = getattr(module, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}
     if isinstance(expanded, Mapping):
-        return [re.escape(k) for k in expanded]
-    keys = getattr(module, "_tied_weights_keys", None)  # transformers 4: list of names/patterns; 5: {target: source}
-    if isinstance(keys, Mapping):
-        return list(keys)
-    if isinstance(keys, (list, tuple, set)):
-        return [str(k) for k in keys]
-    return []
+        return [re.compile(re.escape(k)) for k in expanded]
+    keys = getattr(module, "_tied_weights_keys", None)  # transformers 4: names or patterns; 5: {target: source}
+    return [re.compile(str(k)) for k in keys] if isinstance(keys, (Mapping, list, tuple, set)) else []
 
 
-def export_hf(
-    model: Any,
-    directory: str | os.PathLike[str],
-    *,
-    filename: str = "model.safetensors",
-    metadata: Mapping[str, str] | None = None,
-) -> Path:
+def _records(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> list[Record]:
+    """One record per ``state_dict`` name, a tied duplicate once (the name HF does not drop)."""
+    names = state_dict_names(module)  # reads no values and passes no guard: safe while offloaded
+    missing = [n for n in names if n not in views]
+    if missing:
+        raise CheckpointMismatchError(missing[0], "in the model's state_dict but not tracked by its state")
+    tied = _tied_targets(module)
+    by_place: dict[tuple[Any, ...], list[str]] = {}
+    for n in names:
+        v = views[n]
+        by_place.setdefault((v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype), []).append(n)
+    keep = set()
+    for dup in by_place.values():
+        free = [n for n in dup if not any(p.fullmatch(n) or p.search(n) for p in tied)]
+        keep.add((free or dup)[0])
+    records = [Record.from_tensor(n, views[n].contiguous()) for n in names if n in keep]
+    for r in records:
+        r.validate()
+    return records
+
+
+def export_hf(model: Any, directory: str | os.PathLike[str], *, filename: str = "model.safetensors",
+              metadata: Mapping[str, str] | None = None) -> Path:
     """Write the weights of ``model`` (an ``nn.Module`` or a ``ModelState``) to ``directory/filename``.
 
-    Returns the file's path. Raises :class:`CheckpointWriteError` (full
-    disk ...) with any previous file of that name intact.
+    Returns the file's path. Raises ``CheckpointWriteError`` (full disk ...) with any previous
+    file of that name intact; ``CheckpointMismatchError`` for a sharded model (FSDP2: gather it
+    with ``get_model_state_dict(full_state_dict=True)`` first).
     """
-    from ..backends.torch import state_dict_names, unwrap
     from ..core.state import ModelState
 
-    own_state = not isinstance(model, ModelState)
-    state = ModelState(model, guard=False) if own_state else model
+    if "/" in filename or filename.startswith(".") or not filename:
+        raise ValueError(f"invalid file name {filename!r}")
+    own = not isinstance(model, ModelState)
+    state = ModelState(model, guard=False) if own else model
     try:
         module = unwrap(_module_of(state))
-        names = state_dict_names(module)  # reads no values: safe while offloaded
         groups = tuple(g for g in ("params", "buffers") if g in state.groups)
         snap = state.snapshot(groups, tag=f"_export-{uuid.uuid4().hex[:12]}", placement="host")
         try:
-            snap.wait()
-            views = dict(snap.views())
-            missing = [n for n in names if n not in views]
-            if missing:
-                raise CheckpointMismatchError(missing[0], "in the model's state_dict but not tracked by its state")
-            tied = [re.compile(p) for p in _tied_targets(module)]
-            by_key: dict[tuple[Any, ...], list[str]] = {}
-            for n in names:
-                v = views[n]
-                key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
-                by_key.setdefault(key, []).append(n)
-            keep: set[str] = set()
-            for dup in by_key.values():
-                free = [n for n in dup if not any(p.fullmatch(n) or p.search(n) for p in tied)]
-                keep.add((free or dup)[0])
-            records = []
-            for n in names:
-                if n not in keep:
-                    continue
-                v = views[n]
-                records.append(TensorRecord.from_tensor(n, v if v.is_contiguous() else v.contiguous()))
-            meta = {"format": "pt", **dict(metadata or {})}
-            return _write_file(Path(directory), filename, records, meta)
+            records = _records(module, dict(snap.wait().views()))
+            final = Path(directory) / filename
+            make_parents(final.parent)
+            try:
+                with replacing(final) as tmp:
+                    write_file(str(tmp), records, metadata={"format": "pt", **dict(metadata or {})})
+            except OSError as e:
+                kept = f" The previous '{filename}' is intact." if final.exists() else ""
+                raise CheckpointWriteError(final, f"{describe_os_error(e)} while writing '{filename}'.{kept}", e.errno) from e
+            return final
         finally:
             state.release(snap)
     finally:
-        if own_state:
+        if own:
             state.close()
-
-
-def _write_file(directory: Path, filename: str, records: list[TensorRecord], meta: dict[str, str]) -> Path:
-    if "/" in filename or filename.startswith("."):
-        raise ValueError(f"invalid file name {filename!r}")
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / filename
-    tmp = directory / f".{filename}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        write_safetensors(tmp, records, metadata=meta)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        kept = f"The previous '{filename}' is intact." if final.exists() else ""
-        raise CheckpointWriteError(final, f"{_space_error_detail(e)} while writing '{filename}'. {kept}".strip(), e.errno) from e
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return final

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checkpoint.inspect_cmd import add_parser as _inspect_parser
 from .bench import add_parser as _bench_parser
+from .inspect import add_parser as _inspect_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,101 @@
+"""The one "all ranks agree" step of every collective checkpoint operation.
+
+Per-rank save, per-rank load and both DCP wrappers are sequences of local steps (write my files,
+read my shard, hash my share of the files) separated by ``Collective.agree``: every rank reports
+its outcome, and if any rank failed, every rank raises -- the failing rank its own error, the others
+one naming the failing rank -- so no rank goes on (installs a checkpoint, changes its model) alone.
+In one process (no process group, or ``enabled=False``) ``agree`` is just "raise my error, if any".
+
+A background writer cannot use the caller's process group (an NCCL communicator must not be used
+from two threads at once), so ``for_writer_thread`` gives it a gloo group of the same ranks, made
+once per group (collectively, on the calling thread) and forgotten with the group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointError
+
+ErrorFn = Callable[[int, str], BaseException]
+"""Makes the error a rank raises when another rank (first argument) failed with the given text."""
+
+_WRITER_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class Collective:
+    """The ranks of ``group`` (default: the world) taking part in one checkpoint operation."""
+
+    def __init__(self, group: Any = None, *, enabled: bool = True) -> None:
+        dist = _dist() if enabled else None
+        self.on = dist is not None
+        self.group = group
+        self.rank = dist.get_rank(group) if dist is not None else 0
+        self.world = dist.get_world_size(group) if dist is not None else 1
+
+    @staticmethod
+    def initialized_world(group: Any = None) -> int | None:
+        """The size of ``group`` when ``torch.distributed`` is initialised, else ``None``."""
+        dist = _dist()
+        return None if dist is None else dist.get_world_size(group)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if not self.on:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        _dist().all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree(self, mine: BaseException | None, payload: Any = None, *, what: str, error: ErrorFn | None = None,
+              cleanup: Callable[[], None] | None = None) -> list[Any]:
+        """Every rank's ``payload`` once all succeeded; otherwise ``cleanup()`` then raise on every rank.
+
+        ``mine``: this rank's error (or ``None``). A rank that failed re-raises it; the others raise
+        ``error(rank, text)`` for the first failing rank (default: ``CheckpointError`` saying it
+        failed while ``what``).
+        """
+        text = None if mine is None else f"{type(mine).__name__}: {mine}"
+        reports = self.gather((text, None if mine is not None else payload))
+        failed = [(rank, t) for rank, (t, _) in enumerate(reports) if t is not None]
+        if not failed:
+            return [p for _, p in reports]
+        if cleanup is not None:
+            cleanup()
+        if mine is not None:
+            raise mine
+        rank, text = failed[0]
+        raise error(rank, text) if error is not None else CheckpointError(f"rank {rank} failed while {what}: {text}")
+
+    def run(self, fn: Callable[[], Any], *, what: str, share: bool = True, error: ErrorFn | None = None,
+            cleanup: Callable[[], None] | None = None) -> Any:
+        """``fn()`` on this rank, then ``agree`` on its outcome. Returns every rank's result
+        (``share``: they must be picklable) or this rank's alone."""
+        try:
+            result, mine = fn(), None
+        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+            result, mine = None, e
+        shared = self.agree(mine, result if share else None, what=what, error=error, cleanup=cleanup)
+        return shared if share else result
+
+    def for_writer_thread(self) -> Collective:
+        """The same ranks over a gloo group a background thread may use (collective on first use)."""
+        if not self.on:
+            return self
+        dist = _dist()
+        key = self.group if self.group is not None else dist.group.WORLD
+        gloo = _WRITER_GROUPS.get(key)
+        if gloo is None:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            gloo = _WRITER_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+        out = Collective.__new__(Collective)
+        out.on, out.group, out.rank, out.world = True, gloo, self.rank, self.world
+        return out

@@ -1,0 +1,224 @@
+"""Committing a checkpoint: a fresh directory, fsync, rename, and the ``latest`` pointer written last.
+
+Checkpoints are immutable: a save creates a new directory and never writes into an existing
+checkpoint. ``commit``, for one process or every rank: (1) rank 0 refuses a path that exists
+(anything but an empty directory), removes what a crashed write to the same path left
+(``.<name>.tmp-*``) and creates ``.<name>.tmp-<random>`` beside it; (2) every rank writes and
+fsyncs its files there; (3) rank 0 writes ``manifest.json`` (temporary name, fsync, rename),
+fsyncs the directory, renames it to ``<name>`` in one atomic step and fsyncs the parent; only then
+does ``latest`` move (temporary file, fsync, rename, fsync), so it never names a checkpoint that is
+not complete and durable. A crash or a full disk at any point leaves no ``<name>`` or the complete
+one, and touches nothing that existed before: the previous checkpoint and ``latest`` survive.
+
+Dropped, and why: replacing a checkpoint in place needed an atomic directory swap
+(``renameat2(RENAME_EXCHANGE)`` through ctypes) or two renames with a window in which the path is
+missing -- hence readers picking the newest complete sibling, recovery renaming it back, and
+pid-liveness checks telling a crashed writer's leftovers from a live one's. With fresh directories
+there is no such window, and none of it is needed. Still assumed: one writer per checkpoint path
+at a time (a second one fails; it never corrupts the first's checkpoint).
+
+Reading ``latest``: it holds one plain name, of a real directory beside it (a symbolic link, or a
+name leaving the directory, is refused).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError
+from .collective import Collective
+from .format import open_regular
+from .manifest import MANIFEST_NAME
+
+LATEST = "latest"
+
+_SPACE = {
+    errno_mod.ENOSPC: "no space left on device (ENOSPC)",
+    errno_mod.EDQUOT: "disk quota exceeded (EDQUOT)",
+    errno_mod.EFBIG: "file too large (EFBIG: a file size limit such as RLIMIT_FSIZE, or the file system's maximum)",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    code = e.errno or 0
+    return _SPACE.get(code, f"{os.strerror(code) if code else e} ({errno_mod.errorcode.get(code, 'error')})")
+
+
+def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointWriteError:
+    """The typed error for an OS error while ``doing`` part of a write of ``final``."""
+    msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
+           "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
+    if e.errno in _SPACE and nbytes:
+        msg += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
+    return CheckpointWriteError(final, msg, e.errno)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by its path."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Replace the file ``path`` atomically: the body writes the yielded temporary sibling; then it is
+    fsynced, renamed over ``path`` and the directory fsynced. On any error it is removed."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_path(path.parent)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` atomically and durably (see ``replacing``)."""
+    with replacing(path) as tmp:
+        with open(tmp, "xb") as f:
+            f.write(data)
+
+
+def make_parents(directory: Path) -> None:
+    """Create missing directories down to ``directory`` (like ``mkdir -p``), each made durable in its parent."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fsync_path(d.parent)
+
+
+# --------------------------------------------------------------------------- the latest pointer
+
+
+def set_latest(path: str | os.PathLike[str]) -> Path:
+    """Point ``<parent>/latest`` at the complete checkpoint ``path``; returns the pointer file.
+
+    On failure the pointer still names the previous checkpoint and ``CheckpointWriteError`` says so.
+    """
+    final = Path(os.path.abspath(path))
+    if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
+        raise CheckpointIncompleteError(final, f"no {MANIFEST_NAME}: only a complete checkpoint can become latest")
+    pointer = final.parent / LATEST
+    try:
+        write_durable(pointer, (final.name + "\n").encode())
+    except OSError as e:
+        raise CheckpointWriteError(pointer, f"{describe_os_error(e)} while updating the pointer; it still names the "
+                                   "previous checkpoint", e.errno) from e
+    return pointer
+
+
+def read_latest(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``<root>/latest`` names (a real directory inside ``root``), or ``None`` if there is no pointer."""
+    root_p = Path(os.path.abspath(root))
+    try:
+        fd, size, path = open_regular(root_p, LATEST)
+    except FileNotFoundError:
+        return None
+    try:
+        name = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
+        raise CheckpointCorruptError(path, "latest does not hold the plain name of a checkpoint in this directory")
+    if os.path.islink(root_p / name):
+        raise CheckpointCorruptError(root_p / name, f"latest names a symbolic link ({name!r}); refusing to follow it")
+    return root_p / name
+
+
+# --------------------------------------------------------------------------- the commit protocol
+
+
+def _begin(final: Path) -> str:
+    """Rank 0, step 1: check the path, clear a crashed write's leftovers, create the temporary directory."""
+    if not final.parent.is_dir():
+        raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
+    if final.is_symlink() or (os.path.lexists(final) and (not final.is_dir() or any(os.scandir(final)))):
+        raise FileExistsError(f"'{final}' exists; checkpoints are never overwritten: save to a new directory "
+                              "(e.g. step-N) and move latest (update_latest=True), or remove it first")
+    prefix = f".{final.name}.tmp-"
+
+    def make() -> str:
+        for leftover in os.scandir(final.parent):
+            if leftover.name.startswith(prefix) and leftover.is_dir(follow_symlinks=False):
+                shutil.rmtree(leftover.path, ignore_errors=True)
+        tmp = final.parent / f"{prefix}{secrets.token_hex(6)}"
+        os.mkdir(tmp, 0o755)
+        return str(tmp)
+
+    return _step(final, "creating its temporary directory", 0, make)
+
+
+def _check_space(final: Path, nbytes: int) -> None:
+    """Fail before writing when the file system clearly cannot hold ``nbytes`` more bytes."""
+    st = os.statvfs(final.parent)
+    if st.f_bavail * st.f_frsize < nbytes:
+        raise OSError(errno_mod.ENOSPC, f"{st.f_bavail * st.f_frsize} bytes available")
+
+
+def _install(tmp: Path, final: Path, manifest: bytes) -> None:
+    """Rank 0, step 3: the manifest, then the rename (each made durable first)."""
+    write_durable(tmp / MANIFEST_NAME, manifest)  # and fsyncs tmp: every entry of it is durable
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except OSError as e:
+        raise write_error(final, e, doing, nbytes) from e
+
+
+def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest: Callable[[list[Any]], bytes], *,
+           nbytes: int = 0, update_latest: bool = False) -> bytes:
+    """Write a new checkpoint at ``final`` on every rank of ``comm`` (see the module doc); returns the manifest bytes.
+
+    ``write(tmp)`` writes this rank's files into the temporary directory and returns a picklable
+    report; ``manifest(reports)`` (rank 0 only, every rank's report in rank order) returns the
+    manifest's bytes. ``nbytes``: what this rank writes (checked against the free space first).
+    Any failure raises on every rank (``CheckpointWriteError`` naming the failing rank on the
+    others), after the temporary directory was removed.
+    """
+    tmp: list[Path] = []
+
+    def failed(rank: int, text: str) -> BaseException:
+        return CheckpointWriteError(final, f"rank {rank} failed ({text})")
+
+    def cleanup() -> None:
+        if comm.rank == 0 and tmp:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+
+    def write_mine() -> Any:
+        _step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
+        return write(tmp[0])
+
+    def install() -> bytes | None:
+        if comm.rank != 0:
+            return None
+        data = manifest(reports)
+        _step(final, "installing the checkpoint", nbytes, lambda: _install(tmp[0], final, data))
+        if update_latest:
+            set_latest(final)
+        return data
+
+    tmp.append(Path(comm.run(lambda: _begin(final) if comm.rank == 0 else None, what="preparing", error=failed)[0]))
+    reports = comm.run(write_mine, what="writing its files", error=failed, cleanup=cleanup)
+    return comm.run(install, what="installing the checkpoint", error=failed, cleanup=cleanup)[0]

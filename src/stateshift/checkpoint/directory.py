@@ -1,0 +1,215 @@
+"""A checkpoint directory: found, opened safely, read and verified -- and written.
+
+Reading (``Checkpoint.open``): ``path`` is a checkpoint (it holds ``manifest.json``) or a
+directory whose ``latest`` names one. Anything else is said for what it is
+(``CheckpointNotFoundError``: nothing there, an empty directory, a Hugging Face export, a DCP
+directory without a manifest, other files; ``CheckpointIncompleteError``: a write that never
+finished). The manifest is decoded once (``manifest.py``), and every file the caller will use is
+opened only as a regular file inside the directory (no symbolic link, no FIFO) and checked against
+it -- size, then header crc32, then the header itself -- before a byte of data is read.
+
+Writing (``write_checkpoint``): records are checked, then ``commit.commit`` writes each rank's
+files into a fresh directory and rank 0 assembles the manifest from every rank's report.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError
+from . import format as fmt
+from . import manifest as mf
+from .collective import Collective
+from .commit import commit, fsync_path, read_latest, write_error
+from .format import FileEntry, ProgressFn, Record
+
+_HF_FILES = re.compile(r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$")
+
+
+def _not_a_checkpoint(p: Path) -> Exception:
+    """Why the directory ``p`` (no manifest, no ``latest``) is not a checkpoint."""
+    names = sorted(os.listdir(p))
+    if re.match(r"^\..+\.tmp-[0-9a-f]+$", p.name):
+        return CheckpointIncompleteError(p, "the temporary directory of a write that never finished (the manifest is "
+                                            "written last); the next write to the same path removes it")
+    if not names:
+        return CheckpointNotFoundError(p, "an empty directory")
+    if any(_HF_FILES.match(n) for n in names):
+        return CheckpointNotFoundError(p, "a Hugging Face export (model.safetensors / config.json), not a stateshift "
+                                          "checkpoint; load it with safetensors or transformers' from_pretrained")
+    if mf.DCP_METADATA in names:
+        return CheckpointNotFoundError(p, "a torch.distributed.checkpoint directory without a stateshift manifest")
+    if any(n.endswith(".safetensors") for n in names):
+        return CheckpointIncompleteError(p, f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)")
+    return CheckpointNotFoundError(p, f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries")
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory ``path`` stands for: itself, or what its ``latest`` names."""
+    p = Path(os.path.abspath(path))
+    if not p.is_dir():
+        raise CheckpointNotFoundError(p, "nothing there" if not os.path.lexists(p) else "not a directory")
+    if os.path.lexists(p / mf.MANIFEST_NAME):
+        return p
+    latest = read_latest(p)
+    if latest is None:
+        raise _not_a_checkpoint(p)
+    if not os.path.lexists(latest / mf.MANIFEST_NAME):
+        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointNotFoundError(latest, "latest names nothing")
+    return latest
+
+
+class Checkpoint:
+    """One complete checkpoint, opened: its decoded manifest, and the files checked so far."""
+
+    def __init__(self, path: Path, manifest: mf.Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
+        """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc."""
+        root = resolve(path)
+        ckpt = cls(root, mf.read(root))
+        for name in ckpt.manifest.files if files is None else files:
+            with ckpt.file(name):
+                pass
+        return ckpt
+
+    @contextmanager
+    def file(self, name: str) -> Iterator[tuple[int, FileEntry, str]]:
+        """``(fd, entry, path)`` of one file, its size and header checked against the manifest."""
+        entry = self.manifest.files.get(name)
+        if entry is None:
+            raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
+        try:
+            fd, size, path = fmt.open_regular(self.path, name)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
+        try:
+            fmt.check_file(fd, size, entry, path)
+            yield fd, entry, path
+        finally:
+            os.close(fd)
+
+    def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
+        """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
+        pass staging memory, since a corrupt file leaves them unspecified)."""
+        with self.file(file) as (fd, entry, path):
+            fmt.read_into(fd, entry, dsts, path, progress)
+
+    def verify(self, files: Iterable[str] | None = None) -> mf.Manifest:
+        """Hash every file (or ``files``) against the manifest; ``CheckpointCorruptError`` naming the first bad one."""
+        for name in self.manifest.files if files is None else files:
+            with self.file(name) as (fd, entry, path):
+                if entry.header is not None:
+                    fmt.read_into(fd, entry, {t.name: None for t in entry.tensors}, path)
+                elif fmt.file_crc32(fd, entry.bytes, path) != entry.crc32:
+                    raise CheckpointCorruptError(path, f"checksum mismatch: manifest says {entry.checksum}")
+        return self.manifest
+
+
+def verify(path: str | os.PathLike[str]) -> mf.Manifest:
+    """Check a checkpoint against its manifest, reading every byte: every file's size, header and
+    checksums (a crc32 per tensor). Returns the manifest; raises ``CheckpointCorruptError`` naming
+    the first bad file (and tensor), and what ``Checkpoint.open`` raises for what is not a checkpoint.
+    Never unpickles anything (a DCP checkpoint's files are only hashed)."""
+    return Checkpoint.open(path).verify()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]], int]:
+    """Check names and records before anything is written; returns the plan and its data bytes."""
+    plan: dict[str, list[Record]] = {}
+    seen: dict[str, str] = {}
+    for fname, recs in files.items():
+        mf.check_file_name(fname)
+        if not fname.endswith(".safetensors"):
+            raise ValueError(f"data file {fname!r} must end with .safetensors")
+        plan[fname] = list(recs)
+        for r in plan[fname]:
+            r.validate()
+            if r.name in seen:
+                raise CheckpointMismatchError(r.name, f"appears in both '{seen[r.name]}' and '{fname}'")
+            seen[r.name] = fname
+    return plan, sum(r.nbytes for recs in plan.values() for r in recs)
+
+
+def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """``tag`` a str or None, ``version`` an int or None, ``extra`` str -> str; returns ``extra`` as a dict."""
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"tag must be a str or None, got {tag!r}")
+    if version is not None and (type(version) is not int):
+        raise TypeError(f"version must be an int or None, got {version!r}")
+    out = dict(extra or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in out.items()):
+        raise TypeError("extra must map str to str")
+    return out
+
+
+def assemble(reports: list[dict[str, Any]], *, layout: Mapping[str, Any], per_rank: bool, **fields: Any) -> bytes:
+    """Rank 0: the manifest's bytes from every rank's report (``{"files": ..., "layout": ...}``)."""
+    files: dict[str, FileEntry] = {}
+    for rank, report in enumerate(reports):
+        for name, entry in report["files"].items():
+            if name in files:
+                raise CheckpointMismatchError(name, f"file written by two ranks (rank {rank} and another)")
+            files[name] = entry
+    full = dict(layout)
+    if per_rank:
+        full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
+    return mf.dumps(mf.make(layout=full, files=files, **fields))
+
+
+def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[Record]], *, backend: str,
+                     layout: Mapping[str, Any], rank_layout: Mapping[str, Any] | None = None, tag: str | None = None,
+                     version: int | None = None, extra: Mapping[str, str] | None = None,
+                     progress: ProgressFn | None = None, update_latest: bool = False,
+                     comm: Collective | None = None) -> mf.Manifest:
+    """Write a new checkpoint directory of safetensors files at ``path`` (``commit`` says how).
+
+    ``files`` maps file names to the records stored there (names unique per rank). ``layout`` is
+    stored in the manifest; with ``rank_layout`` every rank of ``comm`` passes its own and
+    the manifest's layout gets ``world_size`` and ``ranks``. The records' bytes must not change
+    until this returns; then the checkpoint is durable (and ``latest`` names it if asked).
+    """
+    final = Path(os.path.abspath(path))
+    comm = comm or Collective(enabled=False)
+    extra_d = check_args(tag, version, extra)
+    plan, nbytes = _plan(files)
+    meta = {"format": "pt", "stateshift_format": str(mf.FORMAT_VERSION), "backend": backend}
+    meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})
+
+    def write(tmp: Path) -> dict[str, Any]:
+        entries, synced = {}, []
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # file k syncs while k+1 is written
+            for fname, recs in plan.items():
+                try:
+                    entries[fname] = fmt.write_file(str(tmp / fname), recs, metadata=meta, progress=progress, fsync=False)
+                except OSError as e:
+                    raise write_error(final, e, f"writing '{fname}'", nbytes) from e
+                synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
+            for fname, done in synced:
+                try:
+                    done.result()
+                except OSError as e:
+                    raise write_error(final, e, f"syncing '{fname}'", nbytes) from e
+        return {"files": entries, "layout": rank_layout}
+
+    def build(reports: list[Any]) -> bytes:
+        return assemble(reports, layout=layout, per_rank=rank_layout is not None, backend=backend, tag=tag,
+                        version=version, extra=extra_d)
+
+    data = commit(final, comm, write, build, nbytes=nbytes, update_latest=update_latest)
+    return mf.loads(data, str(final / mf.MANIFEST_NAME))
+

@@ -1,0 +1,474 @@
+"""The manifest: ``manifest.json`` <-> typed objects, checked against one schema, in one place.
+
+``manifest.json`` is written last into a checkpoint directory and is the only description of the
+other files that is believed. ``loads`` is the one way in: it refuses anything over
+``MAX_MANIFEST_BYTES`` before reading it, JSON nested too deeply, a manifest whose ``seal`` (the
+crc32 of the canonical JSON of everything else) does not match, and every field that is not exactly
+the schema below -- always with ``CheckpointCorruptError`` naming the manifest and the field --
+so the code after it meets only typed, consistent objects (``Manifest``, ``StoredGroup``,
+``SlotInfo``).
+
+Schema (``format_version`` 2)::
+
+    {"format": "stateshift-checkpoint", "format_version": 2, "seal": "crc32:<hex>",
+     "backend": str, "tag": str | null, "version": int | null, "extra": {str: str},
+     "checksum_algorithm": "crc32", "total_bytes": int, "library_version": str,
+     "torch_version": str, "created": str, "created_unix": number,
+     "files": {plain name: {"bytes": int, "checksum": "crc32:<hex>",
+               ".safetensors" files also: "header": {"bytes": int, "checksum": ...},
+                                          "tensors": [{"name", "dtype", "shape", "data_offsets", "checksum"}]}},
+     "layout": {"format": "stateshift-state/1", "groups": [str], "world_size": int,
+                "ranks": [{"rank": int, "groups": {group: {"file": name, "slots": [
+                    {"slot": str, "nbytes": int, "record": str, "typed": bool,
+                     "members": [{"name", "shape", "dtype", "stride", "offset", "meta"}]}]}}}]}
+             | {"format": "dcp", "world_size": int}   (then also "dcp_tensors": {name: {"shape", "dtype"}})
+             | any other object: written by the disk layer alone; ``load`` refuses it}
+
+Consistency is part of the schema: ``world_size`` ranks, every rank holding every group, each
+group's file a safetensors file of the checkpoint, each slot's record stored there with the
+slot's dtype and shape (``typed``) or as its raw bytes (``U8 [nbytes]``), tensors laid out without
+gaps up to the file's size. ``meta`` is JSON nested at most ``MAX_META_DEPTH`` deep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.layout import Layout, dtype_of
+from ..core.slot import MemberInfo, SlotInfo
+from ..errors import CheckpointCorruptError
+from .format import MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, load_json, open_regular
+
+FORMAT_NAME = "stateshift-checkpoint"
+FORMAT_VERSION = 2
+MANIFEST_NAME = "manifest.json"
+STATE_FORMAT = "stateshift-state/1"
+DCP_FORMAT = "dcp"
+DCP_METADATA = ".metadata"
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest read (about 150,000 tensors); a larger one is refused before it is read."""
+MAX_META_DEPTH = 16
+_MAX_INT = 1 << 62
+
+
+class _Bad(ValueError):
+    """A schema violation at a field (turned into ``CheckpointCorruptError`` once, in ``loads``)."""
+
+
+@dataclass(frozen=True)
+class StoredSlot:
+    """A slot as stored: its fingerprint, the tensor holding its bytes, and how (typed or raw ``U8``)."""
+
+    info: SlotInfo
+    record: str
+    typed: bool
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """One group of one rank: the file holding it and its slots."""
+
+    file: str
+    slots: tuple[StoredSlot, ...]
+
+    def layout(self) -> Layout:
+        return Layout.build(tuple(s.info for s in self.slots))
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """A tensor of a ``save_dcp`` checkpoint as its manifest records it (global shape, torch dtype name)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest. ``layout`` is the layout as stored (JSON); ``ranks`` the same, typed,
+    for a model-state checkpoint; ``dcp_tensors`` the tensors of a ``save_dcp`` checkpoint."""
+
+    backend: str
+    layout: Mapping[str, Any]
+    files: Mapping[str, FileEntry]
+    tag: str | None = None
+    version: int | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+    total_bytes: int = 0
+    library_version: str = ""
+    torch_version: str = ""
+    created: str = ""
+    created_unix: float = 0.0
+    ranks: tuple[Mapping[str, StoredGroup], ...] = ()
+    dcp_tensors: Mapping[str, DcpTensor] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = "crc32"
+
+    @property
+    def kind(self) -> Any:
+        """``layout["format"]``: ``STATE_FORMAT``, ``DCP_FORMAT`` or whatever else the writer chose."""
+        return self.layout.get("format")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.layout.get("world_size", 1))
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as JSON (without its seal)."""
+        out: dict[str, Any] = {
+            "format": FORMAT_NAME, "format_version": self.format_version, "backend": self.backend, "tag": self.tag,
+            "version": self.version, "extra": dict(self.extra), "checksum_algorithm": self.checksum_algorithm,
+            "total_bytes": self.total_bytes, "library_version": self.library_version,
+            "torch_version": self.torch_version, "created": self.created, "created_unix": self.created_unix,
+            "files": {name: _file_json(e) for name, e in self.files.items()}, "layout": self.layout,
+        }
+        if self.kind == DCP_FORMAT:
+            out["dcp_tensors"] = {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in self.dcp_tensors.items()}
+        return out
+
+
+def _crc_text(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+def _file_json(e: FileEntry) -> dict[str, Any]:
+    d: dict[str, Any] = {"bytes": e.bytes, "checksum": e.checksum}
+    if e.header is not None:
+        d["header"] = {"bytes": e.header[0], "checksum": _crc_text(e.header[1])}
+        d["tensors"] = [
+            {"name": t.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+             "data_offsets": [t.start, t.start + t.nbytes], "checksum": _crc_text(t.crc32)}
+            for t in e.tensors
+        ]
+    return d
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def make(*, backend: str, layout: Mapping[str, Any], files: Mapping[str, FileEntry], tag: str | None,
+         version: int | None, extra: Mapping[str, str], dcp_tensors: Mapping[str, DcpTensor] | None = None) -> Manifest:
+    """A new manifest, stamped with the library and torch versions and the time."""
+    now = time.time()
+    return Manifest(
+        backend=backend, layout=dict(layout), files=dict(files), tag=tag, version=version, extra=dict(extra),
+        total_bytes=sum(t.nbytes for e in files.values() for t in e.tensors) or sum(e.bytes for e in files.values()),
+        library_version=str(getattr(sys.modules.get("stateshift"), "__version__", "unknown")),
+        torch_version=str(torch.__version__), dcp_tensors=dict(dcp_tensors or {}),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z", created_unix=now,
+    )
+
+
+def _canonical(d: Mapping[str, Any]) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def seal(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with its ``seal``: the crc32 of the canonical JSON of every other field."""
+    d.pop("seal", None)
+    d["seal"] = _crc_text(zlib.crc32(_canonical(d)))
+    return d
+
+
+def dumps(manifest: Manifest) -> bytes:
+    """The bytes of ``manifest.json`` (sealed; compact, which keeps to json's C encoder: ``stateshift inspect``
+    or ``python -m json.tool`` print it for people)."""
+    return json.dumps(seal(manifest.to_json()), separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def is_typed(info: SlotInfo) -> bool:
+    """A slot is stored as a typed tensor when it is one plain tensor of a safetensors dtype; else raw bytes."""
+    if not info.covers_storage:
+        return False
+    try:
+        dtype_name(dtype_of(info.members[0].dtype))
+    except KeyError:
+        return False
+    return True
+
+
+def _meta_json(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_meta_json(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _meta_json(v) for k, v in x.items()}
+    return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
+
+
+def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    """The tensor a slot is stored as: its one member, typed, or its storage's raw bytes under its own name."""
+    if is_typed(info):
+        m = info.members[0]
+        return m.name, dtype_of(m.dtype), m.shape
+    return info.name, torch.uint8, (info.nbytes,)
+
+
+def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, Any]:
+    """One rank's part of a model-state layout: per group, its file and its slots."""
+    out = {}
+    for group, (fname, layout) in groups.items():
+        slots = []
+        for info in layout.slots:
+            members = [{"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride),
+                        "offset": m.offset, "meta": _meta_json(m.meta)} for m in info.members]
+            slots.append({"slot": info.name, "nbytes": info.nbytes, "record": stored_as(info)[0],
+                          "typed": is_typed(info), "members": members})
+        out[group] = {"file": fname, "slots": slots}
+    return {"rank": rank, "groups": out}
+
+
+def as_stored(layout: Layout) -> Layout:
+    """The model's layout as a manifest would give it back (``meta`` through JSON), to compare with one."""
+    if not any(m.meta for s in layout.slots for m in s.members):
+        return layout
+    slots = tuple(
+        SlotInfo(s.name, s.group, s.nbytes, tuple(
+            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _meta(_meta_json(m.meta), "meta")) for m in s.members))
+        for s in layout.slots
+    )
+    return Layout.build(slots)
+
+
+# --------------------------------------------------------------------------- reading: the schema
+
+
+def _check(v: Any, kind: str, where: str) -> Any:
+    if kind == "int":
+        ok = type(v) is int and 0 <= v < _MAX_INT
+    elif kind == "signed":
+        ok = type(v) is int and -_MAX_INT < v < _MAX_INT
+    elif kind == "str":
+        ok = isinstance(v, str)
+        if ok:
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Bad(f"{where} is not valid UTF-8 text") from None
+    elif kind == "number":
+        ok = type(v) in (int, float)
+    else:
+        ok = isinstance(v, {"bool": bool, "list": list, "dict": dict}[kind])
+    if not ok:
+        raise _Bad(f"{where} is not {'a' if kind != 'int' else 'a non-negative'} {kind}: {repr(v)[:60]}")
+    return v
+
+
+def _get(d: Any, key: str, kind: str, where: str, *, optional: bool = False) -> Any:
+    if not isinstance(d, dict):
+        raise _Bad(f"{where} is not an object")
+    if key not in d or (optional and d[key] is None):
+        if optional:
+            return None
+        raise _Bad(f"{where}.{key} is missing")
+    return _check(d[key], kind, f"{where}.{key}")
+
+
+def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
+    return tuple(_check(x, "int", f"{where}.{key}") for x in _get(d, key, "list", where))
+
+
+def _crc(d: Any, where: str) -> int:
+    text = _get(d, "checksum", "str", where)
+    if not (text.startswith("crc32:") and len(text) == 14 and all(c in "0123456789abcdef" for c in text[6:])):
+        raise _Bad(f"{where}.checksum is not crc32:<8 hex digits>: {text[:40]!r}")
+    return int(text[6:], 16)
+
+
+def _meta(v: Any, where: str, depth: int = 0) -> Any:
+    """JSON meta as tuples, at most ``MAX_META_DEPTH`` deep."""
+    if depth > MAX_META_DEPTH:
+        raise _Bad(f"{where} is nested deeper than {MAX_META_DEPTH} levels")
+    if isinstance(v, list):
+        return tuple(_meta(x, where, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return tuple((_check(k, "str", where), _meta(x, where, depth + 1)) for k, x in v.items())
+    if isinstance(v, str):
+        return _check(v, "str", where)
+    if v is None or type(v) in (bool, int, float):
+        return v
+    raise _Bad(f"{where} holds a {type(v).__name__}")
+
+
+def check_file_name(name: Any, where: str = "file name") -> str:
+    """A file of a checkpoint is a plain name inside it (``ValueError`` otherwise)."""
+    _check(name, "str", where)
+    bad = (not name or name in (".", "..", MANIFEST_NAME) or len(name.encode()) > 255
+           or (name.startswith(".") and name != DCP_METADATA) or any(c in name for c in "/\\\0"))
+    if bad:
+        raise _Bad(f"{where} {name!r} is not a plain file name inside the checkpoint")
+    return name
+
+
+def _tensor(d: Any, where: str) -> TensorEntry:
+    try:
+        dtype = dtype_from_name(_get(d, "dtype", "str", where))
+    except KeyError:
+        raise _Bad(f"{where}.dtype is not a safetensors dtype") from None
+    shape, offsets = _ints(d, "shape", where), _ints(d, "data_offsets", where)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if len(offsets) != 2 or offsets[1] - offsets[0] != nbytes:
+        raise _Bad(f"{where}.data_offsets do not hold {nbytes} bytes")
+    return TensorEntry(_get(d, "name", "str", where), dtype, shape, offsets[0], nbytes, _crc(d, where))
+
+
+def _file(name: str, d: Any, where: str) -> FileEntry:
+    size, crc = _get(d, "bytes", "int", where), _crc(d, where)
+    if not name.endswith(".safetensors"):
+        return FileEntry(size, crc)
+    header = _get(d, "header", "dict", where)
+    hsize, hcrc = _get(header, "bytes", "int", f"{where}.header"), _crc(header, f"{where}.header")
+    tensors = tuple(_tensor(t, f"{where}.tensors[{i}]") for i, t in enumerate(_get(d, "tensors", "list", where)))
+    pos = 0
+    for t in tensors:
+        if t.start != pos:
+            raise _Bad(f"{where}: tensor {t.name!r} starts at {t.start}, expected {pos}")
+        pos += t.nbytes
+    if not 8 <= hsize <= MAX_HEADER_BYTES or hsize + pos != size or len({t.name for t in tensors}) != len(tensors):
+        raise _Bad(f"{where}: header and tensors do not add up to the file's {size} bytes (or a name repeats)")
+    return FileEntry(size, crc, (hsize, hcrc), tensors)
+
+
+def _member(d: Any, where: str) -> MemberInfo:
+    dtype = _get(d, "dtype", "str", where)
+    try:
+        dtype_of(dtype)
+    except KeyError:
+        raise _Bad(f"{where}.dtype {dtype!r} is not a torch dtype") from None
+    shape, stride = _ints(d, "shape", where), _ints(d, "stride", where)
+    if len(stride) != len(shape):
+        raise _Bad(f"{where}: stride and shape differ in length")
+    meta = _meta(_get(d, "meta", "list", where), f"{where}.meta")
+    return MemberInfo(_get(d, "name", "str", where), shape, dtype, stride, _get(d, "offset", "int", where), meta)
+
+
+def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> StoredSlot:
+    members = tuple(_member(m, f"{where}.members[{k}]") for k, m in enumerate(_get(d, "members", "list", where)))
+    if not members:
+        raise _Bad(f"{where}.members is empty")
+    info = SlotInfo(_get(d, "slot", "str", where), group, _get(d, "nbytes", "int", where), members)
+    typed, record = _get(d, "typed", "bool", where), _get(d, "record", "str", where)
+    want = (dtype_of(members[0].dtype), members[0].shape) if typed else (torch.uint8, (info.nbytes,))
+    t = stored.get(record)
+    if t is None or (t.dtype, t.shape) != want or (typed and not info.covers_storage):
+        raise _Bad(f"{where}: its record {record!r} is not stored in the group's file as {want[0]} {list(want[1])}")
+    return StoredSlot(info, record, typed)
+
+
+def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, StoredGroup], ...]:
+    groups = [_check(g, "str", "layout.groups[]") for g in _get(layout, "groups", "list", "layout")]
+    world, ranks = _get(layout, "world_size", "int", "layout"), _get(layout, "ranks", "list", "layout")
+    if world < 1 or len(ranks) != world:
+        raise _Bad(f"layout.world_size is {world} but layout.ranks holds {len(ranks)} ranks")
+    out = []
+    for i, r in enumerate(ranks):
+        where = f"layout.ranks[{i}]"
+        stored = _get(r, "groups", "dict", where)
+        if _get(r, "rank", "int", where) != i or sorted(stored) != sorted(groups):
+            raise _Bad(f"{where} is not rank {i} holding the groups {groups}")
+        decoded = {}
+        for g in groups:
+            gw = f"{where}.groups.{g}"
+            fname = _get(stored[g], "file", "str", gw)
+            entry = files.get(fname)
+            if entry is None or entry.header is None:
+                raise _Bad(f"{gw}.file {fname!r} is not a safetensors file of this checkpoint")
+            by_name = {t.name: t for t in entry.tensors}
+            slots = _get(stored[g], "slots", "list", gw)
+            decoded[g] = StoredGroup(fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots)))
+            names = [m.name for s in decoded[g].slots for m in s.info.members]
+            if len(set(names)) != len(names):
+                raise _Bad(f"{gw}: a tensor name repeats")
+        out.append(decoded)
+    return tuple(out)
+
+
+def _dcp(d: Mapping[str, Any]) -> dict[str, DcpTensor]:
+    out = {}
+    for name, t in _get(d, "dcp_tensors", "dict", "manifest").items():
+        where = f"dcp_tensors[{name!r}]"
+        _check(name, "str", where)
+        dtype = _get(t, "dtype", "str", where)
+        try:
+            dtype_of(dtype)
+        except KeyError:
+            raise _Bad(f"{where}.dtype {dtype!r} is not a torch dtype") from None
+        out[name] = DcpTensor(_ints(t, "shape", where), dtype)
+    return out
+
+
+def _decode(d: Any) -> Manifest:
+    if _get(d, "format", "str", "manifest") != FORMAT_NAME:
+        raise _Bad(f"not a {FORMAT_NAME} manifest")
+    fv = _get(d, "format_version", "int", "manifest")
+    if fv != FORMAT_VERSION:
+        raise _Bad(f"format_version {fv}: this stateshift reads format {FORMAT_VERSION} only")
+    if _get(d, "checksum_algorithm", "str", "manifest") != "crc32":
+        raise _Bad("checksum_algorithm is not crc32")
+    files = {check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in _get(d, "files", "dict", "manifest").items()}
+    layout = _get(d, "layout", "dict", "manifest")
+    kind = layout.get("format")
+    if kind == DCP_FORMAT and _get(layout, "world_size", "int", "layout") < 1:
+        raise _Bad("layout.world_size is 0")
+    if kind not in (STATE_FORMAT, DCP_FORMAT):
+        _meta(layout, "layout")
+    extra = _get(d, "extra", "dict", "manifest")
+    return Manifest(
+        backend=_get(d, "backend", "str", "manifest"), layout=layout, files=files,
+        tag=_get(d, "tag", "str", "manifest", optional=True), version=_get(d, "version", "signed", "manifest", optional=True),
+        extra={_check(k, "str", "extra"): _check(v, "str", f"extra[{k!r}]") for k, v in extra.items()},
+        total_bytes=_get(d, "total_bytes", "int", "manifest"),
+        library_version=_get(d, "library_version", "str", "manifest"), torch_version=_get(d, "torch_version", "str", "manifest"),
+        created=_get(d, "created", "str", "manifest"), created_unix=float(_get(d, "created_unix", "number", "manifest")),
+        ranks=_state(layout, files) if kind == STATE_FORMAT else (),
+        dcp_tensors=_dcp(d) if kind == DCP_FORMAT else {},
+        format_version=fv,
+    )
+
+
+def loads(raw: bytes, path: str) -> Manifest:
+    """Decode the bytes of ``manifest.json`` (``path`` names it in errors); see the module doc."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+    d = load_json(raw, path, "manifest")
+    if not isinstance(d, dict):
+        raise CheckpointCorruptError(path, "manifest is not a JSON object")
+    body = {k: v for k, v in d.items() if k != "seal"}
+    try:
+        expected = _crc_text(zlib.crc32(_canonical(body)))
+    except (RecursionError, ValueError):
+        raise CheckpointCorruptError(path, "manifest is nested too deeply (or holds NaN)") from None
+    if d.get("seal") != expected:
+        raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
+    try:
+        return _decode(body)
+    except _Bad as e:
+        raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
+
+
+def read(root: os.PathLike[str]) -> Manifest:
+    """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
+    fd, size, path = open_regular(root, MANIFEST_NAME)
+    try:
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
+        chunks, pos = [], 0
+        while pos <= size:
+            chunk = os.pread(fd, size + 1 - pos, pos)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            pos += len(chunk)
+        return loads(b"".join(chunks), path)
+    finally:
+        os.close(fd)

@@ -1,0 +1,325 @@
+"""Untrusted checkpoints (issue 13, items 9-12): no code runs, nothing outside the directory is read,
+no unbounded input, typed errors only, and ``inspect`` fails wherever ``load`` would refuse.
+
+Each test crafts a directory as an attacker (or a damaged disk) would. Manifests edited here are
+resealed (``manifest.seal``), so they reach the schema check as a crafted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make, warm
+
+from stateshift import ModelState
+from stateshift.checkpoint import load, load_dcp, save, save_dcp, verify
+from stateshift.cli import main as cli
+from stateshift.errors import CheckpointCorruptError, CheckpointError
+
+
+def _reseal(d: dict) -> dict:
+    try:
+        from stateshift.checkpoint.manifest import seal
+    except ImportError:  # the layout before the rewrite had no seal
+        return d
+    return seal(d)
+
+
+def _rewrite(root: Path, mutate) -> None:
+    mp = root / "manifest.json"
+    d = json.loads(mp.read_text())
+    d.pop("seal", None)
+    mutate(d)
+    mp.write_text(json.dumps(_reseal(d)))
+
+
+def _state(seed: int = 0) -> ModelState:
+    model, opt = make("cpu", seed=seed)
+    warm(model, opt)
+    return ModelState(model, opt)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    save(_state(), tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def _inspect(capsys, *argv: str) -> tuple[int, str]:
+    rc = cli(["inspect", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+def _crc(path: Path) -> str:
+    return f"crc32:{zlib.crc32(path.read_bytes()):08x}"
+
+
+# --------------------------------------------------------------------------- item 9: no unpickling
+
+
+class _Evil:
+    """Unpickling this creates ``marker`` (what a crafted ``.metadata`` could do with a shell command)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture
+def evil_dcp(tmp_path: Path) -> tuple[Path, Path]:
+    model, opt = make("cpu")
+    warm(model, opt)
+    root = tmp_path / "dcp"
+    save_dcp(root, model, opt)
+    marker = tmp_path / "pwned"
+    meta = root / ".metadata"
+    meta.write_bytes(pickle.dumps(_Evil(marker)))
+
+    def fix(d: dict) -> None:  # the attacker satisfies the recorded checksum and size
+        d["files"][".metadata"]["checksum"] = _crc(meta)
+        d["files"][".metadata"]["bytes"] = meta.stat().st_size
+
+    _rewrite(root, fix)
+    return root, marker
+
+
+def test_inspect_never_unpickles_dcp_metadata(evil_dcp, capsys):
+    root, marker = evil_dcp
+    _inspect(capsys, str(root))
+    _inspect(capsys, "--no-verify", "--json", str(root))
+    assert not marker.exists()
+
+
+def test_load_dcp_refuses_pickle_metadata_unless_trusted(evil_dcp):
+    from stateshift.errors import CheckpointUntrustedError
+
+    root, marker = evil_dcp
+    model, opt = make("cpu", seed=1)
+    warm(model, opt)
+    with pytest.raises(CheckpointUntrustedError, match="pickle.*trusted=True"):
+        load_dcp(root, model, opt)
+    assert not marker.exists()
+    assert "pickle" in load_dcp.__doc__ and "trusted" in load_dcp.__doc__
+
+
+def test_load_dcp_verifies_metadata_checksum_before_opening_it(evil_dcp):
+    root, marker = evil_dcp
+    meta = root / ".metadata"
+    meta.write_bytes(meta.read_bytes() + b".")  # no longer what the manifest records
+    _rewrite(root, lambda d: d["files"][".metadata"].update(bytes=meta.stat().st_size))
+    model, opt = make("cpu", seed=1)
+    warm(model, opt)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load_dcp(root, model, opt, trusted=True)
+    assert ei.value.path == str(meta)
+    assert not marker.exists()
+
+
+def test_inspect_help_says_dcp_metadata_is_pickle(capsys):
+    with pytest.raises(SystemExit):
+        cli(["inspect", "--help"])
+    out = capsys.readouterr().out
+    assert "pickle" in out and "trusted=True" in out and "stateshift save" not in out
+
+
+# --------------------------------------------------------------------------- item 10: only regular files inside the root
+
+
+def _in_thread(fn, fifo: Path | None = None, timeout: float = 20.0):
+    """Run ``fn``; if it hangs (a FIFO opened for reading), unblock it by opening the FIFO for writing."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail(f"{fn} hung on a FIFO")
+    return out
+
+
+@pytest.mark.parametrize("name", ["params.safetensors", "manifest.json"])
+def test_fifo_in_the_checkpoint_is_refused_without_hanging(ckpt, name, capsys):
+    victim = ckpt / name
+    victim.unlink()
+    os.mkfifo(victim)
+    out = _in_thread(lambda: load(_state(1), ckpt), victim)
+    assert isinstance(out.get("error"), CheckpointCorruptError), out
+    assert "not a regular file" in str(out["error"])
+    out = _in_thread(lambda: _inspect(capsys, str(ckpt)), victim)
+    rc, text = out["value"]
+    assert rc == 1 and "not a regular file" in text
+
+
+def test_symlinked_data_file_is_refused_even_when_its_bytes_are_right(ckpt, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    (ckpt / "params.safetensors").rename(outside)
+    (ckpt / "params.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointCorruptError, match="symbolic link|not a regular file"):
+        load(_state(1), ckpt)
+    with pytest.raises(CheckpointCorruptError, match="symbolic link|not a regular file"):
+        verify(ckpt)
+
+
+def test_no_bytes_of_a_file_outside_the_directory_reach_an_error(ckpt, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET!!" + b"x" * 100)
+    (ckpt / "params.safetensors").unlink()
+    (ckpt / "params.safetensors").symlink_to(secret)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(_state(1), ckpt)
+    leaked = str(struct.unpack("<Q", b"SECRET!!")[0])
+    assert leaked not in str(ei.value) and "SECRET" not in str(ei.value)
+
+
+def test_latest_naming_a_symlink_outside_the_root_is_refused(tmp_path, capsys):
+    root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    save(_state(), elsewhere / "step-1")
+    (root / "step-1").symlink_to(elsewhere / "step-1")
+    (root / "latest").write_text("step-1\n")
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        load(_state(1), root)
+    rc, text = _inspect(capsys, str(root))
+    assert rc == 1 and "symbolic link" in text
+    (root / "latest").write_text("../elsewhere/step-1\n")
+    with pytest.raises(CheckpointCorruptError, match="latest"):
+        load(_state(1), root)
+
+
+# --------------------------------------------------------------------------- item 11: size and depth limits
+
+
+def test_oversized_manifest_is_refused_before_it_is_read(ckpt, capsys):
+    from stateshift.checkpoint import manifest as manifest_mod
+
+    limit = getattr(manifest_mod, "MAX_MANIFEST_BYTES", 64 << 20)
+    with open(ckpt / "manifest.json", "r+b") as f:
+        f.truncate(limit + 1)  # sparse: costs no disk
+    with pytest.raises(CheckpointCorruptError, match="larger than"):
+        load(_state(1), ckpt)
+    rc, text = _inspect(capsys, str(ckpt))
+    assert rc == 1 and "larger than" in text
+
+
+def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(ckpt, capsys):
+    (ckpt / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointCorruptError, match="nested"):
+        load(_state(1), ckpt)
+    rc, _ = _inspect(capsys, str(ckpt))
+    assert rc == 1
+
+
+def test_deeply_nested_meta_is_corrupt(ckpt):
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+
+    def mutate(d):
+        d["layout"]["ranks"][0]["groups"]["params"]["slots"][0]["members"][0]["meta"] = deep
+
+    _rewrite(ckpt, mutate)
+    with pytest.raises(CheckpointCorruptError, match="nested"):
+        load(_state(1), ckpt)
+
+
+def test_deeply_nested_safetensors_header_is_corrupt(ckpt):
+    f = ckpt / "buffers.safetensors"
+    blob = b"[" * 200_000 + b"]" * 200_000
+    f.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    _rewrite(ckpt, lambda d: d["files"]["buffers.safetensors"].update(bytes=f.stat().st_size))
+    with pytest.raises(CheckpointCorruptError):
+        load(_state(1), ckpt)
+
+
+# --------------------------------------------------------------------------- item 12: one schema, typed errors
+
+
+def _slot(d):
+    return d["layout"]["ranks"][0]["groups"]["params"]["slots"][0]
+
+
+def _member(d):
+    return _slot(d)["members"][0]
+
+
+MALFORMED = {
+    "ranks=[]": lambda d: d["layout"].update(ranks=[]),
+    "world_size='x'": lambda d: d["layout"].update(world_size="x"),
+    "world_size=0": lambda d: d["layout"].update(world_size=0),
+    "rank without groups": lambda d: d["layout"]["ranks"][0].pop("groups"),
+    "members=5": lambda d: _slot(d).update(members=5),
+    "stride renamed": lambda d: _member(d).update(stridf=_member(d).pop("stride")),
+    "lone surrogate in a name": lambda d: _member(d).update(name="blocks\udc80weight"),
+    "shape of bools": lambda d: _member(d).update(shape=[True, 2]),
+    "negative nbytes": lambda d: _slot(d).update(nbytes=-8),
+    "unknown dtype": lambda d: _member(d).update(dtype="float128"),
+    "file missing from files": lambda d: d["files"].pop("params.safetensors"),
+    "files=[]": lambda d: d.update(files=[]),
+    "bytes='x'": lambda d: d["files"]["params.safetensors"].update(bytes="x"),
+    "version='x'": lambda d: d.update(version="x"),
+    "extra of ints": lambda d: d.update(extra={"a": 1}),
+    "file name with a slash": lambda d: d["files"].update({"../x.safetensors": d["files"]["params.safetensors"]}),
+    "group file outside files": lambda d: d["layout"]["ranks"][0]["groups"]["params"].update(file="nope.safetensors"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MALFORMED))
+def test_malformed_manifest_field_is_a_typed_error_and_inspect_fails(ckpt, mutation, capsys):
+    _rewrite(ckpt, MALFORMED[mutation])
+    state = _state(1)
+    with pytest.raises(CheckpointCorruptError):
+        load(state, ckpt)
+    rc, _ = _inspect(capsys, str(ckpt))
+    assert rc == 1
+    rc, _ = _inspect(capsys, "--no-verify", str(ckpt))
+    assert rc == 1
+
+
+def test_manifest_that_is_not_an_object_is_corrupt(ckpt):
+    (ckpt / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointCorruptError):
+        load(_state(1), ckpt)
+
+
+def test_flipped_byte_in_the_manifest_is_caught(ckpt):
+    mp = ckpt / "manifest.json"
+    raw = bytearray(mp.read_bytes())
+    i = raw.index(b'"stride"') + 3
+    raw[i] ^= 0x01  # "stride" becomes another key
+    mp.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError):
+        load(_state(1), ckpt)
+
+
+def test_inspect_does_not_call_an_empty_directory_or_an_hf_export_incomplete(tmp_path, capsys):
+    from stateshift.checkpoint import export_hf
+
+    (tmp_path / "empty").mkdir()
+    rc, text = _inspect(capsys, str(tmp_path / "empty"))
+    assert rc == 1 and "empty" in text and "never finished" not in text and "incomplete" not in text
+    model, _ = make("cpu")
+    export_hf(model, tmp_path / "hf")
+    rc, text = _inspect(capsys, str(tmp_path / "hf"))
+    assert rc == 1 and "Hugging Face" in text and "never finished" not in text
+    with pytest.raises(CheckpointError, match="Hugging Face"):
+        load(_state(1), tmp_path / "hf")
