@@ -37,6 +37,7 @@ from .transfer import CopyEngine, Plan, Transfer
 
 _log = logging.getLogger("stateshift")
 ALIGN = 4096  #: group regions start at multiples of this (page and typical block size)
+DISK_WINDOW = 64 << 20  #: default size of each of the two staging windows
 _NAME = re.compile(r"^stateshift-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+\.disk$")
 
 
@@ -246,3 +247,34 @@ class StagedIO:
         for b, t in zip(self._bufs, pending, strict=True):
             b.pending = t.merged(b.pending)
         return total
+
+    def arena_to_disk(self, p: Plan, arena: torch.Tensor, disk: DiskHome, base: int) -> int:
+        """The plan's run spans of an arena -> the disk region (a device arena through the windows)."""
+        if arena.is_cpu:
+            for run in p.runs:
+                disk.write(base + run.start, arena[run.start : run.end])
+            return sum(r.nbytes for r in p.runs)
+        bufs, moved = self.buffers(), 0
+        for lo, hi, ks in windows([(r.start, r.end) for r in p.runs], self.window):
+            buf = bufs[0][: hi - lo]
+            self.engine.copy([(buf[p.runs[k].start - lo : p.runs[k].end - lo], arena[p.runs[k].start : p.runs[k].end]) for k in ks]).wait()
+            for k in ks:
+                disk.write(base + p.runs[k].start, buf[p.runs[k].start - lo : p.runs[k].end - lo])
+                moved += p.runs[k].nbytes
+        return moved
+
+    def disk_to_arena(self, p: Plan, disk: DiskHome, base: int, arena: torch.Tensor) -> Transfer:
+        """The disk region -> the plan's run spans of an arena (a device arena through the windows)."""
+        if arena.is_cpu:
+            for run in p.runs:
+                disk.read(base + run.start, arena[run.start : run.end])
+            return Transfer(nbytes={"disk": sum(r.nbytes for r in p.runs)})
+        bufs, t = self.buffers(), Transfer()
+        for lo, hi, ks in windows([(r.start, r.end) for r in p.runs], self.window):
+            t.wait()  # the single window is free again
+            buf = bufs[0][: hi - lo]
+            for k in ks:
+                disk.read(base + p.runs[k].start, buf[p.runs[k].start - lo : p.runs[k].end - lo])
+            t = self.engine.copy([(arena[p.runs[k].start : p.runs[k].end], buf[p.runs[k].start - lo : p.runs[k].end - lo]) for k in ks])
+        self._bufs[0].pending = t.merged(self._bufs[0].pending)
+        return t

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import BackendError, ForeignStateError
+from .disk import DiskHome
 from .layout import Layout
 from .pool import HostBlock, HostPool
 from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_key
@@ -121,17 +122,18 @@ class GroupState:
     entries: Sequence[Entry] | None = field(default=None, repr=False)
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
-    plans: dict[tuple[int, ...] | None, Plan] = field(default_factory=dict, repr=False)
+    plans: dict[tuple[tuple[int, ...] | None, int | None], Plan] = field(default_factory=dict, repr=False)
 
-    def plan(self, engine: CopyEngine, indices: list[int]) -> Plan:
-        """The copy plan between slots ``indices`` and any arena of this group's layout (cached)."""
-        key = None if len(indices) == len(self.slots) else tuple(indices)
+    def plan(self, engine: CopyEngine, indices: list[int], chunk: int | None = None) -> Plan:
+        """The copy plan between slots ``indices`` and any arena of this group's layout (cached).
+        ``chunk``: no run longer than this (the disk tier's staging windows)."""
+        key = (None if len(indices) == len(self.slots) else tuple(indices), chunk)
         p = self.plans.get(key)
         if p is None:
             slots = self.slots
             p = self.plans[key] = engine.plan(
                 self.layout.offsets, [s.nbytes for s in slots], [s.device.type == "cpu" for s in slots],
-                lambda i: slots[i].bytes(), indices,
+                lambda i: slots[i].bytes(), indices, chunk,
             )
         return p
 
@@ -232,6 +234,8 @@ class SlotTable:
         self.forward: tuple[str, ...] = tuple(g for b in sources for g in b.forward_groups)
         self.groups: dict[str, GroupState] = {g: GroupState(g) for g in self.names}
         self.slots: dict[int, Slot] = {}
+        #: the state's disk home, once it has one (a relayout reads values on disk back through it)
+        self.disk: DiskHome | None = None
         _TABLES.add(self)
 
     def close(self) -> None:
@@ -338,17 +342,25 @@ class SlotTable:
         return slot, True
 
     def _relayout(self, gs: GroupState, slots: list[Slot], layout: Layout) -> None:
-        """Adopt a new slot list; carry host-resident values over into a home of the new layout."""
+        """Adopt a new slot list; carry offloaded values over into a home of the new layout (values that were
+        on disk come back to the host: the disk region had the old layout)."""
         old_home, old_layout, old_index = gs.home, gs.layout, gs.index()
         keep = [s for s in slots if s.residency is Residency.HOST and s.native_home is None and s.key in old_index]
-        new_home = self.pool.acquire(layout.total) if keep and old_home is not None else None
+        from_disk = [s for s in slots if s.residency is Residency.DISK and s.key in old_index]
+        new_home = self.pool.acquire(layout.total) if keep or from_disk else None
         gs.slots, gs.layout, gs.home = slots, layout, new_home
         gs.plans = {}
-        if old_home is None:
-            return
-        if new_home is not None:
+        new_index = gs.index()
+        if old_home is not None and keep:
             old_home.sync()
-            new_index = gs.index()
             for s in keep:
-                layout.region(new_home.data, new_index[s.key]).copy_(old_layout.region(old_home.data, old_index[s.key]))
-        self.pool.release(old_home)
+                layout.region(new_home.data, new_index[s.key]).copy_(old_layout.region(old_home.data, old_index[s.key]))  # type: ignore[union-attr]
+        if from_disk:
+            assert self.disk is not None and new_home is not None
+            base = self.disk.region(gs.name, old_layout.total)
+            for s in from_disk:
+                self.disk.read(base + old_layout.offsets[old_index[s.key]], layout.region(new_home.data, new_index[s.key]))
+                s.residency = Residency.HOST
+            self.disk.forget(gs.name)
+        if old_home is not None:
+            self.pool.release(old_home)

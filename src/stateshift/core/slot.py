@@ -27,6 +27,7 @@ class Residency(str, enum.Enum):
     DEVICE = "device"  #: device storage valid (for CPU tensors: their own storage)
     HOST = "host"  #: device storage released; the home holds the values
     DROPPED = "dropped"  #: device storage released; no values kept (onload zero-fills)
+    DISK = "disk"  #: device storage released; the state's disk home holds the values
 
     def __str__(self) -> str:
         return self.value

@@ -36,6 +36,7 @@ brings offloaded values back to the device before it gives the homes up.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -44,7 +45,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from ..errors import DiskTierError, NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from .disk import DISK_WINDOW, DiskHome, StagedIO
 from .groups import GroupState, Only, SlotTable, disown, matches
 from .layout import Layout
 from .pool import HostBlock, HostPool
@@ -96,6 +98,10 @@ class ModelState(SwapVerbs):
             ``AddressStableError`` without it). A group becomes address-stable
             the first time it is onloaded, and then moves whole. Accepted with
             a warning, and a no-op, on a machine without CUDA. See ``stable.py``.
+        disk_dir: where ``offload(..., to="disk")`` keeps values: one scratch file per state
+            in this directory, removed on ``close()`` and at exit (``disk.py``).
+        disk_window_bytes: each of the two pinned staging windows disk transfers go through
+            (host memory a disk offload uses: twice this, whatever it moves).
     """
 
     def __init__(
@@ -111,6 +117,8 @@ class ModelState(SwapVerbs):
         guard: bool = True,
         free_device_memory: bool = True,
         address_stable: bool = False,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_window_bytes: int = DISK_WINDOW,
     ) -> None:
         self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
         self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
@@ -128,6 +136,9 @@ class ModelState(SwapVerbs):
         self._lock = threading.RLock()
         self._closed = False
         self._guarded = guard
+        self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
+        self._disk: DiskHome | None = None
+        self._io = StagedIO(self.engine, self.pool, disk_window_bytes)
         self.free_device_memory = free_device_memory
         try:
             self._table.refresh()
@@ -161,7 +172,8 @@ class ModelState(SwapVerbs):
     def residency(self) -> dict[str, dict[str, int]]:
         """Per group, how many slots are ``device`` / ``host`` / ``dropped``."""
         self._table.refresh()
-        return {g: gs.counts() for g, gs in self._groups.items()}
+        hide = () if self.disk_dir is not None else ("disk",)  # a state without a disk tier reports three
+        return {g: {k: n for k, n in gs.counts().items() if k not in hide} for g, gs in self._groups.items()}
 
     @_locked
     def slots(self, group: str | None = None) -> list[Slot]:
@@ -193,17 +205,26 @@ class ModelState(SwapVerbs):
 
     # -- verbs ----------------------------------------------------------------------------
     @_locked
-    def offload(self, groups: GroupArg = None, *, only: Only = None) -> Transfer:
+    def offload(self, groups: GroupArg = None, *, only: Only = None, to: Literal["host", "disk"] = "host") -> Transfer:
         """Copy device-resident slots to their homes and release their device storage.
 
-        ``host`` slots stay as they are; ``dropped`` slots stay dropped. The
-        home is safe to read on the host after the returned transfer's
-        ``wait()``. With ``free_device_memory`` (the default) the released
-        memory goes back to the driver before this returns (see ``__init__``).
+        ``to="host"``: into pinned host homes; ``host`` and ``disk`` slots stay
+        as they are. ``to="disk"``: into the state's disk home (``disk_dir``),
+        host-resident slots too (their host memory goes back to the pool);
+        done when this returns (the copies went through the staging windows),
+        and a full disk raises ``DiskTierError`` with every value where it was.
+        ``dropped`` slots stay dropped. A host home is safe to read on the host
+        after the returned transfer's ``wait()``. With ``free_device_memory``
+        (the default) the released memory goes back to the driver before this
+        returns (see ``__init__``).
         """
+        if to not in ("host", "disk"):
+            raise ValueError(f"to must be 'host' or 'disk', not {to!r}")
         names = self._select(groups)
         self._table.refresh(names)
         self._check_releasable(names, only)
+        if to == "disk":
+            return self._offload_to_disk(names, only)
         moving: dict[str, list[int]] = {}
         for g in names:
             idx = self._groups[g].select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
@@ -264,6 +285,7 @@ class ModelState(SwapVerbs):
                 disown(gs.slots[i])
         if groups is None and only is None:
             _KEEP_ALIVE.discard(self)
+        self._forget_disk_regions(names)
         _log.debug("onload %s: %d bytes", names, transfer.total_bytes)
         return transfer
 
@@ -356,10 +378,11 @@ class ModelState(SwapVerbs):
         for part in snapshot.parts:
             gs = self._groups[part.group]
             offloaded = [s for s in gs.slots if s.residency is not Residency.DEVICE]
-            if part.host is not None and offloaded and len(offloaded) == len(gs.slots) and not gs.has_native():
+            on_disk = any(s.residency is Residency.DISK for s in offloaded)
+            if part.host is not None and offloaded and len(offloaded) == len(gs.slots) and not gs.has_native() and not on_disk:
                 adopt.append((gs, part))  # every slot offloaded: the snapshot's block becomes the home
-            elif offloaded:
-                rewrite[gs.name] = offloaded
+            elif any(s.residency is not Residency.DISK for s in offloaded):
+                rewrite[gs.name] = [s for s in offloaded if s.residency is not Residency.DISK]
         fresh = self._reserve_homes(rewrite)
         for gs, part in adopt:
             self._adopt_home(gs, part)
@@ -419,7 +442,8 @@ class ModelState(SwapVerbs):
         with self._lock:
             if self._closed:
                 return
-            held = [g for g, gs in self._groups.items() if any(s.residency is Residency.HOST and s.native_home is None for s in gs.slots)]
+            held = [g for g, gs in self._groups.items()
+                    if any(s.residency is Residency.DISK or (s.residency is Residency.HOST and s.native_home is None) for s in gs.slots)]
             if held and not self._swapping:
                 self.onload(held)
             for h in self._handles:
@@ -431,6 +455,9 @@ class ModelState(SwapVerbs):
                     self.pool.release(gs.home)
                     gs.home = None
             self._closed = True
+            self._io.close()
+            if self._disk is not None:
+                self._disk.close()
             self._table.close()
             _KEEP_ALIVE.discard(self)
             _OPEN.discard(self)
@@ -539,7 +566,11 @@ class ModelState(SwapVerbs):
         if by[Residency.HOST] and arena.is_cpu and gs.home is not None:
             gs.home.sync()  # host-to-host: the device copies still writing the home must be done
         gs.zero_regions(self.engine, by[Residency.DROPPED], arena)
-        return gs.copy_out(self.engine, by[Residency.DEVICE], arena).merged(gs.copy_home(self.engine, by[Residency.HOST], arena))
+        t = gs.copy_out(self.engine, by[Residency.DEVICE], arena).merged(gs.copy_home(self.engine, by[Residency.HOST], arena))
+        if by[Residency.DISK]:
+            assert self._disk is not None
+            t = t.merged(self._io.disk_to_arena(gs.plan(self.engine, by[Residency.DISK], self._io.window), self._disk, self._disk.region(gs.name, gs.layout.total), arena))
+        return t
 
     def _write_parts(
         self, snapshot: Snapshot, parts: list[SnapshotPart], fresh: dict[str, HostBlock], rewrite: Mapping[str, list[Slot]]
@@ -550,11 +581,15 @@ class ModelState(SwapVerbs):
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
             resident = gs.select(lambda s: s.residency is Residency.DEVICE)
+            on_disk = gs.select(lambda s: s.residency is Residency.DISK)
+            if part.host is not None and (offloaded or on_disk):
+                snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
+            if on_disk:  # values on disk stay on disk
+                assert self._disk is not None
+                self._io.arena_to_disk(gs.plan(self.engine, on_disk, self._io.window), part.arena, self._disk, self._disk.region(gs.name, gs.layout.total))
             if offloaded:
                 home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
-                idx = gs.select(lambda s: s.residency is not Residency.DEVICE)
-                if part.host is not None:
-                    snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
+                idx = gs.select(lambda s: s.residency is not Residency.DEVICE and s.residency is not Residency.DISK)
                 written = gs.copy_home(self.engine, idx, part.arena, into_home=True)
                 home.pending = written.merged(home.pending)
                 transfer = transfer.merged(written)
@@ -589,7 +624,59 @@ class ModelState(SwapVerbs):
                 transfer = transfer.merged(moved)
             native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None]
             transfer = transfer.merged(self.engine.copy(native))
+            on_disk = [i for i in idx if gs.slots[i].residency is Residency.DISK]
+            if on_disk:
+                assert self._disk is not None
+                transfer = transfer.merged(self._io.into(gs.plan(self.engine, on_disk, self._io.window), self._disk, self._disk.region(gs.name, gs.layout.total)))
         return transfer
+
+    # -- internals: the disk tier ---------------------------------------------------------------
+    def _disk_home(self) -> DiskHome:
+        if self._disk is None:
+            if self.disk_dir is None:
+                raise DiskTierError("offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set")
+            self._disk = self._table.disk = DiskHome(self.disk_dir)
+        return self._disk
+
+    def _offload_to_disk(self, names: tuple[str, ...], only: Only) -> Transfer:
+        """Write every device- or host-resident slot to the disk home, then (only then) release them."""
+        disk = self._disk_home()
+        moving: dict[str, tuple[list[int], list[int]]] = {}
+        for g in names:
+            gs = self._groups[g]
+            dev = gs.select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
+            host = gs.select(lambda s: s.residency is Residency.HOST and s.native_home is None and matches(s, only))
+            if dev or host:
+                moving[g] = (dev, host)
+        moved = 0
+        for g, (dev, host) in moving.items():
+            gs = self._groups[g]
+            base = disk.region(g, gs.layout.total)
+            if host:
+                assert gs.home is not None
+                gs.home.sync()
+                moved += self._io.arena_to_disk(gs.plan(self.engine, host, self._io.window), gs.home.data, disk, base)
+            if dev:
+                moved += self._io.out(gs.plan(self.engine, dev, self._io.window), disk, base, frees_sources=True)
+            disk.settle(base, gs.layout.total)
+        for g, (dev, host) in moving.items():
+            gs = self._groups[g]
+            self._release(gs, dev)
+            for i in dev + host:
+                gs.slots[i].residency = Residency.DISK
+            if gs.home is not None and not any(s.residency is Residency.HOST for s in gs.slots):
+                self.pool.release(gs.home)  # the host memory those values used is free again
+                gs.home = None
+        self._released({g: dev for g, (dev, _) in moving.items() if dev})
+        _log.debug("offload to disk %s: %d bytes", list(moving), moved)
+        return Transfer(nbytes={"disk": moved})
+
+    def _forget_disk_regions(self, names: Iterable[str]) -> None:
+        """A group with nothing left on disk gives its region up (the next disk offload writes a new one)."""
+        if self._disk is not None:
+            for g in names:
+                if not any(s.residency is Residency.DISK for s in self._groups[g].slots):
+                    self._disk.forget(g)
 
     def _release(self, gs: GroupState, idx: list[int]) -> None:
         """Release the storage of resident slots ``idx`` (residency is the caller's to set)."""

@@ -287,9 +287,11 @@ class CopyEngine:
         on_host: Sequence[bool],
         view_of: Callable[[int], torch.Tensor],
         indices: Sequence[int] | None = None,
+        chunk: int | None = None,
     ) -> Plan:
-        """``plan`` with this engine's small-slot and chunk sizes."""
-        return plan(offsets, sizes, on_host, view_of, indices, small=self.small_bytes, chunk=self.chunk_bytes)
+        """``plan`` with this engine's small-slot and chunk sizes (``chunk``: no run longer than this instead)."""
+        chunk = self.chunk_bytes if chunk is None else chunk
+        return plan(offsets, sizes, on_host, view_of, indices, small=min(self.small_bytes, chunk), chunk=chunk)
 
     # -- arena copies -------------------------------------------------------------------------
     def to_arena(self, p: Plan, arena: torch.Tensor, *, frees_sources: bool = False) -> Transfer:
