@@ -175,3 +175,103 @@ def test_a_full_disk_during_a_disk_offload_loses_nothing(tmp_path):
     script.write_text(_FULL_DISK)
     proc = subprocess.run([sys.executable, str(script), tests, src, str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------- snapshots on disk
+
+
+@pytest.mark.parametrize("mix", ["resident", *DISK_MIXES])
+def test_disk_snapshot_holds_its_values_and_restores_and_swaps_in_every_mix(tmp_path, mix):
+    model, opt, state = _state(tmp_path, disk_window_bytes=64 << 10)
+    want = capture(state)
+    dropped = set() if mix == "resident" else DISK_MIXES[mix](state)
+    snap = state.snapshot(state.groups, tag="pi_old", placement="disk")
+    assert snap.placement == "disk" and all(p.disk is not None for p in snap.parts)
+    assert_same(snap.tensors(), _expected(want, dropped))
+    state.onload()
+    perturb(model, opt)
+    changed = capture(state)
+    with state.swapped(snap, stash="host"):
+        assert_same(capture(state), _expected(want, dropped))
+    assert_same(capture(state), changed)  # the current values are back
+    DISK_MIXES.get(mix, lambda st: set())(state)  # the same mix again, now holding the changed values
+    state.restore(snap)
+    state.onload()
+    assert_same(capture(state), _expected(want, dropped))
+    assert_same(snap.tensors(), _expected(want, dropped))  # a snapshot never changes
+    path_span = snap.parts[0].disk
+    state.release(snap)
+    assert snap.released and path_span is not None
+
+
+def test_a_disk_snapshot_needs_a_disk_dir():
+    model, opt = make()
+    state = ModelState(model, opt)
+    with pytest.raises(DiskTierError, match="disk_dir"):
+        state.snapshot(tag="s", placement="disk")
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_planner_puts_groups_on_the_host_while_the_budget_holds_then_on_disk(tmp_path):
+    from stateshift.core.pool import HostPool
+
+    model, opt = make()
+    warm(model, opt)
+    probe = ModelState(model, opt, guard=False)
+    sizes = {g: probe.layout(g).total for g in probe.groups}
+    probe.close()
+    pool = HostPool(budget_bytes=sizes["params"] + sizes["buffers"] + (64 << 10) * 2)
+    state = ModelState(model, opt, pool=pool, disk_dir=tmp_path / "d", disk_window_bytes=64 << 10)
+    want = live(model, opt)
+    plan = state.plan_offload()
+    assert {d.group: d.to for d in plan.decisions} == {"params": "host", "buffers": "host", "grads": "disk", "optim": "disk"}
+    assert plan.host_peak_bytes <= pool.budget_bytes and plan.disk_bytes == sizes["grads"] + sizes["optim"]
+    assert pool.stats.in_use_bytes == 0  # deciding allocated nothing
+    state.offload(to="auto")
+    assert state.last_offload_plan == plan
+    r = state.residency()
+    assert r["params"]["host"] and r["optim"]["disk"] and r["grads"]["disk"] and not r["optim"]["host"]
+    assert pool.stats.peak_held_bytes <= pool.budget_bytes
+    state.onload()
+    assert_same(live(model, opt), want)
+
+
+def test_planner_fails_before_anything_when_a_group_fits_nowhere():
+    from stateshift import PoolBudgetError
+    from stateshift.core.pool import HostPool
+
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt, pool=HostPool(budget_bytes=1024))
+    before, residency = live(model, opt), state.residency()
+    with pytest.raises(PoolBudgetError, match="fits in neither"):
+        state.offload(to="auto")
+    assert state.residency() == residency and state.pool.stats.in_use_bytes == 0
+    assert_same(live(model, opt), before)
+
+
+def test_pi_old_cycle_goes_to_disk_when_the_host_budget_is_short(tmp_path):
+    from stateshift.core.pool import HostPool
+    from stateshift.rl import PiOldCycle
+
+    def params():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt, pool=HostPool(budget_bytes=96 << 10), disk_dir=tmp_path / "d", disk_window_bytes=32 << 10)
+    cycle = PiOldCycle(state)
+    assert cycle.choose_placement() == "disk"  # the params do not fit in the host budget
+    train_step(model, opt, 5)
+    pi_old = params()
+    cycle.begin()
+    assert cycle.snapshot.placement == "disk"
+    train_step(model, opt, 6)
+    now = params()
+    with cycle.old_policy():
+        assert_same(params(), pi_old)
+    assert_same(params(), now)
+    cycle.end()
+    assert state.pool.stats.peak_held_bytes <= 96 << 10

@@ -197,4 +197,4 @@ def test_pool_rejects_bad_settings(bad):
 def test_bad_placement(warmed):
     model, opt, state = warmed
     with pytest.raises(ValueError, match="placement"):
-        state.snapshot(tag="s", placement="disk")
+        state.snapshot(tag="s", placement="gpu")  # ("disk" is a placement since the disk tier)

@@ -11,7 +11,7 @@ from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fa
 from helpers import SMALL, make, train_step
 from fakes.mcore.setups import _x, build, pretend_cuda_engine
 
-from stateshift import ModelState, UnknownGroupError
+from stateshift import DiskTierError, ModelState, UnknownGroupError
 from stateshift.backends.megatron import MasterRebuild
 from stateshift.models import batch
 from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
@@ -122,7 +122,9 @@ def test_bad_arguments_are_refused():
     model, opt = _torch_setup()
     state = ModelState(model, opt)
     with pytest.raises(ValueError, match="placement"):
-        PiOldCycle(state, placement="disk")  # type: ignore[arg-type]
+        PiOldCycle(state, placement="gpu")  # type: ignore[arg-type]  ("disk" is a placement since the disk tier)
+    with pytest.raises(DiskTierError, match="disk_dir"):
+        PiOldCycle(state, placement="disk")  # but only for a state with a disk tier
     with pytest.raises(UnknownGroupError):
         PiOldCycle(state, groups=["params", "weights"])
     with pytest.raises(TypeError, match="Rebuild"):

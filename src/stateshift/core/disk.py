@@ -108,6 +108,7 @@ class DiskHome:
         except OSError as exc:
             raise DiskTierError(f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
         self._regions: dict[str, _Region] = {}
+        self._free: dict[int, list[int]] = {}
         self._end = 0
         self._finalizer = weakref.finalize(self, DiskHome._cleanup, self.fd, str(self.path))
         atexit.register(self._finalizer)
@@ -127,12 +128,28 @@ class DiskHome:
         """The file offset of ``group``'s region (a new one when the group's size changed)."""
         r = self._regions.get(group)
         if r is None or r.nbytes != nbytes:
-            r = self._regions[group] = _Region(self._end, nbytes)
-            self._end += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+            if r is not None:
+                self.free(r.offset, r.nbytes)
+            r = self._regions[group] = _Region(self.allocate(nbytes), nbytes)
         return r.offset
 
     def forget(self, group: str) -> None:
-        self._regions.pop(group, None)
+        r = self._regions.pop(group, None)
+        if r is not None:
+            self.free(r.offset, r.nbytes)
+
+    def allocate(self, nbytes: int) -> int:
+        """A free span of ``nbytes`` in the file (reused by exact size, else appended)."""
+        size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        spare = self._free.get(size)
+        if spare:
+            return spare.pop()
+        offset, self._end = self._end, self._end + size
+        return offset
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give a span back for reuse (its bytes stay until overwritten: scratch, never read again)."""
+        self._free.setdefault((nbytes + ALIGN - 1) // ALIGN * ALIGN, []).append(offset)
 
     # -- raw I/O ------------------------------------------------------------------------------
     def write(self, offset: int, data: torch.Tensor) -> None:
@@ -181,6 +198,32 @@ def windows(spans: list[tuple[int, int]], size: int) -> Iterator[tuple[int, int,
         hi = b
     if group:
         yield lo, hi, group
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class OffloadDecision:
+    """Where one group goes (``host`` or ``disk``) and how many bytes of it move."""
+
+    group: str
+    to: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """``ModelState.plan_offload``'s answer: a decision per group, the host memory held at the peak
+    (pinned pool: homes, and the staging windows of a disk offload), and the bytes written to disk."""
+
+    decisions: tuple[OffloadDecision, ...]
+    host_peak_bytes: int
+    disk_bytes: int
+
+    def describe(self) -> str:
+        parts = [f"{d.group} -> {d.to} ({d.nbytes / 1e6:.1f} MB)" for d in self.decisions]
+        return f"{', '.join(parts) or 'nothing to move'}; host peak {self.host_peak_bytes / 1e6:.1f} MB, disk {self.disk_bytes / 1e6:.1f} MB"
 
 
 # --------------------------------------------------------------------------- staged transfers
@@ -278,3 +321,22 @@ class StagedIO:
             t = self.engine.copy([(arena[p.runs[k].start : p.runs[k].end], buf[p.runs[k].start - lo : p.runs[k].end - lo]) for k in ks])
         self._bufs[0].pending = t.merged(self._bufs[0].pending)
         return t
+
+    def disk_to_disk(self, p: Plan, disk: DiskHome, src: int, dst: int) -> int:
+        """The plan's run spans from one region of the file to another, through a window."""
+        buf, moved = self.buffers()[0], 0
+        for run in p.runs:
+            for a in range(run.start, run.end, self.window):
+                part = buf[: min(self.window, run.end - a)]
+                disk.read(src + a, part)
+                disk.write(dst + a, part)
+            moved += run.nbytes
+        return moved
+
+    def zero(self, p: Plan, disk: DiskHome, base: int) -> None:
+        """Zeros into the plan's run spans (dropped slots read as zeros)."""
+        buf = self.buffers()[0]
+        buf.zero_()
+        for run in p.runs:
+            for a in range(run.start, run.end, self.window):
+                disk.write(base + a, buf[: min(self.window, run.end - a)])

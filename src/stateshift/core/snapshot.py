@@ -25,33 +25,44 @@ from .slot import SlotInfo
 from .transfer import Transfer
 
 if TYPE_CHECKING:
+    from .disk import DiskHome
     from .pool import HostBlock, HostPool
 
-Placement = Literal["host", "device"]
-PLACEMENTS: tuple[str, ...] = ("host", "device")
+Placement = Literal["host", "device", "disk"]
+PLACEMENTS: tuple[str, ...] = ("host", "device", "disk")
 
 
 @dataclass(eq=False)
 class SnapshotPart:
-    """One group's values: a host block or a device tensor laid out by ``layout``."""
+    """One group's values laid out by ``layout``: in a host block, a device tensor, or a span of the
+    state's disk home (``disk``: the home and the span's file offset)."""
 
     group: str
     layout: Layout
     host: HostBlock | None = None
     device: torch.Tensor | None = None
+    disk: tuple[DiskHome, int] | None = None
 
     @property
     def arena(self) -> torch.Tensor:
+        """The part's memory (a disk part has none: ``regions()`` reads a copy of it)."""
         if self.host is not None:
             return self.host.data
-        assert self.device is not None
+        if self.device is None:
+            raise ValueError(f"the snapshot part of group {self.group!r} is on disk: it has no memory arena")
         return self.device
 
     _device_regions: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def regions(self) -> list[torch.Tensor]:
+        """Views of each slot's bytes (for a disk part: of a copy read now into host memory)."""
         if self.host is not None:
             return self.host.regions(self.layout)
+        if self.disk is not None:
+            home, offset = self.disk
+            copy = torch.empty(self.layout.total, dtype=torch.uint8)
+            home.read(offset, copy)
+            return self.layout.regions(copy)
         if self._device_regions is None:
             assert self.device is not None
             self._device_regions = self.layout.regions(self.device)
@@ -137,11 +148,13 @@ class Snapshot:
         raise KeyError(f"snapshot {self.tag!r} has no group {group!r} (it has {', '.join(self.groups)})")
 
     def views(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for every member, aliasing the snapshot's memory: read only, after ``wait()``."""
+        """(name, tensor) for every member, aliasing the snapshot's memory: read only, after ``wait()``
+        (a disk part's are views of a copy read from the disk now)."""
         self.check_alive()
         for part in self.parts:
+            regions = part.regions()
             for i, slot in enumerate(part.layout.slots):
-                region = part.region(i)
+                region = regions[i]
                 for m in slot.members:
                     dtype = dtype_of(m.dtype)
                     typed = region.view(dtype) if region.numel() % dtype.itemsize == 0 else None
@@ -169,6 +182,10 @@ class Snapshot:
                 p.host.pending = self._transfer.merged(p.host.pending)
                 self._pool.release(p.host)
                 p.host = None
+            if p.disk is not None:
+                home, offset = p.disk
+                home.free(offset, p.layout.total)
+                p.disk = None
             p.device = None
             p._device_regions = None
 

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,8 +47,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import DiskTierError, NotReleasableError, OffloadedStateError, SwapActiveError, UnknownGroupError
-from .disk import DISK_WINDOW, DiskHome, StagedIO
+from ..errors import DiskTierError, NotReleasableError, PoolBudgetError, OffloadedStateError, SwapActiveError, UnknownGroupError
+from .disk import DISK_WINDOW, DiskHome, OffloadDecision, OffloadPlan, StagedIO
 from .groups import GroupState, Only, SlotTable, disown, matches
 from .layout import Layout
 from .pool import HostBlock, HostPool
@@ -139,6 +141,8 @@ class ModelState(SwapVerbs):
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
         self._disk: DiskHome | None = None
         self._io = StagedIO(self.engine, self.pool, disk_window_bytes)
+        #: the decisions of the last ``offload(..., to="auto")``
+        self.last_offload_plan: OffloadPlan | None = None
         self.free_device_memory = free_device_memory
         try:
             self._table.refresh()
@@ -205,7 +209,7 @@ class ModelState(SwapVerbs):
 
     # -- verbs ----------------------------------------------------------------------------
     @_locked
-    def offload(self, groups: GroupArg = None, *, only: Only = None, to: Literal["host", "disk"] = "host") -> Transfer:
+    def offload(self, groups: GroupArg = None, *, only: Only = None, to: Literal["host", "disk", "auto"] = "host") -> Transfer:
         """Copy device-resident slots to their homes and release their device storage.
 
         ``to="host"``: into pinned host homes; ``host`` and ``disk`` slots stay
@@ -213,16 +217,26 @@ class ModelState(SwapVerbs):
         host-resident slots too (their host memory goes back to the pool);
         done when this returns (the copies went through the staging windows),
         and a full disk raises ``DiskTierError`` with every value where it was.
+        ``to="auto"``: as ``plan_offload`` decides (host while the pool's budget
+        holds, disk beyond), the decision logged and kept in ``last_offload_plan``.
         ``dropped`` slots stay dropped. A host home is safe to read on the host
         after the returned transfer's ``wait()``. With ``free_device_memory``
         (the default) the released memory goes back to the driver before this
         returns (see ``__init__``).
         """
-        if to not in ("host", "disk"):
-            raise ValueError(f"to must be 'host' or 'disk', not {to!r}")
+        if to not in ("host", "disk", "auto"):
+            raise ValueError(f"to must be 'host', 'disk' or 'auto', not {to!r}")
         names = self._select(groups)
         self._table.refresh(names)
         self._check_releasable(names, only)
+        if to == "auto":
+            plan = self.last_offload_plan = self._plan_offload(names, only, None)
+            _log.info("offload plan: %s", plan.describe())
+            disk = tuple(d.group for d in plan.decisions if d.to == "disk")
+            t = self._offload_to_disk(disk, only) if disk else Transfer()
+            names = tuple(d.group for d in plan.decisions if d.to == "host")
+            if not names:
+                return t
         if to == "disk":
             return self._offload_to_disk(names, only)
         moving: dict[str, list[int]] = {}
@@ -247,6 +261,39 @@ class ModelState(SwapVerbs):
         self._released(moving)
         _log.debug("offload %s: %d bytes", list(moving), transfer.total_bytes)
         return transfer
+
+    @_locked
+    def plan_offload(self, groups: GroupArg = None, *, only: Only = None, host_budget_bytes: int | None = None) -> OffloadPlan:
+        """Where ``offload(groups, to="auto")`` would put each group, and the host memory it would hold at its
+        peak, decided before anything is allocated: the host (pinned pool) while the budget holds
+        (``host_budget_bytes``, default the pool's), the disk beyond (needs ``disk_dir``). Raises
+        ``PoolBudgetError`` naming the group that fits nowhere."""
+        names = self._select(groups)
+        self._table.refresh(names)
+        return self._plan_offload(names, only, host_budget_bytes)
+
+    def _plan_offload(self, names: tuple[str, ...], only: Only, budget: int | None) -> OffloadPlan:
+        budget = self.pool.budget_bytes if budget is None else budget
+        if budget is not None and self.disk_dir is not None:
+            budget -= 2 * self._io.window  # room for the staging windows of whatever goes to disk
+        held = self.pool.stats.in_use_bytes
+        disk_free = shutil.disk_usage(self.disk_dir).free if self.disk_dir is not None and os.path.isdir(self.disk_dir) else None
+        decisions, peak, to_disk = [], held, 0
+        for g in names:
+            gs = self._groups[g]
+            moving = sum(s.nbytes for s in gs.slots if s.residency is Residency.DEVICE and matches(s, only))
+            need = gs.layout.total if moving and (gs.home is None or gs.home.shared) else 0
+            if budget is None or held + need <= budget:
+                decisions.append(OffloadDecision(g, "host", moving))
+                held += need
+            elif self.disk_dir is not None and (disk_free is None or to_disk + gs.layout.total <= disk_free):
+                decisions.append(OffloadDecision(g, "disk", moving))
+                to_disk += gs.layout.total
+            else:
+                where = "and no disk tier is set (disk_dir)" if self.disk_dir is None else "and the disk is too full"
+                raise PoolBudgetError(f"group {g!r} ({need} bytes) fits in neither the host budget ({budget} bytes for homes, {held} held) {where}")
+            peak = max(peak, held + (2 * self._io.window if to_disk else 0))
+        return OffloadPlan(tuple(decisions), peak, to_disk)
 
     @_locked
     def drop(self, groups: GroupArg = None, *, only: Only = None) -> None:
@@ -301,6 +348,9 @@ class ModelState(SwapVerbs):
         """Copy the groups' current values, wherever they live, into a new snapshot.
 
         Default groups: those the forward pass reads (params, buffers, ...).
+        ``placement``: ``"host"`` (pooled pinned memory), ``"device"``, or
+        ``"disk"`` (a span of the state's disk home, written through the staging
+        windows before this returns; needs ``disk_dir``).
         A snapshot under the same ``(tag, version)`` is replaced (released
         first, so its memory is reused). A host snapshot of a fully
         offloaded group shares the home's block instead of copying it.
@@ -314,11 +364,16 @@ class ModelState(SwapVerbs):
         shared = {gs.name for gs in gss if placement == "host" and gs.home_is_whole()}
         old = self._make_room_for(tag, version, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
         device_arenas = {gs.name: self._device_arena(gs) for gs in gss if placement == "device"}
+        disk = self._disk_home() if placement == "disk" else None
         if old is not None:
             self.snapshots.discard(old)
         parts: list[SnapshotPart] = []
         transfer = Transfer()
         for gs in gss:
+            if disk is not None:
+                parts.append(SnapshotPart(gs.name, gs.layout, disk=(disk, disk.allocate(gs.layout.total))))
+                self._write_group_to_disk(gs, parts[-1])
+                continue
             if gs.name in shared:
                 assert gs.home is not None
                 parts.append(SnapshotPart(gs.name, gs.layout, host=self.pool.retain(gs.home)))
@@ -586,7 +641,14 @@ class ModelState(SwapVerbs):
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
             if on_disk:  # values on disk stay on disk
                 assert self._disk is not None
-                self._io.arena_to_disk(gs.plan(self.engine, on_disk, self._io.window), part.arena, self._disk, self._disk.region(gs.name, gs.layout.total))
+                region, p = self._disk.region(gs.name, gs.layout.total), gs.plan(self.engine, on_disk, self._io.window)
+                if part.disk is not None:
+                    self._io.disk_to_disk(p, self._disk, part.disk[1], region)
+                else:
+                    self._io.arena_to_disk(p, part.arena, self._disk, region)
+            if part.disk is not None:
+                transfer = transfer.merged(self._write_from_disk_part(gs, part, offloaded, fresh))
+                continue
             if offloaded:
                 home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
                 idx = gs.select(lambda s: s.residency is not Residency.DEVICE and s.residency is not Residency.DISK)
@@ -602,6 +664,19 @@ class ModelState(SwapVerbs):
         if rewrite and not self._guarded:
             _KEEP_ALIVE.add(self)
         return transfer
+
+    def _write_from_disk_part(self, gs: GroupState, part: SnapshotPart, offloaded: list[Slot], fresh: dict[str, HostBlock]) -> Transfer:
+        """Restore from a disk part: device slots in place, offloaded (not on disk) ones into a private home."""
+        home_idx: list[int] = []
+        if offloaded:
+            home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
+            home_idx = gs.select(lambda s: s.residency is not Residency.DEVICE and s.residency is not Residency.DISK)
+        t = self._read_disk_part(gs, part, gs.select(lambda s: s.residency is Residency.DEVICE), home_idx)
+        for i in home_idx:
+            gs.slots[i].residency = Residency.HOST
+        if offloaded:
+            home.pending = t.merged(home.pending)
+        return t
 
     def _fill_from_homes(self, todo: list[tuple[GroupState, list[int]]]) -> Transfer:
         """Re-grow slots ``indices`` and fill them from their homes (dropped slots: zeros). Residency unchanged."""
@@ -648,7 +723,7 @@ class ModelState(SwapVerbs):
             host = gs.select(lambda s: s.residency is Residency.HOST and s.native_home is None and matches(s, only))
             if dev or host:
                 moving[g] = (dev, host)
-        moved = 0
+        moved, t0 = 0, time.perf_counter()
         for g, (dev, host) in moving.items():
             gs = self._groups[g]
             base = disk.region(g, gs.layout.total)
@@ -669,7 +744,39 @@ class ModelState(SwapVerbs):
                 gs.home = None
         self._released({g: dev for g, (dev, _) in moving.items() if dev})
         _log.debug("offload to disk %s: %d bytes", list(moving), moved)
-        return Transfer(nbytes={"disk": moved})
+        return Transfer(nbytes={"disk": moved}, host_seconds=time.perf_counter() - t0)
+
+    def _write_group_to_disk(self, gs: GroupState, part: SnapshotPart) -> None:
+        """Every slot's current values into a disk snapshot part, whatever their residency."""
+        assert part.disk is not None
+        disk, base = part.disk
+        w = self._io.window
+        by = {r: gs.select(lambda s, r=r: s.residency is r) for r in Residency}
+        own = [i for i in by[Residency.HOST] if gs.slots[i].native_home is None]
+        if own:
+            assert gs.home is not None
+            gs.home.sync()
+            self._io.arena_to_disk(gs.plan(self.engine, own, w), gs.home.data, disk, base)
+        for i in by[Residency.HOST]:
+            if gs.slots[i].native_home is not None:
+                disk.write(base + gs.layout.offsets[i], gs.home_region(i).contiguous())
+        if by[Residency.DISK]:
+            self._io.disk_to_disk(gs.plan(self.engine, by[Residency.DISK], w), disk, disk.region(gs.name, gs.layout.total), base)
+        if by[Residency.DROPPED]:
+            self._io.zero(gs.plan(self.engine, by[Residency.DROPPED], w), disk, base)
+        if by[Residency.DEVICE]:
+            self._io.out(gs.plan(self.engine, by[Residency.DEVICE], w), disk, base)
+
+    def _read_disk_part(self, gs: GroupState, part: SnapshotPart, device: list[int], home: list[int]) -> Transfer:
+        """A disk snapshot part -> slots ``device`` (holding storage) and into the home regions of ``home``."""
+        assert part.disk is not None
+        disk, base = part.disk
+        w = self._io.window
+        if home:
+            assert gs.home is not None
+            for run in gs.plan(self.engine, home, w).runs:
+                disk.read(base + run.start, gs.home.data[run.start : run.end])
+        return self._io.into(gs.plan(self.engine, device, w), disk, base) if device else Transfer()
 
     def _forget_disk_regions(self, names: Iterable[str]) -> None:
         """A group with nothing left on disk gives its region up (the next disk offload writes a new one)."""
@@ -718,12 +825,17 @@ class ModelState(SwapVerbs):
                     )
 
     def _stash_on_device(self, stash: str, groups: list[GroupState]) -> bool:
+        """``"auto"``: the device when its free memory holds twice the stash, or when the host pool's budget
+        cannot hold it; else the host."""
         if stash != "auto":
             return stash == "device"
+        need = sum(gs.layout.total for gs in groups)
+        budget = self.pool.budget_bytes
+        if budget is not None and self.pool.stats.in_use_bytes + need > budget:
+            return True
         dev = self.engine.device
         if dev is None or not any(self._device_for(gs) == dev for gs in groups):
             return False
-        need = sum(gs.layout.total for gs in groups)
         free, _ = torch.cuda.mem_get_info(dev)
         return free >= 2 * need
 

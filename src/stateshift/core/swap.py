@@ -142,7 +142,12 @@ class SwapVerbs:
         offloaded = [i for i, _ in swap.offloaded[gs.name]]
         if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
             snapshot.wait()  # host-to-host copies read the snapshot on this thread
-        if stash is not None and stash.is_cpu and part.arena.is_cpu:
+        if part.disk is not None:  # through the staging windows (the stash first)
+            if stash is not None:
+                swap.stashed = swap.stashed.merged(gs.copy_out(self.engine, resident, stash))
+            swap.written = swap.written.merged(self._read_disk_part(gs, part, resident + offloaded, []))
+            return
+        if stash is not None and stash.is_cpu and part.host is not None:
             t = gs.exchange(self.engine, resident, stash, part.arena)
             swap.stashed, swap.written = swap.stashed.merged(t), swap.written.merged(t)
         else:

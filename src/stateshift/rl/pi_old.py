@@ -50,9 +50,9 @@ from ..backends.base import Rebuild
 from ..core.slot import Residency
 from ..core.snapshot import Snapshot
 from ..core.state import ModelState
-from ..errors import UnknownGroupError
+from ..errors import DiskTierError, UnknownGroupError
 
-CyclePlacement = Literal["auto", "host", "device"]
+CyclePlacement = Literal["auto", "host", "device", "disk"]
 
 
 def find_rebuild(state: ModelState) -> Rebuild | None:
@@ -104,8 +104,10 @@ class PiOldCycle:
             but not frozen weights).
         placement: ``"auto"`` (device if the params live on the copy engine's
             GPU and the snapshot fits in that GPU's free memory with
-            ``device_headroom_bytes`` to spare, else host; params on the CPU:
-            host, i.e. CPU memory), ``"host"`` or ``"device"``. An explicit
+            ``device_headroom_bytes`` to spare, else host while the pool's
+            budget holds it, else disk when the state has a disk tier; params
+            on the CPU: host, i.e. CPU memory), ``"host"``, ``"device"`` or
+            ``"disk"`` (the state's ``disk_dir``). An explicit
             ``"device"`` is honoured as ``ModelState.snapshot`` places it: on
             the copy engine's accelerator (``state.engine.device``; the CPU when
             there is none), so for a CPU model on a CUDA machine it costs GPU
@@ -129,8 +131,10 @@ class PiOldCycle:
         device_headroom_bytes: int | None = None,
         tag: str = "pi_old",
     ) -> None:
-        if placement not in ("auto", "host", "device"):
-            raise ValueError(f"placement must be 'auto', 'host' or 'device', not {placement!r}")
+        if placement not in ("auto", "host", "device", "disk"):
+            raise ValueError(f"placement must be 'auto', 'host', 'device' or 'disk', not {placement!r}")
+        if placement == "disk" and state.disk_dir is None:
+            raise DiskTierError("placement='disk' needs a state with a disk tier: ModelState(..., disk_dir=...)")
         self.state = state
         self.groups = tuple(groups) if groups is not None else default_groups(state)
         unknown = [g for g in self.groups if g not in state.groups]
@@ -165,26 +169,35 @@ class PiOldCycle:
             return torch.device("cpu")
         return accelerators.pop() if len(accelerators) == 1 else None
 
-    def choose_placement(self) -> Literal["host", "device"]:
-        """Where pi_old goes this cycle: ``device`` when it fits (with headroom), else ``host``.
+    def choose_placement(self) -> Literal["host", "device", "disk"]:
+        """Where pi_old goes this cycle: ``device`` when it fits (with headroom), else ``host`` when the
+        pool's budget holds it, else ``disk`` (when the state has a disk tier).
 
         Based on where the state lives (``state_device``) and on the free
-        memory of *that* device: params on the CPU -> ``host`` (CPU memory,
-        their own); on a GPU -> ``device`` if that GPU is the copy engine's
+        memory of *that* device: params on the CPU -> not ``device`` (CPU memory
+        is their own); on a GPU -> ``device`` if that GPU is the copy engine's
         (device snapshots and stashes are allocated there) and has room.
         """
         if self.placement != "auto":
             return self.placement  # type: ignore[return-value]
+        need = sum(self.state.layout(g).total for g in self.groups)
+        if self._fits_on_device(need):
+            return "device"
+        budget = self.state.pool.budget_bytes
+        if budget is None or self.state.pool.stats.in_use_bytes + need <= budget or self.state.disk_dir is None:
+            return "host"
+        return "disk"
+
+    def _fits_on_device(self, need: int) -> bool:
         dev = self.state_device()
         if dev is None or dev.type != "cuda" or dev != self.state.engine.device:
-            return "host"
-        need = sum(self.state.layout(g).total for g in self.groups)
+            return False
         if self.rebuild is None or self.rebuild.group not in self.groups:
             need *= 2  # a device stash of the current weights during each swap
         free, total = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         headroom = self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20)
-        return "device" if free - need >= headroom else "host"
+        return free - need >= headroom
 
     def begin(self, version: int | None = None) -> Snapshot:
         """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
@@ -212,8 +225,9 @@ class PiOldCycle:
             else:
                 self._fallback(f"stashing {plugin.group!r} instead of rebuilding it: {why}")
         self._account_swap(snap, rebuild)
-        # the current weights wait where pi_old lives (memory permitting)
-        with self.state.swapped(snap, rebuild=rebuild, stash=snap.placement):
+        # the current weights wait where pi_old lives (memory permitting; a disk pi_old: where they fit)
+        stash = "auto" if snap.placement == "disk" else snap.placement
+        with self.state.swapped(snap, rebuild=rebuild, stash=stash):
             yield snap
         self.stats.swaps += 1
         self.stats.rebuilds += bool(rebuild)
