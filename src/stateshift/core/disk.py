@@ -26,6 +26,7 @@ import secrets
 import socket
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,16 +255,21 @@ class StagedIO:
         self._bufs = []
 
     def out(self, p: Plan, disk: DiskHome, base: int, *, frees_sources: bool = False) -> int:
-        """Slots of ``p`` -> disk at ``base`` + each run's arena offset. Returns bytes written."""
-        bufs, prev, moved = self.buffers(), None, 0
-        for k, (lo, hi, ks) in enumerate(windows([(r.start, r.end) for r in p.runs], self.window)):
-            buf = bufs[k % 2]
-            t = self.engine.to_arena(p.window(ks, lo), buf[: hi - lo], frees_sources=frees_sources)
-            if prev is not None:
-                moved += self._flush(*prev, disk, base, p)
-            prev = (t, lo, ks, buf)
-        if prev is not None:
-            moved += self._flush(*prev, disk, base, p)
+        """Slots of ``p`` -> disk at ``base`` + each run's arena offset. Returns bytes written.
+
+        A writer thread writes window k (``pwrite`` releases the GIL) while window k+1 is copied in;
+        a window is refilled only after its write finished.
+        """
+        bufs, moved = self.buffers(), 0
+        writes: list[Future[int] | None] = [None, None]
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-disk") as writer:
+            for k, (lo, hi, ks) in enumerate(windows([(r.start, r.end) for r in p.runs], self.window)):
+                done = writes[k % 2]
+                if done is not None:
+                    moved += done.result()  # (an I/O error surfaces here, before anything changed residency)
+                t = self.engine.to_arena(p.window(ks, lo), bufs[k % 2][: hi - lo], frees_sources=frees_sources)
+                writes[k % 2] = writer.submit(self._flush, t, lo, ks, bufs[k % 2], disk, base, p)
+            moved += sum(w.result() for w in writes if w is not None)
         return moved
 
     @staticmethod
@@ -277,16 +283,28 @@ class StagedIO:
         return moved
 
     def into(self, p: Plan, disk: DiskHome, base: int) -> Transfer:
-        """Disk at ``base`` -> slots of ``p`` (their storage must be there). The last copies may still run."""
+        """Disk at ``base`` -> slots of ``p`` (their storage must be there). The last copies may still run.
+
+        A reader thread fills window k+1 (``preadv`` releases the GIL) while window k is copied out.
+        """
         bufs, pending, total = self.buffers(), [Transfer(), Transfer()], Transfer()
-        for k, (lo, hi, ks) in enumerate(windows([(r.start, r.end) for r in p.runs], self.window)):
-            buf = bufs[k % 2]
+        spans = list(windows([(r.start, r.end) for r in p.runs], self.window))
+
+        def read(k: int) -> None:
+            lo, _, ks = spans[k]
             pending[k % 2].wait()  # the copy that read this window last is done
             for j in ks:
                 run = p.runs[j]
-                disk.read(base + run.start, buf[run.start - lo : run.end - lo])
-            pending[k % 2] = self.engine.from_arena(p.window(ks, lo), buf[: hi - lo])
-            total = total.merged(pending[k % 2])
+                disk.read(base + run.start, bufs[k % 2][run.start - lo : run.end - lo])
+
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-disk") as reader:
+            ahead = reader.submit(read, 0) if spans else None
+            for k, (lo, hi, ks) in enumerate(spans):
+                assert ahead is not None
+                ahead.result()
+                ahead = reader.submit(read, k + 1) if k + 1 < len(spans) else None
+                pending[k % 2] = self.engine.from_arena(p.window(ks, lo), bufs[k % 2][: hi - lo])
+                total = total.merged(pending[k % 2])
         for b, t in zip(self._bufs, pending, strict=True):
             b.pending = t.merged(b.pending)
         return total

@@ -766,6 +766,7 @@ class ModelState(SwapVerbs):
             self._io.zero(gs.plan(self.engine, by[Residency.DROPPED], w), disk, base)
         if by[Residency.DEVICE]:
             self._io.out(gs.plan(self.engine, by[Residency.DEVICE], w), disk, base)
+        disk.settle(base, gs.layout.total)
 
     def _read_disk_part(self, gs: GroupState, part: SnapshotPart, device: list[int], home: list[int]) -> Transfer:
         """A disk snapshot part -> slots ``device`` (holding storage) and into the home regions of ``home``."""
