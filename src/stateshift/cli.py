@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.inspect_cmd import add_parser as _inspect_parser
+from .rl.cli import add_parser as _train_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     _inspect_parser(sub)
+    _train_parser(sub)
     return parser
 
 
