@@ -225,8 +225,8 @@ class RunConfig:
     """report queue depth and versions when nothing moved for this long"""
     stall_timeout_s: float = 600.0
     """stop the run with an error when nothing moved for this long"""
-    progress: Literal["auto", "bar", "lines", "off"] = "auto"
-    """'auto': a progress bar on a terminal, plain lines otherwise"""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """'auto': a progress bar on a terminal, plain lines otherwise; 'none': no progress output"""
     tensorboard: bool = True
     """write TensorBoard events too, when tensorboard is installed"""
     plot: bool = True

@@ -55,9 +55,12 @@ class RunResult:
     wall_s: float
     summary: dict[str, Any] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    #: the trainer's final params (host copies), when ``run(..., return_params=True)``
+    params: dict[str, torch.Tensor] | None = None
 
 
-def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None) -> RunResult:
+def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
+        return_params: bool = False) -> RunResult:
     """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape."""
     t0 = time.perf_counter()
     stream = stream or sys.stderr
@@ -86,7 +89,12 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
     held_end = loop.final_heldout()
     print(f"held-out accuracy: {held_start:.3f} after warm-up -> {held_end:.3f} after RL "
           f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
-    return loop.result(held_end, time.perf_counter() - t0)
+    result = loop.result(held_end, time.perf_counter() - t0)
+    if return_params:
+        snap = trainer.sync_snapshot()  # a host snapshot works in any residency
+        result.params = snap.tensors()
+        trainer.release(snap)
+    return result
 
 
 class AsyncLoop:

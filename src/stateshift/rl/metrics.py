@@ -22,7 +22,7 @@ PHASES = ("generate", "old_logprob", "update", "sync", "offload", "wait")
 
 
 class Progress:
-    """A progress bar on a terminal, plain lines otherwise, or nothing."""
+    """A progress bar on a terminal, plain lines otherwise, or nothing ("none")."""
 
     def __init__(self, total: int, mode: str, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
@@ -33,7 +33,7 @@ class Progress:
         self.t0 = time.monotonic()
 
     def update(self, step: int, rec: dict[str, Any]) -> None:
-        if self.mode == "off":
+        if self.mode == "none":
             return
         held = rec.get("heldout_accuracy")
         text = (f"step {step}/{self.total} reward {rec['reward']:.3f} acc {rec['accuracy']:.3f}"

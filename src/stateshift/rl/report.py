@@ -46,8 +46,8 @@ def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict
         "staleness_tokens": {str(k): v for k, v in sorted(stale.items())},
     }
     for key in stats[0]:
-        rec[key] = _mean([s[key] for s in stats])
-    rec["behaviour_weight_max"] = max(s["behaviour_weight_max"] for s in stats)
+        values = [s[key] for s in stats]
+        rec[key] = max(values) if "max" in key else sum(values) if key.endswith("_tokens") else _mean(values)
     rec.update(system_metrics(loop))
     return rec
 

@@ -207,8 +207,8 @@ class Trainer:
             else torch.tensor(0.0)
         self.optimizer.step()
         mask = batch.mask
-        return {
-            "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy, mask)), "grad_norm": float(grad_norm),
+        return self._pi_old_check(batch, l_p) | {
+            "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),
             "clip_fraction": ls.clip_fraction, "dual_clip_fraction": ls.dual_clip_fraction,
             "kl_current_proximal": ls.kl_current_proximal, "kl_ref": kl_ref,
             "kl_proximal_behaviour": float(algo.masked_mean(batch.l_b - l_p, mask)),
@@ -216,6 +216,15 @@ class Trainer:
             "behaviour_adjusted_fraction": bw.adjusted_fraction, "ess": bw.ess,
             "zero_advantage_groups": float((batch.rewards.std(1) == 0).float().mean()),
         }
+
+    def _pi_old_check(self, batch: Batch, l_p: torch.Tensor) -> dict[str, float]:
+        """pi_old mode: tokens drawn by the very weights pi_old holds (same version) must get ``l_p == l_b``."""
+        if self.cfg.old_logprob != "pi_old":
+            return {}
+        same = batch.mask & (batch.versions == self.cycle.snapshot.version)
+        diff = (l_p - batch.l_b)[same].abs()
+        return {"pi_old_same_version_tokens": float(same.sum()),
+                "pi_old_same_version_max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
 
     @contextmanager
     def resident(self) -> Iterator[None]:
