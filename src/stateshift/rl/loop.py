@@ -228,7 +228,8 @@ class AsyncLoop:
         stopped = self.executor.stop()
         self.watchdog.join()
         with self.control.cond:
-            self.queue.close("left in the queue at the end of the run", "in flight at the end of the run")
+            self.queue.close("left in the queue at the end of the run", "in flight at the end of the run",
+                             "taken by a trainer step that did not complete")
             self.queue.check()
         self.metrics.close()
         self.progress.close()

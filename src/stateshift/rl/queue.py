@@ -20,8 +20,9 @@ Admission (before a prompt starts generating; the rollout thread asks):
   AReaL's rule; a version lasts ``trigger`` steps here, hence the factor).
 
 Nothing is dropped silently. The ledger counts every group: admitted ->
-running -> generated -> queued -> trained, or discarded[reason] (for lag, or
-left over at the end of the run, queued or still in flight);
+running -> generated -> queued -> taken -> trained, or discarded[reason] (for
+lag, or left over when the run ends: queued, in flight, or taken by a step
+that did not complete);
 ``check()`` asserts the balance and the run's summary reports it. A group
 discarded for lag (``max_lag``) gives its staleness budget back, so discards
 cannot starve the trainer.
@@ -73,6 +74,8 @@ class SampleQueue:
             raise ValueError(f"async_training.max_queue_size ({self.capacity}) must hold one trainer step ({required} groups)")
         self.items: deque[Group] = deque()
         self.running = 0
+        #: groups the trainer took whose step has not completed yet
+        self.taken = 0
         self.staleness_samples = 0
         self.ledger = Ledger()
 
@@ -123,13 +126,20 @@ class SampleQueue:
                 self.staleness_samples = max(0, self.staleness_samples - dropped)
                 self.items = keep
         out = [self.items.popleft() for _ in range(min(count, len(self.items)))]
+        self.taken += len(out)
         return out
 
     def trained(self, count: int) -> None:
+        """The trainer's step over ``count`` taken groups completed."""
+        assert count <= self.taken
+        self.taken -= count
         self.ledger.trained += count
 
-    def close(self, reason_queued: str, reason_running: str) -> None:
+    def close(self, reason_queued: str, reason_running: str, reason_taken: str) -> None:
         """End of run: what is left is counted as discarded with a reason, never forgotten."""
+        if self.taken:
+            self.ledger.discarded[reason_taken] += self.taken
+            self.taken = 0
         if self.items:
             self.ledger.discarded[reason_queued] += len(self.items)
             self.items.clear()
@@ -138,9 +148,9 @@ class SampleQueue:
             self.running = 0
 
     def check(self) -> None:
-        """The ledger balances: every admitted group is in flight, queued, trained or discarded (with a reason)."""
+        """The ledger balances: every admitted group is in flight, queued, taken, trained or discarded (with a reason)."""
         led = self.ledger
-        accounted = led.trained + sum(led.discarded.values()) + len(self.items) + self.running
+        accounted = led.trained + sum(led.discarded.values()) + len(self.items) + self.running + self.taken
         assert led.admitted == accounted, led.as_dict()
 
     def depth(self) -> int:
