@@ -20,6 +20,7 @@ and the trainer's log-probs are comparable.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -64,6 +65,9 @@ class HFCausalLM:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        # transformers >= 5.2x calls the KV cache argument ``cache`` (``past_key_values`` is deprecated)
+        params = inspect.signature(module.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -71,13 +75,8 @@ class HFCausalLM:
         return DynamicCache()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.module(
-            input_ids=ids,
-            attention_mask=key_mask.long(),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
+        out = self.module(input_ids=ids, attention_mask=key_mask.long(), position_ids=positions,
+                          use_cache=cache is not None, **{self._cache_arg: cache})
         return out.logits
 
 
