@@ -81,13 +81,13 @@ class ModelConfig:
 class WarmupConfig:
     """Supervised warm-up on easy (no-carry) problems before RL."""
 
-    steps: int = 150
+    steps: int = 400
     """optimizer steps of teacher-forced cross entropy on the answer (0: no warm-up)"""
     batch_size: int = 64
     """problems per warm-up step"""
     lr: float = 3e-3
     """Adam learning rate of the warm-up"""
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.3
     """label smoothing of the warm-up loss (keeps some probability on other digits, so RL can explore)"""
 
     def __post_init__(self) -> None:
@@ -155,11 +155,11 @@ class AsyncConfig:
 class TrainerConfig:
     """The trainer: GRPO advantages, the clipped loss, old log-probs, offload between phases."""
 
-    steps: int = 400
+    steps: int = 2400
     """trainer steps of RL"""
     batch_prompts: int = 32
     """groups per mini-batch (verl: ppo_mini_batch_size)"""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Adam learning rate"""
     grad_clip: float = 1.0
     """clip the gradient norm at this (0: off)"""
@@ -217,10 +217,11 @@ class RunConfig:
     """save a checkpoint every this many trainer steps (a multiple of trigger_parameter_sync_step; 0: off)"""
     keep_checkpoints: int = 2
     """newest checkpoints kept"""
-    eval_every: int = 50
+    eval_every: int = 100
     """held-out accuracy every this many trainer steps (and at the start and the end)"""
-    torch_threads: int = 0
-    """torch intra-op threads (0: leave torch's default)"""
+    torch_threads: int = 1
+    """torch intra-op threads of each side (trainer thread, rollout thread); 0: torch's default. 1 is fastest for the
+    built-in model on a shared 2-core machine (docs/rl.md has the numbers)"""
     watchdog_s: float = 30.0
     """report queue depth and versions when nothing moved for this long"""
     stall_timeout_s: float = 600.0

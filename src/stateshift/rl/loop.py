@@ -117,7 +117,8 @@ class AsyncLoop:
         self.rollouter = KVRollouter(rollout_copy(cfg, task, trainer.lm), sampling, seed=cfg.run.seed + 1, version=trainer.version)
         self.channel = WeightChannel(self.control, self.rollouter.pause)
         self.worker = RolloutWorker(self.rollouter, task, self.queue, self.channel, self.control, n=r.n,
-                                    wave_prompts=r.max_concurrent_prompts, seed=cfg.run.seed + 2)
+                                    wave_prompts=r.max_concurrent_prompts, seed=cfg.run.seed + 2,
+                                    torch_threads=cfg.run.torch_threads)
         if resumed is not None:
             self.worker.restore(resumed.capture)
         self.executor = ThreadExecutor(self.worker)

@@ -53,7 +53,7 @@ class RolloutWorker:
     """Drives a ``KVRollouter`` (its own model copy) for the async loop; runs on its own thread."""
 
     def __init__(self, rollouter: KVRollouter, task: Task, queue: SampleQueue, channel: WeightChannel,
-                 control: RunControl, *, n: int, wave_prompts: int, seed: int) -> None:
+                 control: RunControl, *, n: int, wave_prompts: int, seed: int, torch_threads: int = 0) -> None:
         self.rollouter = rollouter
         self.task = task
         self.queue = queue
@@ -61,6 +61,7 @@ class RolloutWorker:
         self.control = control
         self.n = n
         self.wave_prompts = wave_prompts
+        self.torch_threads = torch_threads
         self.prompt_rng = random.Random(seed)
         self.next_uid = 0
         self.wave: Wave | None = None
@@ -72,6 +73,8 @@ class RolloutWorker:
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:
         try:
+            if self.torch_threads:
+                torch.set_num_threads(self.torch_threads)  # OpenMP's thread count is per calling thread
             while not self.control.stopping:
                 self._take_weights()
                 if self.wave is None and not self._start_wave():
