@@ -53,9 +53,11 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
         adv = algo.grpo_advantages(batch.rewards, norm_std=t.norm_adv_std).reshape(-1)
         bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=t.behaviour_weight, level=t.weight_level,
                                     cap=t.weight_cap)
-        l_t = sequence_logprobs(lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, r.temperature)[0]
+        l_t, entropy = sequence_logprobs(lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, r.temperature,
+                                         with_entropy=True)
         loss, _ = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=t.clip_low, clip_high=t.clip_high,
                                 clip_c=t.clip_c)
+        loss = loss - t.entropy_coef * algo.masked_mean(entropy, batch.mask)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lm.module.parameters(), t.grad_clip)

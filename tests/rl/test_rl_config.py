@@ -71,3 +71,27 @@ def test_every_field_is_documented_and_in_help():
     for key, _, _ in docs:
         assert key in out.stdout
     assert TrainConfig().trainer.old_logprob == "pi_old" and TrainConfig().trainer.param_offload
+
+
+def test_outputs_of_a_run(tmp_path):
+    """Plain progress lines when the stream is not a terminal; JSONL per step; summary; curves PNG."""
+    import io
+    import json
+
+    from rl.rlkit import tiny
+
+    from stateshift.rl.loop import run
+
+    stream = io.StringIO()
+    result = run(tiny(tmp_path, "trainer.steps=4", "run.progress=auto", "run.plot=true", "run.eval_every=2"),
+                 stream=stream)
+    text = stream.getvalue()
+    assert "\r" not in text and "step 4/4" in text and "held-out accuracy after warm-up" in text
+    records = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "heldout_accuracy" in records[1]
+    for key in ("reward", "accuracy", "entropy", "clip_fraction", "staleness_tokens", "behaviour_weight_max", "ess",
+                "queue_depth", "time_update_s_total", "offload_bytes_total", "pi_old_bytes_total"):
+        assert key in records[-1], key
+    assert (result.out_dir / "curves.png").stat().st_size > 10_000
+    summary = json.loads((result.out_dir / "summary.json").read_text())
+    assert summary["heldout_accuracy_end"] == result.heldout_accuracy_end

@@ -34,7 +34,7 @@ def test_reference_detects_a_difference(tmp_path):
     cfg = tiny(tmp_path, "trainer.steps=3", "async_training.trigger_parameter_sync_step=1",
                "async_training.staleness_threshold=0")
     other = tiny(tmp_path, "trainer.steps=3", "async_training.trigger_parameter_sync_step=1",
-                 "async_training.staleness_threshold=0", "trainer.lr=2e-3")
+                 "async_training.staleness_threshold=0", "trainer.lr=5e-3")
     assert sync_grpo_reference(cfg)[0][1:] != sync_grpo_reference(other)[0][1:]
 
 

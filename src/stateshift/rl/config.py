@@ -155,7 +155,7 @@ class AsyncConfig:
 class TrainerConfig:
     """The trainer: GRPO advantages, the clipped loss, old log-probs, offload between phases."""
 
-    steps: int = 2400
+    steps: int = 2000
     """trainer steps of RL"""
     batch_prompts: int = 32
     """groups per mini-batch (verl: ppo_mini_batch_size)"""
@@ -184,6 +184,8 @@ class TrainerConfig:
     """mask: lowest behaviour weight kept"""
     weight_hi: float = 2.0
     """mask: highest behaviour weight kept"""
+    entropy_coef: float = 0.08
+    """coefficient of an entropy bonus in the loss (verl entropy_coeff): keeps exploring after the first gains"""
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
     param_offload: bool = True
@@ -198,7 +200,7 @@ class TrainerConfig:
         _check("trainer.batch_prompts", self.batch_prompts >= 1, "must be >= 1")
         for name in ("lr", "weight_cap", "weight_lo", "weight_hi", "clip_c"):
             _check(f"trainer.{name}", getattr(self, name) > 0, "must be > 0")
-        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef"):
+        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef"):
             _check(f"trainer.{name}", getattr(self, name) >= 0, "must be >= 0")
         _check("trainer.clip_low", self.clip_low < 1, "must be < 1")
         _check("trainer.clip_c", self.clip_c > 1, "must be > 1 (dual clip)")

@@ -21,8 +21,9 @@ group after the rollout thread built it, so reading needs no lock.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -174,8 +175,6 @@ class KVRollouter:
         """Copy by name; every model tensor must be given exactly once (``WeightSyncError`` names the first that is not)."""
         if self._running:
             raise RuntimeError("update_weights while generate() runs: pause first")
-        import time
-
         t0 = time.perf_counter()
         seen: set[str] = set()
         with torch.no_grad():

@@ -94,7 +94,7 @@ class Trainer:
         self.version = version
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.state = ModelState(self.model, self.optimizer)
-        self.cycle = PiOldCycle(self.state, groups=("params",), placement="host")
+        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")  # CPU params: host
         self.updates_in_cycle = 0
         self.meter = OffloadMeter()
         self.ref: Snapshot | None = None
@@ -174,7 +174,6 @@ class Trainer:
     # -- the update --------------------------------------------------------------------------------
     def update(self, batch: Batch, timer: Callable[[str], Any]) -> dict[str, float]:
         """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase."""
-        cfg = self.cfg
         with timer("old_logprob"):
             l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
@@ -193,8 +192,11 @@ class Trainer:
         bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=cfg.behaviour_weight, level=cfg.weight_level,
                                     cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
         l_t, entropy = self._logprobs(batch, with_entropy=True)
+        assert entropy is not None
         loss, ls = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                  clip_c=cfg.clip_c)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * algo.masked_mean(entropy, batch.mask)
         kl_ref = 0.0
         if l_ref is not None:
             kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)

@@ -30,7 +30,7 @@ import torch
 from ..control import RunControl
 from ..queue import SampleQueue
 from ..rollout import Group, KVRollouter, Wave
-from ..sync import WeightChannel, WeightUpdate
+from ..sync import WeightChannel
 from ..tasks.base import Task
 
 

@@ -26,18 +26,17 @@ from torch import nn
 
 @dataclass(kw_only=True, slots=True)
 class GPTConfig:
-    """Shape of the built-in GPT."""
+    """Shape of the built-in GPT: vocabulary, width, blocks, attention heads (dividing the width), longest sequence.
+
+    Users set width, layers and heads through ``model.*`` of the train config;
+    vocabulary and length follow from the task.
+    """
 
     vocab: int = 14
-    """vocabulary size"""
     width: int = 64
-    """model width"""
     layers: int = 2
-    """transformer blocks"""
     heads: int = 4
-    """attention heads (must divide ``width``)"""
     max_len: int = 16
-    """longest sequence (prompt and response)"""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "width", "layers", "heads", "max_len"):
