@@ -95,3 +95,12 @@ def test_outputs_of_a_run(tmp_path):
     assert (result.out_dir / "curves.png").stat().st_size > 10_000
     summary = json.loads((result.out_dir / "summary.json").read_text())
     assert summary["heldout_accuracy_end"] == result.heldout_accuracy_end
+
+
+def test_resume_arguments_are_checked(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("trainer:\n  steps: 1\n")
+    assert main(["train", "--resume", str(tmp_path), "--config", str(tmp_path / "config.yaml")]) == 2
+    assert main(["train", "--resume", str(tmp_path), "run.progress=none"]) == 2  # no checkpoint there
+    assert "no checkpoint under" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from rl.rlkit import sync_grpo_reference, tiny
 
@@ -73,3 +74,18 @@ def _records(out_dir):
     import json
 
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["trainer.old_logprob=bypass", "trainer.weight_level=sequence"],
+    ["trainer.old_logprob=proximal", "trainer.behaviour_weight=mask", "trainer.kl_coef=0.1",
+     "async_training.max_head_offpolicyness=1", "async_training.max_lag=2", "async_training.partial_rollout=false"],
+])
+def test_other_modes_run(tmp_path, overrides):
+    result = run(tiny(tmp_path, "trainer.steps=6", "async_training.trigger_parameter_sync_step=2", *overrides))
+    s = result.summary
+    assert s["status"] == "finished" and s["pi_old"]["snapshots"] == 0  # no pi_old kept outside pi_old mode
+    records = _records(result.out_dir)
+    assert all(r["loss"] == r["loss"] for r in records)  # no NaN
+    if "trainer.kl_coef=0.1" in overrides:
+        assert any(r["kl_ref"] > 0 for r in records)

@@ -22,12 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="fully-async RL (GRPO, pi_old while offloaded) on the built-in 3-digit-addition task",
-        description=(
+        description=textwrap.fill(
             "Supervised warm-up on easy (no-carry) problems, then fully-asynchronous GRPO: a rollout thread samples "
             "with the weights it was last sent while the trainer updates; every trigger_parameter_sync_step steps "
             "the weights go to the rollouter from a host snapshot and a new pi_old cycle starts. Prints held-out "
             "accuracy before and after RL; writes config.yaml, metrics.jsonl, summary.json and curves.png to "
-            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on)."
+            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on).",
+            96,
         ),
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -47,6 +48,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from . import config as config_mod
 
     config_path = args.config
+    if args.resume is not None and args.config is not None:
+        print("error: --resume uses the run's own config.yaml; give changes as key=value, not --config",
+              file=sys.stderr)
+        return 2
     if args.resume is not None:
         config_path = args.resume / "config.yaml"
         if not config_path.is_file():

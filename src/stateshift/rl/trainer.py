@@ -130,8 +130,12 @@ class Trainer:
 
     # -- pi_old, reference, sync ---------------------------------------------------------------
     def begin_cycle(self) -> None:
-        """pi_old := the current weights (taken at each sync; zero-copy while the params are offloaded)."""
-        self.cycle.begin(self.version)
+        """pi_old := the current weights (taken at each sync; zero-copy while the params are offloaded).
+
+        Only ``pi_old`` mode keeps the snapshot; the others just count updates since the sync.
+        """
+        if self.cfg.old_logprob == "pi_old":
+            self.cycle.begin(self.version)
         self.updates_in_cycle = 0
 
     def take_reference(self) -> None:
@@ -201,7 +205,7 @@ class Trainer:
         if l_ref is not None:
             kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)
             loss = loss + cfg.kl_coef * kl
-            kl_ref = float(kl)
+            kl_ref = float(kl.detach())
         if "grads" not in self.parked:
             self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
