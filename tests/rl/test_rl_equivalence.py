@@ -67,7 +67,10 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert resumed.params is not None and full.params is not None
     _same(resumed.params, full.params)
     assert resumed.heldout_accuracy_start == full.heldout_accuracy_start
-    assert resumed.summary["ledger"] == full.summary["ledger"]
+    # the same groups were trained; what the rollouter produced after the last sync depends on when it was stopped
+    la, lb = resumed.summary["ledger"], full.summary["ledger"]
+    assert la["trained"] == lb["trained"] == 6 * 4
+    assert {v: la["by_version"][v] for v in "012"} == {v: lb["by_version"][v] for v in "012"}
 
 
 def _records(out_dir):

@@ -184,7 +184,7 @@ class TrainerConfig:
     """mask: lowest behaviour weight kept"""
     weight_hi: float = 2.0
     """mask: highest behaviour weight kept"""
-    entropy_coef: float = 0.08
+    entropy_coef: float = 0.15
     """coefficient of an entropy bonus in the loss (verl entropy_coeff): keeps exploring after the first gains"""
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""

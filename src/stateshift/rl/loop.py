@@ -247,7 +247,8 @@ class AsyncLoop:
         why = None
         if self.cfg.run.plot:
             why = plot_curves(self.metrics.records, self.metrics.staleness, self.summary["time_split_s"],
-                              self.out / "curves.png", title=f"stateshift train: {self.out.name}")
+                              self.out / "curves.png", title=f"stateshift train: {self.out.name}",
+                              heldout_ends=((0, self.held_start), (self.step, held)))
         if why:
             print(f"note: no curves.png: {why}", file=self.stream)
         return held

@@ -88,8 +88,12 @@ class MetricsLog:
 
 
 def plot_curves(records: list[dict[str, Any]], staleness: Counter[int], time_split: dict[str, float],
-                path: Path, title: str = "") -> str | None:
-    """Write the curves PNG; returns why not (matplotlib missing) or ``None``."""
+                path: Path, title: str = "", heldout_ends: tuple[tuple[int, float], tuple[int, float]] | None = None
+                ) -> str | None:
+    """Write the curves PNG; returns why not (matplotlib missing) or ``None``.
+
+    ``heldout_ends``: (step, accuracy) after the warm-up and after RL, drawn with the periodic evaluations.
+    """
     try:
         import matplotlib
 
@@ -104,6 +108,8 @@ def plot_curves(records: list[dict[str, Any]], staleness: Counter[int], time_spl
     ax[0, 0].set(xlabel="trainer step", title="rollout reward and accuracy")
     ax[0, 0].legend()
     held = [(r["step"], r["heldout_accuracy"]) for r in records if r.get("heldout_accuracy") is not None]
+    if heldout_ends is not None:
+        held = [heldout_ends[0], *held, heldout_ends[1]]
     if held:
         ax[0, 1].plot(*zip(*held, strict=True), marker="o")
     ax[0, 1].set(xlabel="trainer step", ylabel="exact match", title="held-out accuracy (greedy)", ylim=(0, 1))
