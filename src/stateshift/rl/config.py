@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import StateShiftError
+from stateshift import StateShiftError
 
 
 class ConfigError(StateShiftError, ValueError):

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..errors import StateShiftError
+from stateshift import StateShiftError
 
 SLICE_S = 0.05
 

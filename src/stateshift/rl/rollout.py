@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import StateShiftError
+from stateshift import StateShiftError
 from .sampler import CausalLM, Sampling, draw, left_pad, positions_of
 
 
