@@ -60,13 +60,16 @@ def test_resume_equals_uninterrupted(tmp_path):
     common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
               "run.checkpoint_every=2", "trainer.optimizer_offload=true"]
     full = run(tiny(tmp_path / "a", "trainer.steps=6", *common), return_params=True)
-    first = run(tiny(tmp_path / "b", "trainer.steps=4", *common))
+    first = run(tiny(tmp_path / "b", "trainer.steps=5", *common))  # stopped after step 5; last checkpoint: step 4
     assert (first.out_dir / "checkpoints" / "latest").read_text() == "step-4"
     resumed = run(tiny(tmp_path / "b", "trainer.steps=6", *common), resume=first.out_dir, return_params=True)
-    assert first.losses + resumed.losses == full.losses
+    assert first.losses[:4] + resumed.losses == full.losses
+    assert resumed.losses[0] == first.losses[4]  # step 5 redone from the checkpoint, identically
     assert resumed.params is not None and full.params is not None
     _same(resumed.params, full.params)
     assert resumed.heldout_accuracy_start == full.heldout_accuracy_start
+    steps = [r["step"] for r in _records(resumed.out_dir)]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the log continues where the checkpoint was, no step twice
     # the same groups were trained; what the rollouter produced after the last sync depends on when it was stopped
     la, lb = resumed.summary["ledger"], full.summary["ledger"]
     assert la["trained"] == lb["trained"] == 6 * 4

@@ -113,3 +113,16 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert time.monotonic() - t0 < 10
     assert "Traceback" not in err and "interrupted" in err
     assert json.loads((out / "summary.json").read_text())["status"].startswith("interrupted at step")
+
+
+def test_two_runs_cannot_share_a_run_directory(tmp_path):
+    from stateshift.rl.loop import RunDirBusyError, _lock_run_dir
+
+    (tmp_path / "run").mkdir()
+    held = _lock_run_dir(tmp_path / "run")  # as a running `stateshift train` holds it
+    try:
+        with pytest.raises(RunDirBusyError, match="in use by another"):
+            run(tiny(tmp_path, "trainer.steps=1"))
+    finally:
+        held.close()
+    assert run(tiny(tmp_path, "trainer.steps=1")).steps == 1  # free again

@@ -65,14 +65,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config_mod.as_dict(cfg), sort_keys=False), end="")
         return 0
-    from .loop import run
+    from .loop import RunDirBusyError, run
 
     try:
         run(cfg, resume=args.resume)
     except KeyboardInterrupt:
         print("\ninterrupted: the rollout thread was stopped; summary.json says where the run was", file=sys.stderr)
         return 130
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, RunDirBusyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

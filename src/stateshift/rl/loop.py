@@ -28,6 +28,8 @@ from typing import Any, TextIO
 
 import torch
 
+from stateshift import StateShiftError
+
 from . import config as config_mod
 from .build import build_policy, build_task, rollout_copy
 from .checkpointing import Resumed, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -61,18 +63,28 @@ class RunResult:
 
 def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
         return_params: bool = False) -> RunResult:
-    """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape."""
-    t0 = time.perf_counter()
-    stream = stream or sys.stderr
+    """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape.
+
+    The run directory is locked for the duration (``RunDirBusyError`` if another run holds it).
+    """
     out = Path(resume) if resume is not None else Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_dir(out)
+    try:
+        return _run(cfg, out, resume is not None, stream or sys.stderr, return_params)
+    finally:
+        lock.close()
+
+
+def _run(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool) -> RunResult:
+    t0 = time.perf_counter()
     config_mod.save(cfg, out / "config.yaml")
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
     lm = build_policy(cfg, task)
     trainer = Trainer(lm, cfg.trainer, temperature=cfg.rollout.temperature)
-    resumed = load_checkpoint(latest_checkpoint(out / "checkpoints"), trainer) if resume is not None else None
+    resumed = load_checkpoint(latest_checkpoint(out / "checkpoints"), trainer) if resume else None
     if resumed is None:
         warm = supervised_warmup(lm, task, cfg.warmup, seed=cfg.run.seed)
         held_start = heldout_accuracy(lm, task, cfg.rollout.max_new_tokens)
@@ -95,6 +107,23 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
         result.params = snap.tensors()
         trainer.release(snap)
     return result
+
+
+class RunDirBusyError(StateShiftError, RuntimeError):
+    """Another process is training into the same run directory."""
+
+
+def _lock_run_dir(out: Path) -> Any:
+    """An exclusive lock on ``out/run.lock`` (released by the OS when the process ends, even on a crash)."""
+    import fcntl
+
+    handle = (out / "run.lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise RunDirBusyError(f"{out} is in use by another `stateshift train` (run.lock is held)") from None
+    return handle
 
 
 class AsyncLoop:
@@ -122,7 +151,8 @@ class AsyncLoop:
         if resumed is not None:
             self.worker.restore(resumed.capture)
         self.executor = ThreadExecutor(self.worker)
-        self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard, append=resumed is not None)
+        self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
+                                  resume_step=resumed.step if resumed is not None else None)
         self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)
         self.watchdog = Watchdog(self.control, self.describe, report_s=cfg.run.watchdog_s,
                                  stall_s=cfg.run.stall_timeout_s, stream=stream)

@@ -53,12 +53,19 @@ class Progress:
 class MetricsLog:
     """Appends step records to ``metrics.jsonl`` (and TensorBoard); keeps what the plot needs."""
 
-    def __init__(self, out_dir: Path, *, tensorboard: bool, append: bool = False) -> None:
+    def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
+        """A new log, or (``resume_step``) the existing one without the records after that step.
+
+        The records after a checkpoint's step come from the interrupted run and are trained again after resuming.
+        """
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
-        if append and self.path.exists():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        self._file = self.path.open("a" if append else "w")
+        if resume_step is not None and self.path.exists():
+            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in lines if r["step"] <= resume_step]
+        self._file = self.path.open("w")
+        for r in self.records:
+            self._file.write(json.dumps(r) + "\n")
         self.staleness: Counter[int] = Counter()
         for r in self.records:
             self.staleness.update({int(k): v for k, v in r.get("staleness_tokens", {}).items()})
