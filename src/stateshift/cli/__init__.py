@@ -1,5 +1,6 @@
 """The ``stateshift`` command.
 
+    stateshift train            # the fully-async RL trainer on its built-in task (stateshift train --help)
     stateshift bench            # every verb in every residency on the built-in model
     stateshift bench --help     # sizes, device, output files
     stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
@@ -12,6 +13,7 @@ import sys
 
 from .bench import add_parser as _bench_parser
 from .inspect import add_parser as _inspect_parser
+from .train import add_parser as _train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stateshift", description="Move, snapshot and restore a training model's state.")
     parser.add_argument("--version", action="version", version=f"stateshift {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
     _bench_parser(sub)
     _inspect_parser(sub)
     return parser

@@ -1,0 +1,408 @@
+"""The configuration of ``stateshift train``: nested dataclasses, a YAML file and ``key=value`` overrides.
+
+Every field has a docstring (shown by ``stateshift train --help``). Values are
+checked where they are read: an unknown key or a value of the wrong type or
+range raises ``ConfigError`` naming the dotted key (``trainer.lr``), before
+anything runs. ``resolve(path, overrides)`` gives the config a run uses; the
+run saves it as ``config.yaml`` beside its outputs.
+
+Names follow verl's fully-async mode where it has one
+(``async_training.staleness_threshold``, ``trigger_parameter_sync_step``,
+``require_batches``, ``partial_rollout``) and AReaL's for its admission rule
+(``max_head_offpolicyness``).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from stateshift import StateShiftError
+
+
+class ConfigError(StateShiftError, ValueError):
+    """A config key that does not exist, or a value of the wrong type or range; ``key`` is the dotted name."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        super().__init__(f"config key {key!r}: {reason}")
+
+
+def _check(key: str, ok: bool, reason: str) -> None:
+    if not ok:
+        raise ConfigError(key, reason)
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """The built-in task (``rl/tasks/addition.py``)."""
+
+    name: Literal["addition"] = "addition"
+    """the task: procedural 3-digit addition, answer least-significant digit first"""
+    digit_credit: float = 0.05
+    """reward per correct answer digit in place, on top of 1 for an exact answer"""
+    heldout_size: int = 500
+    """held-out problems evaluated (greedy) for the held-out accuracy; never trained on"""
+
+    def __post_init__(self) -> None:
+        _check("task.digit_credit", 0 <= self.digit_credit <= 1, "must be in [0, 1]")
+        _check("task.heldout_size", self.heldout_size > 0, "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The policy: the built-in GPT or a Hugging Face causal LM."""
+
+    family: Literal["builtin", "hf"] = "builtin"
+    """'builtin': the ~100K-parameter GPT of rl/tasks/gpt.py; 'hf': a transformers causal LM from hf_path"""
+    width: int = 64
+    """builtin: model width"""
+    layers: int = 2
+    """builtin: transformer blocks"""
+    heads: int = 4
+    """builtin: attention heads (must divide width)"""
+    hf_path: str = ""
+    """hf: a local directory with config.json (and weights, if any: without them the model is initialised from the config)"""
+
+    def __post_init__(self) -> None:
+        for name in ("width", "layers", "heads"):
+            _check(f"model.{name}", getattr(self, name) > 0, "must be > 0")
+        _check("model.width", self.width % self.heads == 0, f"must be divisible by model.heads ({self.heads})")
+        _check("model.hf_path", self.family != "hf" or bool(self.hf_path), "is required when model.family=hf")
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupConfig:
+    """Supervised warm-up on easy (no-carry) problems before RL."""
+
+    steps: int = 400
+    """optimizer steps of teacher-forced cross entropy on the answer (0: no warm-up)"""
+    batch_size: int = 64
+    """problems per warm-up step"""
+    lr: float = 3e-3
+    """Adam learning rate of the warm-up"""
+    label_smoothing: float = 0.3
+    """label smoothing of the warm-up loss (keeps some probability on other digits, so RL can explore)"""
+
+    def __post_init__(self) -> None:
+        _check("warmup.steps", self.steps >= 0, "must be >= 0")
+        _check("warmup.batch_size", self.batch_size > 0, "must be > 0")
+        _check("warmup.lr", self.lr > 0, "must be > 0")
+        _check("warmup.label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """The rollouter: batched KV-cached sampling with the weights it was last sent."""
+
+    n: int = 8
+    """responses per prompt (the GRPO group size)"""
+    max_concurrent_prompts: int = 32
+    """prompts generated at once (one wave; each has n rows)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs on both sides are of the temperature-scaled distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling: draw only from the smallest set of tokens holding this probability"""
+    max_new_tokens: int = 5
+    """longest response (the addition task needs 5: four digits and the stop token)"""
+
+    def __post_init__(self) -> None:
+        _check("rollout.n", self.n >= 2, "must be >= 2 (GRPO needs a group)")
+        _check("rollout.max_concurrent_prompts", self.max_concurrent_prompts > 0, "must be > 0")
+        _check("rollout.temperature", self.temperature > 0, "must be > 0 (sampling)")
+        _check("rollout.top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        _check("rollout.max_new_tokens", self.max_new_tokens > 0, "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    """Staleness control between rollouter and trainer (verl fully-async names and defaults)."""
+
+    staleness_threshold: float = 0.1
+    """verl: the rollouter pauses once the groups admitted since the last sync reach
+    required * (1 + staleness_threshold) * trigger_parameter_sync_step (0: on-policy per sync)"""
+    trigger_parameter_sync_step: int = 4
+    """verl: trainer steps between two weight syncs to the rollouter (param_version += 1 at each)"""
+    require_batches: int = 1
+    """verl: mini-batches (of trainer.batch_prompts groups) one trainer step consumes, one optimizer update each"""
+    partial_rollout: bool = True
+    """verl: on a sync, generations in flight pause, take the new weights and resume with their tokens kept;
+    off: the sync waits for the wave in flight to finish first"""
+    max_head_offpolicyness: int | None = None
+    """AReaL: also admit a prompt only while (eta + version + 1) * required >= accepted + running (0: synchronous)"""
+    max_queue_size: int | None = None
+    """groups the queue may hold, counting those in flight (default: the staleness budget)"""
+    max_lag: int | None = None
+    """discard (counted, with the reason) groups whose oldest token is more than this many versions behind"""
+
+    def __post_init__(self) -> None:
+        _check("async_training.staleness_threshold", self.staleness_threshold >= 0, "must be >= 0")
+        _check("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step >= 1, "must be >= 1")
+        _check("async_training.require_batches", self.require_batches >= 1, "must be >= 1")
+        _check("async_training.max_head_offpolicyness", self.max_head_offpolicyness is None or self.max_head_offpolicyness >= 0,
+               "must be >= 0 or null")
+        _check("async_training.max_queue_size", self.max_queue_size is None or self.max_queue_size >= 1, "must be >= 1 or null")
+        _check("async_training.max_lag", self.max_lag is None or self.max_lag >= 0, "must be >= 0 or null")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The trainer: GRPO advantages, the clipped loss, old log-probs, offload between phases."""
+
+    steps: int = 2000
+    """trainer steps of RL"""
+    batch_prompts: int = 32
+    """groups per mini-batch (verl: ppo_mini_batch_size)"""
+    lr: float = 2e-3
+    """Adam learning rate"""
+    grad_clip: float = 1.0
+    """clip the gradient norm at this (0: off)"""
+    old_logprob: Literal["bypass", "pi_old", "proximal"] = "pi_old"
+    """l_p: 'bypass' the rollout's l_b; 'pi_old' recomputed under the weights of the last sync (a snapshot,
+    PiOldCycle); 'proximal' recomputed under the weights just before each update (AReaL decoupled PPO)"""
+    norm_adv_std: bool = True
+    """divide GRPO advantages by the group's reward std"""
+    clip_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_low"""
+    clip_high: float = 0.2
+    """PPO clip: ratio <= 1 + clip_high"""
+    clip_c: float = 3.0
+    """dual clip for negative advantages: loss <= clip_c * |A| (verl clip_ratio_c)"""
+    behaviour_weight: Literal["truncate", "mask"] = "truncate"
+    """w = exp(l_p - l_b): 'truncate' min(w, weight_cap) (TIS), 'mask' drop tokens outside [weight_lo, weight_hi]"""
+    weight_level: Literal["token", "sequence"] = "token"
+    """behaviour weight per token, or per sequence (geometric mean over its tokens)"""
+    weight_cap: float = 2.0
+    """truncation cap C of the behaviour weight"""
+    weight_lo: float = 0.5
+    """mask: lowest behaviour weight kept"""
+    weight_hi: float = 2.0
+    """mask: highest behaviour weight kept"""
+    entropy_coef: float = 0.15
+    """coefficient of an entropy bonus in the loss (verl entropy_coeff): keeps exploring after the first gains"""
+    kl_coef: float = 0.0
+    """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
+    param_offload: bool = True
+    """offload params to host between phases (while waiting for samples and after each update)"""
+    grad_offload: bool = False
+    """offload grads to host between updates"""
+    optimizer_offload: bool = False
+    """offload optimizer state to host between updates"""
+
+    def __post_init__(self) -> None:
+        _check("trainer.steps", self.steps >= 0, "must be >= 0")
+        _check("trainer.batch_prompts", self.batch_prompts >= 1, "must be >= 1")
+        for name in ("lr", "weight_cap", "weight_lo", "weight_hi", "clip_c"):
+            _check(f"trainer.{name}", getattr(self, name) > 0, "must be > 0")
+        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef"):
+            _check(f"trainer.{name}", getattr(self, name) >= 0, "must be >= 0")
+        _check("trainer.clip_low", self.clip_low < 1, "must be < 1")
+        _check("trainer.clip_c", self.clip_c > 1, "must be > 1 (dual clip)")
+        _check("trainer.weight_lo", self.weight_lo < self.weight_hi, "must be < trainer.weight_hi")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Seeds, outputs, checkpoints, liveness."""
+
+    seed: int = 0
+    """seed of model init, prompts, sampling"""
+    out_dir: str = "runs/train"
+    """where config.yaml, metrics.jsonl, curves.png, summary.json and checkpoints go"""
+    checkpoint_every: int = 0
+    """save a checkpoint every this many trainer steps (a multiple of trigger_parameter_sync_step; 0: off)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept"""
+    eval_every: int = 100
+    """held-out accuracy every this many trainer steps (and at the start and the end)"""
+    torch_threads: int = 1
+    """torch intra-op threads of each side (trainer thread, rollout thread); 0: torch's default. 1 is fastest for the
+    built-in model on a shared 2-core machine (docs/rl.md has the numbers)"""
+    watchdog_s: float = 30.0
+    """report queue depth and versions when nothing moved for this long"""
+    stall_timeout_s: float = 600.0
+    """stop the run with an error when nothing moved for this long"""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """'auto': a progress bar on a terminal, plain lines otherwise; 'none': no progress output"""
+    tensorboard: bool = True
+    """write TensorBoard events too, when tensorboard is installed"""
+    plot: bool = True
+    """write curves.png at the end (needs matplotlib: the 'rl' extra)"""
+
+    def __post_init__(self) -> None:
+        _check("run.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
+        _check("run.keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1")
+        _check("run.eval_every", self.eval_every >= 1, "must be >= 1")
+        _check("run.torch_threads", self.torch_threads >= 0, "must be >= 0")
+        _check("run.watchdog_s", self.watchdog_s > 0, "must be > 0")
+        _check("run.stall_timeout_s", self.stall_timeout_s > self.watchdog_s, "must be > run.watchdog_s")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything ``stateshift train`` reads."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """the task"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the policy model"""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """supervised warm-up"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """the rollouter"""
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    """staleness control"""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """the trainer"""
+    run: RunConfig = field(default_factory=RunConfig)
+    """seeds, outputs, liveness"""
+
+    def __post_init__(self) -> None:
+        every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
+        _check("run.checkpoint_every", every % trigger == 0,
+               f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
+        _check("rollout.max_new_tokens", self.model.family != "builtin" or self.rollout.max_new_tokens <= 8,
+               "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+
+
+# --------------------------------------------------------------------------- from dicts, YAML, overrides
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as the annotated type ``hint``, or ``ConfigError`` naming ``key``."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        _check(key, value in typing.get_args(hint), f"must be one of {list(typing.get_args(hint))}, not {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            _check(key, type(None) in args, "may not be null")
+            return None
+        return _coerce(key, value, next(a for a in args if a is not type(None)))
+    if hint is bool:
+        _check(key, isinstance(value, bool), f"must be true or false, not {value!r}")
+        return value
+    if hint is int:
+        _check(key, isinstance(value, int) and not isinstance(value, bool), f"must be an integer, not {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(key, f"must be a number, not {value!r}") from None
+        _check(key, isinstance(value, (int, float)) and not isinstance(value, bool), f"must be a number, not {value!r}")
+        return float(value)
+    if hint is str:
+        _check(key, isinstance(value, str), f"must be a string, not {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported type {hint!r}")  # pragma: no cover - every field is one of the above
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """An instance of the config dataclass ``cls`` from nested dicts; unknown keys raise ``ConfigError``."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "(root)", f"must be a mapping, not {data!r}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(dotted, f"unknown key (known here: {', '.join(sorted(names))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = build(hint, value if value is not None else {}, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(dotted, value, hint)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(prefix.rstrip(".") or "(root)", str(exc)) from exc
+
+
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dicts (what ``config.yaml`` holds)."""
+    return {f.name: (as_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+            for f in dataclasses.fields(cfg)}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML: numbers, true/false, null, strings)."""
+    import yaml
+
+    if "=" not in text:
+        raise ConfigError(text, "an override is key=value (e.g. trainer.lr=1e-3)")
+    key, _, raw = text.partition("=")
+    path = key.strip().split(".")
+    _check(key, all(path), "empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def resolve(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config of a run: defaults, then the YAML file at ``path``, then each ``key=value`` override."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("(root)", f"{path} must hold a mapping of sections")
+        data = loaded or {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(keys), f"{k!r} is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return build(TrainConfig, data)
+
+
+def save(cfg: TrainConfig, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- documentation
+
+
+def field_docs(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, docstring) of every leaf field, read from this module's source."""
+    docs = _docstrings(cls)
+    out: list[tuple[str, Any, str]] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += field_docs(hint, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f.default, docs.get(f.name, "")))
+    return out
+
+
+def _docstrings(cls: type) -> dict[str, str]:
+    node = ast.parse(inspect.getsource(cls)).body[0]
+    assert isinstance(node, ast.ClassDef)
+    out: dict[str, str] = {}
+    for stmt, nxt in zip(node.body, node.body[1:]):  # noqa: B905 - pairs of neighbours
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            out[stmt.target.id] = " ".join(nxt.value.value.split())
+    return out

@@ -1,0 +1,290 @@
+"""``run(cfg)``: the fully-asynchronous RL loop, top to bottom.
+
+    build the task and the policy; warm it up (or resume from a checkpoint)
+    trainer (owns its ModelState) + rollouter (own model copy, own thread) + queue + weight channel
+    start the rollout thread and the watchdog
+    for each trainer step:
+        wait (bounded) for require_batches x batch_prompts groups
+        per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step, offload
+        every trigger_parameter_sync_step steps: version += 1, host snapshot -> rollouter, new pi_old cycle
+        every checkpoint_every steps (at a sync): checkpoint + the rollout thread's capture
+        log metrics; held-out accuracy every eval_every steps
+    stop the rollout thread, account for every group left, final held-out accuracy, curves
+
+Failure on either side stops both within one wait slice and the original
+exception propagates out of ``run`` (``RunControl``); Ctrl-C does the same
+with ``KeyboardInterrupt``. ``summary.json`` is written in every case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from stateshift import StateShiftError
+
+from . import config as config_mod
+from .build import build_policy, build_task, rollout_copy
+from .checkpointing import Resumed, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .control import RunControl, Watchdog, describe_sides
+from .executors.inprocess import RolloutWorker, ThreadExecutor
+from .metrics import MetricsLog, Progress, plot_curves
+from .queue import SampleQueue
+from .report import step_metrics, summarize
+from .rollout import Group, KVRollouter
+from .sampler import Sampling
+from .sync import WeightChannel, WeightUpdate
+from .trainer import Batch, Trainer
+from .warmup import heldout_accuracy, supervised_warmup
+
+
+@dataclass
+class RunResult:
+    """What ``run`` returns (and writes to ``summary.json``)."""
+
+    out_dir: Path
+    heldout_accuracy_start: float
+    heldout_accuracy_end: float
+    steps: int
+    wall_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    #: the trainer's final params (host copies), when ``run(..., return_params=True)``
+    params: dict[str, torch.Tensor] | None = None
+
+
+def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
+        return_params: bool = False) -> RunResult:
+    """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape.
+
+    The run directory is locked for the duration (``RunDirBusyError`` if another run holds it).
+    """
+    out = Path(resume) if resume is not None else Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_dir(out)
+    try:
+        return _run(cfg, out, resume is not None, stream or sys.stderr, return_params)
+    finally:
+        lock.close()
+
+
+def _run(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool) -> RunResult:
+    t0 = time.perf_counter()
+    config_mod.save(cfg, out / "config.yaml")
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    task = build_task(cfg)
+    lm = build_policy(cfg, task)
+    trainer = Trainer(lm, cfg.trainer, temperature=cfg.rollout.temperature)
+    resumed = load_checkpoint(latest_checkpoint(out / "checkpoints"), trainer) if resume else None
+    if resumed is None:
+        warm = supervised_warmup(lm, task, cfg.warmup, seed=cfg.run.seed)
+        held_start = heldout_accuracy(lm, task, cfg.rollout.max_new_tokens)
+        print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
+              file=stream, flush=True)
+    else:
+        held_start = float(resumed.extra["heldout_accuracy_start"])
+        print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
+    loop = AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start)
+    try:
+        loop.train()
+    finally:
+        loop.finish(time.perf_counter() - t0)
+    held_end = loop.final_heldout()
+    print(f"held-out accuracy: {held_start:.3f} after warm-up -> {held_end:.3f} after RL "
+          f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+    result = loop.result(held_end, time.perf_counter() - t0)
+    if return_params:
+        snap = trainer.sync_snapshot()  # a host snapshot works in any residency
+        result.params = snap.tensors()
+        trainer.release(snap)
+    return result
+
+
+class RunDirBusyError(StateShiftError, RuntimeError):
+    """Another process is training into the same run directory."""
+
+
+def _lock_run_dir(out: Path) -> Any:
+    """An exclusive lock on ``out/run.lock`` (released by the OS when the process ends, even on a crash)."""
+    import fcntl
+
+    handle = (out / "run.lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise RunDirBusyError(f"{out} is in use by another `stateshift train` (run.lock is held)") from None
+    return handle
+
+
+class AsyncLoop:
+    """The parts of one run and the steps of its loop (trainer thread)."""
+
+    def __init__(self, cfg: TrainConfig, task: Any, trainer: Trainer, out: Path, stream: TextIO,
+                 resumed: Resumed | None, held_start: float) -> None:
+        self.cfg, self.task, self.trainer, self.out, self.stream = cfg, task, trainer, out, stream
+        self.held_start = held_start
+        self.step = self.first_step = resumed.step if resumed is not None else 0
+        self.t_start = time.perf_counter()
+        self.syncs = 0
+        self.cfg_dict = config_mod.as_dict(cfg)
+        self.required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
+        self.control = RunControl()
+        self.queue = SampleQueue(cfg.async_training, self.required)
+        r = cfg.rollout
+        sampling = Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                            stop_token=task.stop_token, pad_token=task.pad_token)
+        self.rollouter = KVRollouter(rollout_copy(cfg, task, trainer.lm), sampling, seed=cfg.run.seed + 1, version=trainer.version)
+        self.channel = WeightChannel(self.control, self.rollouter.pause)
+        self.worker = RolloutWorker(self.rollouter, task, self.queue, self.channel, self.control, n=r.n,
+                                    wave_prompts=r.max_concurrent_prompts, seed=cfg.run.seed + 2,
+                                    torch_threads=cfg.run.torch_threads)
+        if resumed is not None:
+            self.worker.restore(resumed.capture)
+        self.executor = ThreadExecutor(self.worker)
+        self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
+                                  resume_step=resumed.step if resumed is not None else None)
+        self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)
+        self.watchdog = Watchdog(self.control, self.describe, report_s=cfg.run.watchdog_s,
+                                 stall_s=cfg.run.stall_timeout_s, stream=stream)
+        self.times: dict[str, float] = {}
+        self.losses: list[float] = []
+        self.status = "running"
+        trainer.take_reference()
+        trainer.begin_cycle()
+        trainer.park()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def train(self) -> None:
+        self.executor.start()
+        self.watchdog.start()
+        cfg = self.cfg
+        try:
+            while self.step < cfg.trainer.steps:
+                t_step = time.perf_counter()
+                rec = self.train_step()
+                self.step += 1
+                if self.step % cfg.async_training.trigger_parameter_sync_step == 0:
+                    every = cfg.run.checkpoint_every
+                    self.sync_weights(checkpoint=bool(every) and self.step % every == 0)
+                if self.step % cfg.run.eval_every == 0 and self.step < cfg.trainer.steps:
+                    rec["heldout_accuracy"] = self.evaluate()
+                rec["step_s"] = time.perf_counter() - t_step
+                self.metrics.log(rec)
+                self.progress.update(self.step, rec)
+                self.control.progress()
+            self.status = "finished"
+        except KeyboardInterrupt:
+            self.status = f"interrupted at step {self.step}"
+            raise
+        except BaseException as exc:
+            side = self.control.failed_side or "trainer"
+            self.status = f"failed ({side}): {type(exc).__name__}: {exc}"
+            raise
+
+    def next_groups(self, count: int) -> list[Group]:
+        """``count`` groups from the queue, waiting (bounded slices) as long as the rollouter is alive."""
+        got: list[Group] = []
+        t0 = time.perf_counter()
+        with self.control.cond:
+            while len(got) < count:
+                need = count - len(got)
+                self.control.wait_for(lambda: self.queue.ready(need), "trainer", f"{need} groups from the queue")
+                got += self.queue.take(need, self.trainer.version)
+            self.control.cond.notify_all()  # room in the queue: the rollouter may admit again
+        self._add_time("wait", time.perf_counter() - t0)
+        return got
+
+    def train_step(self) -> dict[str, Any]:
+        """``require_batches`` mini-batches, one update each; returns the step's metrics."""
+        batches = [Batch.of(self.next_groups(self.cfg.trainer.batch_prompts), self.task.pad_token)
+                   for _ in range(self.cfg.async_training.require_batches)]
+        version = self.trainer.version
+        stats = [self.trainer.update(b, self.timer) for b in batches]
+        with self.control.cond:
+            self.queue.trained(sum(len(b.groups) for b in batches))
+            depth = self.queue.depth()
+        self.losses += [s["loss"] for s in stats]
+        return step_metrics(self.step + 1, version, batches, stats, depth, self)
+
+    def sync_weights(self, *, checkpoint: bool) -> None:
+        """Version += 1; the rollouter takes a host snapshot of the weights; pi_old := these weights."""
+        with self.timer("sync"):
+            self.trainer.version += 1
+            snap = self.trainer.sync_snapshot()
+            update = WeightUpdate(snap, self.trainer.version, capture=checkpoint)
+            self.channel.post(update, interrupt=self.cfg.async_training.partial_rollout)
+            self.channel.wait_acked(update)
+            self.trainer.release(snap)
+            self.syncs += 1
+        with self.timer("old_logprob"):
+            self.trainer.begin_cycle()
+        if checkpoint:
+            save_checkpoint(self.out / "checkpoints", self.step, self.trainer, update.captured,
+                            {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
+
+    def evaluate(self) -> float:
+        with self.timer("eval"), self.trainer.resident():
+            return heldout_accuracy(self.trainer.lm, self.task, self.cfg.rollout.max_new_tokens)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    @contextmanager
+    def timer(self, name: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add_time(name, time.perf_counter() - t0)
+
+    def _add_time(self, name: str, seconds: float) -> None:
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
+    def describe(self) -> str:
+        q = self.queue
+        return describe_sides(self.control, {"queue": q.depth(), "in_flight": q.running, "trainer_version":
+                                             self.trainer.version, "rollout_version": self.rollouter.version,
+                                             "step": self.step})
+
+    def finish(self, wall_s: float) -> None:
+        """Stop the rollout thread, account for what is left, write the summary (whatever happened)."""
+        stopped = self.executor.stop()
+        self.watchdog.join()
+        with self.control.cond:
+            self.queue.close("left in the queue at the end of the run", "in flight at the end of the run",
+                             "taken by a trainer step that did not complete")
+            self.queue.check()
+        self.metrics.close()
+        self.progress.close()
+        if not stopped:
+            self.status += "; the rollout thread did not stop within 10 s"
+        self.summary = summarize(self, wall_s)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+
+    def final_heldout(self) -> float:
+        with self.trainer.resident():
+            held = heldout_accuracy(self.trainer.lm, self.task, self.cfg.rollout.max_new_tokens)
+        self.summary["heldout_accuracy_end"] = held
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        why = None
+        if self.cfg.run.plot:
+            why = plot_curves(self.metrics.records, self.metrics.staleness, self.summary["time_split_s"],
+                              self.out / "curves.png", title=f"stateshift train: {self.out.name}",
+                              heldout_ends=((0, self.held_start), (self.step, held)))
+        if why:
+            print(f"note: no curves.png: {why}", file=self.stream)
+        return held
+
+    def result(self, held_end: float, wall_s: float) -> RunResult:
+        return RunResult(out_dir=self.out, heldout_accuracy_start=self.held_start, heldout_accuracy_end=held_end,
+                         steps=self.step, wall_s=wall_s, summary=self.summary, losses=self.losses)
+
+

@@ -1,0 +1,97 @@
+"""The numbers of a run: one record per trainer step, and the run's summary."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .loop import AsyncLoop
+    from .trainer import Batch
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def staleness_counts(batches: list[Batch], version: int) -> Counter[int]:
+    """Trained tokens by how many versions their policy was behind the trainer's version."""
+    out: Counter[int] = Counter()
+    for b in batches:
+        lag = (version - b.versions)[b.mask]
+        out.update(dict(zip(*[t.tolist() for t in torch.unique(lag, return_counts=True)], strict=True)))
+    return out
+
+
+def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict[str, float]], depth: int,
+                 loop: AsyncLoop) -> dict[str, Any]:
+    """Task, policy, off-policy and system metrics of one step (cumulative seconds and bytes where named ``_total``)."""
+    rewards = torch.cat([b.rewards.reshape(-1) for b in batches])
+    exact = torch.cat([g.exact for b in batches for g in b.groups]).float()
+    finished = torch.cat([g.finished for b in batches for g in b.groups]).float()
+    lengths = torch.cat([b.mask.sum(1) for b in batches]).float()
+    spans = torch.cat([torch.where(b.mask, b.versions, -(10**9)).amax(1) - torch.where(b.mask, b.versions, 10**9).amin(1)
+                       for b in batches]).float()
+    stale = staleness_counts(batches, version)
+    n_tok = sum(stale.values()) or 1
+    rec: dict[str, Any] = {
+        "step": step, "version": version, "rollout_version": loop.rollouter.version, "queue_depth": depth,
+        "reward": float(rewards.mean()), "accuracy": float(exact.mean()), "response_length": float(lengths.mean()),
+        "eos_rate": float(finished.mean()),
+        "staleness_mean": sum(k * v for k, v in stale.items()) / n_tok, "staleness_max": max(stale, default=0),
+        "version_span_mean": float(spans.mean()), "version_span_max": float(spans.max()),
+        "staleness_tokens": {str(k): v for k, v in sorted(stale.items())},
+    }
+    for key in stats[0]:
+        values = [s[key] for s in stats]
+        rec[key] = max(values) if "max" in key else sum(values) if key.endswith("_tokens") else _mean(values)
+    rec.update(system_metrics(loop))
+    return rec
+
+
+def system_metrics(loop: AsyncLoop) -> dict[str, Any]:
+    """Cumulative time split, bytes moved, idle ratios and throughput so far."""
+    t = loop.times
+    wall = max(time.perf_counter() - loop.t_start, 1e-9)
+    meter, cycle = loop.trainer.meter, loop.trainer.cycle.stats
+    led = loop.queue.ledger
+    return {
+        "time_generate_s_total": loop.worker.busy_s, "time_old_logprob_s_total": t.get("old_logprob", 0.0),
+        "time_update_s_total": t.get("update", 0.0), "time_sync_s_total": t.get("sync", 0.0),
+        "time_offload_s_total": t.get("offload", 0.0), "time_wait_s_total": t.get("wait", 0.0),
+        "offload_bytes_total": meter.total_bytes(), "offload_verb_s_total": meter.total_seconds(),
+        "pi_old_bytes_total": cycle.pcie_bytes + cycle.device_bytes + cycle.host_bytes,
+        "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(loop.worker.busy_s / wall, 1.0),
+        "samples_per_s": led.generated * loop.cfg.rollout.n / wall,
+    }
+
+
+def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
+    """The run's totals (``summary.json``): status, ledger, time split, bytes, held-out accuracy."""
+    trainer = loop.trainer
+    steps = max(loop.step - loop.first_step, 1)
+    meter = trainer.meter
+    cycle = trainer.cycle.stats.as_dict()
+    pi_old_bytes = cycle["pcie_bytes"] + cycle["device_bytes"] + cycle["host_bytes"]
+    return {
+        "status": loop.status, "steps": loop.step, "wall_s": wall_s, "out_dir": str(loop.out),
+        "heldout_accuracy_start": loop.held_start,
+        "ledger": loop.queue.ledger.as_dict(),
+        "time_split_s": {"generate": loop.worker.busy_s, "old_logprob": loop.times.get("old_logprob", 0.0),
+                         "update": loop.times.get("update", 0.0), "sync": loop.times.get("sync", 0.0),
+                         "offload": loop.times.get("offload", 0.0), "wait": loop.times.get("wait", 0.0),
+                         "eval": loop.times.get("eval", 0.0)},
+        "offload": {"bytes": dict(meter.nbytes), "seconds": dict(meter.seconds),
+                    "bytes_per_step": meter.total_bytes() / steps},
+        "pi_old": {**cycle, "bytes_per_step": pi_old_bytes / steps},
+        "sync": {"syncs": loop.syncs, "rollouter_copy_s": loop.worker.copy_s,
+                 "rollouter_copy_bytes": loop.rollouter.copy_bytes,
+                 "param_bytes": trainer.state.nbytes("params")},
+        "staleness_tokens": {str(k): v for k, v in sorted(loop.metrics.staleness.items())},
+        "watchdog_reports": loop.watchdog.reports,
+        "pool": trainer.state.pool.stats.as_dict(),
+        "config": loop.cfg_dict,
+    }

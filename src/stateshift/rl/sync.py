@@ -1,0 +1,82 @@
+"""Weights from the trainer to the rollouter: a versioned host snapshot and a handshake.
+
+The trainer thread takes ``state.snapshot(tag="sync", version=v, placement="host")``
+(zero-copy when the params are offloaded: it shares their pinned home,
+copy-on-write) and posts it here; posting pauses the rollouter, whose
+in-flight generation returns at the next token boundary (partial rollout).
+The rollout thread waits for the snapshot's copies (``snapshot.wait()``),
+copies ``snapshot.views()`` into its own model by name, moves to version
+``v`` and acknowledges. Only then does the trainer release the snapshot: a
+snapshot's memory goes back to the pool on release and may be reused, so it
+must outlive every reader (the handshake is what guarantees that). The
+trainer is the only thread that calls verbs on its ``ModelState``; the
+rollout thread only reads a snapshot the trainer keeps alive for it.
+
+A handshake rather than handing the rollouter its own copy: a copy costs a
+full host copy of the weights per sync; the handshake costs the rollouter's
+time to reach a token boundary (a few ms here), measured as ``sync_s``.
+
+The acknowledgement can carry a ``RolloutCapture`` (asked for at checkpoint
+steps): the rollout thread's whole state at the moment it took the weights,
+read on its own thread while the trainer waits -- so queue, ledger, wave in
+flight and random states are one consistent picture.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stateshift import Snapshot
+
+from .control import RunControl
+
+
+@dataclass(eq=False)
+class WeightUpdate:
+    """One sync: the snapshot, its version, and the rollout thread's answer."""
+
+    snapshot: Snapshot
+    version: int
+    capture: bool = False
+    posted_at: float = field(default_factory=time.perf_counter)
+    acked: bool = False
+    captured: Any = None
+    #: seconds the rollout thread spent copying the weights in
+    copy_s: float = 0.0
+
+
+class WeightChannel:
+    """At most one update in flight; all fields read and written under ``control.cond``."""
+
+    def __init__(self, control: RunControl, pause: Any) -> None:
+        self.control = control
+        self._pause = pause
+        self.pending: WeightUpdate | None = None
+
+    def post(self, update: WeightUpdate, *, interrupt: bool) -> None:
+        """Trainer thread: hand over ``update``; ``interrupt`` pauses generation in flight (partial rollout)."""
+        with self.control.cond:
+            assert self.pending is None, "one weight update at a time"
+            self.pending = update
+            self.control.cond.notify_all()
+        if interrupt:
+            self._pause()
+
+    def wait_acked(self, update: WeightUpdate) -> None:
+        """Trainer thread: bounded wait until the rollouter took the weights (raises if the run stops)."""
+        with self.control.cond:
+            self.control.wait_for(lambda: update.acked, "trainer", f"the rollouter to take weights v{update.version}")
+
+    def take(self) -> WeightUpdate | None:
+        """Rollout thread: the pending update, if any (it stays pending until ``ack``)."""
+        return self.pending
+
+    def ack(self, update: WeightUpdate, captured: Any = None) -> None:
+        """Rollout thread, with ``control.cond`` held: done reading the snapshot."""
+        update.captured = captured
+        update.acked = True
+        self.pending = None
+        self.control.progress()
+        self.control.cond.notify_all()

@@ -1,0 +1,31 @@
+"""What the loop needs from a task: prompts to draw, a score, a held-out set, its special tokens."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A prompt distribution with a verifiable reward."""
+
+    #: tokens the model must have
+    vocab_size: int
+    stop_token: int
+    pad_token: int
+
+    def sample(self, rng: random.Random) -> Any:
+        """A training item (never a held-out one)."""
+        ...
+
+    def prompt(self, item: Any) -> list[int]:
+        ...
+
+    def score(self, item: Any, response: Sequence[int]) -> tuple[float, bool]:
+        """(reward, exact) of one response."""
+        ...
+
+    def heldout(self) -> list[Any]:
+        ...

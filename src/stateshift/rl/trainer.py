@@ -1,0 +1,242 @@
+"""One trainer update: old log-probs (bypass / pi_old / proximal), the loss, the step, offload between phases.
+
+The trainer owns its model, optimizer and ``ModelState``; only the trainer
+thread calls verbs on that state (the rollouter has its own model and reads
+snapshots the trainer keeps alive for it, ``sync.py``).
+
+Phases of one update, with ``trainer.param_offload`` on (the default):
+
+1. old log-probs while the params are **offloaded**: in ``pi_old`` mode
+   under ``PiOldCycle.old_policy()`` -- ``swapped`` writes the pi_old snapshot
+   into the released storages, computes, and releases them again (the verl
+   #6026 scenario, a snapshot of offloaded params, is the normal path here).
+   The first update after a sync needs no swap: the current weights *are*
+   pi_old, so it onloads and computes directly.
+2. onload params (and grads / optimizer state if offloaded), forward with
+   gradient, loss, backward, optimizer step.
+3. offload again what the config says; every verb's bytes and seconds go to
+   ``OffloadMeter``.
+
+``pi_old`` is the snapshot taken at each sync (``begin_cycle``): the weights
+the rollouter was sent. ``proximal`` recomputes under the weights just
+before each update; ``bypass`` uses the rollout's own log-probs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stateshift import ModelState, Snapshot
+from stateshift.rl.pi_old import PiOldCycle
+
+from . import algo
+from .config import TrainerConfig
+from .rollout import Group
+from .sampler import CausalLM, left_pad, sequence_logprobs
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Groups flattened to rows (group-major), as the loss sees them."""
+
+    groups: tuple[Group, ...]
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    l_b: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor
+
+    @staticmethod
+    def of(groups: list[Group], pad: int) -> Batch:
+        ids, mask = left_pad([list(g.prompt) for g in groups for _ in range(g.n)], pad)
+        return Batch(
+            groups=tuple(groups), prompt_ids=ids, prompt_mask=mask,
+            tokens=torch.cat([g.tokens for g in groups]), mask=torch.cat([g.mask for g in groups]),
+            l_b=torch.cat([g.logprobs for g in groups]), versions=torch.cat([g.versions for g in groups]),
+            rewards=torch.stack([g.rewards for g in groups]),
+        )
+
+
+@dataclass
+class OffloadMeter:
+    """Seconds and bytes of every verb the trainer ran, by ``"<verb>.<group>"``."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: str, seconds: float, nbytes: int) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+
+class Trainer:
+    """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
+
+    def __init__(self, lm: CausalLM, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
+        self.lm = lm
+        self.model = lm.module
+        self.cfg = cfg
+        self.temperature = temperature
+        self.version = version
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+        self.state = ModelState(self.model, self.optimizer)
+        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")  # CPU params: host
+        self.updates_in_cycle = 0
+        self.meter = OffloadMeter()
+        self.ref: Snapshot | None = None
+        self.parked: set[str] = set()
+
+    # -- residency --------------------------------------------------------------------------
+    def _verb(self, verb: str, group: str) -> None:
+        if group not in self.state.groups:
+            return
+        counts = self.state.residency()[group]
+        moving = counts["device"] if verb == "offload" else counts["host"]
+        t0 = time.perf_counter()
+        getattr(self.state, verb)(group).wait()
+        self.meter.add(f"{verb}.{group}", time.perf_counter() - t0, self.state.nbytes(group) if moving else 0)
+
+    def park(self) -> None:
+        """Between phases: offload what the config says (params, grads, optimizer state)."""
+        for group, on in (("params", self.cfg.param_offload), ("grads", self.cfg.grad_offload),
+                          ("optim", self.cfg.optimizer_offload)):
+            if on and group in self.state.groups and self.state.residency()[group]["device"]:
+                self._verb("offload", group)
+                self.parked.add(group)
+
+    def unpark(self, *groups: str) -> None:
+        """Bring ``groups`` back (grads come back as zeros: their old values are not needed)."""
+        for group in groups:
+            if group not in self.parked:
+                continue
+            if group == "grads":
+                self.state.drop("grads")
+            self._verb("onload", group)
+            self.parked.discard(group)
+
+    # -- pi_old, reference, sync ---------------------------------------------------------------
+    def begin_cycle(self) -> None:
+        """pi_old := the current weights (taken at each sync; zero-copy while the params are offloaded).
+
+        Only ``pi_old`` mode keeps the snapshot; the others just count updates since the sync.
+        """
+        if self.cfg.old_logprob == "pi_old":
+            self.cycle.begin(self.version)
+        self.updates_in_cycle = 0
+
+    def take_reference(self) -> None:
+        if self.cfg.kl_coef > 0:
+            self.ref = self.state.snapshot(("params",), tag="ref", placement="host")
+
+    def sync_snapshot(self) -> Snapshot:
+        """Host snapshot of the current weights at ``self.version`` (zero-copy when offloaded); release after use."""
+        return self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
+
+    def release(self, snap: Snapshot) -> None:
+        self.state.release(snap)
+
+    # -- log-probs -------------------------------------------------------------------------------
+    def _logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return sequence_logprobs(self.lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, self.temperature,
+                                 with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``l_p`` for ``batch`` in the configured mode (see the module docstring)."""
+        mode = self.cfg.old_logprob
+        if mode == "bypass":
+            return batch.l_b
+        if mode == "pi_old" and self.updates_in_cycle > 0:
+            with self.cycle.old_policy():  # works whether the params are offloaded or not
+                return self._logprobs(batch)[0]
+        if mode == "pi_old":
+            self.cycle.stats.skipped_swaps += 1
+        self.unpark("params")
+        return self._logprobs(batch)[0]
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        if self.ref is None:
+            return None
+        with self.state.swapped(self.ref):
+            return self._logprobs(batch)[0]
+
+    # -- the update --------------------------------------------------------------------------------
+    def update(self, batch: Batch, timer: Callable[[str], Any]) -> dict[str, float]:
+        """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase."""
+        with timer("old_logprob"):
+            l_p = self.old_logprobs(batch)
+            l_ref = self.reference_logprobs(batch)
+        with timer("offload"):
+            self.unpark("params", "optim", "grads")
+        with timer("update"):
+            stats = self._step(batch, l_p, l_ref)
+        with timer("offload"):
+            self.park()
+        self.updates_in_cycle += 1
+        return stats
+
+    def _step(self, batch: Batch, l_p: torch.Tensor, l_ref: torch.Tensor | None) -> dict[str, float]:
+        cfg = self.cfg
+        adv = algo.grpo_advantages(batch.rewards, norm_std=cfg.norm_adv_std).reshape(-1)
+        bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=cfg.behaviour_weight, level=cfg.weight_level,
+                                    cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
+        l_t, entropy = self._logprobs(batch, with_entropy=True)
+        assert entropy is not None
+        loss, ls = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                 clip_c=cfg.clip_c)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * algo.masked_mean(entropy, batch.mask)
+        kl_ref = 0.0
+        if l_ref is not None:
+            kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)
+            loss = loss + cfg.kl_coef * kl
+            kl_ref = float(kl.detach())
+        if "grads" not in self.parked:
+            self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 \
+            else torch.tensor(0.0)
+        self.optimizer.step()
+        mask = batch.mask
+        return self._pi_old_check(batch, l_p) | {
+            "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),
+            "clip_fraction": ls.clip_fraction, "dual_clip_fraction": ls.dual_clip_fraction,
+            "kl_current_proximal": ls.kl_current_proximal, "kl_ref": kl_ref,
+            "kl_proximal_behaviour": float(algo.masked_mean(batch.l_b - l_p, mask)),
+            "behaviour_weight_mean": bw.raw_mean, "behaviour_weight_max": bw.raw_max,
+            "behaviour_adjusted_fraction": bw.adjusted_fraction, "ess": bw.ess,
+            "zero_advantage_groups": float((batch.rewards.std(1) == 0).float().mean()),
+        }
+
+    def _pi_old_check(self, batch: Batch, l_p: torch.Tensor) -> dict[str, float]:
+        """pi_old mode: tokens drawn by the very weights pi_old holds (same version) must get ``l_p == l_b``."""
+        if self.cfg.old_logprob != "pi_old":
+            return {}
+        same = batch.mask & (batch.versions == self.cycle.snapshot.version)
+        diff = (l_p - batch.l_b)[same].abs()
+        return {"pi_old_same_version_tokens": float(same.sum()),
+                "pi_old_same_version_max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Params on the device for a while (evaluation), parked again afterwards."""
+        self.unpark("params")
+        try:
+            yield
+        finally:
+            self.park()

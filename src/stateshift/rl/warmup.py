@@ -1,0 +1,59 @@
+"""Before RL: supervised warm-up on easy problems, and the held-out accuracy that measures progress."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .config import WarmupConfig
+from .rollout import KVRollouter, Wave
+from .sampler import CausalLM, Sampling, left_pad, positions_of
+from .tasks.base import Task
+
+
+def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int) -> dict[str, float]:
+    """Teacher-forced cross entropy on the answers of ``task.warmup_batch`` problems (easy ones), with its own Adam.
+
+    Deterministic for a seed; returns the last loss and the seconds it took.
+    """
+    if cfg.steps == 0:
+        return {"warmup_loss": float("nan"), "warmup_s": 0.0}
+    rng = random.Random(seed ^ 0x5EED)
+    opt = torch.optim.Adam(lm.module.parameters(), lr=cfg.lr)
+    t0 = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    for _ in range(cfg.steps):
+        pairs = task.warmup_batch(rng, cfg.batch_size)  # type: ignore[attr-defined]
+        prompt_ids, prompt_mask = left_pad([p for p, _ in pairs], task.pad_token)
+        width = max(len(a) for _, a in pairs)
+        answers = torch.full((len(pairs), width), -100, dtype=torch.long)
+        for i, (_, a) in enumerate(pairs):
+            answers[i, : len(a)] = torch.tensor(a)
+        ids = torch.cat([prompt_ids, answers.clamp(min=0)], dim=1)
+        mask = torch.cat([prompt_mask, answers >= 0], dim=1)
+        logits = lm(ids, positions_of(mask), mask, None)[:, prompt_ids.shape[1] - 1 : -1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.reshape(-1), ignore_index=-100,
+                               label_smoothing=cfg.label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return {"warmup_loss": float(loss.detach()), "warmup_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def heldout_accuracy(lm: CausalLM, task: Task, max_new_tokens: int, *, batch: int = 512) -> float:
+    """Exact-match accuracy of greedy answers to ``task.heldout()`` (problems never trained on)."""
+    items = task.heldout()
+    sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token=task.stop_token,
+                        pad_token=task.pad_token)
+    sampler = KVRollouter(lm, sampling, seed=0)
+    exact = 0
+    for start in range(0, len(items), batch):
+        chunk = items[start : start + batch]
+        wave = Wave.start(list(range(len(chunk))), chunk, [task.prompt(i) for i in chunk], 1, sampling)
+        sampler.generate(wave)
+        exact += sum(bool(g.exact[0]) for g in wave.groups(task.score))
+    return exact / len(items)

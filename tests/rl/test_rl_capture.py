@@ -1,0 +1,91 @@
+"""A checkpoint's rollout capture brings back the queue, the wave in flight (kept tokens) and both random states."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from stateshift.rl.config import AsyncConfig
+from stateshift.rl.control import RunControl
+from stateshift.rl.executors.inprocess import RolloutWorker
+from stateshift.rl.queue import SampleQueue
+from stateshift.rl.rollout import KVRollouter
+from stateshift.rl.sampler import BuiltinLM, Sampling
+from stateshift.rl.sync import WeightChannel
+from stateshift.rl.tasks.addition import AdditionTask
+from stateshift.rl.tasks.gpt import build_gpt
+
+
+def _worker(seed: int = 0) -> RolloutWorker:
+    task = AdditionTask()
+    sampling = Sampling(max_new_tokens=5, stop_token=task.stop_token, pad_token=task.pad_token)
+    control = RunControl()
+    rollouter = KVRollouter(BuiltinLM(build_gpt(seed=1)), sampling, seed=seed)
+    queue = SampleQueue(AsyncConfig(staleness_threshold=1.0), required=4)
+    return RolloutWorker(rollouter, task, queue, WeightChannel(control, rollouter.pause), control, n=3,
+                         wave_prompts=4, seed=seed + 1)
+
+
+def _advance(w: RolloutWorker, *, pause_after_tokens: int | None = None) -> None:
+    """One wave, on this thread; optionally stop it after some tokens (as a sync would)."""
+    assert w._start_wave()
+    assert w.wave is not None
+    if pause_after_tokens is None:
+        assert w.rollouter.generate(w.wave)
+        w.queue.put(w.wave.groups(w.task.score))
+        w.wave = None
+        return
+    lm = w.rollouter.lm
+    calls = {"n": 0}
+
+    class Pausing:
+        module = lm.module
+
+        def new_cache(self):
+            return lm.new_cache()
+
+        def __call__(self, *args):
+            calls["n"] += 1
+            if calls["n"] == pause_after_tokens + 1:
+                w.rollouter.pause()
+            return lm(*args)
+
+    w.rollouter.lm = Pausing()
+    assert not w.rollouter.generate(w.wave)
+    w.rollouter.lm = lm
+    w.rollouter.resume()
+
+
+def _finish(w: RolloutWorker) -> list:
+    assert w.wave is not None and w.rollouter.generate(w.wave)
+    out = w.wave.groups(w.task.score)
+    _advance(w)
+    return out + list(w.queue.items)
+
+
+def test_capture_restore_continues_identically():
+    a = _worker()
+    _advance(a)  # one finished wave in the queue
+    _advance(a, pause_after_tokens=2)  # a wave in flight with 2 tokens kept
+    buf = io.BytesIO()
+    torch.save(a.capture(), buf)  # what the checkpoint sidecar does
+    buf.seek(0)
+    b = _worker(seed=5)  # other seeds: everything that matters must come from the capture
+    b.restore(torch.load(buf, weights_only=False))
+    assert [g.uid for g in b.queue.items] == [g.uid for g in a.queue.items]
+    assert b.wave is not None and b.wave.step == 2 and b.next_uid == a.next_uid
+    got_a, got_b = _finish(a), _finish(b)
+    assert len(got_a) == len(got_b) > 4
+    for x, y in zip(got_a, got_b, strict=True):
+        assert x.uid == y.uid and x.item == y.item
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.logprobs, y.logprobs)
+    assert b.queue.ledger.as_dict() == a.queue.ledger.as_dict()
+
+
+def test_capture_without_restore_differs():
+    """The check above can fail: a worker that is not restored continues differently."""
+    a, b = _worker(), _worker(seed=5)
+    _advance(a, pause_after_tokens=2)
+    _advance(b, pause_after_tokens=2)
+    assert not torch.equal(_finish(a)[0].tokens, _finish(b)[0].tokens)

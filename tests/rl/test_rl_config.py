@@ -1,0 +1,106 @@
+"""Config: YAML + key=value overrides, bad keys and values rejected naming the key, the resolved config saved."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from stateshift.cli import main
+from stateshift.rl.config import ConfigError, TrainConfig, field_docs, resolve
+
+
+def test_unknown_key_fails_naming_it(capsys):
+    with pytest.raises(ConfigError) as info:
+        resolve(None, ["trainer.learning_rate=1e-3"])
+    assert info.value.key == "trainer.learning_rate"
+    assert main(["train", "rollout.nn=8"]) == 2
+    assert "'rollout.nn': unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.lr=-1", "trainer.lr"),
+    ("trainer.lr=fast", "trainer.lr"),
+    ("rollout.n=1", "rollout.n"),
+    ("rollout.n=2.5", "rollout.n"),
+    ("trainer.old_logprob=recompute", "trainer.old_logprob"),
+    ("trainer.param_offload=maybe", "trainer.param_offload"),
+    ("async_training.staleness_threshold=-0.1", "async_training.staleness_threshold"),
+    ("run.checkpoint_every=3", "run.checkpoint_every"),
+    ("model.heads=3", "model.width"),
+    ("nosection.x=1", "nosection"),
+    ("trainer=1", "trainer"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        resolve(None, [override])
+    assert info.value.key == key, str(info.value)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lr: 0.002\n  old_logprob: proximal\nrollout:\n  n: 4\n")
+    cfg = resolve(path, ["trainer.lr=1e-3", "rollout.n=8", "async_training.max_lag=null"])
+    assert (cfg.trainer.lr, cfg.trainer.old_logprob, cfg.rollout.n, cfg.async_training.max_lag) == (1e-3, "proximal", 8, None)
+    path.write_text("trainer:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match="trainer.lrr"):
+        resolve(path)
+
+
+def test_resolved_config_is_saved_and_round_trips(tmp_path, capsys):
+    assert main(["train", "--print-config", "trainer.lr=3e-4", f"run.out_dir={tmp_path}"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["lr"] == 3e-4
+    from rl.rlkit import tiny
+
+    from stateshift.rl.loop import run
+
+    cfg = tiny(tmp_path, "trainer.steps=1")
+    run(cfg)
+    saved = resolve(tmp_path / "run" / "config.yaml")
+    assert saved == cfg
+
+
+def test_every_field_is_documented_and_in_help():
+    docs = field_docs()
+    assert len(docs) > 40 and all(doc for _, _, doc in docs)
+    out = subprocess.run([sys.executable, "-m", "stateshift.cli", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for key, _, _ in docs:
+        assert key in out.stdout
+    assert TrainConfig().trainer.old_logprob == "pi_old" and TrainConfig().trainer.param_offload
+
+
+def test_outputs_of_a_run(tmp_path):
+    """Plain progress lines when the stream is not a terminal; JSONL per step; summary; curves PNG."""
+    import io
+    import json
+
+    from rl.rlkit import tiny
+
+    from stateshift.rl.loop import run
+
+    stream = io.StringIO()
+    result = run(tiny(tmp_path, "trainer.steps=4", "run.progress=auto", "run.plot=true", "run.eval_every=2"),
+                 stream=stream)
+    text = stream.getvalue()
+    assert "\r" not in text and "step 4/4" in text and "held-out accuracy after warm-up" in text
+    records = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "heldout_accuracy" in records[1]
+    for key in ("reward", "accuracy", "entropy", "clip_fraction", "staleness_tokens", "behaviour_weight_max", "ess",
+                "queue_depth", "time_update_s_total", "offload_bytes_total", "pi_old_bytes_total"):
+        assert key in records[-1], key
+    assert (result.out_dir / "curves.png").stat().st_size > 10_000
+    summary = json.loads((result.out_dir / "summary.json").read_text())
+    assert summary["heldout_accuracy_end"] == result.heldout_accuracy_end
+
+
+def test_resume_arguments_are_checked(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("trainer:\n  steps: 1\n")
+    assert main(["train", "--resume", str(tmp_path), "--config", str(tmp_path / "config.yaml")]) == 2
+    assert main(["train", "--resume", str(tmp_path), "run.progress=none"]) == 2  # no checkpoint there
+    assert "no checkpoint under" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""Failures on either side end the run with that error within seconds; Ctrl-C stops cleanly; stalls are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from rl.rlkit import tiny
+
+from stateshift.rl.control import StallError
+from stateshift.rl.loop import run
+from stateshift.rl.rollout import KVRollouter
+from stateshift.rl.trainer import Trainer
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _rollout_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "stateshift-rollout" and t.is_alive()]
+
+
+@pytest.mark.parametrize("after_calls", [0, 3, 9])
+def test_rollouter_that_raises_ends_the_run_with_that_error(tmp_path, monkeypatch, after_calls):
+    calls = {"n": 0}
+    real = KVRollouter.generate
+
+    def flaky(self, wave):
+        if threading.current_thread().name != "stateshift-rollout":
+            return real(self, wave)  # held-out evaluation on the trainer thread
+        calls["n"] += 1
+        if calls["n"] > after_calls:
+            raise Boom(f"rollouter died at call {calls['n']}")
+        return real(self, wave)
+
+    monkeypatch.setattr(KVRollouter, "generate", flaky)
+    t0 = time.monotonic()
+    with pytest.raises(Boom, match="rollouter died"):
+        run(tiny(tmp_path, "trainer.steps=50"))
+    assert time.monotonic() - t0 < 15  # warm-up and set-up included; the failure itself reaches the trainer in < 0.1 s
+    assert not _rollout_threads()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"].startswith("failed (rollout): Boom")
+
+
+def test_trainer_that_raises_stops_the_rollout_thread(tmp_path, monkeypatch):
+    real = Trainer.update
+    calls = {"n": 0}
+
+    def flaky(self, batch, timer):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Boom("trainer died")
+        return real(self, batch, timer)
+
+    monkeypatch.setattr(Trainer, "update", flaky)
+    with pytest.raises(Boom, match="trainer died"):
+        run(tiny(tmp_path, "trainer.steps=50"))
+    assert not _rollout_threads()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"].startswith("failed (trainer): Boom") and summary["ledger"]["trained"] == 2 * 4
+
+
+def test_hung_rollouter_is_reported_then_stopped(tmp_path, monkeypatch):
+    """A rollouter that never returns: the watchdog reports queue depth and versions, then StallError ends the run."""
+
+    real = KVRollouter.generate
+
+    def hang(self, wave):
+        if threading.current_thread().name != "stateshift-rollout":
+            return real(self, wave)
+        for _ in range(400):  # ~20 s at most, so the daemon thread ends on its own after the test
+            if self.paused:
+                return False
+            time.sleep(0.05)
+        return False
+
+    monkeypatch.setattr(KVRollouter, "generate", hang)
+    t0 = time.monotonic()
+    with pytest.raises(StallError, match="nothing moved") as info:
+        run(tiny(tmp_path, "trainer.steps=5", "run.watchdog_s=0.5", "run.stall_timeout_s=2"))
+    assert time.monotonic() - t0 < 15
+    assert "queue=0" in str(info.value) and "trainer_version=0" in str(info.value)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["watchdog_reports"] and "waiting for 4 groups from the queue" in summary["watchdog_reports"][0]
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    """SIGINT to ``stateshift train``: exit code 130 within seconds, summary.json written, no traceback."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stateshift.cli", "train", "trainer.steps=100000", "warmup.steps=5",
+           "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",
+           "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
+           "run.torch_threads=1", f"run.out_dir={out}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    for line in proc.stderr:  # wait until RL runs
+        if line.startswith("held-out accuracy after warm-up"):
+            break
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - t0 < 10
+    assert "Traceback" not in err and "interrupted" in err
+    assert json.loads((out / "summary.json").read_text())["status"].startswith("interrupted at step")
+
+
+def test_two_runs_cannot_share_a_run_directory(tmp_path):
+    from stateshift.rl.loop import RunDirBusyError, _lock_run_dir
+
+    (tmp_path / "run").mkdir()
+    held = _lock_run_dir(tmp_path / "run")  # as a running `stateshift train` holds it
+    try:
+        with pytest.raises(RunDirBusyError, match="in use by another"):
+            run(tiny(tmp_path, "trainer.steps=1"))
+    finally:
+        held.close()
+    assert run(tiny(tmp_path, "trainer.steps=1")).steps == 1  # free again
