@@ -223,6 +223,7 @@ class FSDP2ModuleBackend(TorchModuleBackend):
     to_local: Any = field(default=to_local, repr=False)
     meta_of: Any = field(default=meta_of, repr=False)
     name: str = "fsdp2"
+    tree_guard: bool = False  # the root unit's pre-forward checks every unit's shards (``install_guards``)
     _units: list[_Unit] = field(default_factory=list, repr=False)
     _below_cache: dict[int, list[_Unit]] = field(default_factory=dict, repr=False)
     _warned_accumulation: bool = field(default=False, repr=False)

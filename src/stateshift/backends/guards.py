@@ -22,6 +22,7 @@ only be released by a verb, and that verb's ``prepare()`` has hooked it.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,6 +80,22 @@ class ModuleGuards:
             if p.requires_grad and not _seen(self._params, p):
                 self.handles.append(p.register_hook(self._grad_hook(p, name)))
 
+    def cover_tree(self, root: nn.Module, label: str) -> None:
+        """A forward pre-hook on ``root`` (run first) that checks every tensor of its tree.
+
+        The per-module hooks alone would let a forward run the modules before
+        the first released one (updating buffers a forward writes: token
+        counts, a router's load statistics) and then raise; checked at the
+        root, a refused forward changes nothing. The per-module hooks stay
+        for modules called on their own."""
+        check, local, where = self.check, self.local, f"forward of {label}"
+
+        def tree_hook(mod: nn.Module, *args: Any) -> None:
+            # (unbound: Megatron's DDP wrapper has a list attribute named ``buffers``)
+            check((local(t) for t in itertools.chain(nn.Module.parameters(mod), nn.Module.buffers(mod))), where)
+
+        self.handles.append(root.register_forward_pre_hook(tree_hook, prepend=True))
+
     def _module_hook(self, where: str) -> Callable[..., None]:
         """A hook (forward, state_dict or load_state_dict pre-hook) that checks the module's own tensors."""
         check, local = self.check, self.local
@@ -114,7 +131,7 @@ class MethodGuard:
 
     For methods torch offers no hook for (``Optimizer.zero_grad``, Megatron's
     ``offload_to_cpu``). ``when(*args, **kwargs)`` says whether a call reads
-    the tensors at all (default: always).
+    the tensors at all (default: always); ``writes``: the call steps them (``Check``).
     """
 
     def __init__(
@@ -125,6 +142,7 @@ class MethodGuard:
         tensors: Callable[[], Iterable[torch.Tensor]],
         what: str | None = None,
         when: Callable[..., bool] | None = None,
+        writes: bool = False,
     ) -> None:
         self.obj, self.method = obj, method
         original = getattr(obj, method)
@@ -133,7 +151,7 @@ class MethodGuard:
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if when is None or when(*args, **kwargs):
-                check(tensors(), what)
+                check(tensors(), what, writes=writes)
             return original(*args, **kwargs)
 
         self.guarded = guarded

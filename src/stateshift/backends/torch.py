@@ -103,6 +103,8 @@ class TorchModuleBackend:
     groups: tuple[str, ...] = ("params", "buffers", "grads")
     forward_groups: tuple[str, ...] = ("params", "buffers")
     static_groups: tuple[str, ...] = ()
+    #: check the whole tree before the root's forward (``ModuleGuards.cover_tree``); FSDP2 checks its own way
+    tree_guard: bool = True
     _guards: ModuleGuards | None = field(default=None, repr=False)
     _signature: tuple[Any, ...] | None = field(default=None, repr=False)
     _lists: dict[str, list[Entry]] = field(default_factory=dict, repr=False)
@@ -166,6 +168,8 @@ class TorchModuleBackend:
 
     def install_guards(self, check: Check) -> list[Handle]:
         self._guards = ModuleGuards(check, local=self.to_local)
+        if self.tree_guard:
+            self._guards.cover_tree(self.module, f"model {self.prefix or type(self.module).__name__!r}")
         self._signature = None  # re-read the tree now, so what exists is hooked before any verb
         self.prepare(self.groups)
         return [self._guards]
@@ -235,7 +239,7 @@ class TorchOptimizerBackend:
         opt = self.optimizer
 
         def pre_step(o: Any, args: Any, kwargs: Any) -> None:
-            check(self.touched(), "optimizer.step()")
+            check(self.touched(), "optimizer.step()", writes=True)
 
         def pre_state_dict(o: Any, *args: Any) -> None:
             check(self.state_tensors(), "optimizer.state_dict()")

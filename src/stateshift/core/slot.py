@@ -52,6 +52,10 @@ class NativeHome:
 
     values: torch.Tensor | None
     on_onload: Any = None
+    #: called when stateshift releases the storage again after lending it device memory for a
+    #: ``swapped()`` context: the framework's copy is the values' home again (the framework may have
+    #: let go of it meanwhile, having seen the storage resident)
+    on_released: Any = None
 
 
 class Entry(NamedTuple):

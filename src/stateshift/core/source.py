@@ -32,8 +32,16 @@ import torch
 from ..errors import BackendError
 from .slot import Entry
 
-#: ``check(tensors, where)``: raises ``OffloadedStateError`` if a tensor's storage is released
-Check = Callable[[Iterable[torch.Tensor], str], None]
+class Check(Protocol):
+    """``check(tensors, where)``: raises ``OffloadedStateError`` if a tensor's storage is released.
+
+    ``writes=True`` (an optimizer step): also raises ``SwapActiveError`` if a
+    tensor belongs to a group a ``swapped()`` context holds -- the step would
+    update the optimizer from the snapshot's values, and the exit would
+    discard what it wrote to the swapped groups.
+    """
+
+    def __call__(self, tensors: Iterable[torch.Tensor], where: str, *, writes: bool = False) -> None: ...
 
 
 class Handle(Protocol):

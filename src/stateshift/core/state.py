@@ -41,6 +41,7 @@ import shutil
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -57,7 +58,7 @@ from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotSto
 from .source import Handle, Source, detect
 from .locking import locked as _locked
 from .stable import InPlace, StoragePolicy, make_policy
-from .swap import SwapVerbs, reads_of
+from .swap import Swap, SwapVerbs, reads_of
 from .transfer import CopyEngine, Transfer
 
 GroupArg = str | Iterable[str] | None
@@ -133,7 +134,8 @@ class ModelState(SwapVerbs):
         self.snapshots = SnapshotStore(snapshot_budget_bytes)
         self._groups: dict[str, GroupState] = self._table.groups
         self._swapping: set[str] = set()
-        self._rebuild_reads: set[str] = set()
+        self._rebuild_reads: Counter[str] = Counter()
+        self._swaps: list[tuple[Swap, Snapshot]] = []
         self._handles: list[Handle] = []
         self._lock = threading.RLock()
         self._closed = False
@@ -299,7 +301,7 @@ class ModelState(SwapVerbs):
     def drop(self, groups: GroupArg = None, *, only: Only = None) -> None:
         """Release device storage without keeping values (``onload`` zero-fills). ``host`` slots become ``dropped`` too."""
         names = self._select(groups)
-        busy = self._rebuild_reads.intersection(names)
+        busy = [g for g in names if self._rebuild_reads[g] > 0]
         if busy:
             raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context")
         self._table.refresh(names)
@@ -324,16 +326,21 @@ class ModelState(SwapVerbs):
         """
         names = self._select(groups)
         self._table.refresh(names)
-        todo = [(gs, gs.select(lambda s: s.residency is not Residency.DEVICE and matches(s, only))) for gs in map(self._groups.__getitem__, names)]
+        transfer = self._bring_back(names, lambda s: s.residency is not Residency.DEVICE and matches(s, only))
+        if groups is None and only is None:
+            _KEEP_ALIVE.discard(self)
+        _log.debug("onload %s: %d bytes", names, transfer.total_bytes)
+        return transfer
+
+    def _bring_back(self, names: Iterable[str], which: Callable[[Slot], bool]) -> Transfer:
+        """Re-grow and fill the slots ``which`` selects in groups ``names``; they become ``device``."""
+        todo = [(gs, gs.select(which)) for gs in map(self._groups.__getitem__, names)]
         transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
         for gs, idx in todo:
             for i in idx:
                 gs.slots[i].residency = Residency.DEVICE
                 disown(gs.slots[i])
-        if groups is None and only is None:
-            _KEEP_ALIVE.discard(self)
         self._forget_disk_regions(names)
-        _log.debug("onload %s: %d bytes", names, transfer.total_bytes)
         return transfer
 
     @_locked
@@ -362,7 +369,7 @@ class ModelState(SwapVerbs):
         self._table.refresh(names)
         gss = [self._groups[g] for g in names]
         shared = {gs.name for gs in gss if placement == "host" and gs.home_is_whole()}
-        old = self._make_room_for(tag, version, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
+        old = self._make_room_for(tag, version, gss, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
         device_arenas = {gs.name: self._device_arena(gs) for gs in gss if placement == "device"}
         disk = self._disk_home() if placement == "disk" else None
         if old is not None:
@@ -394,14 +401,14 @@ class ModelState(SwapVerbs):
         ``fill`` writes every region of each part (``part.regions()``) on this
         thread (e.g. a checkpoint read straight into pooled host memory). If
         it raises, the blocks go back to the pool and nothing else changed.
-        Replaces a snapshot stored under the same ``(tag, version)``.
+        Replaces a snapshot stored under the same ``(tag, version)``, released
+        only once the new one is filled (so a failing fill keeps it; the pool
+        holds both meanwhile: release the old one first to reuse its memory).
         """
         names = self._select(groups, check_swap=False)
         self._table.refresh(names)
         gss = [self._groups[g] for g in names]
-        old = self._make_room_for(tag, version, [gs.layout.total for gs in gss])
-        if old is not None:
-            self.snapshots.discard(old)
+        old = self._make_room_for(tag, version, gss, [gs.layout.total for gs in gss], replaced_after=True)
         parts = [SnapshotPart(gs.name, gs.layout, host=self.pool.acquire(gs.layout.total)) for gs in gss]
         try:
             for part in parts:
@@ -411,6 +418,8 @@ class ModelState(SwapVerbs):
                 assert part.host is not None
                 self.pool.release(part.host)
             raise
+        if old is not None:
+            self.snapshots.discard(old)
         return self._store(Snapshot.of(tag=tag, version=version, placement="host", parts=tuple(parts), pool=self.pool))
 
     @_locked
@@ -487,26 +496,30 @@ class ModelState(SwapVerbs):
         self.snapshots.discard(snapshot)
 
     def close(self) -> None:
-        """Bring offloaded values back to the device, then remove hooks, release snapshots and homes.
+        """Give the model back whole, then remove hooks, release snapshots and homes.
 
-        Values are never lost to a close: groups whose values live only in a
-        home are onloaded first (``drop()`` them before if they are not
-        needed). Values kept in a framework's own host copy stay there.
+        Nothing is lost to a close and nothing is left released behind the
+        removed guards: an active ``swapped()`` context is ended first (the
+        model gets its own values back; the context's exit then does
+        nothing), and every slot whose storage stateshift released is
+        re-grown -- offloaded values come back to the device, dropped ones as
+        zeros (``drop()`` before a close does not save device memory after
+        it). Values kept in a framework's own host copy stay there.
         Idempotent; other verbs raise ``ClosedStateError`` afterwards.
         """
         with self._lock:
             if self._closed:
                 return
-            held = [g for g, gs in self._groups.items()
-                    if any(s.residency is Residency.DISK or (s.residency is Residency.HOST and s.native_home is None) for s in gs.slots)]
-            if held and not self._swapping:
-                self.onload(held)
+            for swap, snap in reversed(list(self._swaps)):
+                self._swap_out(swap, snap)
+            self._table.refresh()
+            self._bring_back(self.groups, lambda s: s.residency is not Residency.DEVICE and s.native_home is None)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
             self.snapshots.clear()
             for gs in self._groups.values():
-                if gs.home is not None and not any(s.residency is Residency.HOST and s.native_home is None for s in gs.slots):
+                if gs.home is not None:
                     self.pool.release(gs.home)
                     gs.home = None
             self._closed = True
@@ -518,20 +531,33 @@ class ModelState(SwapVerbs):
             _OPEN.discard(self)
 
     # -- guards ---------------------------------------------------------------------------
-    def check_resident(self, tensors: Iterable[torch.Tensor], where: str) -> None:
+    def check_resident(self, tensors: Iterable[torch.Tensor], where: str, *, writes: bool = False) -> None:
         """Raise ``OffloadedStateError`` if any tensor's storage is released (cheap: no refresh, no lock).
 
-        A paused address-stable storage keeps its size but not its memory: it is looked up by key."""
-        paused = self._paused_keys
+        A paused address-stable storage keeps its size but not its memory: it is looked up by key.
+        ``writes``: an optimizer step; inside a ``swapped()`` context of its tensors' groups it raises
+        ``SwapActiveError`` (see ``Check``)."""
+        paused, swapping = self._paused_keys, self._swapping if writes else None
         for t in tensors:
             if t is None or t.numel() == 0:
                 continue
+            if swapping:
+                self._check_not_swapped(t, where)
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or (paused and storage._cdata in paused):
                 slot = self._table.slots.get(storage_key(t))
                 if slot is None:
                     raise OffloadedStateError("(untracked)", "(a tensor)", "released", where)
                 raise OffloadedStateError(slot.info.group, slot.name, slot.residency.value, where)
+
+    def _check_not_swapped(self, t: torch.Tensor, where: str) -> None:
+        slot = self._table.slots.get(storage_key(t))
+        if slot is not None and slot.info.group in self._swapping:
+            raise SwapActiveError(
+                f"{where} inside a swapped() context of group {slot.info.group!r} ({slot.name}): it would update "
+                "the optimizer from the snapshot's values, and the exit would discard what it wrote there; "
+                "step after the context"
+            )
 
     # -- internals: selection and memory ----------------------------------------------------
     def _select(self, groups: GroupArg, *, check_swap: bool = True) -> tuple[str, ...]:
@@ -554,11 +580,18 @@ class ModelState(SwapVerbs):
                 raise SwapActiveError(f"group(s) {busy} are inside a swapped() context")
         return names
 
-    def _make_room_for(self, tag: str, version: int | None, host_sizes: list[int]) -> Snapshot | None:
-        """Check budgets for a new snapshot under ``(tag, version)``; returns the snapshot it replaces."""
-        self.snapshots.check_budget(sum(host_sizes), replacing=(tag, version))
+    def _make_room_for(
+        self, tag: str, version: int | None, gss: list[GroupState], host_sizes: list[int], *, replaced_after: bool = False
+    ) -> Snapshot | None:
+        """Check budgets for a new snapshot of ``gss`` under ``(tag, version)``; returns the snapshot it replaces.
+
+        The store's budget counts every snapshot's bytes wherever they live (host, device, disk,
+        shared with a home), as ``SnapshotStore.nbytes`` does; the pool's counts the new host blocks.
+        ``replaced_after``: the old snapshot is released only after the new one is filled (its
+        memory cannot be reused for it), so the pool must hold both at once."""
+        self.snapshots.check_budget(sum(gs.layout.total for gs in gss), replacing=(tag, version))
         old = self.snapshots.find(tag, version)
-        freeing = 0 if old is None else sum(p.host.nbytes for p in old.parts if p.host is not None and not p.host.shared)
+        freeing = 0 if old is None or replaced_after else sum(p.host.nbytes for p in old.parts if p.host is not None and not p.host.shared)
         self.pool.check_room(sum(host_sizes), freeing=freeing)
         return old
 

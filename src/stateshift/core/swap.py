@@ -17,6 +17,8 @@ first and makes the tensors it names resident while it runs.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -24,14 +26,15 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from ..errors import UnknownGroupError
-from .groups import GroupState, SlotTable, matches
+from .groups import GroupState, SlotTable, disown, matches
 from .locking import locked
 from .pool import HostBlock, HostPool
-from .slot import Residency
+from .slot import NativeHome, Residency
 from .snapshot import Snapshot, SnapshotPart
 from .stable import StoragePolicy
 from .transfer import CopyEngine, Transfer
 
+_log = logging.getLogger("stateshift")
 
 
 @runtime_checkable
@@ -55,14 +58,19 @@ class Swap:
     """The record of one ``swapped()`` context (see the module docstring).
 
     Per group: ``resident`` slots (device storage valid on entry: stashed,
-    or rebuilt, and overwritten) and ``offloaded`` ones (slot index and the
-    residency to return to: given device storage for the context only).
+    or rebuilt, and overwritten) and ``offloaded`` ones (slot index, and the
+    residency and framework copy to return to: given device storage for the
+    context only). ``ended``: the exit ran (``close()`` inside the context
+    runs it early; the context's own exit then does nothing).
     """
 
     groups: tuple[str, ...]
     rebuild: dict[str, Callable[[], None]]
     resident: dict[str, list[int]] = field(default_factory=dict)
-    offloaded: dict[str, list[tuple[int, Residency]]] = field(default_factory=dict)
+    offloaded: dict[str, list[tuple[int, Residency, NativeHome | None]]] = field(default_factory=dict)
+    #: the groups the rebuilds read (counted: nested contexts may read the same group)
+    reads: Counter[str] = field(default_factory=Counter)
+    ended: bool = False
     #: host blocks and device arenas holding the stash (host blocks go back to the pool on exit)
     stashes: list[HostBlock | torch.Tensor] = field(default_factory=list)
     #: group -> the byte arena its stash lives in (a host block's data or a device tensor)
@@ -83,7 +91,8 @@ class SwapVerbs:
     _table: SlotTable
     _storage: StoragePolicy
     _swapping: set[str]
-    _rebuild_reads: set[str]
+    _rebuild_reads: Counter[str]
+    _swaps: list[tuple[Swap, Snapshot]]
     engine: CopyEngine
     pool: HostPool
 
@@ -97,7 +106,8 @@ class SwapVerbs:
         self._table.refresh(names)
         for part in snapshot.parts:
             self._groups[part.group].layout.check_compatible(part.layout)
-        swap = Swap(names, rebuild)
+        swap = Swap(names, {g: fn for g, fn in rebuild.items() if self._rebuildable(g)})
+        rebuild = swap.rebuild
         stashing = [self._groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in self._groups[p.group].slots)]
         self._new_stashes(swap, stashing, self._stash_on_device(stash, stashing))
         try:
@@ -108,11 +118,21 @@ class SwapVerbs:
         for part in snapshot.parts:
             self._write_swapped(swap, part, snapshot)
         for g in names:
-            for i, _ in swap.offloaded[g]:
+            for i, _, _ in swap.offloaded[g]:
                 self._groups[g].slots[i].residency = Residency.DEVICE
         self._swapping.update(names)
-        self._rebuild_reads.update(g for fn in rebuild.values() for g in reads_of(fn))
+        swap.reads.update(g for fn in rebuild.values() for g in reads_of(fn))
+        self._rebuild_reads.update(swap.reads)
+        self._swaps.append((swap, snapshot))
         return swap
+
+    def _rebuildable(self, g: str) -> bool:
+        """A rebuild rewrites every slot of its group, so it is used only when all of them are resident;
+        otherwise the group is stashed (its offloaded slots are released again before a rebuild could run)."""
+        if all(s.residency is Residency.DEVICE for s in self._groups[g].slots):
+            return True
+        _log.debug("swapped(): group %r is partly offloaded, so it is stashed instead of rebuilt", g)
+        return False
 
     def _new_stashes(self, swap: Swap, groups: list[GroupState], on_device: bool) -> None:
         """Allocate every stash arena before anything changes (device memory, or pooled pinned blocks)."""
@@ -130,8 +150,8 @@ class SwapVerbs:
         for part in snapshot.parts:
             gs = self._groups[part.group]
             swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
-            offloaded = swap.offloaded[gs.name] = [(i, s.residency) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
-            self._regrow(gs, [i for i, _ in offloaded])
+            offloaded = swap.offloaded[gs.name] = [(i, s.residency, s.native_home) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
+            self._regrow(gs, [i for i, _, _ in offloaded])
 
     def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
         """Stash the group's resident values (unless rebuilt) and write the snapshot's into every slot.
@@ -139,7 +159,7 @@ class SwapVerbs:
         A host stash and a host snapshot cross PCIe in both directions at once (``exchange``)."""
         gs = self._groups[part.group]
         resident, stash = swap.resident[gs.name], swap.arenas.get(gs.name)
-        offloaded = [i for i, _ in swap.offloaded[gs.name]]
+        offloaded = [i for i, _, _ in swap.offloaded[gs.name]]
         if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
             snapshot.wait()  # host-to-host copies read the snapshot on this thread
         if part.disk is not None:  # through the staging windows (the stash first)
@@ -161,21 +181,29 @@ class SwapVerbs:
         for g, offloaded in swap.offloaded.items():
             gs = self._groups[g]
             if not self._storage.paused(g):
-                self._release(gs, [i for i, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
+                self._release(gs, [i for i, _, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
         self._free_stashes(swap, Transfer())
 
-    @locked
     def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
+        """The exit: give back what was lent, then each group's own values (stash or rebuild). Once."""
+        with self._lock:
+            if not swap.ended:
+                swap.ended = True
+                self._end_swap(swap, snapshot)
+
+    def _end_swap(self, swap: Swap, snapshot: Snapshot) -> None:
+        """Release the lent storage first, so the backends' ``prepare`` sees those slots as they were on
+        entry (Megatron keeps its ``param_data_cpu``); then the stash goes back, then the rebuilds run."""
         returned = Transfer()
         try:
+            for g, offloaded in swap.offloaded.items():
+                self._give_back_lent(self._groups[g], offloaded)
             self._table.prepare(swap.groups)  # e.g. FSDP2: no all-gathered copy of the snapshot outlives the context
             for g, stash in swap.arenas.items():
+                self._regrow_taken(self._groups[g], swap.resident[g])
                 returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
-            for g, offloaded in swap.offloaded.items():
-                self._release(self._groups[g], [i for i, _ in offloaded])
-                for i, was in offloaded:
-                    self._groups[g].slots[i].residency = was
             for g in swap.rebuilt_groups():
+                self._regrow_taken(self._groups[g], swap.resident[g])
                 self._run_rebuild(swap.rebuild[g])
         finally:
             self._free_stashes(swap, returned)
@@ -183,7 +211,32 @@ class SwapVerbs:
                 if part.host is not None:
                     part.host.pending = swap.written.merged(part.host.pending)
             self._swapping.difference_update(swap.groups)
-            self._rebuild_reads.clear()
+            self._rebuild_reads -= swap.reads
+            self._swaps[:] = [(sw, sn) for sw, sn in self._swaps if sw is not swap]
+
+    def _give_back_lent(self, gs: GroupState, offloaded: list[tuple[int, Residency, NativeHome | None]]) -> None:
+        """Release the storage lent to offloaded slots; each gets its residency and framework copy back.
+
+        A copy the framework made inside the context (Megatron's ``offload_to_cpu``, seen by a refresh)
+        holds the snapshot's values: the framework is told to forget it."""
+        self._release(gs, [i for i, _, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
+        for i, was, native in offloaded:
+            slot = gs.slots[i]
+            if slot.native_home is not native:
+                disown(slot)
+            slot.residency, slot.native_home = was, native
+            if native is not None and native.on_released is not None:
+                native.on_released()
+
+    def _regrow_taken(self, gs: GroupState, idx: list[int]) -> None:
+        """Slots whose storage the framework released inside the context (Megatron's ``offload_to_cpu``)
+        get it back before their own values are written (a copy into released storage would crash);
+        the framework's copy of the snapshot's values is forgotten."""
+        taken = [i for i in idx if gs.slots[i].storage.nbytes() == 0]
+        self._regrow(gs, taken)
+        for i in taken:
+            gs.slots[i].residency = Residency.DEVICE
+            disown(gs.slots[i])
 
     def _free_stashes(self, swap: Swap, returned: Transfer) -> None:
         for st in swap.stashes:

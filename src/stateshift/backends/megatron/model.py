@@ -29,9 +29,19 @@ def _forget_param_cpu(buf: Any, cpu: torch.Tensor) -> None:
         buf.param_data_cpu = None
 
 
+def _reinstate_param_cpu(buf: Any, cpu: torch.Tensor) -> None:
+    """The buffer is released again (a ``swapped()`` lent it device memory): the host copy is its home again."""
+    buf.param_data_cpu = cpu
+
+
 def _forget_grad_size(buf: Any) -> None:
     """Grads re-filled (or replaced) by stateshift: Megatron's restore must not zero them again."""
     buf.grad_data_size = 0
+
+
+def _reinstate_grad_size(buf: Any, size: int) -> None:
+    """The grad buffer is released again after a ``swapped()``: Megatron's reload re-grows it (zeros)."""
+    buf.grad_data_size = size
 
 
 
@@ -203,7 +213,8 @@ class MegatronModelBackend:
                 f"{base}.param_data",
                 f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
             )
-        return NativeHome(values=cpu, on_onload=functools.partial(_forget_param_cpu, buf, cpu))
+        return NativeHome(values=cpu, on_onload=functools.partial(_forget_param_cpu, buf, cpu),
+                          on_released=functools.partial(_reinstate_param_cpu, buf, cpu))
 
     def _sync_native(self, cpu: torch.Tensor, device: torch.device) -> None:
         """Wait for Megatron's own (event-less, non-blocking) copy into ``param_data_cpu`` once per new write.
@@ -226,7 +237,9 @@ class MegatronModelBackend:
             return
         native = None
         if storage_bytes(gd) == 0 and getattr(buf, "grad_data_size", 0) > 0:
-            native = NativeHome(values=None, on_onload=functools.partial(_forget_grad_size, buf))
+            size = buf.grad_data_size
+            native = NativeHome(values=None, on_onload=functools.partial(_forget_grad_size, buf),
+                                on_released=functools.partial(_reinstate_grad_size, buf, size))
         yield Entry(f"{base}.grad_data", "grads", gd, nbytes=gd.numel() * gd.element_size(), native_home=native)
         for name, p in self._views[id(buf)]:
             mg = getattr(p, "main_grad", None)
@@ -247,7 +260,7 @@ class MegatronModelBackend:
         return out
 
     def install_guards(self, check: Check) -> list[Handle]:
-        """Forward pre-hooks on every module owning tensors, backward hooks into ``main_grad`` / ``.grad``,
+        """Forward pre-hooks on every model chunk (its whole tree) and every module owning tensors, backward hooks into ``main_grad`` / ``.grad``,
         and ``zero_grad_buffer`` of each DDP chunk (it writes ``grad_data``)."""
         inside = self._inside
 
@@ -255,6 +268,9 @@ class MegatronModelBackend:
             return (getattr(p, "main_grad", None), "main_grad") if id(p) in inside else (p.grad, "grad")
 
         self._guards = ModuleGuards(check, grad_of=grad_of)
+        for i, chunk in enumerate(self.chunks):
+            if isinstance(chunk, torch.nn.Module):
+                self._guards.cover_tree(chunk, f"model chunk {i} ({type(chunk).__name__})")
         self.prepare(())
         handles: list[Handle] = [self._guards]
         for chunk in self.chunks:

@@ -130,13 +130,13 @@ class MegatronOptimizerBackend:
         handles: list[Handle] = []
         for method, tensors in (("step", self.touched), ("offload_to_cpu", self.inner_touched), ("restore_from_cpu", self.inner_touched)):
             if callable(getattr(self.optimizer, method, None)):
-                handles.append(MethodGuard(check, self.optimizer, method, tensors, what=f"optimizer.{method}()"))
+                handles.append(MethodGuard(check, self.optimizer, method, tensors, what=f"optimizer.{method}()", writes=method == "step"))
         for opt in self.leaves:
             inner = getattr(opt, "optimizer", None)
             if isinstance(inner, torch.optim.Optimizer):
 
                 def pre_step(o: Any, args: Any, kwargs: Any, leaf: Any = opt) -> None:
-                    check(self.touched([leaf]), "inner optimizer.step()")
+                    check(self.touched([leaf]), "inner optimizer.step()", writes=True)
 
                 handles.append(inner.register_step_pre_hook(pre_step))
         return handles

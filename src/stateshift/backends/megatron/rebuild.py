@@ -115,10 +115,23 @@ class MasterRebuild:
         the masters to the CPU (``p.data = p.data.cpu()``) while the params
         stay on the GPU: a rebuild would then cross PCIe, so the stash is used.
         Never raises for a residency: offloaded params have nothing to rebuild.
+
+        Exact means the params *are* the masters' cast now, which is checked
+        (one comparison on the device, one host sync): a restore of a
+        params-only snapshot, a ``load(..., "params")``, a ``swapped()`` of
+        ``optim`` or any write outside an optimizer step makes them differ,
+        and a rebuild would then replace the current params with other
+        values. With data parallelism (the rebuild all-gathers) the ranks
+        agree on the answer (one all-reduce over the default group), so call
+        it on every rank, as the rebuild itself is.
         """
         self._prepare()
-        if self._static is not None:
-            return self._static
+        reason = self._static or self._residency_reason() or self._value_reason()
+        if self._gather and torch.distributed.is_available() and torch.distributed.is_initialized():
+            reason = self._agree(reason)
+        return reason
+
+    def _residency_reason(self) -> str | None:
         for (dst, _, _), m in zip(self._targets, self._masters, strict=True):
             if storage_bytes(dst) == 0:
                 return "the params are offloaded (their storage is released): there is nothing on the device to rebuild"
@@ -127,6 +140,31 @@ class MasterRebuild:
             if m.device != dst.device:
                 return f"the fp32 masters are not on the device of the params ({m.device}, params on {dst.device}: optimizer offloaded)"
         return None
+
+    def _value_reason(self) -> str | None:
+        """Whether every param (this rank's part) equals its master's cast, bit for bit (NaN equal to NaN)."""
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for d, m in zip(self._destinations(), self._masters, strict=True):
+                cast = m.detach().to(d.dtype).view(d.shape)
+                differ = cast.ne(d)
+                if d.is_floating_point():
+                    differ &= ~(cast.isnan() & d.isnan())
+                flags.setdefault(d.device, []).append(differ.any())
+            if any(bool(torch.stack(f).any()) for f in flags.values()):
+                return ("the params are not the fp32 masters' cast (written since the last optimizer step: a restore or "
+                        "load of params, a swapped() of optim, or a write outside the optimizer)")
+        return None
+
+    def _agree(self, reason: str | None) -> str | None:
+        """Every rank gets a reason if any rank has one (the rebuild's all-gather needs them all)."""
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+        flag = torch.tensor([0 if reason is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if reason is None and int(flag.item()):
+            return "another data-parallel rank cannot rebuild exactly (its available() gives the reason)"
+        return reason
 
     def reads(self) -> Mapping[str, Collection[str]]:
         """The masters, by name in group ``optim``: the engine makes them resident for the rebuild."""
