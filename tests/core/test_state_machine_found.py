@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import torch
 import time
 
 import pytest
@@ -300,6 +301,23 @@ def test_megatron_offload_inside_swapped_is_not_a_crash():
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stdout[-1000:], proc.stderr[-1000:])
 
 
+def test_megatron_offload_inside_a_rebuild_swap_gives_the_current_params_back():
+    """Found by the machine once the crash above was fixed: with ``rebuild=`` the exit re-grew the storage
+    Megatron released inside the context and ran the rebuild, which writes the masters' ranges only; the
+    padding between params in the buffer (zeros) came back as uninitialised memory."""
+    ddp, opt = _megatron()
+    state = ModelState(ddp, opt)
+    pi_old = state.snapshot(["params"], tag="pi_old")
+    fake_train_step(ddp, opt, _x(3))
+    now = capture(state, ["params"])
+    plugin = state.backends[1].rebuild_plugin()
+    assert plugin.available() is None
+    with state.swapped(pi_old, rebuild={"params": plugin}):
+        for b in _buffers(ddp):
+            b.offload_to_cpu(move_params=True, move_grads=False)
+    assert_same(capture(state, ["params"]), now)
+
+
 # ----------------------------------------------------------------------------- swapped() semantics
 
 @pytest.mark.parametrize("how", ["stash", "rebuild"])
@@ -332,3 +350,141 @@ def test_torch_optimizer_step_inside_swapped_is_refused():
             train_step(model, opt, 2)
     assert_same(capture(state, ["params", "optim"]), before)
     train_step(model, opt, 2)  # after the context: allowed
+def test_restore_of_what_a_rebuild_reads_is_refused():
+    """The machine stepped around this one: a ``restore`` (or ``load``) of ``optim`` inside a
+    ``swapped(..., rebuild=...)`` changed the masters the exit recomputes the params from, so the
+    context gave back other params than it took. It is refused like ``drop`` (``SwapActiveError``)."""
+    ddp, opt = _megatron("dense_float16")
+    state = ModelState(ddp, opt)
+    pi_old = state.snapshot(["params"], tag="pi_old")
+    masters = state.snapshot(["optim"], tag="masters")
+    fake_train_step(ddp, opt, _x(3))
+    before = capture(state, ["params", "optim"])
+    plugin = state.backends[1].rebuild_plugin()
+    assert plugin.available() is None
+    with state.swapped(pi_old, rebuild={"params": plugin}):
+        with pytest.raises(SwapActiveError, match="rebuild"):
+            state.restore(masters)
+    assert_same(capture(state, ["params", "optim"]), before)
+
+
+def test_check_restore_raises_what_restore_would():
+    """A distributed ``load`` agreed on every rank's read, then restored: a restore refused by a pool budget
+    on one rank after the agreement left the ranks with different models (seen in review while taking out
+    the machine's step-around for FSDP2 loads under a budget). Every rank now asks ``check_restore`` inside
+    the agreement; it refuses what ``restore`` would, changing nothing."""
+    from stateshift import PoolBudgetError
+
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    snap = state.snapshot(["params"], tag="s")
+    train_step(model, opt, 1)
+    state.offload("params")
+    shared = state.snapshot(["params"], tag="cow")  # shares the home copy-on-write
+    state.onload("params", only=lambda n: n.startswith("blocks.1."))  # partly offloaded; the home is shared
+    before = capture(state, ["params"])
+    state.check_restore(snap)  # room enough: no error
+    state.pool.budget_bytes = state.pool.stats.in_use_bytes  # a restore needs a private home: no room
+    with pytest.raises(PoolBudgetError):
+        state.check_restore(snap)
+    with pytest.raises(PoolBudgetError):
+        state.restore(snap)
+    state.pool.budget_bytes = None
+    assert_same(capture(state, ["params"]), before)
+    state.restore(snap)  # and with room it restores
+    state.release(shared)
+
+
+# ----------------------------------------------------------------------------- distributed checkpoints
+
+
+def save_with_a_budget_error_on_one_rank(rank, world, path):
+    """Rank 1's snapshot budget is 0: its ``save`` fails while staging, before the collective write."""
+    from machines import FSDP2Target
+
+    from stateshift.checkpoint import save
+
+    torch.set_num_threads(1)
+    model, opt = FSDP2Target().build()
+    state = ModelState(model, opt)
+    if rank == 1:
+        state.snapshots.budget_bytes = 0
+    t0 = time.monotonic()
+    try:
+        save(state, path)
+    except Exception as e:  # noqa: BLE001 - what each rank saw
+        took = round(time.monotonic() - t0, 1)
+        if rank == 1:
+            time.sleep(2)  # it carries on (a rank that exits would close the connection and free the others)
+        return type(e).__name__, took, str(e)[:200]
+    return "saved", round(time.monotonic() - t0, 1), ""
+
+
+@pytest.mark.slow
+def test_distributed_save_failing_on_one_rank_does_not_hang_the_others(tmp_path):
+    """Found: ``save`` staged the snapshot before the commit's first collective; a rank whose staging raised
+    (a budget, a released group, ...) never reached it, and the other ranks waited in ``all_gather_object``
+    until the process group timed out. Staging is now agreed on first (``_stage_everywhere``), as ``load``
+    agrees on every rank's status: every rank raises at once, nothing is written."""
+    from dist_harness import run_distributed
+
+    results = run_distributed(save_with_a_budget_error_on_one_rank, 2, args=(str(tmp_path / "c"),), timeout=20, grace=1)
+    assert results[1][0] == "SnapshotBudgetError" and results[0][0] != "saved", results
+    # rank 1 carries on for 2 s after its error; rank 0 must not wait for it (nor for the process group's timeout)
+    assert results[0][1] < 1.5, f"rank 0 waited {results[0][1]} s, then: {results[0][0]}: {results[0][2]}"
+
+
+def two_async_saves_at_once(rank, world, root):
+    """Two async saves to two paths, both in flight; rank 0 runs a little behind (its first writer waits,
+    in its progress callback, until the second one writes). Then both checkpoints must load back."""
+    import threading
+    from pathlib import Path
+
+    from machines import FSDP2Target
+
+    from stateshift.checkpoint import async_save, load
+
+    torch.set_num_threads(1)
+    model, opt = FSDP2Target().build()
+    state = ModelState(model, opt)
+    want = capture(state, ["params", "buffers", "optim"])
+    a_writing, b_writing = threading.Event(), threading.Event()
+
+    def progress_a(n):
+        a_writing.set()
+        if rank == 0:
+            b_writing.wait(1.5)  # (writers one at a time: the second never writes meanwhile, go on after 1.5 s)
+
+    t0 = time.monotonic()
+    try:
+        a = async_save(state, Path(root) / "a", progress=progress_a)
+        a_writing.wait(5)  # the first writer is past its first collective
+        if rank == 1:
+            time.sleep(1)  # ... and on rank 1 at its next one before the second save starts
+        b = async_save(state, Path(root) / "b", progress=lambda n: b_writing.set())
+        a.wait(5)
+        b.wait(5)
+        for path in ("a", "b"):
+            other, other_opt = FSDP2Target().build()
+            fresh = ModelState(other, other_opt)
+            load(fresh, Path(root) / path)
+            assert_same(capture(fresh, ["params", "buffers", "optim"]), want)
+    except BaseException as e:  # noqa: BLE001 - what each rank saw
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {str(e)[:300]}"
+    return "ok"
+
+
+@pytest.mark.slow
+def test_two_distributed_async_saves_in_flight_both_complete(tmp_path):
+    """Found on an earlier engine: every background writer's collectives ran on one gloo group, and two
+    async saves to two paths interleaved their collectives across ranks (mixed statuses, then a deadlock; the
+    FSDP2 walk, seed 1). Saves in a process are now written one at a time in call order, so this passes;
+    a progress callback holds rank 0's first writer to force the schedule the walk met by itself."""
+    from dist_harness import RankError, run_distributed
+
+    try:
+        results = run_distributed(two_async_saves_at_once, 2, args=(str(tmp_path),), timeout=20, grace=1)
+    except (RankError, TimeoutError) as e:
+        raise AssertionError(f"the ranks did not finish: {str(e)[:500]}") from None
+    assert results == ["ok", "ok"], results

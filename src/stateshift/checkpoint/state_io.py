@@ -24,7 +24,7 @@ import torch
 
 from ..core.layout import Layout, dtype_of
 from ..core.snapshot import Snapshot, SnapshotPart
-from ..errors import (CheckpointError, CheckpointMismatchError, ClosedStateError, LayoutMismatchError,
+from ..errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, ClosedStateError, LayoutMismatchError,
                       ReleasedSnapshotError, UnknownGroupError)
 from . import manifest as mf
 from .collective import Collective
@@ -148,16 +148,33 @@ def _give_back(state: ModelState, snap: Snapshot) -> None:
         snap.release()  # close() released it already; idempotent
 
 
+def _stage_everywhere(state: ModelState, final: Path, groups: str | Iterable[str] | None, comm: Collective,
+                      fields: Mapping[str, Any]) -> _Staged:
+    """Check the arguments and stage the values on every rank, then agree (on the calling thread): a rank
+    whose staging failed (a budget, a bad group) makes every rank raise now, none left waiting in the write."""
+    staged: list[_Staged] = []
+
+    def stage() -> None:
+        names = _group_names(state, groups)
+        check_args(fields["tag"], fields["version"], fields["extra"])
+        make_parents(final.parent)
+        staged.append(_stage(state, names, comm))
+
+    def failed(rank: int, text: str) -> BaseException:
+        return CheckpointWriteError(final, f"rank {rank} failed while staging its values ({text}); nothing was written")
+
+    comm.run(stage, what="staging its values", share=False, error=failed,
+             cleanup=lambda: [state.release(st.snapshot) for st in staged])
+    return staged[0]
+
+
 def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None, *, background: bool,
            distributed: bool | None, group: Any, progress: ProgressFn | None, **fields: Any) -> SaveHandle:
     t0 = time.perf_counter()
     final = Path(os.path.abspath(path))
-    names = _group_names(state, groups)
-    check_args(fields["tag"], fields["version"], fields["extra"])
-    make_parents(final.parent)
     comm = _collective(state, distributed, group)
+    staged = _stage_everywhere(state, final, groups, comm, fields)
     comm = comm.for_writer_thread() if background else comm
-    staged = _stage(state, names, comm)
     handle = SaveHandle(final, sum(p.layout.nbytes for p in staged.snapshot.parts))
     before = _after_last(handle._finished)
 
@@ -167,7 +184,7 @@ def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterab
                 before.wait()
             handle.manifest = write_checkpoint(
                 final, staged.files, backend="+".join(b.name for b in state.backends), rank_layout=staged.layout,
-                layout={"format": mf.STATE_FORMAT, "groups": list(names)}, progress=_guarded(staged.snapshot, progress),
+                layout={"format": mf.STATE_FORMAT, "groups": list(staged.snapshot.groups)}, progress=_guarded(staged.snapshot, progress),
                 comm=comm, **fields)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             handle._error = e
@@ -347,8 +364,13 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     names = None if groups is None else ((groups,) if isinstance(groups, str) else tuple(groups))
     rank = _my_rank(manifest, ckpt.path, group)
     read: list[Snapshot] = []
+
+    def read_mine() -> None:
+        read.append(_read(state, ckpt, manifest.ranks[rank], names, cast, progress))
+        state.check_restore(read[0])  # (a budget) so that no rank restores unless every rank can
+
     Collective(group, enabled=manifest.world_size > 1).run(
-        lambda: read.append(_read(state, ckpt, manifest.ranks[rank], names, cast, progress)),
+        read_mine,
         what=f"loading '{ckpt.path}'", share=False, cleanup=lambda: [state.release(s) for s in read],
         error=lambda r, text: CheckpointError(f"loading '{ckpt.path}' failed on rank {r} ({text}); no rank changed its model"))
     snap = read[0]

@@ -301,9 +301,7 @@ class ModelState(SwapVerbs):
     def drop(self, groups: GroupArg = None, *, only: Only = None) -> None:
         """Release device storage without keeping values (``onload`` zero-fills). ``host`` slots become ``dropped`` too."""
         names = self._select(groups)
-        busy = [g for g in names if self._rebuild_reads[g] > 0]
-        if busy:
-            raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context")
+        self._check_not_rebuild_read(names)
         self._table.refresh(names)
         self._check_releasable(names, only)
         released: dict[str, list[int]] = {}
@@ -432,8 +430,25 @@ class ModelState(SwapVerbs):
         with the values. Checks the layout of every group first and changes
         nothing if any differs (``LayoutMismatchError`` names the tensor).
         """
+        adopt, rewrite = self._restore_plan(snapshot)
+        fresh = self._reserve_homes(rewrite)
+        for gs, part in adopt:
+            self._adopt_home(gs, part)
+        return self._write_parts(snapshot, [p for p in snapshot.parts if p.group not in {gs.name for gs, _ in adopt}], fresh, rewrite)
+
+    @_locked
+    def check_restore(self, snapshot: Snapshot) -> None:
+        """Raise what ``restore(snapshot)`` would raise now for its arguments and budgets, changing nothing
+        (a distributed checkpoint load asks every rank before any rank restores)."""
+        _, rewrite = self._restore_plan(snapshot)
+        self.pool.check_room(self._home_bytes(rewrite))
+
+    def _restore_plan(self, snapshot: Snapshot) -> tuple[list[tuple[GroupState, SnapshotPart]], dict[str, list[Slot]]]:
+        """Check a restore's arguments; which groups adopt the snapshot's block as their home, and which
+        offloaded slots get the values written into (private) homes."""
         snapshot.check_alive()
         names = self._select(snapshot.groups)
+        self._check_not_rebuild_read(names)
         self._table.refresh(names)
         for part in snapshot.parts:
             self._groups[part.group].layout.check_compatible(part.layout)
@@ -447,10 +462,7 @@ class ModelState(SwapVerbs):
                 adopt.append((gs, part))  # every slot offloaded: the snapshot's block becomes the home
             elif any(s.residency is not Residency.DISK for s in offloaded):
                 rewrite[gs.name] = [s for s in offloaded if s.residency is not Residency.DISK]
-        fresh = self._reserve_homes(rewrite)
-        for gs, part in adopt:
-            self._adopt_home(gs, part)
-        return self._write_parts(snapshot, [p for p in snapshot.parts if p.group not in {gs.name for gs, _ in adopt}], fresh, rewrite)
+        return adopt, rewrite
 
     @contextmanager
     def swapped(
@@ -475,7 +487,7 @@ class ModelState(SwapVerbs):
         every other group of the snapshot has its own values back, with the
         tensors it declares in ``reads()`` made resident (``swap.py``). It
         must rewrite every device-resident slot of the group, on the current
-        stream. Groups it reads cannot be dropped inside the context.
+        stream. Groups it reads cannot be dropped or restored inside the context.
 
         ``stash``: where the current values wait. ``"device"`` costs device
         memory and moves them at device-copy speed; ``"host"`` uses a pooled
@@ -580,6 +592,13 @@ class ModelState(SwapVerbs):
                 raise SwapActiveError(f"group(s) {busy} are inside a swapped() context")
         return names
 
+    def _check_not_rebuild_read(self, names: Iterable[str]) -> None:
+        """``drop`` and ``restore`` would change values an active context's rebuild reads on exit."""
+        busy = [g for g in names if self._rebuild_reads[g] > 0]
+        if busy:
+            raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context "
+                                  "(its exit recomputes values from them)")
+
     def _make_room_for(
         self, tag: str, version: int | None, gss: list[GroupState], host_sizes: list[int], *, replaced_after: bool = False
     ) -> Snapshot | None:
@@ -611,9 +630,15 @@ class ModelState(SwapVerbs):
         All blocks are acquired (or ``PoolBudgetError`` raised) before any home
         changes, so a budget error leaves every group as it was.
         """
-        need = [g for g in writing if self._groups[g].home is None or self._groups[g].home.shared]  # type: ignore[union-attr]
-        self.pool.check_room(sum(self._groups[g].layout.total for g in need))
-        return {g: self.pool.acquire(self._groups[g].layout.total) for g in need}
+        self.pool.check_room(self._home_bytes(writing))
+        return {g: self.pool.acquire(self._groups[g].layout.total) for g in self._needs_home(writing)}
+
+    def _needs_home(self, writing: Mapping[str, list[Slot]]) -> list[str]:
+        return [g for g in writing if self._groups[g].home is None or self._groups[g].home.shared]  # type: ignore[union-attr]
+
+    def _home_bytes(self, writing: Mapping[str, list[Slot]]) -> int:
+        """Pooled bytes a home write of ``writing`` acquires (``_reserve_homes``)."""
+        return sum(self._groups[g].layout.total for g in self._needs_home(writing))
 
     def _install_home(self, gs: GroupState, fresh: HostBlock | None, rewriting: set[int]) -> HostBlock:
         """Phase two: make ``fresh`` the group's home (copying over host values not being rewritten).

@@ -146,11 +146,18 @@ class SwapVerbs:
         swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
 
     def _give_storage(self, swap: Swap, snapshot: Snapshot) -> None:
-        """Record each group's residency; offloaded slots get device storage (uninitialised) for the context."""
+        """Record each group's residency; offloaded slots get device storage (uninitialised) for the context.
+
+        A framework's own copy of a lent slot is hidden from the framework meanwhile (``on_onload``;
+        ``on_released`` hands it back on exit): Megatron's ``offload_to_cpu`` inside the context would
+        otherwise copy the snapshot's values into it, and its ``reload_from_cpu`` read it."""
         for part in snapshot.parts:
             gs = self._groups[part.group]
             swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
             offloaded = swap.offloaded[gs.name] = [(i, s.residency, s.native_home) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
+            for _, _, native in offloaded:
+                if native is not None and native.on_onload is not None:
+                    native.on_onload()
             self._regrow(gs, [i for i, _, _ in offloaded])
 
     def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
@@ -182,6 +189,9 @@ class SwapVerbs:
             gs = self._groups[g]
             if not self._storage.paused(g):
                 self._release(gs, [i for i, _, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
+            for _, _, native in offloaded:
+                if native is not None and native.on_released is not None:
+                    native.on_released()
         self._free_stashes(swap, Transfer())
 
     def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
@@ -203,7 +213,7 @@ class SwapVerbs:
                 self._regrow_taken(self._groups[g], swap.resident[g])
                 returned = returned.merged(self._groups[g].copy_in(self.engine, swap.resident[g], stash))
             for g in swap.rebuilt_groups():
-                self._regrow_taken(self._groups[g], swap.resident[g])
+                self._regrow_taken(self._groups[g], swap.resident[g], zero=True)
                 self._run_rebuild(swap.rebuild[g])
         finally:
             self._free_stashes(swap, returned)
@@ -228,12 +238,16 @@ class SwapVerbs:
             if native is not None and native.on_released is not None:
                 native.on_released()
 
-    def _regrow_taken(self, gs: GroupState, idx: list[int]) -> None:
+    def _regrow_taken(self, gs: GroupState, idx: list[int], *, zero: bool = False) -> None:
         """Slots whose storage the framework released inside the context (Megatron's ``offload_to_cpu``)
         get it back before their own values are written (a copy into released storage would crash);
-        the framework's copy of the snapshot's values is forgotten."""
+        the framework's copy of the snapshot's values is forgotten. ``zero``: for a rebuild, which writes
+        only what it recomputes (Megatron's masters cover the params, not the zero padding between them
+        in the buffer), the storage is zeroed first rather than left uninitialised."""
         taken = [i for i in idx if gs.slots[i].storage.nbytes() == 0]
         self._regrow(gs, taken)
+        if zero and taken:
+            torch._foreach_zero_([gs.slots[i].bytes() for i in taken])
         for i in taken:
             gs.slots[i].residency = Residency.DEVICE
             disown(gs.slots[i])
