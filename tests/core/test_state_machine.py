@@ -1,170 +1,145 @@
-"""Stateful property test: random sequences of every verb against a model that never moves.
+"""Stateful property tests: random sequences of every verb, on every backend, against models that never move.
 
-The reference is an identical model + optimizer that is never offloaded; each
-rule applies the verb to the state under test and its meaning to the
-reference (a restore copies the snapshot's values in, a drop zeroes the grads,
-a training step runs on both). After every rule, every tensor of the state
-under test -- read through a snapshot, in whatever residency it is -- must
-equal the reference bit for bit.
+One rule set (``machines.py``) drives three backends:
 
-Set STATESHIFT_TEST_DEVICE=cuda to run it on a GPU; STATESHIFT_MACHINE_EXAMPLES
-sets the number of examples (default 25 in CI).
+* the plain torch backend (``stateshift.models``' tied-embedding transformer, Adam) and
+* the Megatron CPU fake (all four ``fakes.mcore.setups`` configurations; with
+  Megatron's own ``offload_to_cpu`` / ``reload_from_cpu`` and the master rebuild
+  plug-in), each as a seeded random walk (weighted rules, every config) and as a
+  hypothesis ``RuleBasedStateMachine`` (shrinks what it finds; one config per example);
+* FSDP2 on two gloo ranks (plain and under a CPU ``CPUOffloadPolicy`` stand-in):
+  every rank runs the same seeded random sequence and checks its own shards.
+
+Rules (``machines.py`` has the table): offload / onload / drop of every group
+with ``only=`` subsets (predicates and name lists); snapshots (host and device
+placement, tags, versions, replacement, taken while offloaded) and
+``snapshot_from`` (with a failing fill); restore; ``swapped`` entered and left
+in separate steps (nested, any verb inside, every stash placement, the master
+rebuild when ``available()``); release and ``snapshots.clear()``; training
+steps and forwards (refused by the guards while state is offloaded); the pi_old
+cycle; ``stateshift.checkpoint`` ``save`` / ``async_save`` (+ wait) / ``load``;
+pool and snapshot budgets; ``close()`` and a new ``ModelState``; Megatron's own
+``offload_to_cpu`` / ``reload_from_cpu``. After every step: every tensor equals
+the reference bit for bit, live snapshots never change, the store holds what it
+should, residency is what was asked, and a verb that raised changed nothing.
+What it found is in ``test_state_machine_found.py`` (each bug's smallest
+reproduction, a regression test of its fix); nothing is stepped around.
+
+Environment (the defaults are CI's):
+
+* ``STATESHIFT_MACHINE_WALK_STEPS`` -- rules per seeded walk (torch and each Megatron config); default 800.
+* ``STATESHIFT_MACHINE_FSDP2_STEPS`` -- rules per FSDP2 walk (run on both ranks); default 400.
+* ``STATESHIFT_MACHINE_SEED`` -- seed of the walks; default 0. (Hypothesis: ``--hypothesis-seed``.)
+* ``STATESHIFT_MACHINE_EXAMPLES`` -- hypothesis examples per machine (torch, Megatron); default 12.
+* ``STATESHIFT_MACHINE_STEPS`` -- rules per hypothesis example (at most); default 30.
+* ``STATESHIFT_MACHINE_LOG`` -- a file each finished machine appends its step count to.
+* ``STATESHIFT_TEST_DEVICE=cuda`` -- the torch target on the GPU (the Megatron fake and FSDP2 stay on the CPU).
+
+A failing walk names its seed and its last 25 rules; replay it with the same seed.
+A long run::
+
+    STATESHIFT_MACHINE_WALK_STEPS=3000 STATESHIFT_MACHINE_FSDP2_STEPS=2000 STATESHIFT_MACHINE_EXAMPLES=100 \
+    STATESHIFT_MACHINE_STEPS=50 STATESHIFT_MACHINE_SEED=1 STATESHIFT_MACHINE_LOG=/tmp/machine.log \
+        python -m pytest -q -s -p no:cacheprovider tests/core/test_state_machine.py --hypothesis-seed=1
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from helpers import SMALL, make, train_step, warm
-from stateshift import ModelState, ReleasedSnapshotError
-from stateshift.backends.torch import TorchModuleBackend, TorchOptimizerBackend, param_names
-from stateshift.models import batch
-
-DEVICE = os.environ.get("STATESHIFT_TEST_DEVICE", "cpu")
-EXAMPLES = int(os.environ.get("STATESHIFT_MACHINE_EXAMPLES", "25"))
-GROUPS = ("params", "buffers", "grads", "optim")
-# Whole groups and whole-model calls are drawn more often than arbitrary subsets, so that
-# fully offloaded groups (where homes and snapshots share blocks copy-on-write) come up often.
-group_sets = st.one_of(
-    st.just(list(GROUPS)),
-    st.sampled_from([["params"], ["params", "buffers"], ["optim", "grads"]]),
-    st.lists(st.sampled_from(GROUPS), min_size=1, max_size=4, unique=True),
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # machines.py, also inside spawned ranks
+from machines import (  # noqa: E402
+    STATS,
+    STEPS,
+    FSDP2Target,
+    Machine,
+    MegatronTarget,
+    TorchTarget,
+    drive,
+    hypothesis_machine,
 )
-only = st.one_of(st.none(), st.sampled_from([None, "blocks.0.", "blocks.1.", "embed."]))
+
+from fakes.mcore.setups import CONFIGS  # noqa: E402
+
+EXAMPLES = int(os.environ.get("STATESHIFT_MACHINE_EXAMPLES", "12"))
+STEPS_PER_EXAMPLE = int(os.environ.get("STATESHIFT_MACHINE_STEPS", "30"))
+WALK_STEPS = int(os.environ.get("STATESHIFT_MACHINE_WALK_STEPS", "800"))
+FSDP2_STEPS = int(os.environ.get("STATESHIFT_MACHINE_FSDP2_STEPS", "400"))
+SEED = int(os.environ.get("STATESHIFT_MACHINE_SEED", "0"))
 
 
-def reference_values(model, opt) -> dict[str, torch.Tensor]:
-    backends = [TorchModuleBackend(model), TorchOptimizerBackend(opt, param_names(model))]
-    return {e.name: e.tensor for b in backends for g in b.groups for e in b.entries(g)}
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: with several intra-op threads each op costs milliseconds on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    if STEPS:
+        print(f"\nstate machine steps: {dict(STEPS)}; outcomes: {dict(sorted(STATS.items()))}")
 
 
-class Verbs(RuleBasedStateMachine):
-    snapshots = Bundle("snapshots")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model, self.opt = make(DEVICE)
-        self.ref_model, self.ref_opt = make(DEVICE)
-        warm(self.model, self.opt)
-        warm(self.ref_model, self.ref_opt)
-        self.state = ModelState(self.model, self.opt)
-        self.expected: dict[int, dict[str, torch.Tensor]] = {}
-        self.step = 0
-
-    def _only(self, prefix):
-        return None if prefix is None else (lambda name: name.startswith(prefix))
-
-    @rule(groups=group_sets, prefix=only)
-    def offload(self, groups, prefix):
-        self.state.offload(groups, only=self._only(prefix))
-
-    @rule(groups=group_sets, prefix=only)
-    def onload(self, groups, prefix):
-        self.state.onload(groups, only=self._only(prefix))
-
-    @rule(prefix=only)
-    def drop_grads(self, prefix):
-        self.state.drop("grads", only=self._only(prefix))
-        for p_name, p in self.ref_model.named_parameters(remove_duplicate=False):
-            if prefix is None or p_name.startswith(prefix):
-                p.grad.zero_()
-
-    @rule(target=snapshots, groups=st.one_of(st.none(), group_sets), tag=st.sampled_from(["a", "b", "c"]),
-          placement=st.sampled_from(["host", "device"]))
-    def snapshot(self, groups, tag, placement):
-        snap = self.state.snapshot(groups, tag=tag, placement=placement)
-        ref = reference_values(self.ref_model, self.ref_opt)
-        names = {m.name for p in snap.parts for s in p.layout.slots for m in s.members}
-        self.expected[id(snap)] = {n: ref[n].detach().clone() for n in names}
-        return snap
-
-    @rule(target=snapshots, groups=group_sets, tag=st.sampled_from(["a", "b", "c"]))
-    def snapshot_while_offloaded(self, groups, tag):
-        """The pi_old pattern: the snapshot shares the homes copy-on-write."""
-        self.state.offload(groups)
-        return self.snapshot(groups, tag, "host")
-
-    @rule(snap=snapshots)
-    def restore(self, snap):
-        if snap.released:
-            return
-        self.state.restore(snap)
-        ref = reference_values(self.ref_model, self.ref_opt)
-        with torch.no_grad():
-            for name, value in self.expected[id(snap)].items():
-                ref[name].copy_(value)
-
-    @rule(snap=snapshots)
-    def swapped_forward(self, snap):
-        if snap.released:
-            return
-        want = self.expected[id(snap)]
-        with self.state.swapped(snap):
-            got = snap.tensors()  # the snapshot itself is unchanged
-            inside = self._read(snap.groups)
-        for name in want:
-            assert torch.equal(got[name].cpu(), want[name].cpu()), name
-            assert torch.equal(inside[name].cpu(), want[name].cpu()), name
-
-    @rule(snap=consumes(snapshots))
-    def release(self, snap):
-        self.state.release(snap)
-        try:
-            self.state.restore(snap)
-        except ReleasedSnapshotError:
-            pass
-        else:
-            raise AssertionError("restore of a released snapshot did not raise")
-
-    @rule()
-    def train(self):
-        self.state.onload()
-        self.step += 1
-        loss = train_step(self.model, self.opt, self.step)
-        ref_loss = train_step(self.ref_model, self.ref_opt, self.step)
-        assert loss == ref_loss
-
-    @invariant()
-    def snapshots_never_change(self):
-        """Rule 2: a live snapshot's values are the ones it was taken with, whatever happened since."""
-        for snap in list(self.state.snapshots):
-            if snap.tag.startswith("_"):
-                continue
-            want = self.expected[id(snap)]
-            got = snap.tensors()
-            for name, value in want.items():
-                assert torch.equal(got[name].cpu(), value.cpu()), f"snapshot {snap.tag!r} changed at {name}"
-
-    @invariant()
-    def matches_reference(self):
-        got = self._read(GROUPS)
-        ref = reference_values(self.ref_model, self.ref_opt)
-        assert got.keys() == ref.keys()
-        for name, value in ref.items():
-            assert torch.equal(got[name].cpu(), value.detach().cpu()), f"divergence at {name}"
-
-    def _read(self, groups) -> dict[str, torch.Tensor]:
-        snap = self.state.snapshot(groups, tag="_read")
-        try:
-            return snap.tensors()
-        finally:
-            self.state.release(snap)
-
-    def teardown(self) -> None:
-        self.state.close()
-
-
-Verbs.TestCase.settings = settings(
+_SETTINGS = settings(
     max_examples=EXAMPLES,
-    stateful_step_count=20,
+    stateful_step_count=STEPS_PER_EXAMPLE,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    suppress_health_check=list(HealthCheck),
 )
-TestVerbs = Verbs.TestCase
 
-_ = (SMALL, batch)
+TorchVerbs = hypothesis_machine("TorchVerbs", [TorchTarget], TorchTarget)
+TorchVerbs.TestCase.settings = _SETTINGS
+TestTorchVerbs = TorchVerbs.TestCase
+
+MegatronVerbs = hypothesis_machine("MegatronVerbs", [lambda c=c: MegatronTarget(c) for c in CONFIGS], MegatronTarget)
+MegatronVerbs.TestCase.settings = _SETTINGS
+TestMegatronVerbs = MegatronVerbs.TestCase
+
+
+# ----------------------------------------------------------------------------- seeded walks
+
+
+def walk(target, seed: int, steps: int, tmpdir: str | None = None, who: str = "") -> Machine:
+    """``steps`` rules drawn with ``random.Random(seed)`` (weighted, see ``machines.WEIGHTS``); the failing
+    rule's trail (the last 25 rules) and seed are in the error."""
+    import random
+
+    machine = Machine(target, tmpdir=tmpdir)
+    trail: list[str] = []
+    try:
+        drive(machine, random.Random(seed), steps, log=trail.append)
+    except BaseException as e:
+        raise AssertionError(f"{target.name}{who}, seed {seed}, rules so far (last 25):\n" + "\n".join(trail[-25:])) from e
+    machine.teardown()
+    return machine
+
+
+@pytest.mark.parametrize(
+    "make", [TorchTarget, *[lambda c=c: MegatronTarget(c) for c in CONFIGS]], ids=["torch", *[f"megatron-{c}" for c in CONFIGS]]
+)
+def test_seeded_walk(make, tmp_path):
+    machine = walk(make(), SEED, WALK_STEPS, str(tmp_path))
+    assert machine.steps == WALK_STEPS + 1
+
+
+def fsdp2_walk(rank, world, seed, steps, tmpdir, offload_policy):
+    """The same seeded walk on every rank; each rank checks its own shards after every step."""
+    torch.set_num_threads(1)
+    machine = walk(FSDP2Target(offload_policy), seed, steps, tmpdir, who=f" rank {rank}")
+    return machine.steps, sorted(machine.stats.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload_policy", [False, True], ids=["plain", "cpu_offload_policy"])
+def test_fsdp2_walk_2_ranks(tmp_path, offload_policy):
+    from dist_harness import run_distributed
+
+    results = run_distributed(
+        fsdp2_walk, 2, args=(SEED, FSDP2_STEPS, str(tmp_path), offload_policy), timeout=120 + FSDP2_STEPS
+    )
+    assert [r[0] for r in results] == [FSDP2_STEPS + 1] * 2
+    STEPS[FSDP2Target(offload_policy).name] += results[0][0]  # one sequence, run on both ranks
