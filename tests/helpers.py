@@ -6,6 +6,9 @@ same correctness suite runs in CI and on the GPU machine.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -15,6 +18,17 @@ from stateshift.models import TinyConfig, batch, build_default, lm_loss
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 SMALL = TinyConfig(vocab=64, hidden=32, layers=2, heads=4, seq=16)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for tiny tensors: with several, each op costs milliseconds on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def make(device: str = "cpu", *, seed: int = 0, cfg: TinyConfig = SMALL, lr: float = 1e-2):

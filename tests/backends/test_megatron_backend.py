@@ -32,6 +32,7 @@ from fakes.mcore import (
     fake_train_step,
 )
 from fakes.mcore.setups import CONFIGS, HIDDEN, _is_expert, _x, build, pretend_cuda_engine
+from helpers import one_torch_thread
 
 from stateshift import (
     BackendError,
@@ -48,11 +49,8 @@ from stateshift.core.slot import Entry, NativeHome
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny bf16 matmuls: with several intra-op threads each costs milliseconds on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 def buffers(ddp):

@@ -65,6 +65,7 @@ from machines import (  # noqa: E402
 )
 
 from fakes.mcore.setups import CONFIGS  # noqa: E402
+from helpers import one_torch_thread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("STATESHIFT_MACHINE_EXAMPLES", "12"))
 STEPS_PER_EXAMPLE = int(os.environ.get("STATESHIFT_MACHINE_STEPS", "30"))
@@ -75,11 +76,8 @@ SEED = int(os.environ.get("STATESHIFT_MACHINE_SEED", "0"))
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny tensors: with several intra-op threads each op costs milliseconds on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
     if STEPS:
         print(f"\nstate machine steps: {dict(STEPS)}; outcomes: {dict(sorted(STATS.items()))}")
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
-from helpers import SMALL, make, train_step
+from helpers import SMALL, make, one_torch_thread, train_step
 from fakes.mcore.setups import _x, build, pretend_cuda_engine
 
 from stateshift import DiskTierError, ModelState, UnknownGroupError
@@ -31,10 +31,8 @@ def _engine(state, engine, monkeypatch):
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 @torch.no_grad()
