@@ -114,6 +114,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{time.strftime('%Y-%m-%d')}-{'h200' if device.type == 'cuda' else 'cpu'}-disk.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
+    bench.plot_ratios([f"{r['op']}\n{r['residency']}" for r in rows], [r["ratio"] for r in rows],
+                      f"disk tier, stateshift {result['stateshift']} on {result['machine']}", args.out / name.replace(".json", ".png"))
     for r in rows:
         print(f"{r['op']:<13} {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}  host peak {r.get('host_peak_bytes', 0) / 1e6:.0f} MB")
     print("ceilings:", {k: round(v, 2) for k, v in ceilings.items()})

@@ -329,6 +329,12 @@ def bench_state(
 
 def write_plot(result: BenchResult, path: Path) -> bool:
     """A bar chart of ratios to the ceiling; returns False (and says why) when matplotlib is missing."""
+    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}" for r in result.rows]
+    return plot_ratios(labels, [r.ratio for r in result.rows], f"stateshift {result.stateshift} on {result.machine}", path)
+
+
+def plot_ratios(labels: list[str], ratios: list[float], title: str, path: Path) -> bool:
+    """Bars of throughput over ceiling (0.9 drawn as the target line); False (said on stderr) without matplotlib."""
     try:
         import matplotlib
 
@@ -337,14 +343,13 @@ def write_plot(result: BenchResult, path: Path) -> bool:
     except ImportError:
         print(f"matplotlib not installed: no plot written to {path} (pip install 'stateshift[bench]')", file=sys.stderr)
         return False
-    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}" for r in result.rows]
-    ratios = [min(r.ratio, 2.0) for r in result.rows]
+    capped = [min(r, 2.0) for r in ratios]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5))
-    ax.bar(range(len(labels)), ratios, color=["tab:green" if r >= 0.9 else "tab:orange" for r in ratios])
+    ax.bar(range(len(labels)), capped, color=["tab:green" if r >= 0.9 else "tab:orange" for r in capped])
     ax.axhline(0.9, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("throughput / ceiling (capped at 2)")
-    ax.set_title(f"stateshift {result.stateshift} on {result.machine}")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
