@@ -57,16 +57,20 @@ class TaskConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The policy: the built-in GPT or a Hugging Face causal LM."""
+    """The policy: the built-in GPT, a Hugging Face causal LM, a Megatron-core GPT or an FSDP2-sharded Qwen2."""
 
-    family: Literal["builtin", "hf"] = "builtin"
-    """'builtin': the ~100K-parameter GPT of rl/tasks/gpt.py; 'hf': a transformers causal LM from hf_path"""
+    family: Literal["builtin", "hf", "megatron", "fsdp2"] = "builtin"
+    """'builtin': the ~100K-parameter GPT of rl/tasks/gpt.py; 'hf': a transformers causal LM from hf_path;
+    'megatron': a megatron-core GPTModel (local spec, bf16, Float16Module, DDP + distributed optimizer, Adam;
+    needs run.device=cuda and megatron-core); 'fsdp2': a transformers Qwen2ForCausalLM built from a config
+    (no download) with fully_shard per layer and on the root, world size 1 (fp32). The sizes below apply to
+    all three built ones"""
     width: int = 64
-    """builtin: model width"""
+    """builtin, megatron, fsdp2: model width (hidden size)"""
     layers: int = 2
-    """builtin: transformer blocks"""
+    """builtin, megatron, fsdp2: transformer blocks"""
     heads: int = 4
-    """builtin: attention heads (must divide width)"""
+    """builtin, megatron, fsdp2: attention heads (must divide width)"""
     hf_path: str = ""
     """hf: a local directory with config.json (and weights, if any: without them the model is initialised from the config)"""
 
@@ -234,8 +238,23 @@ class RunConfig:
     """write TensorBoard events too, when tensorboard is installed"""
     plot: bool = True
     """write curves.png at the end (needs matplotlib: the 'rl' extra)"""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """where trainer, rollouter and evaluation compute: 'cpu', or 'cuda' (the current CUDA device; the rollouter's
+    copy of the weights on the same GPU, on its own stream; offloaded state goes to pinned host memory and the
+    freed device memory back to the driver)"""
+    stop_accuracy: float | None = None
+    """end the run early at the first held-out evaluation (every eval_every steps) at or above this accuracy"""
+    max_wall_s: float | None = None
+    """end the run early after the first trainer step that ends this many seconds after RL started (warm-up not counted)"""
 
     def __post_init__(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            _check("run.device", torch.cuda.is_available(),
+                   "is 'cuda' but torch sees no CUDA device here (torch.cuda.is_available() is False)")
+        _check("run.stop_accuracy", self.stop_accuracy is None or 0 < self.stop_accuracy <= 1, "must be in (0, 1] or null")
+        _check("run.max_wall_s", self.max_wall_s is None or self.max_wall_s > 0, "must be > 0 or null")
         _check("run.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check("run.keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1")
         _check("run.eval_every", self.eval_every >= 1, "must be >= 1")
@@ -260,7 +279,7 @@ class RayConfig:
     """CPUs of the rollouter actor's bundle"""
     trainer_gpus: float | None = None
     """GPUs of the trainer's bundle; null: 1 when the cluster has a GPU, else 0 (0.5 each when trainer and
-    rollouter share one GPU). The policy still computes on the CPU in this version (no run.device yet)"""
+    rollouter share one GPU). Where the policy computes is run.device's choice"""
     rollout_gpus: float | None = None
     """GPUs of the rollouter's bundle; null: 1 when the cluster has two GPUs or more, 0.5 (colocated with the
     trainer) when it has one, else 0"""

@@ -68,7 +68,7 @@ class RunResult:
     trained_uids: list[int] = field(default_factory=list)
 
 
-#: builds the rollout side: ``(cfg, task, trainer's policy (resident), control, version=, capture=)``
+#: builds the rollout side: ``(cfg, task, trainer's ``Policy`` (resident), control, version=, capture=)``
 RolloutsFactory = Callable[..., Rollouts]
 
 
@@ -105,12 +105,13 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
-    lm = build_policy(cfg, task)
-    trainer = Trainer(lm, cfg.trainer, temperature=cfg.rollout.temperature)
+    policy = build_policy(cfg, task)
+    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature)
     resumed = load_checkpoint(latest_checkpoint(out / "checkpoints"), trainer) if resume else None
     if resumed is None:
-        warm = supervised_warmup(lm, task, cfg.warmup, seed=cfg.run.seed)
-        held_start = heldout_accuracy(lm, task, cfg.rollout.max_new_tokens)
+        warm = supervised_warmup(policy.lm, task, cfg.warmup, seed=cfg.run.seed,
+                                 stepper=policy.warmup_stepper(cfg.warmup.lr))
+        held_start = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
         print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
               file=stream, flush=True)
     else:
@@ -162,7 +163,7 @@ class AsyncLoop:
         self.cfg_dict = config_mod.as_dict(cfg)
         self.control = RunControl()
         capture: RolloutCapture | None = resumed.capture if resumed is not None else None
-        self.rollouts = rollouts(cfg, task, trainer.lm, self.control, version=trainer.version, capture=capture)
+        self.rollouts = rollouts(cfg, task, trainer.policy, self.control, version=trainer.version, capture=capture)
         self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
                                   resume_step=resumed.step if resumed is not None else None)
         self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)
@@ -174,6 +175,8 @@ class AsyncLoop:
         self.final_stats: RolloutStats | None = None
         self.ledger: dict[str, Any] = {}
         self.status = "running"
+        #: why the run ends before trainer.steps ('' while it need not)
+        self.stop_early = ""
         trainer.take_reference()
         trainer.begin_cycle()
         trainer.park()
@@ -184,7 +187,7 @@ class AsyncLoop:
         self.watchdog.start()
         cfg = self.cfg
         try:
-            while self.step < cfg.trainer.steps:
+            while self.step < cfg.trainer.steps and not self.stop_early:
                 t_step = time.perf_counter()
                 rec = self.train_step()
                 self.step += 1
@@ -193,11 +196,15 @@ class AsyncLoop:
                     self.sync_weights(checkpoint=bool(every) and self.step % every == 0)
                 if self.step % cfg.run.eval_every == 0 and self.step < cfg.trainer.steps:
                     rec["heldout_accuracy"] = self.evaluate()
+                    self._check_stop(rec["heldout_accuracy"])
+                self._check_stop(None)
                 rec["step_s"] = time.perf_counter() - t_step
+                rec["wall_s"] = time.perf_counter() - self.t_start
+                rec["time_eval_s_total"] = self.times.get("eval", 0.0)
                 self.metrics.log(rec)
                 self.progress.update(self.step, rec)
                 self.control.progress()
-            self.status = "finished"
+            self.status = "finished" if not self.stop_early else f"finished early: {self.stop_early}"
         except KeyboardInterrupt:
             self.status = f"interrupted at step {self.step}"
             raise
@@ -205,6 +212,14 @@ class AsyncLoop:
             side = self.control.failed_side or "trainer"
             self.status = f"failed ({side}): {type(exc).__name__}: {exc}"
             raise
+
+    def _check_stop(self, heldout: float | None) -> None:
+        """``run.stop_accuracy`` reached at an evaluation, or ``run.max_wall_s`` passed: end after this step."""
+        r = self.cfg.run
+        if heldout is not None and r.stop_accuracy is not None and heldout >= r.stop_accuracy:
+            self.stop_early = f"held-out accuracy {heldout:.3f} >= run.stop_accuracy at step {self.step}"
+        elif r.max_wall_s is not None and time.perf_counter() - self.t_start >= r.max_wall_s and not self.stop_early:
+            self.stop_early = f"run.max_wall_s ({r.max_wall_s:g} s) passed at step {self.step}"
 
     def next_groups(self, count: int) -> list[Group]:
         """``count`` groups from the queue, waiting (bounded slices) as long as the rollout side is alive."""

@@ -20,6 +20,12 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
 ``pi_old`` is the snapshot taken at each sync (``begin_cycle``): the weights
 the rollouter was sent. ``proximal`` recomputes under the weights just
 before each update; ``bypass`` uses the rollout's own log-probs.
+
+The model family (built-in, Hugging Face, Megatron-core, FSDP2) is hidden
+behind ``policies.Policy``: this module calls ``policy.zero_grad()``,
+``policy.step(loss)`` and reads log-probs from ``policy.lm``, whatever the
+family. Batches arrive on the CPU and are moved to the policy's device once
+per update.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from stateshift.rl.pi_old import PiOldCycle
 
 from . import algo
 from .config import TrainerConfig
+from .policies import Policy
 from .rollout import Group
-from .sampler import CausalLM, left_pad, sequence_logprobs
+from .sampler import left_pad, sequence_logprobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +71,13 @@ class Batch:
             rewards=torch.stack([g.rewards for g in groups]),
         )
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.tokens.device == device:
+            return self
+        names = ("prompt_ids", "prompt_mask", "tokens", "mask", "l_b", "versions", "rewards")
+        return Batch(groups=self.groups, **{k: getattr(self, k).to(device, non_blocking=True) for k in names})
+
 
 @dataclass
 class OffloadMeter:
@@ -86,15 +100,19 @@ class OffloadMeter:
 class Trainer:
     """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
 
-    def __init__(self, lm: CausalLM, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
-        self.lm = lm
-        self.model = lm.module
+    def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
+        self.policy = policy
+        self.lm = policy.lm
+        self.model = policy.model
+        self.device = policy.device
         self.cfg = cfg
         self.temperature = temperature
         self.version = version
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
-        self.state = ModelState(self.model, self.optimizer)
-        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")  # CPU params: host
+        self.optimizer = policy.optimizer
+        # free_device_memory (the default): what an offload releases goes back to the CUDA driver at once
+        self.state = ModelState(self.model, self.optimizer, free_device_memory=True)
+        # auto: device when pi_old fits beside the params on the GPU, else host (CPU params: host)
+        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")
         self.updates_in_cycle = 0
         self.meter = OffloadMeter()
         self.ref: Snapshot | None = None
@@ -178,6 +196,7 @@ class Trainer:
     # -- the update --------------------------------------------------------------------------------
     def update(self, batch: Batch, timer: Callable[[str], Any]) -> dict[str, float]:
         """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase."""
+        batch = batch.to(self.device)
         with timer("old_logprob"):
             l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
@@ -207,11 +226,8 @@ class Trainer:
             loss = loss + cfg.kl_coef * kl
             kl_ref = float(kl.detach())
         if "grads" not in self.parked:
-            self.optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 \
-            else torch.tensor(0.0)
-        self.optimizer.step()
+            self.policy.zero_grad()
+        grad_norm = self.policy.step(loss)
         mask = batch.mask
         return self._pi_old_check(batch, l_p) | {
             "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),
