@@ -97,5 +97,19 @@ def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
         "staleness_tokens": {str(k): v for k, v in sorted(loop.metrics.staleness.items())},
         "watchdog_reports": loop.watchdog.reports,
         "pool": trainer.state.pool.stats.as_dict(),
+        "verbs_s": meter.total_seconds(),
+        "memory": memory_peaks(trainer),
         "config": loop.cfg_dict,
     }
+
+
+def memory_peaks(trainer: Any) -> dict[str, Any]:
+    """Peak device memory of this process (CUDA: allocated and reserved by PyTorch) and peak pinned host pool bytes."""
+    out: dict[str, Any] = {"device": str(trainer.device),
+                           "pinned_pool_peak_bytes": trainer.state.pool.stats.peak_held_bytes}
+    if trainer.device.type == "cuda":
+        out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
+        out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(trainer.device)
+        free, total = torch.cuda.mem_get_info(trainer.device)
+        out["driver_free_bytes_at_end"], out["device_total_bytes"] = free, total
+    return out

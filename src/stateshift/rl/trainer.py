@@ -153,7 +153,9 @@ class Trainer:
         Only ``pi_old`` mode keeps the snapshot; the others just count updates since the sync.
         """
         if self.cfg.old_logprob == "pi_old":
+            t0 = time.perf_counter()
             self.cycle.begin(self.version)
+            self.meter.add("snapshot.pi_old", time.perf_counter() - t0, 0)
         self.updates_in_cycle = 0
 
     def take_reference(self) -> None:
@@ -162,10 +164,15 @@ class Trainer:
 
     def sync_snapshot(self) -> Snapshot:
         """Host snapshot of the current weights at ``self.version`` (zero-copy when offloaded); release after use."""
-        return self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
+        t0 = time.perf_counter()
+        snap = self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
+        self.meter.add("snapshot.sync", time.perf_counter() - t0, 0)
+        return snap
 
     def release(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
         self.state.release(snap)
+        self.meter.add("release.sync", time.perf_counter() - t0, 0)
 
     # -- log-probs -------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,8 +186,14 @@ class Trainer:
         if mode == "bypass":
             return batch.l_b
         if mode == "pi_old" and self.updates_in_cycle > 0:
+            t0 = time.perf_counter()
             with self.cycle.old_policy():  # works whether the params are offloaded or not
-                return self._logprobs(batch)[0]
+                t1 = time.perf_counter()
+                l_p = self._logprobs(batch)[0]
+                t2 = time.perf_counter()
+            # host time inside the verb (swap in, swap out), not the forward between
+            self.meter.add("swap.pi_old", (t1 - t0) + (time.perf_counter() - t2), 0)
+            return l_p
         if mode == "pi_old":
             self.cycle.stats.skipped_swaps += 1
         self.unpark("params")
