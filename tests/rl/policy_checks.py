@@ -48,10 +48,10 @@ def _params(lm) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_sync_equal(tmp: Path, family: str) -> None:
+def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
     """Train two updates with params offloaded; a host snapshot synced into the rollouter's copy by name makes its
     weights equal the trainer's, and the copy then samples what the trainer's own model samples."""
-    cfg = tiny(tmp, f"model.family={family}", *ALL_OFFLOAD)
+    cfg = tiny(tmp, f"model.family={family}", *ALL_OFFLOAD, *extra)
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     trainer = Trainer(policy, cfg.trainer, temperature=1.0)
