@@ -231,31 +231,34 @@ def main() -> None:
     import torch
 
     work = Path(tempfile.mkdtemp(prefix="rl-gpu-"))
-    runs, failures = [], {}
+    result: dict[str, Any] = {
+        "machine": f"1x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU",
+        "torch": torch.__version__, "stateshift": _sha(), "date": f"{datetime.date.today()}",
+        "command": "python3 benchmarks/rl_gpu_train.py " + " ".join(sys.argv[1:]), "smoke": args.smoke,
+        "runs": [], "failures": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.runs:
         run_dir = work / name
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--out", str(run_dir), "--child", name, "--run-dir", str(run_dir),
-                               *extra],
-                              text=True, capture_output=True, check=False)
-        print(f"== {name}: exit {proc.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
-        print("\n".join(proc.stderr.splitlines()[-6:]), flush=True)
-        if proc.returncode != 0:
-            failures[name] = proc.stderr[-3000:]
-            continue
-        runs.append(per_run(json.loads((run_dir / "result.json").read_text())))
-    result = {"machine": f"1x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU",
-              "torch": torch.__version__, "stateshift": _sha(), "date": f"{datetime.date.today()}",
-              "command": "python3 benchmarks/rl_gpu_train.py " + " ".join(sys.argv[1:]), "smoke": args.smoke,
-              "runs": runs, "failures": failures}
-    result["comparison"] = comparison(runs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    if runs:
+        cmd = [sys.executable, __file__, "--out", str(run_dir), "--child", name, "--run-dir", str(run_dir), *extra]
+        try:
+            proc = subprocess.run(cmd, text=True, capture_output=True, check=False, timeout=args.budget_s + 120)
+            code, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, err = "timeout", str(exc.stderr or "")
+        print(f"== {name}: exit {code} in {time.perf_counter() - t0:.0f} s", flush=True)
+        print("\n".join(err.splitlines()[-6:]), flush=True)
+        if code != 0:
+            result["failures"][name] = err[-3000:]
+        else:
+            result["runs"].append(per_run(json.loads((run_dir / "result.json").read_text())))
+        result["comparison"] = comparison(result["runs"])
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))  # after each run: a kill keeps some
+    if result["runs"]:
         plot(result, args.out / f"{args.name}.png")
     print(table(result))
     print(json.dumps(result["comparison"], indent=1))
-    sys.exit(1 if failures else 0)
+    sys.exit(1 if result["failures"] else 0)
 
 
 if __name__ == "__main__":
