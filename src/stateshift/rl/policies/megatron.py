@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,14 @@ from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from ..warmup import Stepper
 from .fsdp2 import init_world_of_one
+
+#: held by every Megatron forward in this process: megatron-core's CUDA RNG tracker is one global object that
+#: each attention forward forks (even at dropout 0: ``DotProductAttention``, ``tensor_parallel.random.fork``),
+#: and two threads forking it at once break its current-state bookkeeping ("current state name default-rng
+#: is not the same as the desired state name model-parallel-rng", seen on the GPU with the rollout thread
+#: generating while the trainer computed). The backward forks nothing (no activation recompute), so it runs
+#: outside; kernels launched under the lock still run on the GPU while the other thread holds it.
+FORWARD_LOCK = threading.Lock()
 
 #: snapshot names of Megatron's flat buffers: aggregates of the parameters, which are sent on their own too
 FLAT_BUFFER = re.compile(r"^(chunk\d+\.)?(expert_parallel_)?buffers\.\d+\.(param_data|grad_data)$")
@@ -94,7 +103,9 @@ class MegatronLM:
         new = ids.shape[1]
         if cache is not None:
             ids, positions = cache.extend(ids, positions)
-        logits = self.call(ids, positions, attention_mask(key_mask))
+        mask = attention_mask(key_mask)
+        with FORWARD_LOCK:
+            logits = self.call(ids, positions, mask)
         return logits[:, -new:]
 
 
