@@ -204,11 +204,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _sha() -> str:
+    """The commit measured: STATESHIFT_SHA when set (a copied tree inside another checkout), else git's HEAD."""
+    if os.environ.get("STATESHIFT_SHA"):
+        return os.environ["STATESHIFT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=ROOT).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("STATESHIFT_SHA", "unknown")
+        return "unknown"
 
 
 def main() -> None:
