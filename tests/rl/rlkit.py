@@ -34,7 +34,7 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
     building blocks (sampler, log-probs, losses) as the async loop.
     """
     task = build_task(cfg)
-    lm = build_policy(cfg, task)
+    lm = build_policy(cfg, task).lm
     supervised_warmup(lm, task, cfg.warmup, seed=cfg.run.seed)
     r, t = cfg.rollout, cfg.trainer
     sampling = Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,

@@ -21,7 +21,7 @@ def _epilog() -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
-        help="fully-async RL (GRPO, pi_old while offloaded) on the built-in 3-digit-addition task",
+        help="fully-async RL (GRPO, pi_old while offloaded) on the built-in 3-digit-addition task, CPU or GPU",
         description=textwrap.fill(
             "Supervised warm-up on easy (no-carry) problems, then fully-asynchronous GRPO: a rollout thread samples "
             "with the weights it was last sent while the trainer updates; every trigger_parameter_sync_step steps "
@@ -72,7 +72,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the rollout thread was stopped; summary.json says where the run was", file=sys.stderr)
         return 130
-    except (FileNotFoundError, RunDirBusyError) as exc:
+    except (ConfigError, FileNotFoundError, RunDirBusyError) as exc:  # ConfigError: e.g. a family this machine lacks
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,29 +1,21 @@
-"""Building a run's parts from its config: the task, the policy (built-in or Hugging Face), the rollouter's copy."""
+"""Building a run's parts from its config: the task, the policy (``policies/``: built-in, Hugging Face,
+Megatron-core, FSDP2), the rollouter's copy."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .config import TrainConfig
-from .config import ConfigError
-from .sampler import BuiltinLM, CausalLM, HFCausalLM
-from .tasks.addition import AdditionTask, PROMPT_LEN
+from .config import ConfigError, TrainConfig
+from .policies import Policy, build_policy
+from .sampler import CausalLM
+from .tasks.addition import AdditionTask
 from .tasks.base import Task
-from .tasks.gpt import GPTConfig, build_gpt
+
+__all__ = ["build_policy", "build_task", "load_hf", "rollout_copy"]
 
 
 def build_task(cfg: TrainConfig) -> Task:
     return AdditionTask(digit_credit=cfg.task.digit_credit, heldout_size=cfg.task.heldout_size)
-
-
-def build_policy(cfg: TrainConfig, task: Task) -> CausalLM:
-    """The trainer's policy: the built-in GPT (seeded), or a ``transformers`` causal LM from a local directory."""
-    m = cfg.model
-    if m.family == "builtin":
-        gpt = GPTConfig(vocab=task.vocab_size, width=m.width, layers=m.layers, heads=m.heads,
-                        max_len=PROMPT_LEN + cfg.rollout.max_new_tokens)
-        return BuiltinLM(build_gpt(gpt, seed=cfg.run.seed))
-    return HFCausalLM(load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed))
 
 
 def load_hf(path: str, vocab_size: int, *, seed: int):  # noqa: ANN201 - a transformers PreTrainedModel
@@ -51,11 +43,10 @@ def load_hf(path: str, vocab_size: int, *, seed: int):  # noqa: ANN201 - a trans
     return model.eval()  # no dropout: trainer and rollouter compute the same distribution
 
 
-def rollout_copy(cfg: TrainConfig, task: Task, lm: CausalLM) -> CausalLM:
-    """The rollouter's own model: built afresh (no hooks of the trainer's ``ModelState``), with ``lm``'s weights.
+def rollout_copy(cfg: TrainConfig, task: Task, policy: Policy) -> CausalLM:
+    """The rollouter's own model: built afresh (no hooks of the trainer's ``ModelState``), with ``policy``'s weights,
+    on the same device (``Policy.rollout_lm``).
 
-    Call while ``lm``'s params are resident. From here on it changes only by syncs.
+    Call while the policy's params are resident. From here on it changes only by syncs.
     """
-    fresh = build_policy(cfg, task)
-    fresh.module.load_state_dict(lm.module.state_dict())
-    return fresh
+    return policy.rollout_lm()

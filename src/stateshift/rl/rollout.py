@@ -20,6 +20,7 @@ group after the rollout thread built it, so reading needs no lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from stateshift import StateShiftError
-from .sampler import CausalLM, Sampling, draw, left_pad, positions_of
+from .sampler import CausalLM, Sampling, draw, left_pad, lm_device, positions_of
 
 
 class WeightSyncError(StateShiftError, ValueError):
@@ -99,6 +100,22 @@ class Wave:
     def finished(self) -> bool:
         return self.step >= self.tokens.shape[1] or bool(self.done.all())
 
+    def to(self, device: torch.device) -> Wave:
+        """A working copy on ``device`` (the same wave when it is there already)."""
+        if self.tokens.device == device:
+            return self
+        return Wave(uids=self.uids, items=self.items, n=self.n, step=self.step,
+                    **{k: getattr(self, k).to(device) for k in ("prompt_ids", "prompt_mask", "tokens", "logprobs",
+                                                                "versions", "done")})
+
+    def take_progress(self, work: Wave) -> None:
+        """Copy what ``work`` (a working copy made by ``to``) generated back into this wave's tensors."""
+        if work is self:
+            return
+        for k in ("tokens", "logprobs", "versions", "done"):
+            getattr(self, k).copy_(getattr(work, k))
+        self.step = work.step
+
     def groups(self, score: Any) -> list[Group]:
         """The finished wave as groups; ``score(item, tokens) -> (reward, exact)`` rates each response."""
         out: list[Group] = []
@@ -147,16 +164,32 @@ class KVRollouter:
     All calls but ``pause``/``resume`` come from one thread (the rollout
     thread); ``generator`` is the only source of randomness, so a rollout is
     reproducible from its state (``rng_state``).
+
+    Device: the model's (``lm_device``). Waves live on the CPU between calls
+    (the queue, checkpoints and scoring read them there); ``generate`` works on
+    a copy on the device and writes its progress back before it returns. An
+    ``lm`` with ``own_stream = True`` (the rollouter's private copy, which
+    nothing else computes with) runs on a CUDA stream of its own, so its
+    kernels can overlap the trainer's; ``generate`` and ``update_weights``
+    wait for that stream before they return, so nothing they wrote is read
+    early on another stream. Any other ``lm`` (the trainer's model, when
+    evaluating) computes on the caller's current stream, which is what orders
+    its forward after the engine's onload copies.
     """
 
     def __init__(self, lm: CausalLM, sampling: Sampling, *, seed: int, version: int = 0) -> None:
         self.lm = lm
         self.sampling = sampling
         self.version = version
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = lm_device(lm)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        own = bool(getattr(lm, "own_stream", False)) and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if own else None
         self._pause = threading.Event()
         self._running = False
-        self._targets = {n: t for n, t in lm.module.state_dict(keep_vars=True).items()}
+        self._targets_cache: dict[str, torch.Tensor] | None = None
+        #: names sent with the weights that the model does not hold on their own (e.g. Megatron's flat buffers)
+        self._skip = getattr(lm, "skip_weight", None)
         #: seconds and bytes of the weight copies so far
         self.copy_seconds = 0.0
         self.copy_bytes = 0
@@ -171,14 +204,31 @@ class KVRollouter:
     def paused(self) -> bool:
         return self._pause.is_set()
 
+    @property
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by name (``_extra_state`` entries that are not tensors left out); read at the first sync."""
+        if self._targets_cache is None:
+            self._targets_cache = {n: t for n, t in self.lm.module.state_dict(keep_vars=True).items()
+                                   if isinstance(t, torch.Tensor)}
+        return self._targets_cache
+
+    def _on_stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy by name; every model tensor must be given exactly once (``WeightSyncError`` names the first that is not)."""
+        """Copy by name; every model tensor must be given exactly once (``WeightSyncError`` names the first that is not).
+
+        Names ``lm.skip_weight(name)`` declares aggregates of others (a Megatron flat buffer holds every
+        parameter that is also sent on its own) are not copied.
+        """
         if self._running:
             raise RuntimeError("update_weights while generate() runs: pause first")
         t0 = time.perf_counter()
         seen: set[str] = set()
-        with torch.no_grad():
+        with torch.no_grad(), self._on_stream():
             for name, value in weights:
+                if self._skip is not None and self._skip(name):
+                    continue
                 target = self._targets.get(name)
                 if target is None:
                     raise WeightSyncError(f"weight {name!r} is not in the rollout model")
@@ -188,6 +238,8 @@ class KVRollouter:
                 target.copy_(value)
                 seen.add(name)
                 self.copy_bytes += value.numel() * value.element_size()
+            if self.stream is not None:
+                self.stream.synchronize()  # the copies read the sender's memory: done before it may be released
         missing = [n for n in self._targets if n not in seen]
         if missing:
             raise WeightSyncError(f"weight {missing[0]!r} of the rollout model was not sent ({len(missing)} missing)")
@@ -199,8 +251,12 @@ class KVRollouter:
             return True
         self._running = True
         try:
-            with torch.no_grad():
-                return self._generate(wave)
+            with torch.no_grad(), self._on_stream():
+                work = wave.to(self.device)
+                try:
+                    return self._generate(work)
+                finally:
+                    wave.take_progress(work)  # a blocking copy to the CPU: the stream's work is done after it
         finally:
             self._running = False
 
@@ -208,7 +264,8 @@ class KVRollouter:
         s = self.sampling
         cache = self.lm.new_cache()
         rows = wave.tokens.shape[0]
-        mask = torch.cat([wave.prompt_mask, torch.ones(rows, wave.step, dtype=torch.bool)], dim=1)
+        dev = wave.tokens.device
+        mask = torch.cat([wave.prompt_mask, torch.ones(rows, wave.step, dtype=torch.bool, device=dev)], dim=1)
         ids = torch.cat([wave.prompt_ids, wave.tokens[:, : wave.step]], dim=1)
         logits = self.lm(ids, positions_of(mask), mask, cache)[:, -1]
         while True:
@@ -225,7 +282,7 @@ class KVRollouter:
             wave.step += 1
             if wave.finished:
                 return True
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool, device=dev)], dim=1)
             logits = self.lm(tok[:, None], positions_of(mask)[:, -1:], mask, cache)[:, -1]
 
     def rng_state(self) -> torch.Tensor:

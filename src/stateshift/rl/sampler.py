@@ -47,6 +47,13 @@ class CausalLM(Protocol):
         ...
 
 
+def lm_device(lm: CausalLM) -> torch.device:
+    """The device ``lm`` computes on: its first parameter's (a DTensor's device for an FSDP2 model)."""
+    for p in lm.module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
 class BuiltinLM:
     """``CausalLM`` over the built-in ``TinyGPT``."""
 
@@ -140,7 +147,7 @@ def sequence_logprobs(
     mask them). ``with_entropy`` also returns each position's entropy.
     """
     ids = torch.cat([prompt_ids, tokens], dim=1)
-    mask = torch.cat([prompt_mask, torch.ones_like(tokens, dtype=torch.bool)], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(tokens, dtype=torch.bool)], dim=1)  # tokens' device
     logits = lm(ids, positions_of(mask), mask, None)
     width = prompt_ids.shape[1]
     pred = logits[:, width - 1 : -1].float()

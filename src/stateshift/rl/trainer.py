@@ -20,6 +20,12 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
 ``pi_old`` is the snapshot taken at each sync (``begin_cycle``): the weights
 the rollouter was sent. ``proximal`` recomputes under the weights just
 before each update; ``bypass`` uses the rollout's own log-probs.
+
+The model family (built-in, Hugging Face, Megatron-core, FSDP2) is hidden
+behind ``policies.Policy``: this module calls ``policy.zero_grad()``,
+``policy.step(loss)`` and reads log-probs from ``policy.lm``, whatever the
+family. Batches arrive on the CPU and are moved to the policy's device once
+per update.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from stateshift.rl.pi_old import PiOldCycle
 
 from . import algo
 from .config import TrainerConfig
+from .policies import Policy
 from .rollout import Group
-from .sampler import CausalLM, left_pad, sequence_logprobs
+from .sampler import left_pad, sequence_logprobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +71,13 @@ class Batch:
             rewards=torch.stack([g.rewards for g in groups]),
         )
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.tokens.device == device:
+            return self
+        names = ("prompt_ids", "prompt_mask", "tokens", "mask", "l_b", "versions", "rewards")
+        return Batch(groups=self.groups, **{k: getattr(self, k).to(device, non_blocking=True) for k in names})
+
 
 @dataclass
 class OffloadMeter:
@@ -86,15 +100,19 @@ class OffloadMeter:
 class Trainer:
     """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
 
-    def __init__(self, lm: CausalLM, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
-        self.lm = lm
-        self.model = lm.module
+    def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
+        self.policy = policy
+        self.lm = policy.lm
+        self.model = policy.model
+        self.device = policy.device
         self.cfg = cfg
         self.temperature = temperature
         self.version = version
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
-        self.state = ModelState(self.model, self.optimizer)
-        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")  # CPU params: host
+        self.optimizer = policy.optimizer
+        # free_device_memory (the default): what an offload releases goes back to the CUDA driver at once
+        self.state = ModelState(self.model, self.optimizer, free_device_memory=True)
+        # auto: device when pi_old fits beside the params on the GPU, else host (CPU params: host)
+        self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")
         self.updates_in_cycle = 0
         self.meter = OffloadMeter()
         self.ref: Snapshot | None = None
@@ -135,7 +153,9 @@ class Trainer:
         Only ``pi_old`` mode keeps the snapshot; the others just count updates since the sync.
         """
         if self.cfg.old_logprob == "pi_old":
+            t0 = time.perf_counter()
             self.cycle.begin(self.version)
+            self.meter.add("snapshot.pi_old", time.perf_counter() - t0, 0)
         self.updates_in_cycle = 0
 
     def take_reference(self) -> None:
@@ -144,10 +164,15 @@ class Trainer:
 
     def sync_snapshot(self) -> Snapshot:
         """Host snapshot of the current weights at ``self.version`` (zero-copy when offloaded); release after use."""
-        return self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
+        t0 = time.perf_counter()
+        snap = self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
+        self.meter.add("snapshot.sync", time.perf_counter() - t0, 0)
+        return snap
 
     def release(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
         self.state.release(snap)
+        self.meter.add("release.sync", time.perf_counter() - t0, 0)
 
     # -- log-probs -------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,8 +186,14 @@ class Trainer:
         if mode == "bypass":
             return batch.l_b
         if mode == "pi_old" and self.updates_in_cycle > 0:
+            t0 = time.perf_counter()
             with self.cycle.old_policy():  # works whether the params are offloaded or not
-                return self._logprobs(batch)[0]
+                t1 = time.perf_counter()
+                l_p = self._logprobs(batch)[0]
+                t2 = time.perf_counter()
+            # host time inside the verb (swap in, swap out), not the forward between
+            self.meter.add("swap.pi_old", (t1 - t0) + (time.perf_counter() - t2), 0)
+            return l_p
         if mode == "pi_old":
             self.cycle.stats.skipped_swaps += 1
         self.unpark("params")
@@ -178,6 +209,7 @@ class Trainer:
     # -- the update --------------------------------------------------------------------------------
     def update(self, batch: Batch, timer: Callable[[str], Any]) -> dict[str, float]:
         """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase."""
+        batch = batch.to(self.device)
         with timer("old_logprob"):
             l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
@@ -207,11 +239,8 @@ class Trainer:
             loss = loss + cfg.kl_coef * kl
             kl_ref = float(kl.detach())
         if "grads" not in self.parked:
-            self.optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 \
-            else torch.tensor(0.0)
-        self.optimizer.step()
+            self.policy.zero_grad()
+        grad_norm = self.policy.step(loss)
         mask = batch.mask
         return self._pi_old_check(batch, l_p) | {
             "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),

@@ -4,25 +4,44 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from .config import WarmupConfig
 from .rollout import KVRollouter, Wave
-from .sampler import CausalLM, Sampling, left_pad, positions_of
+from .sampler import CausalLM, Sampling, left_pad, lm_device, positions_of
 from .tasks.base import Task
 
+#: one warm-up optimizer step on a loss: zero the grads, backward, step
+Stepper = Callable[[torch.Tensor], None]
 
-def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int) -> dict[str, float]:
-    """Teacher-forced cross entropy on the answers of ``task.warmup_batch`` problems (easy ones), with its own Adam.
 
-    Deterministic for a seed; returns the last loss and the seconds it took.
+def adam_stepper(params: Iterable[torch.Tensor], lr: float) -> Stepper:
+    """A fresh ``torch.optim.Adam`` of its own over ``params`` (the warm-up of plain torch and FSDP2 models)."""
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def step(loss: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int,
+                      stepper: Stepper | None = None) -> dict[str, float]:
+    """Teacher-forced cross entropy on the answers of ``task.warmup_batch`` problems (easy ones).
+
+    ``stepper`` runs each optimizer step (``Policy.warmup_stepper``); by default a fresh Adam of its own
+    (``adam_stepper``). Deterministic for a seed on the CPU; returns the last loss and the seconds it took.
     """
     if cfg.steps == 0:
         return {"warmup_loss": float("nan"), "warmup_s": 0.0}
     rng = random.Random(seed ^ 0x5EED)
-    opt = torch.optim.Adam(lm.module.parameters(), lr=cfg.lr)
+    step = stepper if stepper is not None else adam_stepper(lm.module.parameters(), cfg.lr)
+    dev = lm_device(lm)
     t0 = time.perf_counter()
     loss = torch.tensor(float("nan"))
     for _ in range(cfg.steps):
@@ -32,14 +51,13 @@ def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int)
         answers = torch.full((len(pairs), width), -100, dtype=torch.long)
         for i, (_, a) in enumerate(pairs):
             answers[i, : len(a)] = torch.tensor(a)
-        ids = torch.cat([prompt_ids, answers.clamp(min=0)], dim=1)
-        mask = torch.cat([prompt_mask, answers >= 0], dim=1)
+        ids = torch.cat([prompt_ids, answers.clamp(min=0)], dim=1).to(dev)
+        mask = torch.cat([prompt_mask, answers >= 0], dim=1).to(dev)
+        answers = answers.to(dev)
         logits = lm(ids, positions_of(mask), mask, None)[:, prompt_ids.shape[1] - 1 : -1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.reshape(-1), ignore_index=-100,
                                label_smoothing=cfg.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        step(loss)
     return {"warmup_loss": float(loss.detach()), "warmup_s": time.perf_counter() - t0}
 
 

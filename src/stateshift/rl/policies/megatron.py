@@ -1,0 +1,217 @@
+"""``model.family=megatron``: a megatron-core 0.16.1 GPTModel trained the Megatron way, on one GPU.
+
+Built as Megatron's own scripts build it at world size 1: local layer spec
+(no Transformer-Engine or Apex needed), bf16 params, ``Float16Module``,
+``DistributedDataParallel`` with ``use_distributed_optimizer=True`` and
+fp32 gradient reduction, ``get_megatron_optimizer`` Adam (no weight decay;
+``trainer.grad_clip`` as Megatron's ``clip_grad``). stateshift's Megatron
+backend detects the DDP chunk and the optimizer: ``params`` is the flat bf16
+``param_data`` buffer, ``grads`` the fp32 ``grad_data``, ``optim`` the fp32
+master shards and Adam's moments.
+
+A step is Megatron's sequence: ``zero_grad_buffer`` (+ the optimizer's
+``zero_grad``), forward, ``backward``, ``finish_grad_sync``, ``opt.step()``
+(which copies the main grads to the fp32 masters, clips, steps and writes
+the masters back into the bf16 params). Log-probs come from the model's
+logits (``Float16Module`` returns them as fp32 of bf16 values).
+
+The warm-up steps this same optimizer at ``warmup.lr`` (its fp32 masters
+must follow the params: a separate torch optimizer would be overwritten by
+stale masters at the first RL step), so Adam's moments carry from the
+warm-up into RL -- unlike the plain-torch families, whose warm-up has an
+Adam of its own.
+
+The rollouter's copy: the same GPTModel in a ``Float16Module``, without
+DDP, on the same device, generating by plain recompute (``RecomputeCache``:
+each new token re-runs the whole sequence; at this task's 13 positions that
+costs little). Weight syncs copy the host snapshot's per-parameter views by
+name; the snapshot also lists the flat buffers that hold them
+(``buffers.<j>.param_data``), which the copy skips (``skip_weight``).
+
+On the CPU: only inside a process that patched megatron-core for it
+(``benchmarks/megatron_bench.patch_megatron_for_cpu``) and set
+``STATESHIFT_MCORE_DEVICE=cpu`` -- tests and development, not training.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, TrainConfig
+from ..tasks.addition import PROMPT_LEN
+from ..tasks.base import Task
+from ..warmup import Stepper
+from .fsdp2 import init_world_of_one
+
+#: held by every Megatron forward in this process: megatron-core's CUDA RNG tracker is one global object that
+#: each attention forward forks (even at dropout 0: ``DotProductAttention``, ``tensor_parallel.random.fork``),
+#: and two threads forking it at once break its current-state bookkeeping ("current state name default-rng
+#: is not the same as the desired state name model-parallel-rng", seen on the GPU with the rollout thread
+#: generating while the trainer computed). The backward forks nothing (no activation recompute), so it runs
+#: outside; kernels launched under the lock still run on the GPU while the other thread holds it.
+FORWARD_LOCK = threading.Lock()
+
+#: snapshot names of Megatron's flat buffers: aggregates of the parameters, which are sent on their own too
+FLAT_BUFFER = re.compile(r"^(chunk\d+\.)?(expert_parallel_)?buffers\.\d+\.(param_data|grad_data)$")
+
+
+@dataclass
+class RecomputeCache:
+    """A "KV cache" that keeps the token ids and positions seen so far; every call re-runs them all."""
+
+    ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def extend(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ids is not None and self.positions is not None:
+            ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
+        self.ids, self.positions = ids, positions
+        return ids, positions
+
+
+def attention_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's mask (batch, 1, s, s), True = masked: causal and padding; every query sees itself (no NaN rows)."""
+    s = key_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=key_mask.device).tril()
+    own = torch.eye(s, dtype=torch.bool, device=key_mask.device)
+    return ~((causal & key_mask[:, None, :]) | own)[:, None]
+
+
+class MegatronLM:
+    """``CausalLM`` over a Megatron GPTModel: ``call`` is what runs it (DDP or ``Float16Module``), ``module`` the
+    innermost GPTModel, whose parameter names are the snapshot's."""
+
+    skip_weight = staticmethod(lambda name: FLAT_BUFFER.match(name) is not None)
+
+    def __init__(self, call: nn.Module, module: nn.Module, *, own_stream: bool = False) -> None:
+        self.call = call
+        self.module = module
+        self.own_stream = own_stream
+
+    def new_cache(self) -> RecomputeCache:
+        return RecomputeCache()
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        new = ids.shape[1]
+        if cache is not None:
+            ids, positions = cache.extend(ids, positions)
+        mask = attention_mask(key_mask)
+        with FORWARD_LOCK:
+            logits = self.call(ids, positions, mask)
+        return logits[:, -new:]
+
+
+def init_megatron(device: torch.device, seed: int) -> None:
+    """One rank, tensor and pipeline parallel size 1 (idempotent); Megatron's CUDA RNG tracker seeded."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_world_of_one(device)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+@dataclass(eq=False)
+class MegatronPolicy:
+    """A GPTModel in Float16Module + Megatron DDP, with its DistributedOptimizer (see the module docstring)."""
+
+    device: torch.device
+    config: Any
+    ddp: Any
+    optimizer: Any
+    lr: float
+    make_gpt: Any
+    family: str = "megatron"
+    lm: MegatronLM = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lm = MegatronLM(self.ddp, self.ddp.module.module)
+
+    @property
+    def model(self) -> Any:
+        return self.ddp
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _step(self, loss: torch.Tensor, lr: float) -> float:
+        loss.backward()
+        self.ddp.finish_grad_sync()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, norm, _ = self.optimizer.step()
+        return float(norm or 0.0)
+
+    def step(self, loss: torch.Tensor) -> float:
+        return self._step(loss, self.lr)
+
+    def warmup_stepper(self, lr: float) -> Stepper:
+        def step(loss: torch.Tensor) -> None:
+            self.zero_grad()
+            self._step(loss, lr)
+
+        return step
+
+    def rollout_lm(self) -> MegatronLM:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapper = Float16Module(self.config, self.make_gpt())
+        copy = wrapper.module
+        params = dict(self.lm.module.named_parameters())
+        with torch.no_grad():
+            for name, p in copy.named_parameters():
+                p.copy_(params[name])
+        return MegatronLM(wrapper, copy, own_stream=True)
+
+
+def _check_usable(device: torch.device) -> None:
+    if device.type == "cpu" and os.environ.get("STATESHIFT_MCORE_DEVICE") != "cpu":
+        raise ConfigError("run.device", "model.family=megatron needs run.device=cuda (megatron-core computes on CUDA; "
+                                        "the CPU works only in a process patched for tests, STATESHIFT_MCORE_DEVICE=cpu)")
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("model.family", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})") from None
+
+
+def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
+    _check_usable(device)
+    init_megatron(device, cfg.run.seed)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    m = cfg.model
+    config = TransformerConfig(num_layers=m.layers, hidden_size=m.width, num_attention_heads=m.heads, bf16=True,
+                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, hidden_dropout=0.0,
+                               attention_dropout=0.0, use_cpu_initialization=device.type == "cpu")
+
+    def make_gpt() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed)
+            gpt = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=task.vocab_size,
+                           max_sequence_length=PROMPT_LEN + cfg.rollout.max_new_tokens)
+        return gpt.to(device)
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                        use_distributed_optimizer=True),
+                                  module=Float16Module(config, make_gpt()))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.trainer.lr, bf16=True,
+                                                       use_distributed_optimizer=True, weight_decay=0.0,
+                                                       clip_grad=cfg.trainer.grad_clip), [ddp])
+    return MegatronPolicy(device=device, config=config, ddp=ddp, optimizer=optimizer, lr=cfg.trainer.lr,
+                          make_gpt=make_gpt)

@@ -1,0 +1,102 @@
+"""Checks every policy family must pass (``test_rl_policies.py``; Megatron's run in a patched subprocess).
+
+Run as a script (``python policy_checks.py FAMILY DIR``) it patches megatron-core for the CPU first and
+runs every check for that family, printing ``ok <check>`` for each.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from rlkit import tiny
+from stateshift.rl.build import build_policy, build_task
+from stateshift.rl.loop import run
+from stateshift.rl.rollout import KVRollouter, Wave
+from stateshift.rl.trainer import Batch, Trainer
+from stateshift.rl.executors.inprocess import sampling_of
+
+ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
+               "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2"]
+
+
+def check_run(tmp: Path, family: str, *extra: str) -> dict:
+    """A few async steps with every offload on and pi_old: finished, finite losses, ledger balanced, pi_old swapped."""
+    cfg = tiny(tmp, f"model.family={family}", "trainer.steps=6", *ALL_OFFLOAD, *extra)
+    res = run(cfg)
+    s = res.summary
+    assert s["status"] == "finished", s["status"]
+    assert len(res.losses) == 6 and all(math.isfinite(x) for x in res.losses), res.losses
+    assert s["ledger"]["trained"] == 6 * cfg.trainer.batch_prompts, s["ledger"]
+    if cfg.trainer.old_logprob == "pi_old":
+        assert s["pi_old"]["swaps"] == 3, s["pi_old"]  # updates 2, 4, 6 of cycles of 2 swap
+    for group in ("params", "grads", "optim"):
+        assert s["offload"]["bytes"].get(f"offload.{group}", 0) > 0, (group, s["offload"]["bytes"])
+    return s
+
+
+def _params(lm) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in lm.module.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            full = getattr(t, "full_tensor", None)
+            out[name] = (full() if callable(full) else t).detach().float().cpu().clone()  # no alias of storage an offload releases
+    return out
+
+
+def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
+    """Train two updates with params offloaded; a host snapshot synced into the rollouter's copy by name makes its
+    weights equal the trainer's, and the copy then samples what the trainer's own model samples."""
+    cfg = tiny(tmp, f"model.family={family}", *ALL_OFFLOAD, *extra)
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    trainer = Trainer(policy, cfg.trainer, temperature=1.0)
+    rollouter = KVRollouter(policy.rollout_lm(), sampling_of(cfg, task), seed=1)
+    trainer.begin_cycle()
+    trainer.park()
+    items = [task.sample(__import__("random").Random(i)) for i in range(cfg.trainer.batch_prompts)]
+    for _ in range(2):
+        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
+                          rollouter.sampling)
+        assert rollouter.generate(wave)
+        trainer.update(Batch.of(wave.groups(task.score), task.pad_token), lambda name: _null())
+    assert trainer.state.residency()["params"]["device"] == 0  # offloaded: the snapshot below is of host homes
+    snap = trainer.sync_snapshot()
+    rollouter.update_weights(snap.wait().views(), 1)
+    trainer.release(snap)
+    with trainer.resident():
+        want = _params(policy.lm)
+    got = _params(rollouter.lm)
+    assert want.keys() == got.keys(), sorted(want.keys() ^ got.keys())[:5]
+    for name, t in want.items():
+        assert torch.equal(t, got[name]), name
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(family: str, tmp: Path) -> None:
+    if os.environ.get("STATESHIFT_MCORE_DEVICE") == "cpu":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        from megatron_bench import patch_megatron_for_cpu
+
+        patch_megatron_for_cpu()
+    check_run(tmp / "a", family)
+    print("ok run", flush=True)
+    check_run(tmp / "b", family, "trainer.old_logprob=bypass")
+    print("ok bypass", flush=True)
+    check_sync_equal(tmp / "c", family)
+    print("ok sync_equal", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
