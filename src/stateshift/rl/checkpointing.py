@@ -22,7 +22,6 @@ from the capture; with fixed seeds and a deterministic schedule (e.g.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from stateshift.checkpoint import init_optimizer_state, load, save
+from stateshift.checkpoint.commit import replacing, write_durable
 
 from .executors.inprocess import RolloutCapture
 from .trainer import Trainer
@@ -50,20 +50,32 @@ def _groups(trainer: Trainer) -> tuple[str, ...]:
 
 def save_checkpoint(root: Path, step: int, trainer: Trainer, capture: RolloutCapture, extra: dict[str, Any],
                     keep: int) -> Path:
-    """Write ``root/step-<step>`` and point ``root/latest`` at it; keep the newest ``keep``."""
+    """Write ``root/step-<step>`` and point ``root/latest`` at it; keep the newest ``keep``.
+
+    Safe to kill at any moment: ``latest`` moves last (atomically), so it names the previous complete
+    checkpoint until this one is whole. A ``step-<n>`` with ``n >= step`` can only be what a killed
+    run left after the checkpoint it was resumed from (``latest`` names an older step, and the run
+    directory is locked to this run), so it is removed before the save instead of failing on it.
+    """
     path = root / f"step-{step}"
+    for stale in _steps(root):
+        if int(stale.name[5:]) >= step:
+            shutil.rmtree(stale)
     save(trainer.state, path / "state", _groups(trainer), tag="rl", version=trainer.version)
     sidecar = {"step": step, "version": trainer.version, "capture": capture, "extra": extra}
-    tmp = path / "rl_state.pt.tmp"
-    torch.save(sidecar, tmp)
-    os.replace(tmp, path / "rl_state.pt")
-    latest_tmp = root / "latest.tmp"
-    latest_tmp.write_text(path.name)
-    os.replace(latest_tmp, root / "latest")
-    done = sorted((p for p in root.glob("step-*") if (p / "rl_state.pt").exists()), key=lambda p: int(p.name[5:]))
+    with replacing(path / "rl_state.pt") as tmp:
+        torch.save(sidecar, tmp)
+    write_durable(root / "latest", path.name.encode())
+    done = [p for p in _steps(root) if (p / "rl_state.pt").exists()]
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _steps(root: Path) -> list[Path]:
+    """``root/step-<n>`` directories by ``n``."""
+    found = (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def latest_checkpoint(root: Path) -> Path:

@@ -1,0 +1,122 @@
+"""Checkpoints of a run survive a process killed at any moment: the previous one stays loadable, and a
+resumed run writes over what the killed one left unfinished."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from rl.rlkit import tiny
+
+from stateshift.rl.loop import run
+
+COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
+          "run.checkpoint_every=2"]
+
+
+def test_resume_rewrites_a_step_the_killed_run_left_behind(tmp_path):
+    """Killed after step-6 was written but before ``latest`` moved: the resumed run reaches step 6 again.
+
+    (Regression: the second save of step-6 raised FileExistsError -- checkpoints are never overwritten --
+    and the resumed run died at its first checkpoint.)
+    """
+    first = run(tiny(tmp_path, "trainer.steps=6", *COMMON))
+    root = first.out_dir / "checkpoints"
+    (root / "latest").write_text("step-4")  # as if SIGKILLed between the sidecar and the pointer
+    resumed = run(tiny(tmp_path, "trainer.steps=8", *COMMON), resume=first.out_dir)
+    assert resumed.summary["status"] == "finished" and resumed.steps == 8
+    assert (root / "latest").read_text().strip() == "step-8"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-6", "step-8"]  # keep_checkpoints=2
+
+
+def test_resume_rewrites_a_half_written_step(tmp_path):
+    """Killed inside the save of step-6 (its state/ committed, no sidecar yet): resumed, step 6 is saved anew."""
+    first = run(tiny(tmp_path, "trainer.steps=6", *COMMON))
+    root = first.out_dir / "checkpoints"
+    (root / "latest").write_text("step-4")
+    (root / "step-6" / "rl_state.pt").unlink()
+    shutil.rmtree(root / "step-6" / "state" / "params", ignore_errors=True)
+    resumed = run(tiny(tmp_path, "trainer.steps=6", *COMMON), resume=first.out_dir)
+    assert resumed.summary["status"] == "finished"
+    assert (root / "latest").read_text().strip() == "step-6" and (root / "step-6" / "rl_state.pt").is_file()
+
+
+# A child that saves RL checkpoints of a ~3M-parameter policy (params and Adam state, params offloaded as in a run)
+# in a loop, every value set to the step number first, and says when each save begins and ends.
+CHILD = r"""
+import sys, time, torch
+from pathlib import Path
+from stateshift.checkpoint import init_optimizer_state
+from stateshift.rl.checkpointing import save_checkpoint
+from stateshift.rl.config import resolve
+from stateshift.rl.build import build_policy, build_task
+from stateshift.rl.trainer import Trainer
+
+cfg = resolve(None, ["model.width=256", "model.layers=4"])
+trainer = Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
+init_optimizer_state(trainer.optimizer)
+root = Path(sys.argv[1])
+for step in range(1, 1000):
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.fill_(step)
+        for st in trainer.optimizer.state.values():
+            for v in st.values():
+                v.fill_(step)
+    trainer.park()
+    print("begin", step, flush=True)
+    t0 = time.perf_counter()
+    save_checkpoint(root, step, trainer, None, {"step": step}, keep=2)
+    print("end", step, time.perf_counter() - t0, flush=True)
+    trainer.unpark("params")
+"""
+
+
+def _saves_until(proc, step: int) -> list[float]:
+    """Read the child's lines until save ``step`` began; the durations of the saves before it."""
+    durations = []
+    for line in proc.stdout:
+        kind, k, *rest = line.split()
+        if kind == "end":
+            durations.append(float(rest[0]))
+        elif int(k) == step:
+            return durations
+    raise AssertionError("the child ended before save %d: %s" % (step, proc.stderr.read()))
+
+
+@pytest.mark.slow
+def test_sigkill_inside_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    from stateshift.rl.build import build_policy, build_task
+    from stateshift.rl.checkpointing import latest_checkpoint, load_checkpoint
+    from stateshift.rl.config import resolve
+    from stateshift.rl.trainer import Trainer
+
+    rng = random.Random(20261203)
+    inside = []
+    for attempt in range(2):
+        root = tmp_path / f"attempt-{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            durations = _saves_until(proc, 3)
+            time.sleep(rng.uniform(0.0, 0.8) * min(durations))  # a random moment inside save 3
+            proc.kill()
+            rest = proc.stdout.read()
+        finally:
+            proc.kill()
+            proc.wait()
+        inside.append("end 3 " not in rest)
+        path = latest_checkpoint(root)
+        step = int(path.name[5:])
+        assert step == (3 if not inside[-1] else 2), (path, rest)
+        cfg = resolve(None, ["model.width=256", "model.layers=4"])
+        trainer = Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
+        resumed = load_checkpoint(path, trainer)  # verifies every tensor's checksum
+        assert resumed.step == step and resumed.extra == {"step": step}
+        assert all(bool((p == step).all()) for p in trainer.model.parameters())
+        assert all(bool((v == step).all()) for st in trainer.optimizer.state.values() for v in st.values())
+    assert any(inside), "no kill landed inside a save: the test did not test anything"
