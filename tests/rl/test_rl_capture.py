@@ -8,8 +8,8 @@ import torch
 
 from stateshift.rl.config import AsyncConfig
 from stateshift.rl.control import RunControl
+from stateshift.rl.executors.hub import QueueHub
 from stateshift.rl.executors.inprocess import RolloutWorker
-from stateshift.rl.queue import SampleQueue
 from stateshift.rl.rollout import KVRollouter
 from stateshift.rl.sampler import BuiltinLM, Sampling
 from stateshift.rl.sync import WeightChannel
@@ -22,9 +22,9 @@ def _worker(seed: int = 0) -> RolloutWorker:
     sampling = Sampling(max_new_tokens=5, stop_token=task.stop_token, pad_token=task.pad_token)
     control = RunControl()
     rollouter = KVRollouter(BuiltinLM(build_gpt(seed=1)), sampling, seed=seed)
-    queue = SampleQueue(AsyncConfig(staleness_threshold=1.0), required=4)
-    return RolloutWorker(rollouter, task, queue, WeightChannel(control, rollouter.pause), control, n=3,
-                         wave_prompts=4, seed=seed + 1)
+    hub = QueueHub(AsyncConfig(staleness_threshold=1.0), 4, task, seed=seed + 1, cond=control.cond)
+    return RolloutWorker(rollouter, task, hub, WeightChannel(control, rollouter.pause), control, n=3,
+                         wave_prompts=4)
 
 
 def _advance(w: RolloutWorker, *, pause_after_tokens: int | None = None) -> None:
@@ -33,7 +33,7 @@ def _advance(w: RolloutWorker, *, pause_after_tokens: int | None = None) -> None
     assert w.wave is not None
     if pause_after_tokens is None:
         assert w.rollouter.generate(w.wave)
-        w.queue.put(w.wave.groups(w.task.score))
+        w.port.put(w.owner, w.wave.groups(w.task.score), w.report)
         w.wave = None
         return
     lm = w.rollouter.lm
@@ -61,7 +61,7 @@ def _finish(w: RolloutWorker) -> list:
     assert w.wave is not None and w.rollouter.generate(w.wave)
     out = w.wave.groups(w.task.score)
     _advance(w)
-    return out + list(w.queue.items)
+    return out + list(w.port.queue.items)
 
 
 def test_capture_restore_continues_identically():
@@ -69,18 +69,20 @@ def test_capture_restore_continues_identically():
     _advance(a)  # one finished wave in the queue
     _advance(a, pause_after_tokens=2)  # a wave in flight with 2 tokens kept
     buf = io.BytesIO()
-    torch.save(a.capture(), buf)  # what the checkpoint sidecar does
+    torch.save(a.capture(a.port.on_sync(a.owner, a.report, capture=True)), buf)  # what the checkpoint sidecar does
     buf.seek(0)
     b = _worker(seed=5)  # other seeds: everything that matters must come from the capture
-    b.restore(torch.load(buf, weights_only=False))
-    assert [g.uid for g in b.queue.items] == [g.uid for g in a.queue.items]
-    assert b.wave is not None and b.wave.step == 2 and b.next_uid == a.next_uid
+    cap = torch.load(buf, weights_only=False)
+    b.port.restore(cap)
+    b.restore(cap)
+    assert [g.uid for g in b.port.queue.items] == [g.uid for g in a.port.queue.items]
+    assert b.wave is not None and b.wave.step == 2 and b.port.next_uid == a.port.next_uid
     got_a, got_b = _finish(a), _finish(b)
     assert len(got_a) == len(got_b) > 4
     for x, y in zip(got_a, got_b, strict=True):
         assert x.uid == y.uid and x.item == y.item
         assert torch.equal(x.tokens, y.tokens) and torch.equal(x.logprobs, y.logprobs)
-    assert b.queue.ledger.as_dict() == a.queue.ledger.as_dict()
+    assert b.port.queue.ledger.as_dict() == a.port.queue.ledger.as_dict()
 
 
 def test_capture_without_restore_differs():

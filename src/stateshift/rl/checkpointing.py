@@ -32,7 +32,7 @@ import torch
 from stateshift.checkpoint import init_optimizer_state, load, save
 from stateshift.checkpoint.commit import replacing, write_durable
 
-from .executors.inprocess import RolloutCapture
+from .executors.base import RolloutCapture
 from .trainer import Trainer
 
 

@@ -245,9 +245,50 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RayConfig:
+    """The Ray executor (``executor=ray``; ``pip install 'stateshift[ray]'``): actors, placement, restarts."""
+
+    address: str = ""
+    """'' starts a private local Ray instance for the run and shuts it down at the end; 'auto' or
+    'ray://host:port' joins a running cluster (then run.out_dir must be a path every node sees). A Ray
+    already initialised in the calling process (ray.init before run()) is used as it is"""
+    num_cpus: int | None = None
+    """CPUs of the private local instance (null: all of this machine's)"""
+    trainer_cpus: float = 1.0
+    """CPUs of the trainer actor's bundle (the queue actor lives in it too, with no CPU of its own)"""
+    rollout_cpus: float = 1.0
+    """CPUs of the rollouter actor's bundle"""
+    trainer_gpus: float | None = None
+    """GPUs of the trainer's bundle; null: 1 when the cluster has a GPU, else 0 (0.5 each when trainer and
+    rollouter share one GPU). The policy still computes on the CPU in this version (no run.device yet)"""
+    rollout_gpus: float | None = None
+    """GPUs of the rollouter's bundle; null: 1 when the cluster has two GPUs or more, 0.5 (colocated with the
+    trainer) when it has one, else 0"""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy for the trainer and rollouter bundles"""
+    max_rollout_restarts: int = 3
+    """a rollouter actor that dies (killed, OOM, its node lost) is reported and restarted from the last weights
+    it was sent, at most this many times per run; the next death stops the run with RolloutDiedError"""
+    ready_timeout_s: float = 120.0
+    """seconds the placement group and each actor may take to come up (a cluster without room fails after this)"""
+
+    def __post_init__(self) -> None:
+        _check("ray.num_cpus", self.num_cpus is None or self.num_cpus >= 1, "must be >= 1 or null")
+        _check("ray.trainer_cpus", self.trainer_cpus > 0, "must be > 0")
+        _check("ray.rollout_cpus", self.rollout_cpus > 0, "must be > 0")
+        _check("ray.trainer_gpus", self.trainer_gpus is None or self.trainer_gpus >= 0, "must be >= 0 or null")
+        _check("ray.rollout_gpus", self.rollout_gpus is None or self.rollout_gpus >= 0, "must be >= 0 or null")
+        _check("ray.max_rollout_restarts", self.max_rollout_restarts >= 0, "must be >= 0")
+        _check("ray.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything ``stateshift train`` reads."""
 
+    executor: Literal["inprocess", "ray"] = "inprocess"
+    """where the rollouter runs: 'inprocess' on a thread of the trainer's process; 'ray' the trainer, the
+    rollouter and the queue as Ray actors in a placement group (the ray section; pip install 'stateshift[ray]')"""
     task: TaskConfig = field(default_factory=TaskConfig)
     """the task"""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -262,6 +303,8 @@ class TrainConfig:
     """the trainer"""
     run: RunConfig = field(default_factory=RunConfig)
     """seeds, outputs, liveness"""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """the Ray executor (read only with executor=ray)"""
 
     def __post_init__(self) -> None:
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
@@ -269,6 +312,8 @@ class TrainConfig:
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
         _check("rollout.max_new_tokens", self.model.family != "builtin" or self.rollout.max_new_tokens <= 8,
                "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+        _check("ray.num_cpus", self.ray.num_cpus is None or self.ray.num_cpus >= self.ray.trainer_cpus + self.ray.rollout_cpus,
+               f"must hold ray.trainer_cpus + ray.rollout_cpus ({self.ray.trainer_cpus + self.ray.rollout_cpus:g})")
 
 
 # --------------------------------------------------------------------------- from dicts, YAML, overrides

@@ -1,8 +1,9 @@
 """``run(cfg)``: the fully-asynchronous RL loop, top to bottom.
 
     build the task and the policy; warm it up (or resume from a checkpoint)
-    trainer (owns its ModelState) + rollouter (own model copy, own thread) + queue + weight channel
-    start the rollout thread and the watchdog
+    trainer (owns its ModelState) + the rollout side (``executor``: a rollouter on a thread, or
+    rollouter and queue as Ray actors; its own model copy either way)
+    start the rollouter and the watchdog
     for each trainer step:
         wait (bounded) for require_batches x batch_prompts groups
         per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step, offload
@@ -13,7 +14,12 @@
 
 Failure on either side stops both within one wait slice and the original
 exception propagates out of ``run`` (``RunControl``); Ctrl-C does the same
-with ``KeyboardInterrupt``. ``summary.json`` is written in every case.
+with ``KeyboardInterrupt``. ``summary.json`` is written in every case. Under
+Ray a rollouter actor that dies is restarted instead (``executors/ray.py``).
+
+With ``executor=ray`` the trainer itself runs in a Ray actor: ``run`` (the
+driver) holds the run directory's lock and starts it; the actor runs
+``train_here`` below, the same code as in process.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
@@ -31,17 +38,15 @@ import torch
 from stateshift import StateShiftError
 
 from . import config as config_mod
-from .build import build_policy, build_task, rollout_copy
+from .build import build_policy, build_task
 from .checkpointing import Resumed, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import RunControl, Watchdog, describe_sides
-from .executors.inprocess import RolloutWorker, ThreadExecutor
+from .executors.base import RolloutCapture, Rollouts, RolloutStats
+from .executors.inprocess import InProcessRollouts
 from .metrics import MetricsLog, Progress, plot_curves
-from .queue import SampleQueue
 from .report import step_metrics, summarize
-from .rollout import Group, KVRollouter
-from .sampler import Sampling
-from .sync import WeightChannel, WeightUpdate
+from .rollout import Group
 from .trainer import Batch, Trainer
 from .warmup import heldout_accuracy, supervised_warmup
 
@@ -59,6 +64,12 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     #: the trainer's final params (host copies), when ``run(..., return_params=True)``
     params: dict[str, torch.Tensor] | None = None
+    #: the uid of every group trained, in training order (each at most once; steps since the start or resume)
+    trained_uids: list[int] = field(default_factory=list)
+
+
+#: builds the rollout side: ``(cfg, task, trainer's policy (resident), control, version=, capture=)``
+RolloutsFactory = Callable[..., Rollouts]
 
 
 def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
@@ -66,17 +77,29 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
     """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape.
 
     The run directory is locked for the duration (``RunDirBusyError`` if another run holds it).
+    ``executor=ray``: ``ConfigError`` (key ``executor``) at once if Ray is not installed; the trainer's
+    lines then come through Ray's log forwarding (prefixed with the actor), not ``stream``.
     """
     out = Path(resume) if resume is not None else Path(cfg.run.out_dir)
+    if cfg.executor == "ray":
+        from .executors.ray import require_ray
+
+        require_ray()
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_run_dir(out)
     try:
-        return _run(cfg, out, resume is not None, stream or sys.stderr, return_params)
+        if cfg.executor == "ray":
+            from .executors.ray import run_on_ray
+
+            return run_on_ray(cfg, out, resume is not None, return_params)
+        return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, InProcessRollouts)
     finally:
         lock.close()
 
 
-def _run(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool) -> RunResult:
+def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool,
+               rollouts: RolloutsFactory) -> RunResult:
+    """The run in this process (the caller holds the run directory's lock); ``rollouts`` builds the rollout side."""
     t0 = time.perf_counter()
     config_mod.save(cfg, out / "config.yaml")
     if cfg.run.torch_threads:
@@ -93,7 +116,7 @@ def _run(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_param
     else:
         held_start = float(resumed.extra["heldout_accuracy_start"])
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
-    loop = AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start)
+    loop = AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start, rollouts)
     try:
         loop.train()
     finally:
@@ -130,27 +153,16 @@ class AsyncLoop:
     """The parts of one run and the steps of its loop (trainer thread)."""
 
     def __init__(self, cfg: TrainConfig, task: Any, trainer: Trainer, out: Path, stream: TextIO,
-                 resumed: Resumed | None, held_start: float) -> None:
+                 resumed: Resumed | None, held_start: float, rollouts: RolloutsFactory) -> None:
         self.cfg, self.task, self.trainer, self.out, self.stream = cfg, task, trainer, out, stream
         self.held_start = held_start
         self.step = self.first_step = resumed.step if resumed is not None else 0
         self.t_start = time.perf_counter()
         self.syncs = 0
         self.cfg_dict = config_mod.as_dict(cfg)
-        self.required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.control = RunControl()
-        self.queue = SampleQueue(cfg.async_training, self.required)
-        r = cfg.rollout
-        sampling = Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                            stop_token=task.stop_token, pad_token=task.pad_token)
-        self.rollouter = KVRollouter(rollout_copy(cfg, task, trainer.lm), sampling, seed=cfg.run.seed + 1, version=trainer.version)
-        self.channel = WeightChannel(self.control, self.rollouter.pause)
-        self.worker = RolloutWorker(self.rollouter, task, self.queue, self.channel, self.control, n=r.n,
-                                    wave_prompts=r.max_concurrent_prompts, seed=cfg.run.seed + 2,
-                                    torch_threads=cfg.run.torch_threads)
-        if resumed is not None:
-            self.worker.restore(resumed.capture)
-        self.executor = ThreadExecutor(self.worker)
+        capture: RolloutCapture | None = resumed.capture if resumed is not None else None
+        self.rollouts = rollouts(cfg, task, trainer.lm, self.control, version=trainer.version, capture=capture)
         self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
                                   resume_step=resumed.step if resumed is not None else None)
         self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)
@@ -158,6 +170,9 @@ class AsyncLoop:
                                  stall_s=cfg.run.stall_timeout_s, stream=stream)
         self.times: dict[str, float] = {}
         self.losses: list[float] = []
+        self.trained_uids: list[int] = []
+        self.final_stats: RolloutStats | None = None
+        self.ledger: dict[str, Any] = {}
         self.status = "running"
         trainer.take_reference()
         trainer.begin_cycle()
@@ -165,7 +180,7 @@ class AsyncLoop:
 
     # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> None:
-        self.executor.start()
+        self.rollouts.start()
         self.watchdog.start()
         cfg = self.cfg
         try:
@@ -192,15 +207,9 @@ class AsyncLoop:
             raise
 
     def next_groups(self, count: int) -> list[Group]:
-        """``count`` groups from the queue, waiting (bounded slices) as long as the rollouter is alive."""
-        got: list[Group] = []
+        """``count`` groups from the queue, waiting (bounded slices) as long as the rollout side is alive."""
         t0 = time.perf_counter()
-        with self.control.cond:
-            while len(got) < count:
-                need = count - len(got)
-                self.control.wait_for(lambda: self.queue.ready(need), "trainer", f"{need} groups from the queue")
-                got += self.queue.take(need, self.trainer.version)
-            self.control.cond.notify_all()  # room in the queue: the rollouter may admit again
+        got = self.rollouts.take(count, self.trainer.version)
         self._add_time("wait", time.perf_counter() - t0)
         return got
 
@@ -210,10 +219,9 @@ class AsyncLoop:
                    for _ in range(self.cfg.async_training.require_batches)]
         version = self.trainer.version
         stats = [self.trainer.update(b, self.timer) for b in batches]
-        with self.control.cond:
-            self.queue.trained(sum(len(b.groups) for b in batches))
-            depth = self.queue.depth()
+        depth = self.rollouts.trained(sum(len(b.groups) for b in batches))
         self.losses += [s["loss"] for s in stats]
+        self.trained_uids += [g.uid for b in batches for g in b.groups]
         return step_metrics(self.step + 1, version, batches, stats, depth, self)
 
     def sync_weights(self, *, checkpoint: bool) -> None:
@@ -221,15 +229,15 @@ class AsyncLoop:
         with self.timer("sync"):
             self.trainer.version += 1
             snap = self.trainer.sync_snapshot()
-            update = WeightUpdate(snap, self.trainer.version, capture=checkpoint)
-            self.channel.post(update, interrupt=self.cfg.async_training.partial_rollout)
-            self.channel.wait_acked(update)
-            self.trainer.release(snap)
+            outcome = self.rollouts.sync(snap, self.trainer.version, capture=checkpoint,
+                                         interrupt=self.cfg.async_training.partial_rollout)
+            self.trainer.release(snap)  # not on failure: a rollout thread may still be reading it
             self.syncs += 1
         with self.timer("old_logprob"):
             self.trainer.begin_cycle()
         if checkpoint:
-            save_checkpoint(self.out / "checkpoints", self.step, self.trainer, update.captured,
+            assert outcome.captured is not None
+            save_checkpoint(self.out / "checkpoints", self.step, self.trainer, outcome.captured,
                             {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:
@@ -249,23 +257,23 @@ class AsyncLoop:
         self.times[name] = self.times.get(name, 0.0) + seconds
 
     def describe(self) -> str:
-        q = self.queue
-        return describe_sides(self.control, {"queue": q.depth(), "in_flight": q.running, "trainer_version":
-                                             self.trainer.version, "rollout_version": self.rollouter.version,
-                                             "step": self.step})
+        side = self.rollouts.describe()
+        return describe_sides(self.control, {"queue": side["queue"], "in_flight": side["in_flight"],
+                                             "trainer_version": self.trainer.version,
+                                             "rollout_version": side["rollout_version"], "step": self.step})
 
     def finish(self, wall_s: float) -> None:
-        """Stop the rollout thread, account for what is left, write the summary (whatever happened)."""
-        stopped = self.executor.stop()
+        """Stop the rollout side, account for what is left, write the summary (whatever happened)."""
+        stopped = self.rollouts.stop()
         self.watchdog.join()
-        with self.control.cond:
-            self.queue.close("left in the queue at the end of the run", "in flight at the end of the run",
-                             "taken by a trainer step that did not complete")
-            self.queue.check()
-        self.metrics.close()
-        self.progress.close()
+        try:
+            self.final_stats = self.rollouts.stats()
+            self.ledger = self.rollouts.close()  # AssertionError if the ledger does not balance
+        finally:
+            self.metrics.close()
+            self.progress.close()
         if not stopped:
-            self.status += "; the rollout thread did not stop within 10 s"
+            self.status += "; the rollout side did not stop within 10 s"
         self.summary = summarize(self, wall_s)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
 
@@ -285,6 +293,7 @@ class AsyncLoop:
 
     def result(self, held_end: float, wall_s: float) -> RunResult:
         return RunResult(out_dir=self.out, heldout_accuracy_start=self.held_start, heldout_accuracy_end=held_end,
-                         steps=self.step, wall_s=wall_s, summary=self.summary, losses=self.losses)
+                         steps=self.step, wall_s=wall_s, summary=self.summary, losses=self.losses,
+                         trained_uids=self.trained_uids)
 
 

@@ -25,11 +25,14 @@ lag, or left over when the run ends: queued, in flight, or taken by a step
 that did not complete);
 ``check()`` asserts the balance and the run's summary reports it. A group
 discarded for lag (``max_lag``) gives its staleness budget back, so discards
-cannot starve the trainer.
+cannot starve the trainer. A group whose rollouter died while generating it
+stays admitted and running and is generated again by its successor
+(``executors/hub.py``); ``regenerated`` counts those restarts, outside the
+balance.
 
-Thread safety: every method is called with ``control.cond`` held (the
-rollout thread admits and puts, the trainer thread takes); groups are
-immutable once put.
+Thread safety: none of its own; ``executors/hub.py`` (``QueueHub``) calls
+every method with its condition held (the rollouter admits and puts, the
+trainer takes); groups are immutable once put.
 """
 
 from __future__ import annotations
@@ -44,22 +47,29 @@ from .rollout import Group
 
 @dataclass
 class Ledger:
-    """Counts of groups by fate; ``by_version`` counts generated groups by their oldest token's version."""
+    """Counts of groups by fate; ``by_version`` counts generated groups by their oldest token's version.
+
+    ``regenerated``: generations started again because their rollouter died (not a fate: such a group is
+    still running, and counted once when it is generated).
+    """
 
     admitted: int = 0
     generated: int = 0
     trained: int = 0
     discarded: Counter[str] = field(default_factory=Counter)
     by_version: Counter[int] = field(default_factory=Counter)
+    regenerated: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "generated": self.generated, "trained": self.trained,
-                "discarded": dict(self.discarded), "by_version": {str(k): v for k, v in sorted(self.by_version.items())}}
+                "discarded": dict(self.discarded), "by_version": {str(k): v for k, v in sorted(self.by_version.items())},
+                "regenerated": self.regenerated}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Ledger:
         return Ledger(admitted=d["admitted"], generated=d["generated"], trained=d["trained"],
-                      discarded=Counter(d["discarded"]), by_version=Counter({int(k): v for k, v in d["by_version"].items()}))
+                      discarded=Counter(d["discarded"]), by_version=Counter({int(k): v for k, v in d["by_version"].items()}),
+                      regenerated=d.get("regenerated", 0))
 
 
 class SampleQueue:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .executors.base import RolloutStats
+
 if TYPE_CHECKING:
     from .loop import AsyncLoop
     from .trainer import Batch
@@ -37,8 +39,9 @@ def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict
                        for b in batches]).float()
     stale = staleness_counts(batches, version)
     n_tok = sum(stale.values()) or 1
+    side = loop.rollouts.stats()
     rec: dict[str, Any] = {
-        "step": step, "version": version, "rollout_version": loop.rollouter.version, "queue_depth": depth,
+        "step": step, "version": version, "rollout_version": side.version, "queue_depth": depth,
         "reward": float(rewards.mean()), "accuracy": float(exact.mean()), "response_length": float(lengths.mean()),
         "eos_rate": float(finished.mean()),
         "staleness_mean": sum(k * v for k, v in stale.items()) / n_tok, "staleness_max": max(stale, default=0),
@@ -48,24 +51,23 @@ def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict
     for key in stats[0]:
         values = [s[key] for s in stats]
         rec[key] = max(values) if "max" in key else sum(values) if key.endswith("_tokens") else _mean(values)
-    rec.update(system_metrics(loop))
+    rec.update(system_metrics(loop, side))
     return rec
 
 
-def system_metrics(loop: AsyncLoop) -> dict[str, Any]:
-    """Cumulative time split, bytes moved, idle ratios and throughput so far."""
+def system_metrics(loop: AsyncLoop, side: RolloutStats) -> dict[str, Any]:
+    """Cumulative time split, bytes moved, idle ratios and throughput so far (``side``: the rollout side's numbers)."""
     t = loop.times
     wall = max(time.perf_counter() - loop.t_start, 1e-9)
     meter, cycle = loop.trainer.meter, loop.trainer.cycle.stats
-    led = loop.queue.ledger
     return {
-        "time_generate_s_total": loop.worker.busy_s, "time_old_logprob_s_total": t.get("old_logprob", 0.0),
+        "time_generate_s_total": side.busy_s, "time_old_logprob_s_total": t.get("old_logprob", 0.0),
         "time_update_s_total": t.get("update", 0.0), "time_sync_s_total": t.get("sync", 0.0),
         "time_offload_s_total": t.get("offload", 0.0), "time_wait_s_total": t.get("wait", 0.0),
         "offload_bytes_total": meter.total_bytes(), "offload_verb_s_total": meter.total_seconds(),
         "pi_old_bytes_total": cycle.pcie_bytes + cycle.device_bytes + cycle.host_bytes,
-        "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(loop.worker.busy_s / wall, 1.0),
-        "samples_per_s": led.generated * loop.cfg.rollout.n / wall,
+        "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(side.busy_s / wall, 1.0),
+        "samples_per_s": side.generated * loop.cfg.rollout.n / wall, "rollout_restarts": len(side.restarts),
     }
 
 
@@ -76,19 +78,21 @@ def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
     meter = trainer.meter
     cycle = trainer.cycle.stats.as_dict()
     pi_old_bytes = cycle["pcie_bytes"] + cycle["device_bytes"] + cycle["host_bytes"]
+    side = loop.final_stats or RolloutStats()
     return {
         "status": loop.status, "steps": loop.step, "wall_s": wall_s, "out_dir": str(loop.out),
         "heldout_accuracy_start": loop.held_start,
-        "ledger": loop.queue.ledger.as_dict(),
-        "time_split_s": {"generate": loop.worker.busy_s, "old_logprob": loop.times.get("old_logprob", 0.0),
+        "ledger": loop.ledger,
+        "rollout": {"executor": loop.cfg.executor, "restarts": side.restarts, "refused_late_groups": side.refused},
+        "time_split_s": {"generate": side.busy_s, "old_logprob": loop.times.get("old_logprob", 0.0),
                          "update": loop.times.get("update", 0.0), "sync": loop.times.get("sync", 0.0),
                          "offload": loop.times.get("offload", 0.0), "wait": loop.times.get("wait", 0.0),
                          "eval": loop.times.get("eval", 0.0)},
         "offload": {"bytes": dict(meter.nbytes), "seconds": dict(meter.seconds),
                     "bytes_per_step": meter.total_bytes() / steps},
         "pi_old": {**cycle, "bytes_per_step": pi_old_bytes / steps},
-        "sync": {"syncs": loop.syncs, "rollouter_copy_s": loop.worker.copy_s,
-                 "rollouter_copy_bytes": loop.rollouter.copy_bytes,
+        "sync": {"syncs": loop.syncs, "rollouter_copy_s": side.copy_s,
+                 "rollouter_copy_bytes": side.copy_bytes,
                  "param_bytes": trainer.state.nbytes("params")},
         "staleness_tokens": {str(k): v for k, v in sorted(loop.metrics.staleness.items())},
         "watchdog_reports": loop.watchdog.reports,

@@ -1,5 +1,12 @@
 """Weights from the trainer to the rollouter: a versioned host snapshot and a handshake.
 
+In process (``executors/inprocess.py``) the rollout thread reads the trainer's
+snapshot in place, as described below. Under Ray (``executors/ray.py``) the
+trainer copies the snapshot into Ray's object store (``ray.put``: it may be
+released right after) and calls the rollouter actor with the reference and
+the version; inside the actor the same ``WeightChannel`` handshake hands the
+weights from the call's thread to the generating thread at a token boundary.
+
 The trainer thread takes ``state.snapshot(tag="sync", version=v, placement="host")``
 (zero-copy when the params are offloaded: it shares their pinned home,
 copy-on-write) and posts it here; posting pauses the rollouter, whose
@@ -25,8 +32,11 @@ flight and random states are one consistent picture.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from stateshift import Snapshot
 
@@ -35,9 +45,9 @@ from .control import RunControl
 
 @dataclass(eq=False)
 class WeightUpdate:
-    """One sync: the snapshot, its version, and the rollout thread's answer."""
+    """One sync: the weights (``(name, tensor)`` pairs, read on the rollout thread), their version, the answer."""
 
-    snapshot: Snapshot
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
     version: int
     capture: bool = False
     posted_at: float = field(default_factory=time.perf_counter)
@@ -45,6 +55,11 @@ class WeightUpdate:
     captured: Any = None
     #: seconds the rollout thread spent copying the weights in
     copy_s: float = 0.0
+
+    @staticmethod
+    def of_snapshot(snap: Snapshot, version: int, *, capture: bool = False) -> WeightUpdate:
+        """Weights read in place from ``snap`` (after ``snap.wait()``); keep it alive until the update is acked."""
+        return WeightUpdate(lambda: snap.wait().views(), version, capture=capture)
 
 
 class WeightChannel:

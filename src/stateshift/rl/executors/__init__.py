@@ -1,5 +1,9 @@
-"""Where the rollout side runs: ``inprocess`` (a thread of the trainer's process, the default)."""
+"""Where the rollout side runs: ``inprocess`` (a thread of the trainer's process, the default) or ``ray``.
 
-from .inprocess import RolloutCapture, RolloutWorker, ThreadExecutor
+``ray.py`` imports Ray; it is imported only for ``executor=ray``, so nothing here needs Ray installed.
+"""
 
-__all__ = ["RolloutCapture", "RolloutWorker", "ThreadExecutor"]
+from .base import RolloutCapture, RolloutDiedError, Rollouts, RolloutStats
+from .inprocess import InProcessRollouts, RolloutWorker
+
+__all__ = ["InProcessRollouts", "RolloutCapture", "RolloutDiedError", "RolloutStats", "RolloutWorker", "Rollouts"]

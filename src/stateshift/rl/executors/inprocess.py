@@ -1,74 +1,74 @@
-"""The rollout side in a thread of the trainer's process.
+"""The rollout side in a thread of the trainer's process (``executor=inprocess``, the default).
 
-``RolloutWorker.run`` is the rollout thread's whole life::
+``RolloutWorker.run`` is a rollouter's whole life, in this executor on the
+rollout thread and under Ray inside the rollouter actor::
 
     loop:
         a weight update posted?  -> copy it in, new version, ack (partial rollouts keep their tokens)
-        no wave in flight?       -> admit as many prompts as the staleness rules allow (or wait)
+        no wave in flight?       -> ask the queue for prompts: orphans of a dead rollouter first, else
+                                    as many as the staleness rules allow (or wait, bounded)
         generate the wave        -> returns when finished, or paused by a posted update
         finished?                -> score it, put its groups in the queue
 
-Every wait is ``RunControl.wait_for`` (bounded slices); any exception ends
-the thread through ``control.fail``, which stops the run and re-raises the
-same exception in the trainer thread within one wait slice.
+Every wait is bounded; any exception ends the loop through ``control.fail``,
+which stops the run and re-raises the same exception in the trainer thread
+within one wait slice (in process), or ends the actor's ``run`` call with it
+(Ray).
 
-Why a thread and not a process: torch kernels release the GIL, and at this
-model size both sides spend most of their time in them; the numbers are in
-``docs/rl.md`` (measured with ``benchmarks/rl_threads_vs_process.py``).
+Why a thread and not a process by default: torch kernels release the GIL,
+and at this model size both sides spend most of their time in them; the
+numbers are in ``docs/rl.md`` (measured with ``benchmarks/rl_threads_vs_process.py``).
 """
 
 from __future__ import annotations
 
-import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..control import RunControl
-from ..queue import SampleQueue
+from stateshift import Snapshot
+
+from ..build import rollout_copy
+from ..config import TrainConfig
+from ..control import SLICE_S, RunControl
 from ..rollout import Group, KVRollouter, Wave
-from ..sync import WeightChannel
+from ..sampler import CausalLM, Sampling
+from ..sync import WeightChannel, WeightUpdate
 from ..tasks.base import Task
+from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport
+from .hub import QueueHub
+
+__all__ = ["InProcessRollouts", "RolloutCapture", "RolloutWorker", "sampling_of"]
 
 
-@dataclass
-class RolloutCapture:
-    """The rollout thread's state at a sync, enough to continue exactly where it was (checkpoints)."""
-
-    version: int
-    prompt_rng: Any
-    sample_rng: torch.Tensor
-    next_uid: int
-    wave: Wave | None
-    queued: list[Group]
-    running: int
-    staleness_samples: int
-    ledger: dict[str, Any]
+def sampling_of(cfg: TrainConfig, task: Task) -> Sampling:
+    r = cfg.rollout
+    return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                    stop_token=task.stop_token, pad_token=task.pad_token)
 
 
 class RolloutWorker:
-    """Drives a ``KVRollouter`` (its own model copy) for the async loop; runs on its own thread."""
+    """Drives a ``KVRollouter`` (its own model copy) for the async loop; runs on one thread.
 
-    def __init__(self, rollouter: KVRollouter, task: Task, queue: SampleQueue, channel: WeightChannel,
-                 control: RunControl, *, n: int, wave_prompts: int, seed: int, torch_threads: int = 0) -> None:
+    ``owner`` numbers this rollouter among those of the run (a restarted one gets the next number); the
+    queue accepts its groups only for prompts it handed to this owner.
+    """
+
+    def __init__(self, rollouter: KVRollouter, task: Task, port: QueuePort, channel: WeightChannel,
+                 control: RunControl, *, n: int, wave_prompts: int, owner: int = 0, torch_threads: int = 0) -> None:
         self.rollouter = rollouter
         self.task = task
-        self.queue = queue
+        self.port = port
         self.channel = channel
         self.control = control
         self.n = n
         self.wave_prompts = wave_prompts
+        self.owner = owner
         self.torch_threads = torch_threads
-        self.prompt_rng = random.Random(seed)
-        self.next_uid = 0
         self.wave: Wave | None = None
-        #: seconds spent generating (and scoring), and in ``update_weights``
-        self.busy_s = 0.0
-        self.copy_s = 0.0
-        self.tokens_generated = 0
+        self.report = WorkerReport(version=rollouter.version)
 
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:
@@ -85,30 +85,24 @@ class RolloutWorker:
                 finished = self.rollouter.generate(self.wave)
                 if finished:
                     groups = self.wave.groups(self.task.score)
-                    self.tokens_generated += int(sum(int(g.mask.sum()) for g in groups))
-                    with self.control.cond:
-                        self.queue.put(groups)
-                        self.wave = None
-                        self.control.progress()
-                        self.control.cond.notify_all()
-                self.busy_s += time.perf_counter() - t0
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer thread
+                    self.report.tokens += int(sum(int(g.mask.sum()) for g in groups))
+                    self.report.busy_s += time.perf_counter() - t0
+                    self.port.put(self.owner, groups, self.report)
+                    self.wave = None
+                    self.control.progress()
+                else:
+                    self.report.busy_s += time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self.control.fail("rollout", exc)
 
     def _start_wave(self) -> bool:
-        """Admit prompts (under the staleness rules) and start a wave; ``False`` after a bounded wait if none may start."""
-        with self.control.cond:
-            count = self.queue.admissible(self.rollouter.version, self.wave_prompts)
-            if count == 0:
-                self.control.doing["rollout"] = (f"paused by staleness rules at v{self.rollouter.version} "
-                                                 f"({self.queue.staleness_samples}/{self.queue.max_required} admitted)")
-                self.control.check()
-                self.control.cond.wait(0.05)
-                return False
-            self.queue.admit(count)
-        items = [self.task.sample(self.prompt_rng) for _ in range(count)]
-        uids = list(range(self.next_uid, self.next_uid + count))
-        self.next_uid += count
+        """Start a wave of the prompts the queue hands out; ``False`` after a bounded wait if it hands out none."""
+        version = self.rollouter.version
+        got = self.port.start(self.owner, version, self.wave_prompts, SLICE_S)
+        if not got:
+            self.control.doing["rollout"] = f"paused by the staleness rules at v{version}"
+            return False
+        uids, items = [u for u, _ in got], [i for _, i in got]
         self.wave = Wave.start(uids, items, [self.task.prompt(i) for i in items], self.n, self.rollouter.sampling)
         return True
 
@@ -117,58 +111,93 @@ class RolloutWorker:
         if update is None:
             return
         t0 = time.perf_counter()
-        snap = update.snapshot.wait()
-        self.rollouter.update_weights(snap.views(), update.version)
+        self.rollouter.update_weights(update.weights(), update.version)
         update.copy_s = time.perf_counter() - t0
-        self.copy_s += update.copy_s
+        r = self.report
+        r.copy_s, r.copy_bytes, r.version = r.copy_s + update.copy_s, self.rollouter.copy_bytes, update.version
+        queue_part = self.port.on_sync(self.owner, r, update.capture)
+        captured = self.capture(queue_part) if queue_part is not None else None
         with self.control.cond:
-            self.queue.on_sync()
-            captured = self.capture() if update.capture else None
             self.channel.ack(update, captured)
         self.rollouter.resume()
 
     # -- checkpoints ------------------------------------------------------------------------
-    def capture(self) -> RolloutCapture:
-        """This thread's state (call on this thread, with ``control.cond`` held)."""
+    def capture(self, queue_part: dict[str, Any]) -> RolloutCapture:
+        """This rollouter's state (call on its thread) with the queue's part (``QueuePort.on_sync``)."""
         wave = self.wave
         if wave is not None:
             wave = Wave(uids=list(wave.uids), items=list(wave.items), n=wave.n, prompt_ids=wave.prompt_ids.clone(),
                         prompt_mask=wave.prompt_mask.clone(), tokens=wave.tokens.clone(), logprobs=wave.logprobs.clone(),
                         versions=wave.versions.clone(), done=wave.done.clone(), step=wave.step)
-        return RolloutCapture(
-            version=self.rollouter.version, prompt_rng=self.prompt_rng.getstate(), sample_rng=self.rollouter.rng_state(),
-            next_uid=self.next_uid, wave=wave, queued=list(self.queue.items), running=self.queue.running,
-            staleness_samples=self.queue.staleness_samples, ledger=self.queue.ledger.as_dict(),
-        )
+        return RolloutCapture(version=self.rollouter.version, sample_rng=self.rollouter.rng_state(), wave=wave,
+                              **queue_part)
 
     def restore(self, cap: RolloutCapture) -> None:
-        """Continue from ``cap`` (before the thread starts)."""
-        from ..queue import Ledger
-
-        self.rollouter.version = cap.version
-        self.prompt_rng.setstate(cap.prompt_rng)
+        """Continue from ``cap`` (before the thread starts); the queue's part goes to ``QueueHub.restore``."""
+        self.rollouter.version = self.report.version = cap.version
         self.rollouter.set_rng_state(cap.sample_rng)
-        self.next_uid = cap.next_uid
         self.wave = cap.wave
-        self.queue.items.extend(cap.queued)
-        self.queue.running = cap.running
-        self.queue.staleness_samples = cap.staleness_samples
-        self.queue.ledger = Ledger.from_dict(cap.ledger)
 
 
-class ThreadExecutor:
-    """Runs a ``RolloutWorker`` on a thread; ``stop`` pauses generation, wakes every waiter and joins."""
+class InProcessRollouts:
+    """The rollouter on a thread of this process; the queue shared under ``control.cond``.
 
-    def __init__(self, worker: RolloutWorker) -> None:
-        self.worker = worker
-        self.thread = threading.Thread(target=worker.run, name="stateshift-rollout", daemon=True)
+    The rollouter's model is built afresh and given ``lm``'s weights (call while they are resident).
+    """
+
+    def __init__(self, cfg: TrainConfig, task: Task, lm: CausalLM, control: RunControl, *, version: int,
+                 capture: RolloutCapture | None = None) -> None:
+        self.control = control
+        required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
+        self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
+        self.rollouter = KVRollouter(rollout_copy(cfg, task, lm), sampling_of(cfg, task), seed=cfg.run.seed + 1,
+                                     version=version)
+        self.channel = WeightChannel(control, self.rollouter.pause)
+        self.worker = RolloutWorker(self.rollouter, task, self.hub, self.channel, control, n=cfg.rollout.n,
+                                    wave_prompts=cfg.rollout.max_concurrent_prompts,
+                                    torch_threads=cfg.run.torch_threads)
+        if capture is not None:
+            self.hub.restore(capture)
+            self.worker.restore(capture)
+        self.thread = threading.Thread(target=self.worker.run, name="stateshift-rollout", daemon=True)
 
     def start(self) -> None:
-        self.worker.control.on_stop.append(self.worker.rollouter.pause)
+        self.control.on_stop.append(self.rollouter.pause)
         self.thread.start()
 
+    def take(self, count: int, trainer_version: int) -> list[Group]:
+        got: list[Group] = []
+        while len(got) < count:
+            need = count - len(got)
+            self.control.doing["trainer"] = f"waiting for {need} groups from the queue"
+            self.control.check()
+            got += self.hub.take(need, trainer_version, SLICE_S)
+        self.control.doing["trainer"] = "working"
+        return got
+
+    def trained(self, count: int) -> int:
+        return self.hub.trained(count)
+
+    def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
+        """Post the snapshot; returns once the rollout thread copied it in (the snapshot may be released then)."""
+        update = WeightUpdate.of_snapshot(snapshot, version, capture=capture)
+        self.channel.post(update, interrupt=interrupt)
+        self.channel.wait_acked(update)
+        return SyncOutcome(update.captured, update.copy_s)
+
+    def stats(self) -> RolloutStats:
+        return self.hub.stats()
+
+    def describe(self) -> dict[str, Any]:
+        q = self.hub.queue
+        return {"queue": q.depth(), "in_flight": q.running, "rollout_version": self.rollouter.version}
+
     def stop(self, timeout: float = 10.0) -> bool:
-        """Stop and join; ``False`` if the thread did not end within ``timeout`` (it is a daemon: it cannot hold the process)."""
-        self.worker.control.stop()
-        self.thread.join(timeout)
+        """Stop and join; ``False`` if the thread did not end within ``timeout`` (a daemon: it cannot hold the process)."""
+        self.control.stop()
+        if self.thread.ident is not None:
+            self.thread.join(timeout)
         return not self.thread.is_alive()
+
+    def close(self) -> dict[str, Any]:
+        return self.hub.close()
