@@ -104,3 +104,14 @@ def test_resume_arguments_are_checked(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path), "--config", str(tmp_path / "config.yaml")]) == 2
     assert main(["train", "--resume", str(tmp_path), "run.progress=none"]) == 2  # no checkpoint there
     assert "no checkpoint under" in capsys.readouterr().err
+
+
+def test_executor_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: the import system finds no ray
+    with pytest.raises(ConfigError, match=r"pip install 'stateshift\[ray\]'") as info:
+        resolve(None, ["executor=ray"])
+    assert info.value.key == "executor"
+    assert main(["train", "executor=ray", "trainer.steps=1"]) == 2
+    assert "stateshift[ray]" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="must be one of \\['inprocess', 'ray'\\]"):
+        resolve(None, ["executor=dask"])
