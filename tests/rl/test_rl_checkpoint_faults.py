@@ -45,6 +45,23 @@ def test_resume_rewrites_a_half_written_step(tmp_path):
     assert (root / "latest").read_text().strip() == "step-6" and (root / "step-6" / "rl_state.pt").is_file()
 
 
+def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
+    """A run killed inside the write of a step's record: the resumed log keeps the records up to the checkpoint."""
+    import json
+
+    from stateshift.rl.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": k, "loss": 0.5}) + "\n" for k in (1, 2, 3)) + '{"step": 4, "lo')
+    log = MetricsLog(tmp_path, tensorboard=False, resume_step=2)
+    log.close()
+    assert [r["step"] for r in log.records] == [1, 2]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    path.write_text('{"step": 1, "lo\n{"step": 2}\n')  # not the last line: the file is damaged, not cut short
+    with pytest.raises(json.JSONDecodeError):
+        MetricsLog(tmp_path, tensorboard=False, resume_step=2)
+
+
 # A child that saves RL checkpoints of a ~3M-parameter policy (params and Adam state, params offloaded as in a run)
 # in a loop, every value set to the step number first, and says when each save begins and ends.
 CHILD = r"""

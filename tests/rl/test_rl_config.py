@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from stateshift.cli import main
@@ -104,3 +105,23 @@ def test_resume_arguments_are_checked(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path), "--config", str(tmp_path / "config.yaml")]) == 2
     assert main(["train", "--resume", str(tmp_path), "run.progress=none"]) == 2  # no checkpoint there
     assert "no checkpoint under" in capsys.readouterr().err
+
+
+def test_executor_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: the import system finds no ray
+    with pytest.raises(ConfigError, match=r"pip install 'stateshift\[ray\]'") as info:
+        resolve(None, ["executor=ray"])
+    assert info.value.key == "executor"
+    assert main(["train", "executor=ray", "trainer.steps=1"]) == 2
+    assert "stateshift[ray]" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="must be one of \\['inprocess', 'ray'\\]"):
+        resolve(None, ["executor=dask"])
+
+
+@pytest.mark.parametrize("override", ["run.device=cuda", "model.family=megatron", "model.family=fsdp2"])
+def test_executor_ray_refuses_what_it_does_not_run_yet(override, monkeypatch):
+    """Under Ray the policy computes on the CPU with the builtin or hf family; anything else is refused up front."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # run.device=cuda passes its own check here
+    with pytest.raises(ConfigError, match="executor=ray runs the builtin and hf families on the CPU") as info:
+        resolve(None, ["executor=ray", override])
+    assert info.value.key == "executor"

@@ -23,11 +23,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="fully-async RL (GRPO, pi_old while offloaded) on the built-in 3-digit-addition task, CPU or GPU",
         description=textwrap.fill(
-            "Supervised warm-up on easy (no-carry) problems, then fully-asynchronous GRPO: a rollout thread samples "
+            "Supervised warm-up on easy (no-carry) problems, then fully-asynchronous GRPO: a rollouter samples "
             "with the weights it was last sent while the trainer updates; every trigger_parameter_sync_step steps "
             "the weights go to the rollouter from a host snapshot and a new pi_old cycle starts. Prints held-out "
             "accuracy before and after RL; writes config.yaml, metrics.jsonl, summary.json and curves.png to "
-            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on).",
+            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on). "
+            "executor=inprocess (default): the rollouter is a thread of this process. executor=ray (pip install "
+            "'stateshift[ray]'): trainer, rollouter and queue are Ray actors in one placement group (CPU bundles, "
+            "GPU bundles where the cluster has GPUs; the ray.* keys); the weights go to the rollouter by object "
+            "reference with their version; a rollouter actor that dies is reported and restarted from the last "
+            "weights sent (ray.max_rollout_restarts), no sample lost or trained twice; if the trainer actor dies, "
+            "continue with --resume DIR from the latest checkpoint (run.checkpoint_every).",
             96,
         ),
         epilog=_epilog(),
@@ -42,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run ``stateshift train``; 0 on success, 2 for a bad config, 130 on Ctrl-C, 1 when the run failed."""
+    """Run ``stateshift train``; 0 on success, 2 for a bad config, 130 on Ctrl-C, 1 when the run failed
+    (a ``TrainerDiedError`` as one line naming the checkpoint to resume from, other errors with their traceback)."""
     import yaml
 
     from ..rl import config as config_mod
@@ -65,14 +72,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config_mod.as_dict(cfg), sort_keys=False), end="")
         return 0
+    from ..rl.executors.ray import TrainerDiedError
     from ..rl.loop import RunDirBusyError, run
 
     try:
         run(cfg, resume=args.resume)
     except KeyboardInterrupt:
-        print("\ninterrupted: the rollout thread was stopped; summary.json says where the run was", file=sys.stderr)
+        print("\ninterrupted: the rollout side was stopped; summary.json says where the run was", file=sys.stderr)
         return 130
-    except (ConfigError, FileNotFoundError, RunDirBusyError) as exc:  # ConfigError: e.g. a family this machine lacks
+    except (FileNotFoundError, RunDirBusyError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainerDiedError as exc:  # no summary.json from a dead trainer: the message says how to go on
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

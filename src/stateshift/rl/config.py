@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import types
 import typing
@@ -278,8 +279,8 @@ class RayConfig:
     rollout_cpus: float = 1.0
     """CPUs of the rollouter actor's bundle"""
     trainer_gpus: float | None = None
-    """GPUs of the trainer's bundle; null: 1 when the cluster has a GPU, else 0 (0.5 each when trainer and
-    rollouter share one GPU). Where the policy computes is run.device's choice"""
+    """GPUs of the trainer's bundle; null: 1 when the cluster has two GPUs or more, 0.5 (sharing one with the
+    rollouter) when it has one, else 0. Bundles reserve devices; where the policy computes is run.device's choice"""
     rollout_gpus: float | None = None
     """GPUs of the rollouter's bundle; null: 1 when the cluster has two GPUs or more, 0.5 (colocated with the
     trainer) when it has one, else 0"""
@@ -331,6 +332,10 @@ class TrainConfig:
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
         _check("rollout.max_new_tokens", self.model.family != "builtin" or self.rollout.max_new_tokens <= 8,
                "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+        _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
+               "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
+        _check("executor", self.executor != "ray" or (self.run.device == "cpu" and self.model.family in ("builtin", "hf")),
+               "executor=ray runs the builtin and hf families on the CPU in this version (run.device=cpu)")
         _check("ray.num_cpus", self.ray.num_cpus is None or self.ray.num_cpus >= self.ray.trainer_cpus + self.ray.rollout_cpus,
                f"must hold ray.trainer_cpus + ray.rollout_cpus ({self.ray.trainer_cpus + self.ray.rollout_cpus:g})")
 

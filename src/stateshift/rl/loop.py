@@ -8,7 +8,7 @@
         wait (bounded) for require_batches x batch_prompts groups
         per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step, offload
         every trigger_parameter_sync_step steps: version += 1, host snapshot -> rollouter, new pi_old cycle
-        every checkpoint_every steps (at a sync): checkpoint + the rollout thread's capture
+        every checkpoint_every steps (at a sync): the rollout side's capture; checkpoint once the step is logged
         log metrics; held-out accuracy every eval_every steps
     stop the rollout thread, account for every group left, final held-out accuracy, curves
 
@@ -191,9 +191,10 @@ class AsyncLoop:
                 t_step = time.perf_counter()
                 rec = self.train_step()
                 self.step += 1
+                captured = None
                 if self.step % cfg.async_training.trigger_parameter_sync_step == 0:
                     every = cfg.run.checkpoint_every
-                    self.sync_weights(checkpoint=bool(every) and self.step % every == 0)
+                    captured = self.sync_weights(checkpoint=bool(every) and self.step % every == 0)
                 if self.step % cfg.run.eval_every == 0 and self.step < cfg.trainer.steps:
                     rec["heldout_accuracy"] = self.evaluate()
                     self._check_stop(rec["heldout_accuracy"])
@@ -202,6 +203,8 @@ class AsyncLoop:
                 rec["wall_s"] = time.perf_counter() - self.t_start
                 rec["time_eval_s_total"] = self.times.get("eval", 0.0)
                 self.metrics.log(rec)
+                if captured is not None:  # after the step's record: a resume from it finds the record written
+                    self.save_checkpoint(captured)
                 self.progress.update(self.step, rec)
                 self.control.progress()
             self.status = "finished" if not self.stop_early else f"finished early: {self.stop_early}"
@@ -239,8 +242,11 @@ class AsyncLoop:
         self.trained_uids += [g.uid for b in batches for g in b.groups]
         return step_metrics(self.step + 1, version, batches, stats, depth, self)
 
-    def sync_weights(self, *, checkpoint: bool) -> None:
-        """Version += 1; the rollouter takes a host snapshot of the weights; pi_old := these weights."""
+    def sync_weights(self, *, checkpoint: bool) -> RolloutCapture | None:
+        """Version += 1; the rollouter takes a host snapshot of the weights; pi_old := these weights.
+
+        With ``checkpoint``, returns the rollout side's capture taken with the weights (for ``save_checkpoint``).
+        """
         with self.timer("sync"):
             self.trainer.version += 1
             snap = self.trainer.sync_snapshot()
@@ -250,10 +256,17 @@ class AsyncLoop:
             self.syncs += 1
         with self.timer("old_logprob"):
             self.trainer.begin_cycle()
-        if checkpoint:
-            assert outcome.captured is not None
-            save_checkpoint(self.out / "checkpoints", self.step, self.trainer, outcome.captured,
-                            {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
+        assert outcome.captured is not None or not checkpoint
+        return outcome.captured
+
+    def save_checkpoint(self, captured: RolloutCapture) -> None:
+        """Checkpoint of this step: the trainer's state as of the sync that made ``captured``.
+
+        Taken after the step's record is in ``metrics.jsonl``: a run killed at any moment and resumed from
+        its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
+        """
+        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
+                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():

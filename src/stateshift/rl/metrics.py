@@ -50,6 +50,18 @@ class Progress:
             print(file=self.stream, flush=True)
 
 
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a last line cut short (its writer was killed inside the write) is
+    dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere raises."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = [json.loads(line) for line in lines[:-1]]
+    try:
+        out += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return out
+
+
 class MetricsLog:
     """Appends step records to ``metrics.jsonl`` (and TensorBoard); keeps what the plot needs."""
 
@@ -61,8 +73,7 @@ class MetricsLog:
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         if resume_step is not None and self.path.exists():
-            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in lines if r["step"] <= resume_step]
+            self.records = [r for r in _read_records(self.path) if r["step"] <= resume_step]
         self._file = self.path.open("w")
         for r in self.records:
             self._file.write(json.dumps(r) + "\n")

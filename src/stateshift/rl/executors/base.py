@@ -19,14 +19,18 @@ also from the watchdog thread (it only reads).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from stateshift import Snapshot, StateShiftError
 
 from ..rollout import Group, Wave
+
+if TYPE_CHECKING:
+    from ..control import RunControl
 
 
 class RolloutDiedError(StateShiftError, RuntimeError):
@@ -141,3 +145,23 @@ class Rollouts(Protocol):
     def close(self) -> dict[str, Any]:
         """Count what is left as discarded (with reasons), check the ledger balances, return it."""
         ...
+
+
+def take_in_slices(control: RunControl, count: int, fetch: Callable[[int], list[Group]]) -> list[Group]:
+    """``count`` groups for the trainer thread, gathered by ``fetch(need)`` (one bounded wait each, ``[]`` if none yet).
+
+    Between two fetches the run's stop flag is checked (``control.check`` re-raises the other side's error), so
+    the trainer never waits for a rollout side that is gone. Groups arriving count as progress for the watchdog
+    (under Ray the trainer sees the rollouter's progress only this way).
+    """
+    got: list[Group] = []
+    while len(got) < count:
+        need = count - len(got)
+        control.doing["trainer"] = f"waiting for {need} groups from the queue"
+        control.check()
+        more = fetch(need)
+        if more:
+            control.progress()
+        got += more
+    control.doing["trainer"] = "working"
+    return got

@@ -31,13 +31,14 @@ import torch
 from stateshift import Snapshot
 
 from ..build import rollout_copy
+from ..policies import Policy
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..rollout import Group, KVRollouter, Wave
 from ..sampler import CausalLM, Sampling
 from ..sync import WeightChannel, WeightUpdate
 from ..tasks.base import Task
-from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport
+from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport, take_in_slices
 from .hub import QueueHub
 
 __all__ = ["InProcessRollouts", "RolloutCapture", "RolloutWorker", "sampling_of"]
@@ -69,6 +70,21 @@ class RolloutWorker:
         self.torch_threads = torch_threads
         self.wave: Wave | None = None
         self.report = WorkerReport(version=rollouter.version)
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, task: Task, model: CausalLM, port: QueuePort, control: RunControl, *,
+              version: int, owner: int, seed: int) -> RolloutWorker:
+        """A worker over a ``KVRollouter`` of ``model`` (the rollouter's own copy) at ``version``, as both executors
+        build it; a weight update posted on its channel pauses the rollouter (partial rollout)."""
+        rollouter = KVRollouter(model, sampling_of(cfg, task), seed=seed, version=version)
+        return cls(rollouter, task, port, WeightChannel(control, rollouter.pause), control, n=cfg.rollout.n,
+                   wave_prompts=cfg.rollout.max_concurrent_prompts, owner=owner, torch_threads=cfg.run.torch_threads)
+
+    def hand_over(self, update: WeightUpdate, *, interrupt: bool) -> SyncOutcome:
+        """Called from another thread: post ``update`` and wait (bounded) until this worker's thread took it in."""
+        self.channel.post(update, interrupt=interrupt)
+        self.channel.wait_acked(update)
+        return SyncOutcome(update.captured, update.copy_s)
 
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:
@@ -142,20 +158,17 @@ class RolloutWorker:
 class InProcessRollouts:
     """The rollouter on a thread of this process; the queue shared under ``control.cond``.
 
-    The rollouter's model is built afresh and given ``lm``'s weights (call while they are resident).
+    The rollouter's model is built afresh and given ``policy``'s weights (call while they are resident).
     """
 
-    def __init__(self, cfg: TrainConfig, task: Task, lm: CausalLM, control: RunControl, *, version: int,
+    def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
                  capture: RolloutCapture | None = None) -> None:
         self.control = control
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
-        self.rollouter = KVRollouter(rollout_copy(cfg, task, lm), sampling_of(cfg, task), seed=cfg.run.seed + 1,
-                                     version=version)
-        self.channel = WeightChannel(control, self.rollouter.pause)
-        self.worker = RolloutWorker(self.rollouter, task, self.hub, self.channel, control, n=cfg.rollout.n,
-                                    wave_prompts=cfg.rollout.max_concurrent_prompts,
-                                    torch_threads=cfg.run.torch_threads)
+        self.worker = RolloutWorker.build(cfg, task, rollout_copy(cfg, task, policy), self.hub, control, version=version,
+                                          owner=0, seed=cfg.run.seed + 1)
+        self.rollouter = self.worker.rollouter
         if capture is not None:
             self.hub.restore(capture)
             self.worker.restore(capture)
@@ -166,24 +179,14 @@ class InProcessRollouts:
         self.thread.start()
 
     def take(self, count: int, trainer_version: int) -> list[Group]:
-        got: list[Group] = []
-        while len(got) < count:
-            need = count - len(got)
-            self.control.doing["trainer"] = f"waiting for {need} groups from the queue"
-            self.control.check()
-            got += self.hub.take(need, trainer_version, SLICE_S)
-        self.control.doing["trainer"] = "working"
-        return got
+        return take_in_slices(self.control, count, lambda need: self.hub.take(need, trainer_version, SLICE_S))
 
     def trained(self, count: int) -> int:
         return self.hub.trained(count)
 
     def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
         """Post the snapshot; returns once the rollout thread copied it in (the snapshot may be released then)."""
-        update = WeightUpdate.of_snapshot(snapshot, version, capture=capture)
-        self.channel.post(update, interrupt=interrupt)
-        self.channel.wait_acked(update)
-        return SyncOutcome(update.captured, update.copy_s)
+        return self.worker.hand_over(WeightUpdate.of_snapshot(snapshot, version, capture=capture), interrupt=interrupt)
 
     def stats(self) -> RolloutStats:
         return self.hub.stats()
