@@ -561,9 +561,8 @@ class Machine:
         ok, snap = self._call(
             "snapshot", lambda: self.state.snapshot(groups, tag=tag, version=version, placement=placement), budget=True
         )
-        if not ok:
-            return
-        self._track(snap, names, tag, version)
+        if self._everywhere(ok, lambda: self._unmake(snap, tag, version)):
+            self._track(snap, names, tag, version)
 
     def _track(self, snap: Any, names: tuple[str, ...], tag: str, version: int | None) -> None:
         assert snap.groups == names and snap.key == (tag, version), (snap.groups, names, snap.key)
@@ -588,8 +587,29 @@ class Machine:
 
         ok, snap = self._call("snapshot_from", lambda: self.state.snapshot_from(groups, fill, tag=tag, version=version),
                               must=(_FillFailed,) if fail else (), budget=True)
-        if ok:
+        if self._everywhere(ok, lambda: self._unmake(snap, tag, version)):
             self._track(snap, names, tag, version)
+
+    def _unmake(self, snap: Any, tag: str, version: int | None) -> None:
+        """Release a snapshot just taken; the one it replaced under its key was released by the engine then."""
+        self.state.release(snap)
+        old = self.stored.get((tag, version))
+        if old is not None and old.snap.released:
+            old.released = True
+            del self.stored[(tag, version)]
+
+    def _everywhere(self, ok: bool, undo: Callable[[], None]) -> bool:
+        """Whether a verb succeeded on every rank (FSDP2); where it succeeded but not everywhere, ``undo`` it.
+
+        A verb under a budget may fail on one rank only (shards differ in size). The ranks must go on with
+        the same snapshots and swaps, or a later rule trains on one rank and not on another and the
+        forward's all-gather waits for ever (a seed-7 walk of 1500 steps did).
+        """
+        everywhere = self._agree(ok)
+        if ok and not everywhere:
+            undo()
+            self.stats["undone: not done on every rank"] += 1
+        return everywhere
 
     def pi_old(self, stash: str, rebuild: bool, offload_after: bool) -> None:
         """The RL pattern: snapshot the forward groups, train, compute under the snapshot, go on (maybe offloaded)."""
@@ -600,10 +620,8 @@ class Machine:
         self.train()
         depth = len(self.frames)
         self.enter_swap(0, stash, rebuild)
-        entered = len(self.frames) > depth
-        if self._agree(entered):
+        if len(self.frames) > depth:  # on every rank (enter_swap agrees)
             self.forward(False)
-        if entered:
             self.exit_swap()
         if offload_after:
             self.offload(None, None)
@@ -642,6 +660,12 @@ class Machine:
             del self.stored[t.snap.key]
 
     def enter_swap(self, pick: int, stash: str, rebuild: bool) -> None:
+        """Enter ``swapped()`` of a recent snapshot; with several ranks, entered on all of them or on none."""
+        depth = len(self.frames)
+        self._enter_swap_here(pick, stash, rebuild)
+        self._everywhere(len(self.frames) > depth, self.exit_swap)
+
+    def _enter_swap_here(self, pick: int, stash: str, rebuild: bool) -> None:
         t = self._pick(pick)
         if t is None:
             return
