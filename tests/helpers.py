@@ -7,6 +7,9 @@ same correctness suite runs in CI and on the GPU machine.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +32,16 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(TESTS), "src")
+
+
+def run_isolated(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (for what may crash the process: a segfault is a return code here),
+    with ``sys.argv[1:3]`` = tests/ and src/ (the script puts them on its path) and ``args`` after them."""
+    return subprocess.run([sys.executable, "-c", code, TESTS, SRC, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def make(device: str = "cpu", *, seed: int = 0, cfg: TinyConfig = SMALL, lr: float = 1e-2):

@@ -31,7 +31,7 @@ from fakes.mcore import (
     fake_finalize_model_grads,
     fake_train_step,
 )
-from fakes.mcore.setups import CONFIGS, HIDDEN, _is_expert, _x, build, pretend_cuda_engine
+from fakes.mcore.setups import CONFIGS, HIDDEN, _is_expert, _x, after_steps, build, pretend_cuda_engine
 from helpers import one_torch_thread
 
 from stateshift import (
@@ -656,9 +656,7 @@ def test_master_rebuild_refuses_when_it_would_not_be_exact(engine, monkeypatch):
 
 
 def test_master_rebuild_copes_with_masters_offloaded_inside_the_swap():
-    ddp, opt = build("distrib")
-    for i in range(2):
-        fake_train_step(ddp, opt, _x(i))
+    ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import assert_same, capture, live, make, perturb, train_step, warm
+from helpers import assert_same, capture, live, make, perturb, run_isolated, train_step, warm
 
 from stateshift import DiskTierError, ModelState
 from stateshift.core.disk import DiskHome, sweep_stale
@@ -169,11 +169,7 @@ _FULL_DISK = textwrap.dedent(
 
 
 def test_a_full_disk_during_a_disk_offload_loses_nothing(tmp_path):
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(os.path.dirname(tests), "src")
-    script = tmp_path / "full.py"
-    script.write_text(_FULL_DISK)
-    proc = subprocess.run([sys.executable, str(script), tests, src, str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    proc = run_isolated(_FULL_DISK, str(tmp_path / "d"))
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
 
 

@@ -6,15 +6,13 @@ Each test is named after what it guards and failed before its fix.
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from fakes.mcore import fake_train_step
-from fakes.mcore.setups import _x, build
-from helpers import assert_same, capture, live, make, warm
+from fakes.mcore.setups import _x, after_steps
+from helpers import assert_same, capture, live, make, run_isolated, warm
 
 from stateshift import ClosedStateError, ForeignStateError, ModelState, PoolBudgetError
 from stateshift.core.pool import HostPool
@@ -62,9 +60,7 @@ def test_snapshot_out_of_pool_budget_keeps_the_snapshot_it_would_replace():
 def _pi_old_then_a_step(config):
     """A fake Megatron state after two steps, pi_old (params and optim) taken, one more step: the state,
     pi_old, the current values and the master-rebuild plug-in."""
-    ddp, opt = build(config)
-    for i in range(2):
-        fake_train_step(ddp, opt, _x(i))
+    ddp, opt = after_steps(config)
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params", "optim"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))
@@ -171,14 +167,8 @@ _THREADS = textwrap.dedent(
 
 
 def test_verbs_from_two_threads_neither_crash_nor_corrupt(tmp_path):
-    import os
-
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(os.path.dirname(tests), "src")
-    script = tmp_path / "threads.py"
-    script.write_text(_THREADS)
     for _ in range(3):
-        proc = subprocess.run([sys.executable, str(script), tests, src], capture_output=True, text=True, timeout=300)
+        proc = run_isolated(_THREADS)
         assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
 
 
@@ -187,9 +177,7 @@ def test_verbs_from_two_threads_neither_crash_nor_corrupt(tmp_path):
 
 @pytest.mark.parametrize("config", ["distrib", "distrib_ep"])
 def test_pi_old_cycle_with_params_offloaded_under_the_distributed_optimizer(config):
-    ddp, opt = build(config)
-    for i in range(2):
-        fake_train_step(ddp, opt, _x(i))
+    ddp, opt = after_steps(config)
     state = ModelState(ddp, opt)
     state.offload("params")
     plugin = state.backends[1].rebuild_plugin()

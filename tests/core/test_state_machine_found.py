@@ -6,30 +6,17 @@ Each test is the smallest sequence that showed one bug; each failed on the engin
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import torch
 import time
 
 import pytest
 from fakes.mcore import fake_train_step
-from fakes.mcore.setups import _x, build
-from helpers import assert_same, capture, live, make, train_step, warm
+from fakes.mcore.setups import _x, after_steps
+from helpers import assert_same, capture, live, make, run_isolated, train_step, warm
 
 from stateshift import ModelState, SnapshotBudgetError, SwapActiveError
 from stateshift.checkpoint import async_save
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(os.path.dirname(TESTS), "src")
-
-
-def _megatron(config: str = "distrib", steps: int = 2):
-    ddp, opt = build(config)
-    for i in range(steps):
-        fake_train_step(ddp, opt, _x(i))
-    return ddp, opt
 
 
 def _buffers(ddp):
@@ -52,19 +39,16 @@ def test_close_leaves_no_released_storage_behind():
     state.drop("grads")
     state.close()
     released = [f"{n}.grad" for n, p in model.named_parameters() if p.grad is not None and p.grad.untyped_storage().nbytes() == 0]
-    crash = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(
-            """
-            import sys; sys.path[:0] = sys.argv[1:3]
-            from helpers import make, warm, train_step
-            from stateshift import ModelState
-            model, opt = make(); warm(model, opt)
-            state = ModelState(model, opt); state.drop("grads"); state.close()
-            train_step(model, opt, 1)
-            """
-        ), TESTS, SRC],
-        capture_output=True, text=True, timeout=120,
-    )
+    crash = run_isolated(textwrap.dedent(
+        """
+        import sys; sys.path[:0] = sys.argv[1:3]
+        from helpers import make, warm, train_step
+        from stateshift import ModelState
+        model, opt = make(); warm(model, opt)
+        state = ModelState(model, opt); state.drop("grads"); state.close()
+        train_step(model, opt, 1)
+        """
+    ), timeout=120)
     assert not released, f"released after close(): {released[:3]}"
     assert crash.returncode == 0, f"a training step after close() died with return code {crash.returncode}"
     _fresh_capture(model, opt, ["grads"])  # a new state on the same model must work
@@ -121,7 +105,7 @@ def test_refused_forward_changes_nothing(backend):
         state.offload("params")
         run = lambda: model(batch(model.cfg, 1)[:, :-1])  # noqa: E731
     else:
-        model, opt = _megatron("float16_no_param_data", steps=1)  # one slot per param
+        model, opt = after_steps("float16_no_param_data", steps=1)  # one slot per param
         state = ModelState(model, opt)
         state.offload("params", only=lambda n: ".experts." in n)
         run = lambda: model(_x(1))  # noqa: E731
@@ -175,7 +159,7 @@ def test_rebuild_available_says_exact_when_params_are_not_the_masters(config):
     inside a ``swapped()`` of ``optim``) the params are not the fp32 masters cast to bf16, yet
     ``available()`` says the rebuild is exact; a pi_old ``swapped(..., rebuild=...)`` then silently replaces
     the current params with the masters' cast."""
-    ddp, opt = _megatron(config)
+    ddp, opt = after_steps(config)
     state = ModelState(ddp, opt)
     old = state.snapshot("params", tag="old")
     fake_train_step(ddp, opt, _x(3))
@@ -194,7 +178,7 @@ def test_nested_swap_exit_keeps_the_outer_rebuild_reads():
     the outer one's rebuild reads ``optim``, so ``drop("optim")`` is allowed inside the outer context and its
     exit fails with torch's raw "data is not allocated" ``RuntimeError`` (after the params were overwritten
     with pi_old and not stashed)."""
-    ddp, opt = _megatron()
+    ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     bufs = state.snapshot(["buffers"], tag="bufs")
@@ -215,7 +199,7 @@ def test_rebuild_with_params_partly_offloaded_is_refused_before_anything_changes
     releases them and then the rebuild writes into their released storage -- torch's raw "data is not
     allocated" ``RuntimeError`` (a Python error only because the CPU kernel checks; rule 8), and the
     resident params keep pi_old's values. A typed error at entry, or a fall-back to the stash, changes nothing."""
-    ddp, opt = _megatron("float16_no_param_data")
+    ddp, opt = after_steps("float16_no_param_data")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(3))
@@ -241,7 +225,7 @@ def test_swapped_over_megatron_offloaded_params_keeps_megatrons_copy():
     and releases the storage again on exit. Megatron's ``reload_from_cpu`` then brings nothing back,
     ``close()`` leaves the params released (their only copy dies with the closed state) and a new
     ``ModelState`` raises ``ForeignStateError``."""
-    ddp, opt = _megatron()
+    ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(3))
@@ -269,12 +253,10 @@ _OFFLOAD_INSIDE_SWAP = textwrap.dedent(
     """
     import sys; sys.path[:0] = sys.argv[1:3]
     from fakes.mcore import fake_train_step
-    from fakes.mcore.setups import _x, build
+    from fakes.mcore.setups import _x, after_steps
     from helpers import assert_same, capture
     from stateshift import ModelState
-    ddp, opt = build("distrib")
-    for i in range(2):
-        fake_train_step(ddp, opt, _x(i))
+    ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(2))
@@ -297,7 +279,7 @@ def test_megatron_offload_inside_swapped_is_not_a_crash():
     (keeping pi_old's values in ``param_data_cpu``); the exit copies the stash back into the released
     storage without looking (``_swap_out`` prepares but does not refresh): a segfault on the CPU, a sticky
     illegal-address fault on CUDA. Rule 8: a Python error at worst; better, the current params back."""
-    proc = subprocess.run([sys.executable, "-c", _OFFLOAD_INSIDE_SWAP, TESTS, SRC], capture_output=True, text=True, timeout=120)
+    proc = run_isolated(_OFFLOAD_INSIDE_SWAP, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stdout[-1000:], proc.stderr[-1000:])
 
 
@@ -305,7 +287,7 @@ def test_megatron_offload_inside_a_rebuild_swap_gives_the_current_params_back():
     """Found by the machine once the crash above was fixed: with ``rebuild=`` the exit re-grew the storage
     Megatron released inside the context and ran the rebuild, which writes the masters' ranges only; the
     padding between params in the buffer (zeros) came back as uninitialised memory."""
-    ddp, opt = _megatron()
+    ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(3))
@@ -326,7 +308,7 @@ def test_optimizer_step_inside_swapped_is_refused(how):
     the params (the cast of the stepped masters) while with the stash it was discarded: one sequence, two
     models. Either way the step updated the optimizer from pi_old's params. A step while its params are
     swapped now raises ``SwapActiveError`` before it runs, and the exit gives back the params as they were."""
-    ddp, opt = _megatron("dense_float16")
+    ddp, opt = after_steps("dense_float16")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     fake_train_step(ddp, opt, _x(3))
@@ -354,7 +336,7 @@ def test_restore_of_what_a_rebuild_reads_is_refused():
     """The machine stepped around this one: a ``restore`` (or ``load``) of ``optim`` inside a
     ``swapped(..., rebuild=...)`` changed the masters the exit recomputes the params from, so the
     context gave back other params than it took. It is refused like ``drop`` (``SwapActiveError``)."""
-    ddp, opt = _megatron("dense_float16")
+    ddp, opt = after_steps("dense_float16")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
     masters = state.snapshot(["optim"], tag="masters")

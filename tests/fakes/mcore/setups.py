@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .builders import build_fake_ddp, build_fake_optimizer
+from .builders import build_fake_ddp, build_fake_optimizer, fake_train_step
 from .models import FakeDenseModel, FakeMoEModel
 
 HIDDEN = 16
@@ -50,3 +50,11 @@ def build(config: str, seed: int = 0):
     model = FakeMoEModel(HIDDEN, seed=seed) if c["model"] == "moe" else FakeDenseModel(HIDDEN, seed=seed)
     ddp = build_fake_ddp(model, use_distributed_optimizer=c["udo"], expert_parallel_param_filter=_is_expert if c["ep"] else None)
     return ddp, build_fake_optimizer(ddp, c["kind"])
+
+
+def after_steps(config: str, steps: int = 2):
+    """``build(config)`` after ``steps`` fake training steps (so the optimizer has state): ``(ddp, opt)``."""
+    ddp, opt = build(config)
+    for i in range(steps):
+        fake_train_step(ddp, opt, _x(i))
+    return ddp, opt
