@@ -50,8 +50,8 @@ def matches(slot: Slot, only: Only) -> bool:
 def disown(slot: Slot) -> None:
     """Stop relying on the framework's copy of a slot's values, and tell the framework (once)."""
     native, slot.native_home = slot.native_home, None
-    if native is not None and native.on_onload is not None:
-        native.on_onload()
+    if native is not None:
+        native.forget()
 
 
 def _member_extent(t: torch.Tensor) -> int:

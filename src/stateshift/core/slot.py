@@ -57,6 +57,16 @@ class NativeHome:
     #: let go of it meanwhile, having seen the storage resident)
     on_released: Any = None
 
+    def forget(self) -> None:
+        """Tell the framework stateshift stops relying on its copy (``on_onload``, where it gave one)."""
+        if self.on_onload is not None:
+            self.on_onload()
+
+    def reinstate(self) -> None:
+        """Tell the framework its copy is the values' home again (``on_released``, where it gave one)."""
+        if self.on_released is not None:
+            self.on_released()
+
 
 class Entry(NamedTuple):
     """One tensor a backend reports (a named tuple: listing runs at every verb and must be cheap).

@@ -156,8 +156,8 @@ class SwapVerbs:
             swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
             offloaded = swap.offloaded[gs.name] = [(i, s.residency, s.native_home) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
             for _, _, native in offloaded:
-                if native is not None and native.on_onload is not None:
-                    native.on_onload()
+                if native is not None:
+                    native.forget()
             self._regrow(gs, [i for i, _, _ in offloaded])
 
     def _write_swapped(self, swap: Swap, part: SnapshotPart, snapshot: Snapshot) -> None:
@@ -190,8 +190,8 @@ class SwapVerbs:
             if not self._storage.paused(g):
                 self._release(gs, [i for i, _, _ in offloaded if gs.slots[i].storage.nbytes() > 0])
             for _, _, native in offloaded:
-                if native is not None and native.on_released is not None:
-                    native.on_released()
+                if native is not None:
+                    native.reinstate()
         self._free_stashes(swap, Transfer())
 
     def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
@@ -235,8 +235,8 @@ class SwapVerbs:
             if slot.native_home is not native:
                 disown(slot)
             slot.residency, slot.native_home = was, native
-            if native is not None and native.on_released is not None:
-                native.on_released()
+            if native is not None:
+                native.reinstate()
 
     def _regrow_taken(self, gs: GroupState, idx: list[int], *, zero: bool = False) -> None:
         """Slots whose storage the framework released inside the context (Megatron's ``offload_to_cpu``)
