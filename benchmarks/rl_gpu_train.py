@@ -203,17 +203,6 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _sha() -> str:
-    """The commit measured: STATESHIFT_SHA when set (a copied tree inside another checkout), else git's HEAD."""
-    if os.environ.get("STATESHIFT_SHA"):
-        return os.environ["STATESHIFT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -233,10 +222,12 @@ def main() -> None:
         extra += ["trainer.steps=12", "warmup.steps=20", "run.eval_every=4", "task.heldout_size=100"]
     import torch
 
+    from stateshift.bench import git_sha
+
     work = Path(tempfile.mkdtemp(prefix="rl-gpu-"))
     result: dict[str, Any] = {
         "machine": f"1x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU",
-        "torch": torch.__version__, "stateshift": _sha(), "date": f"{datetime.date.today()}",
+        "torch": torch.__version__, "stateshift": git_sha(), "date": f"{datetime.date.today()}",
         "command": "python3 benchmarks/rl_gpu_train.py " + " ".join(sys.argv[1:]), "smoke": args.smoke,
         "runs": [], "failures": {}}
     args.out.mkdir(parents=True, exist_ok=True)
