@@ -198,3 +198,16 @@ def test_bad_placement(warmed):
     model, opt, state = warmed
     with pytest.raises(ValueError, match="placement"):
         state.snapshot(tag="s", placement="gpu")  # ("disk" is a placement since the disk tier)
+
+
+@pytest.mark.parametrize("given", [None, "params", {"params": None}])
+def test_verbs_given_something_else_than_a_snapshot_raise_a_type_error(given):
+    """restore, check_restore and swapped name what they were given instead of failing on an attribute."""
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    want = live(model, opt)
+    for verb in (state.restore, state.check_restore, lambda s: state.swapped(s).__enter__()):
+        with pytest.raises(TypeError, match="a Snapshot"):
+            verb(given)
+    assert_same(live(model, opt), want)

@@ -141,6 +141,15 @@ class Snapshot:
         if self._released:
             raise ReleasedSnapshotError(f"snapshot {self.tag!r} (version {self.version}) was released")
 
+    @staticmethod
+    def given(snapshot: object, verb: str) -> Snapshot:
+        """What a verb was handed, checked before anything reads it: a ``Snapshot`` (``TypeError``
+        naming what came instead) that is not released (``ReleasedSnapshotError``)."""
+        if not isinstance(snapshot, Snapshot):
+            raise TypeError(f"{verb} needs a Snapshot (from ModelState.snapshot), got {type(snapshot).__name__}")
+        snapshot.check_alive()
+        return snapshot
+
     def part(self, group: str) -> SnapshotPart:
         for p in self.parts:
             if p.group == group:

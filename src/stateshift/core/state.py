@@ -446,7 +446,7 @@ class ModelState(SwapVerbs):
     def _restore_plan(self, snapshot: Snapshot) -> tuple[list[tuple[GroupState, SnapshotPart]], dict[str, list[Slot]]]:
         """Check a restore's arguments; which groups adopt the snapshot's block as their home, and which
         offloaded slots get the values written into (private) homes."""
-        snapshot.check_alive()
+        Snapshot.given(snapshot, "restore")
         names = self._select(snapshot.groups)
         self._check_not_rebuild_read(names)
         self._table.refresh(names)

@@ -98,7 +98,7 @@ class SwapVerbs:
 
     @locked
     def _swap_in(self, snapshot: Snapshot, rebuild: dict[str, Callable[[], None]], stash: str) -> Swap:
-        snapshot.check_alive()
+        Snapshot.given(snapshot, "swapped()")
         names = self._select(snapshot.groups)
         unknown = [g for g in rebuild if g not in names]
         if unknown:
