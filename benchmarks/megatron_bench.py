@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     pcie = min(d2h, h2d)
 
     rows, extra = sb.bench_state(state, backend="megatron", ceilings=ceilings, groups=("params",), repeat=args.repeat,
-                                 cycle_minibatches=args.minibatches)
+                                 cycle_minibatches=args.minibatches, loop_tensors=list(ddp.parameters()))
     for r in rows:
         if r.op == "pi_old_cycle":
             r.note += " (engine-level: snapshot + swapped, no rebuild)"

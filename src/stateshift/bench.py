@@ -7,7 +7,12 @@ ceiling is the host memcpy, and every ratio is against it.
 
 Timing: warm-up runs first, then the median of ``repeat`` runs; each run is
 bracketed by ``torch.cuda.synchronize()`` and a host clock, so it counts the
-whole verb (host work, both streams, the waits), not one kernel.
+whole verb (host work, both streams, the waits), not one kernel. Device-placed
+rows also carry ``device_ratio``: the same verb enqueued behind running compute
+(``timed_device``: events, its host work hidden) over the same copy timed the
+same way (ceiling ``d2d_queued_gbps``). Rows with a ``loop_gbps`` compare with
+the plain ``copy_`` loop a user would write over the same tensors
+(``plain_loops``), timed the same way in the same run.
 
 Result files follow ``docs/results.md`` (``BenchResult.to_json``).
 """
@@ -46,6 +51,10 @@ class Row:
     #: the plain-loop baseline of the same run (GB/s) and our throughput over it
     loop_gbps: float | None = None
     vs_loop: float | None = None
+    #: device-placed rows on CUDA: GPU seconds of the verb enqueued behind running compute (its host
+    #: work hidden, ``timed_device``) and their ratio to the event-timed device-copy ceiling
+    device_seconds: float | None = None
+    device_ratio: float | None = None
 
 
 @dataclass
@@ -69,13 +78,15 @@ class BenchResult:
         return out
 
     def table(self) -> str:
-        head = f"{'backend':<9} {'op':<13} {'residency':<9} {'case':<14} {'GB':>7} {'seconds':>8} {'GB/s':>7} {'ratio':>6} {'vs loop':>7}  bound"
+        head = (f"{'backend':<9} {'op':<13} {'residency':<9} {'case':<14} {'GB':>7} {'seconds':>8} {'GB/s':>7} {'ratio':>6} "
+                f"{'queued':>6} {'vs loop':>7}  bound")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             vs = f"{r.vs_loop:>7.2f}" if r.vs_loop is not None else f"{'':>7}"
+            queued = f"{r.device_ratio:>6.2f}" if r.device_ratio is not None else f"{'':>6}"
             lines.append(
                 f"{r.backend:<9} {r.op:<13} {r.residency:<9} {r.case:<14} {r.bytes / 1e9:>7.3f} {r.seconds:>8.4f} "
-                f"{r.gbps:>7.1f} {r.ratio:>6.2f} {vs}  {r.bound}{('  ' + r.note) if r.note else ''}"
+                f"{r.gbps:>7.1f} {r.ratio:>6.2f} {queued} {vs}  {r.bound}{('  ' + r.note) if r.note else ''}"
             )
         return "\n".join(lines)
 
@@ -124,6 +135,88 @@ def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = 1, setup: Callabl
     return statistics.median(times)
 
 
+_SLEEP_CYCLES_PER_S: dict[torch.device, float] = {}
+
+
+def _sleep_rate(device: torch.device) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on ``device`` (measured once with events)."""
+    if device not in _SLEEP_CYCLES_PER_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_S[device] = 20_000_000 / (start.elapsed_time(end) / 1e3)
+    return _SLEEP_CYCLES_PER_S[device]
+
+
+def timed_device(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float | None:
+    """Median GPU seconds of ``fn``'s work when it is enqueued behind running compute (None without CUDA).
+
+    Each run starts a sleep kernel three times longer than ``fn``'s host
+    work, then records a start event, calls ``fn`` and records an end event
+    on the current stream: the GPU meets the start event only after the host
+    has enqueued everything, so the span counts the copies and the gaps
+    between them, not the verb's Python work (which ``timed`` counts). That
+    is what a verb costs when it is queued behind a forward or an optimizer
+    step, as in a training loop. A verb that waits for the GPU on the host
+    inside ``fn`` loses the overlap, and the span shows it.
+    """
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    host = []
+    for _ in range(max(1, warmup)):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        _sync()
+    lead = int(max(2e-3, 3 * max(host)) * _sleep_rate(device))
+    times = []
+    for _ in range(repeat):
+        _sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(lead)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    _sync()
+    return statistics.median(times)
+
+
+def plain_loops(tensors: list[torch.Tensor], *, repeat: int) -> dict[str, tuple[int, float]]:
+    """The loop a user would write instead, per direction: ``(bytes, median seconds)``.
+
+    ``copy_(non_blocking=True)`` per tensor into preallocated host memory
+    (pinned on CUDA: ``d2h``), back (``h2d``), and into preallocated device
+    tensors (``d2d``, CUDA only).
+    """
+    data = [t.detach() for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in data]
+    starts = _aligned_starts(sizes)
+    nbytes = sum(sizes)
+    cuda = bool(data) and data[0].is_cuda
+    block = torch.empty(starts[-1] + sizes[-1] if data else 0, dtype=torch.uint8, pin_memory=cuda)  # one allocation, as a user would
+    host = [block[a : a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, data)]
+    out = {"d2h": (nbytes, timed(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, data)], repeat=repeat)),
+           "h2d": (nbytes, timed(lambda: [t.copy_(h, non_blocking=True) for h, t in zip(host, data)], repeat=repeat))}
+    if cuda:
+        dev = [torch.empty_like(t) for t in data]
+        out["d2d"] = (nbytes, timed(lambda: [d.copy_(t) for d, t in zip(dev, data)], repeat=repeat))
+    return out
+
+
+def _aligned_starts(sizes: list[int]) -> list[int]:
+    starts, pos = [], 0
+    for n in sizes:
+        starts.append(pos)
+        pos += (n + 63) // 64 * 64
+    return starts
+
+
 def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> dict[str, float]:
     """GB/s of the plain copies that bound each verb, on ``nbytes`` bytes."""
     host_a = torch.empty(nbytes, dtype=torch.uint8)
@@ -138,6 +231,9 @@ def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> d
         out["d2h_gbps"] = nbytes / timed(lambda: pinned.copy_(dev_a, non_blocking=True), repeat=repeat) / 1e9
         out["h2d_gbps"] = nbytes / timed(lambda: dev_a.copy_(pinned, non_blocking=True), repeat=repeat) / 1e9
         out["d2d_gbps"] = 2 * nbytes / timed(lambda: dev_b.copy_(dev_a), repeat=repeat) / 1e9
+        queued = timed_device(lambda: dev_b.copy_(dev_a), repeat=repeat)
+        assert queued is not None
+        out["d2d_queued_gbps"] = 2 * nbytes / queued / 1e9  # the same copy timed like ``timed_device`` rows
         out["bidir_gbps"] = 2 * nbytes / timed(lambda: _both_ways(pinned, dev_a, dev_b), repeat=repeat) / 1e9
         del pinned, dev_a, dev_b
     del host_a, host_b
@@ -195,6 +291,8 @@ class VerbBench:
     groups: tuple[str, ...] = ("params",)
     repeat: int = 5
     progress: Progress | None = None
+    #: the tensors a user's plain loop would copy instead (``plain_loops``); None: the groups' slots
+    loop_tensors: list[torch.Tensor] | None = None
     rows: list[Row] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -206,12 +304,23 @@ class VerbBench:
         c = self.ceilings
         self.d2h, self.h2d, self.d2d = (c["d2h_gbps"], c["h2d_gbps"], c["d2d_gbps"]) if self.cuda else (host, host, host)
         self.names = ("d2h", "h2d", "d2d") if self.cuda else ("host_memcpy",) * 3
+        self.loops: dict[str, tuple[int, float]] = {}
 
-    def add(self, op: str, residency: str, seconds: float, ceiling: float, bound: str, note: str = "") -> None:
+    def add(self, op: str, residency: str, seconds: float, ceiling: float, bound: str, note: str = "", *,
+            loop: str | None = None, queued: float | None = None) -> None:
+        """One row; ``loop``: the direction of the plain loop to compare with, ``queued``: ``timed_device`` seconds."""
         gbps = self.nbytes / seconds / 1e9 if seconds > 0 else float("inf")
         # the device-copy ceiling counts bytes read + written: count the row's bytes the same way
         ratio = gbps * (2 if bound == "d2d" else 1) / ceiling
-        self.rows.append(Row(self.backend, op, residency, self.dev.type, self.nbytes, seconds, gbps, ratio, bound, note))
+        row = Row(self.backend, op, residency, self.dev.type, self.nbytes, seconds, gbps, ratio, bound, note)
+        if loop in self.loops:
+            loop_bytes, loop_s = self.loops[loop]
+            row.loop_gbps = loop_bytes / loop_s / 1e9
+            row.vs_loop = gbps / row.loop_gbps
+        if queued:
+            row.device_seconds = queued
+            row.device_ratio = 2 * self.nbytes / queued / 1e9 / self.ceilings["d2d_queued_gbps"]
+        self.rows.append(row)
         if self.progress is not None:
             self.progress.step(f"{op} ({residency})")
 
@@ -241,19 +350,25 @@ class VerbBench:
         st, g, r = self.state, self.groups, self.repeat
         d2h_name, h2d_name, d2d_name = self.names
         st.onload(g)
-        self.add("snapshot", "device", timed(self.snap, repeat=r), self.d2h, d2h_name)
-        self.add("snapshot", "device", timed(lambda: self.snap("device"), repeat=r), self.d2d, d2d_name, note="placement=device")
+        tensors = self.loop_tensors or [s.bytes() for name in g for s in st.slots(name)]
+        self.loops = plain_loops(tensors, repeat=r)
+        self.add("snapshot", "device", timed(self.snap, repeat=r), self.d2h, d2h_name, loop="d2h")
+        snap_dev = lambda: self.snap("device")  # noqa: E731
+        self.add("snapshot", "device", timed(snap_dev, repeat=r), self.d2d, d2d_name, note="placement=device", loop="d2d",
+                 queued=timed_device(snap_dev, repeat=r))
         self.saved = st.snapshot(g, tag="bench-saved")
-        self.add("restore", "device", timed(lambda: st.restore(self.saved), repeat=r), self.h2d, h2d_name)
+        self.add("restore", "device", timed(lambda: st.restore(self.saved), repeat=r), self.h2d, h2d_name, loop="h2d")
         saved_dev = st.snapshot(g, tag="bench-saved-dev", placement="device")
-        self.add("restore", "device", timed(lambda: st.restore(saved_dev), repeat=r), self.d2d, d2d_name, note="placement=device")
+        restore_dev = lambda: st.restore(saved_dev)  # noqa: E731
+        self.add("restore", "device", timed(restore_dev, repeat=r), self.d2d, d2d_name, note="placement=device", loop="d2d",
+                 queued=timed_device(restore_dev, repeat=r))
         mem_before = torch.cuda.memory_allocated(self.dev) if self.cuda else 0
-        self.add("offload", "device", timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r), self.d2h, d2h_name)
+        self.add("offload", "device", timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r), self.d2h, d2h_name, loop="d2h")
         if self.cuda:
             _sync()
             self.extra.update(gpu_allocated_before_offload=mem_before, tracked_bytes=self.nbytes,
                               gpu_allocated_after_offload=torch.cuda.memory_allocated(self.dev))
-        self.add("onload", "host", timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r), self.h2d, h2d_name)
+        self.add("onload", "host", timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r), self.h2d, h2d_name, loop="h2d")
 
     def offloaded(self) -> None:
         """Snapshot and restore with the groups offloaded (copy-on-write homes)."""
@@ -316,9 +431,11 @@ def bench_state(
     repeat: int = 5,
     cycle_minibatches: int = 4,
     progress: Progress | None = None,
+    loop_tensors: list[torch.Tensor] | None = None,
 ) -> tuple[list[Row], dict[str, Any]]:
-    """Time every verb on ``groups`` of ``state`` in each residency. Leaves the groups on the device."""
-    b = VerbBench(state, backend, ceilings, groups, repeat, progress)
+    """Time every verb on ``groups`` of ``state`` in each residency. Leaves the groups on the device.
+    ``loop_tensors``: the tensors of those groups as the user holds them (the plain-loop baseline)."""
+    b = VerbBench(state, backend, ceilings, groups, repeat, progress, loop_tensors)
     b.resident()
     b.offloaded()
     b.swaps()
@@ -414,10 +531,7 @@ def bench_small(count: int, nbytes: int, device: torch.device, ceilings: dict[st
     params = list(model.parameters())
     state = ModelState(model, free_device_memory=False)  # the copies alone, like the loop (memory: see full_state)
     total = state.nbytes("params")
-    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host = [pinned[i * p.numel() * 2 : (i + 1) * p.numel() * 2].view(p.dtype) for i, p in enumerate(params)]
-    loops = {"d2h": timed(lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, params)], repeat=repeat),
-             "h2d": timed(lambda: [p.data.copy_(h, non_blocking=True) for h, p in zip(host, params)], repeat=repeat)}
+    loops = plain_loops(params, repeat=repeat)
     snap = state.snapshot("params", tag="small")
     ops = {
         "snapshot": ("d2h", lambda: state.snapshot("params", tag="small-b"), None),
@@ -430,7 +544,7 @@ def bench_small(count: int, nbytes: int, device: torch.device, ceilings: dict[st
     for op, (direction, fn, setup) in ops.items():
         t = timed(fn, repeat=repeat, setup=setup)
         ceiling = ceilings.get(f"{direction}_gbps", ceilings["host_memcpy_gbps"])
-        gbps, loop = total / t / 1e9, total / loops[direction] / 1e9
+        gbps, loop = total / t / 1e9, loops[direction][0] / loops[direction][1] / 1e9
         rows.append(Row("torch", op, "device" if op in ("snapshot", "offload", "restore") else "host", device.type, total, t,
                         gbps, gbps / ceiling, direction if device.type == "cuda" else "host_memcpy",
                         f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s", case, loop, gbps / loop))

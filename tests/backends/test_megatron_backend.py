@@ -484,6 +484,30 @@ def test_forward_with_offloaded_params_or_expert_bias_is_a_python_error():
     ddp(_x(1))
 
 
+def test_a_module_added_after_verbs_is_listed_and_guarded():
+    """Verbs look at the module tree with one cheap pass (``TreeWatch``) and walk it by name only after a
+    change: an adapter added between two verbs must still be listed, moved and guarded."""
+    ddp, opt = build("dense_float16")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    state.offload("params")
+    state.onload("params")
+    inner = ddp.module.module
+    inner.adapter = torch.nn.Linear(HIDDEN, HIDDEN)  # outside every DDP buffer, like a LoRA adapter
+    state.offload("params")
+    names = {s.name for s in state.slots("params")}
+    assert any("adapter.weight" in n for n in names), names
+    with pytest.raises(OffloadedStateError, match="adapter"):
+        inner.adapter(torch.zeros(1, HIDDEN))
+    state.onload("params")
+    inner.adapter.weight = torch.nn.Parameter(torch.ones(HIDDEN, HIDDEN))  # replaced: a new object, new hooks
+    state.offload("params")
+    with pytest.raises(OffloadedStateError, match="adapter"):
+        inner.adapter(torch.zeros(1, HIDDEN))
+    state.onload("params")
+    assert torch.equal(inner.adapter.weight, torch.ones(HIDDEN, HIDDEN))
+
+
 def test_backward_into_offloaded_main_grads_is_a_python_error():
     ddp, opt = build("distrib")
     fake_train_step(ddp, opt, _x(0))

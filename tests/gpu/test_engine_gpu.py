@@ -109,3 +109,31 @@ def test_offload_hands_memory_back_to_the_driver_and_the_option_keeps_it():
         assert all(torch.all(p == 0) for p in model)
         state.close()
         del model, state
+
+
+def test_device_placed_copies_on_two_streams_are_ordered_with_compute():
+    """Device-to-device runs alternate between the current stream and a side stream: the side stream's
+    copies must read the values as of the call (after a slow kernel still running on the current stream)
+    and compute enqueued after the call must wait for them, in both directions."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(1 << 20, device="cuda", generator=g)) for _ in range(24))
+    state = ModelState(model)
+    want = [v + 1 for v in _values(model)]
+    torch.cuda._sleep(50_000_000)  # the current stream stays busy while the copies are enqueued
+    with torch.no_grad():
+        for p in model:
+            p.add_(1)  # enqueued before the snapshot: the snapshot must hold it
+    snap = state.snapshot("params", tag="d", placement="device")
+    with torch.no_grad():
+        for p in model:
+            p.mul_(0)  # enqueued right after: must not reach the snapshot
+    state.restore(snap)
+    _same(model, want)
+    with torch.no_grad():
+        for p in model:
+            p.fill_(3)
+    torch.cuda._sleep(50_000_000)
+    state.restore(snap)
+    sums = [p.sum() for p in model]  # read right after the restore: must see the restored values
+    for s, w in zip(sums, want, strict=True):
+        assert torch.equal(s, w.sum())

@@ -57,6 +57,53 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def modules_of(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module under ``root`` (a shared one once per path, like ``walk``) without building names:
+    the cheap traversal a verb runs to see whether anything changed."""
+    out: list[torch.nn.Module] = []
+    stack: list[torch.nn.Module | None] = [root]
+    while stack:
+        m = stack.pop()
+        if m is not None:
+            out.append(m)
+            if m._modules:
+                stack.extend(m._modules.values())
+    return out
+
+
+@dataclass
+class TreeWatch:
+    """Says whether a module tree changed since the last look: a module, parameter or buffer added,
+    removed or replaced (``param.data = ...`` keeps the parameter: storage changes are the slot
+    table's business). One cheap pass per look (tuples of ids built in C, no names); what it saw is
+    held, so no id in the signature can be reused by a new object while it is kept."""
+
+    roots: tuple[torch.nn.Module, ...]
+    _signature: tuple[Any, ...] | None = field(default=None, repr=False)
+    _held: list[Any] = field(default_factory=list, repr=False)
+
+    def changed(self) -> bool:
+        mods = [m for root in self.roots for m in modules_of(root)]
+        sig = tuple(
+            (id(m), tuple(m._parameters), tuple(map(id, m._parameters.values())), tuple(m._buffers),
+             tuple(map(id, m._buffers.values())), len(m._non_persistent_buffers_set))
+            for m in mods
+        )
+        if sig == self._signature:
+            return False
+        self._signature = sig
+        self._held = [(m, tuple(m._parameters.values()), tuple(m._buffers.values())) for m in mods]
+        return True
+
+    @property
+    def looked(self) -> bool:
+        return self._signature is not None
+
+    def forget(self) -> None:
+        """The next ``changed()`` says True (re-read everything)."""
+        self._signature, self._held = None, []
+
+
 def walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, m in module.named_modules(remove_duplicate=False):
         yield (f"{prefix}{name}" if name else prefix.rstrip(".")), m
@@ -106,32 +153,21 @@ class TorchModuleBackend:
     #: check the whole tree before the root's forward (``ModuleGuards.cover_tree``); FSDP2 checks its own way
     tree_guard: bool = True
     _guards: ModuleGuards | None = field(default=None, repr=False)
-    _signature: tuple[Any, ...] | None = field(default=None, repr=False)
+    _watch: TreeWatch = field(init=False, repr=False)
     _lists: dict[str, list[Entry]] = field(default_factory=dict, repr=False)
     _named: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list, repr=False)
     _last_grads: list[Any] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.module = unwrap(self.module)
-
-    def _structure(self) -> tuple[Any, ...]:
-        """Which modules hold which tensors under which names, by identity (cheap: tuples built in C).
-
-        The cached lists below hold the tensors, so an id in here cannot be reused while it is cached.
-        """
-        return tuple(
-            (id(m), tuple(m._parameters), tuple(map(id, m._parameters.values())), tuple(m._buffers),
-             tuple(map(id, m._buffers.values())), len(m._non_persistent_buffers_set))
-            for _, m in walk(self.module, self.prefix)
-        )
+        self._watch = TreeWatch((self.module,))
 
     def prepare(self, groups: Collection[str]) -> None:
         """Re-read the module tree if a module, parameter or buffer was added or replaced since the last
         verb; hook what is new (the guards cover what can be released)."""
-        sig = self._structure()
-        if sig == self._signature:
+        if not self._watch.changed():
             return
-        self._signature, self._lists = sig, {}
+        self._lists = {}
         self._named = list(named_parameters(self.module, self.prefix))
         self._last_grads = []
         if self._guards is not None:
@@ -139,7 +175,7 @@ class TorchModuleBackend:
 
     def entries(self, group: str) -> Sequence[Entry]:
         """The group's tensors; the same list object while nothing changed (``prepare`` decides)."""
-        if self._signature is None:
+        if not self._watch.looked:
             self.prepare((group,))
         if group == "grads":
             return self._grad_entries()
@@ -170,7 +206,7 @@ class TorchModuleBackend:
         self._guards = ModuleGuards(check, local=self.to_local)
         if self.tree_guard:
             self._guards.cover_tree(self.module, f"model {self.prefix or type(self.module).__name__!r}")
-        self._signature = None  # re-read the tree now, so what exists is hooked before any verb
+        self._watch.forget()  # re-read the tree now, so what exists is hooked before any verb
         self.prepare(self.groups)
         return [self._guards]
 

@@ -140,6 +140,13 @@ class GroupState:
     def select(self, keep: Callable[[Slot], bool]) -> list[int]:
         return [i for i, s in enumerate(self.slots) if keep(s)]
 
+    def by_residency(self) -> dict[Residency, list[int]]:
+        """The slots' indices per residency, in one pass (every residency is a key)."""
+        out: dict[Residency, list[int]] = {r: [] for r in Residency}
+        for i, s in enumerate(self.slots):
+            out[s.residency].append(i)
+        return out
+
     # -- copies between this group and arenas of its layout (homes, snapshots, stashes) -------------
     def copy_out(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, frees: bool = False) -> Transfer:
         """Device storage of slots ``indices`` -> their regions of ``arena``."""

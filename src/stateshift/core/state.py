@@ -675,7 +675,7 @@ class ModelState(SwapVerbs):
     def _read_group(self, gs: GroupState, arena: torch.Tensor) -> Transfer:
         """Every slot's current values into ``arena``: device slots copied, offloaded ones from their homes,
         dropped ones as zeros."""
-        by = {r: gs.select(lambda s, r=r: s.residency is r) for r in Residency}
+        by = gs.by_residency()
         if by[Residency.HOST] and arena.is_cpu and gs.home is not None:
             gs.home.sync()  # host-to-host: the device copies still writing the home must be done
         gs.zero_regions(self.engine, by[Residency.DROPPED], arena)
@@ -693,8 +693,8 @@ class ModelState(SwapVerbs):
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            resident = gs.select(lambda s: s.residency is Residency.DEVICE)
-            on_disk = gs.select(lambda s: s.residency is Residency.DISK)
+            by = gs.by_residency()
+            resident, on_disk = by[Residency.DEVICE], by[Residency.DISK]
             if part.host is not None and (offloaded or on_disk):
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
             if on_disk:  # values on disk stay on disk
@@ -809,7 +809,7 @@ class ModelState(SwapVerbs):
         assert part.disk is not None
         disk, base = part.disk
         w = self._io.window
-        by = {r: gs.select(lambda s, r=r: s.residency is r) for r in Residency}
+        by = gs.by_residency()
         own = [i for i in by[Residency.HOST] if gs.slots[i].native_home is None]
         if own:
             assert gs.home is not None

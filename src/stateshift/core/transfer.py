@@ -22,8 +22,9 @@ Directions and streams:
   reused only after the copy that drained it completed: events, never a
   synchronize); incoming ones are copied into one buffer and scattered by
   the host-to-device stream itself;
-- device-to-device copies (device-placed snapshots and stashes) run on the
-  current stream; host-to-host copies run at once on the calling thread.
+- device-to-device copies (device-placed snapshots and stashes) are spread
+  over the current stream and a third side stream (``_device_runs``);
+  host-to-host copies run at once on the calling thread.
 
 Ordering (``docs/design.md``, rules 3 and 4): each side stream first waits for the
 current stream, so copies read the values as of the call; the current stream
@@ -276,9 +277,11 @@ class CopyEngine:
         self.timing = timing
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
+        self._d2d: torch.cuda.Stream | None = None
         if self.device is not None:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
+            self._d2d = torch.cuda.Stream(self.device)
 
     def plan(
         self,
@@ -351,10 +354,26 @@ class CopyEngine:
         return run.nbytes
 
     def _device_runs(self, p: Plan, arena: torch.Tensor, out: bool, before: BeforeRun | None = None) -> Transfer:
-        """Slots to/from a device arena: on the current stream (host slots of a device arena: PCIe pairs)."""
+        """Slots to/from a device arena (host slots of a device arena: PCIe pairs).
+
+        Device-to-device runs alternate between the current stream and the
+        ``d2d`` side stream, which first waits for the current one (it reads the
+        values as of the call); the current stream then waits for it, so
+        compute enqueued after the call is ordered after every copy. One stream
+        runs its copies back to back with a gap and a partial last wave each;
+        two let one copy's tail overlap the next one's start. With ``before``
+        (storage given back on the current stream just before its run) every
+        run stays on the current stream.
+        """
+        assert self.device is not None
+        current = torch.cuda.current_stream(self.device)
+        lanes = [current] if before is not None or self._d2d is None else [current, self._d2d]
+        if len(lanes) > 1:
+            lanes[1].wait_stream(current)
+        starts = [self._timed_start(s) for s in lanes]
         pairs: list[Pair] = []
         moved = 0
-        start = self._timed_start()
+        load = [0] * len(lanes)
         for k, run in enumerate(p.runs):
             if before is not None:
                 before(run)
@@ -362,11 +381,16 @@ class CopyEngine:
                 span = arena[run.start : run.end]
                 regions = (span,) if run.sizes is None else run.views(span)
                 pairs += list(zip(regions, p.devs[k], strict=True)) if out else list(zip(p.devs[k], regions, strict=True))
-            else:
+                continue
+            lane = load.index(min(load))  # the stream with the fewest bytes queued so far
+            with torch.cuda.stream(lanes[lane]):
                 moved += self._local_run(run, p.devs[k], arena, out)
-        assert self.device is not None
-        current = torch.cuda.current_stream(self.device)
-        t = Transfer([current.record_event()], {"d2d": moved}, self._timed_end(start, current))
+            load[lane] += run.nbytes
+        events = [s.record_event() for s in lanes]
+        for e in events[1:]:
+            current.wait_event(e)
+        timing = [pair for st, s in zip(starts, lanes) for pair in self._timed_end(st, s)]
+        t = Transfer(events, {"d2d": moved}, timing)
         return t.merged(self.copy(pairs)) if pairs else t
 
     # -- PCIe -----------------------------------------------------------------------------------

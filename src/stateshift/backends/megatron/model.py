@@ -19,7 +19,7 @@ from ...core.source import Check, Handle
 from ...errors import BackendError, ForeignStateError
 from ..base import CheckpointFacts, Rebuild
 from ..guards import MethodGuard, ModuleGuards
-from ..torch import join, walk
+from ..torch import TreeWatch, join, walk
 from .objects import inner_module, is_ddp_chunk, storage_bytes
 
 
@@ -66,6 +66,7 @@ class MegatronModelBackend:
     static_groups: tuple[str, ...] = ("frozen",)
     _synced: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
     _guards: ModuleGuards | None = field(default=None, repr=False)
+    _watch: TreeWatch = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, torch.nn.Module):
@@ -80,6 +81,8 @@ class MegatronModelBackend:
         # The DDP buffers are fixed once DDP is built; the module tree is walked again by
         # prepare() (modules added later, e.g. a LoRA adapter, are listed and guarded).
         self._modules: list[tuple[str, torch.nn.Module]] = self._walk()
+        self._watch = TreeWatch(tuple(self.inners))
+        self._watch.changed()
         self._refs: list[_BufferRef] = [
             _BufferRef(ci, kind, j, buf)
             for ci, chunk in enumerate(self.chunks)
@@ -143,7 +146,8 @@ class MegatronModelBackend:
         return self.param_names.get(id(p), fallback)
 
     def prepare(self, groups: Collection[str]) -> None:
-        """Walk the modules again (guarding new ones) and settle Megatron's own host copies of ``param_data``.
+        """Walk the modules again if the tree changed (``TreeWatch``; new ones are guarded), and settle
+        Megatron's own host copies of ``param_data``.
 
         A ``param_data_cpu`` is stale as soon as the resident params change:
         it is forgotten whenever its buffer is seen resident, so Megatron can
@@ -151,9 +155,10 @@ class MegatronModelBackend:
         home; Megatron's copy into it recorded no event, so the device is
         synchronised once per new copy before anything reads it.
         """
-        self._modules = self._walk()
-        if self._guards is not None:
-            self._guards.cover(self._modules, ((n, p) for n, p in self._all_params()))
+        if self._watch.changed():  # (one cheap pass; the named walk and the hooks only after a change)
+            self._modules = self._walk()
+            if self._guards is not None:
+                self._guards.cover(self._modules, ((n, p) for n, p in self._all_params()))
         if "params" not in groups:
             return
         for ref in self._refs:
@@ -271,6 +276,7 @@ class MegatronModelBackend:
         for i, chunk in enumerate(self.chunks):
             if isinstance(chunk, torch.nn.Module):
                 self._guards.cover_tree(chunk, f"model chunk {i} ({type(chunk).__name__})")
+        self._watch.forget()  # walk and hook what exists now
         self.prepare(())
         handles: list[Handle] = [self._guards]
         for chunk in self.chunks:
