@@ -235,11 +235,25 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     return tasks
 
 
-def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
-    """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers."""
+class TransferError(OSError):
+    """An OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename``; ``tensor`` names
+    the tensor whose bytes failed (``None``: a header, or bytes of no named tensor)."""
+
+    def __init__(self, e: OSError, path: str, tensor: str | None) -> None:
+        super().__init__(e.errno, e.strerror, path)
+        self.tensor = tensor
+
+
+def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,
+            names: Sequence[str] | None = None) -> None:
+    """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers;
+    an OS error becomes ``TransferError`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
     i = 0
     while i < len(bufs):
-        n = op(fd, bufs[i : i + _IOV_MAX], offset)
+        try:
+            n = op(fd, bufs[i : i + _IOV_MAX], offset)
+        except OSError as e:
+            raise TransferError(e, path, None if names is None else names[i]) from e
         if n <= 0:
             raise CheckpointCorruptError(path, "file truncated while reading")
         offset += n
@@ -252,7 +266,8 @@ def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int
                 n = 0
 
 
-def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str) -> list[tuple[int, int, int]]:
+def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
+              names: Sequence[str] | None) -> list[tuple[int, int, int]]:
     """One task: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
     hashed = sum(n for _, _, n, mem in task if mem is None)
     scratch = getattr(_scratch, "buf", None)
@@ -263,13 +278,14 @@ def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str) -> 
         if mem is None:
             mem, pos = scratch[pos : pos + n], pos + n  # type: ignore[index]
         bufs.append(mem)
-    _io_all(op, fd, list(bufs), task[0][1], path)
+    _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
 
-def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None) -> list[int]:
+def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
+             names: Sequence[str] | None = None) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``progress`` runs on this thread, in file order, and at most
+    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``. ``progress`` runs on this thread, in file order, and at most
     ``2 * WORKERS`` tasks run ahead of it (an error it raises stops the transfer promptly).
 
     Never returns (nor raises) while a worker still touches caller memory.
@@ -277,7 +293,7 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
-        running = deque(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 2 * WORKERS))
+        running = deque(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
             while running:
                 moved = 0
@@ -287,7 +303,7 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
                     moved += n
                 if progress is not None:
                     progress(moved)
-                running.extend(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 1))
+                running.extend(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 1))
         except BaseException:
             for f in running:
                 f.cancel()
@@ -336,6 +352,11 @@ def load_json(raw: bytes, path: str, what: str) -> Any:
 # --------------------------------------------------------------------------- writing
 
 
+def write_all(fd: int, data: bytes, path: str) -> None:
+    """All of ``data`` to ``fd`` from offset 0 (an OS error is ``TransferError`` naming ``path``)."""
+    _io_all(os.pwritev, fd, [memoryview(data)], 0, path)
+
+
 def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
@@ -353,7 +374,8 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     (``fsync=False``: the caller does, e.g. while it writes the next file).
 
     Records must have been validated (``Record.validate``) with unique names. OS errors (ENOSPC,
-    EFBIG, ...) propagate as ``OSError``; the partial file is left for the caller to remove.
+    EFBIG, ...) propagate as ``OSError`` (``TransferError`` naming the file and the tensor where the
+    bytes failed); the partial file is left for the caller to remove.
     """
     ordered = sorted(records, key=lambda r: -r.dtype.itemsize)  # stable: each tensor aligned to its element size
     head = _header(ordered, metadata or {})
@@ -364,8 +386,8 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
-        _io_all(os.pwritev, fd, [memoryview(head)], 0, path)
-        crcs = transfer(os.pwritev, fd, spans, path, progress)
+        write_all(fd, head, path)
+        crcs = transfer(os.pwritev, fd, spans, path, progress, [r.name for r in ordered])
         if fsync:
             os.fsync(fd)
     finally:
@@ -454,7 +476,7 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    crcs = transfer(os.preadv, fd, spans, path, progress)
+    crcs = transfer(os.preadv, fd, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
             raise CheckpointCorruptError(path, f"checksum mismatch in tensor {t.name!r}: manifest says "
