@@ -15,9 +15,10 @@ exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names
 
 Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
 signed, so a cryptographic digest would not stop someone who can rewrite the directory. The crc32
-is ``zlib_ng.crc32`` where the ``zlib-ng`` package is installed (a dependency: the same values as
-``zlib.crc32``, about 7x faster with PCLMUL on x86 and PMULL on ARM), else the standard library's:
-on a machine with few cores the standard one (5-7 GB/s per core) is what bounds a load.
+is ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: the same values as ``zlib.crc32``,
+about 7x faster with PCLMUL on x86 and PMULL on ARM, where the standard one's 5-7 GB/s per core
+would bound a load on a machine with few cores), and ``zlib_ng.crc32_combine`` joins pieces' crc32s
+(the standard library has no ``crc32_combine``).
 
 Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
 ``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import itertools
 import json
 import math
@@ -46,10 +46,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 
-try:
-    from zlib_ng.zlib_ng import crc32  # same polynomial and values as zlib.crc32, much faster
-except ImportError:  # pragma: no cover - zlib-ng is a dependency; the standard library gives the same values
-    from zlib import crc32
+from zlib_ng.zlib_ng import crc32, crc32_combine  # the values of zlib.crc32; crc32_combine(crc(a), crc(b), len(b)) = crc(a + b)
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -83,43 +80,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     """The dtype of a safetensors name; ``KeyError`` if unknown."""
     return _DTYPES[name]
-
-
-# --------------------------------------------------------------------------- crc32 of pieces
-
-
-def _times(mat: Sequence[int], vec: int) -> int:
-    """A GF(2) 32x32 matrix (rows as ints) times a vector."""
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-@functools.cache
-def _zero_ops() -> tuple[tuple[int, ...], ...]:
-    """``ops[k]``: the matrix that appends ``2**k`` zero bytes to a crc32 (as zlib's crc32_combine)."""
-    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    for _ in range(3):  # -> one zero byte
-        op = [_times(op, row) for row in op]
-    ops = [tuple(op)]
-    for _ in range(47):
-        ops.append(tuple(_times(ops[-1], row) for row in ops[-1]))
-    return tuple(ops)
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``."""
-    ops, k = _zero_ops(), 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(ops[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
 
 
 # --------------------------------------------------------------------------- entries and records
