@@ -245,8 +245,9 @@ def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
 def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
              names: Sequence[str] | None = None) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``. ``progress`` runs on this thread, in file order, and at most
-    ``2 * WORKERS`` tasks run ahead of it (an error it raises stops the transfer promptly).
+    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
+    ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
+    it (an error it raises stops the transfer promptly).
 
     Never returns (nor raises) while a worker still touches caller memory.
     """
