@@ -544,7 +544,11 @@ def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
     assert _siblings(p) == []
 
     # 2) The disk fills up while we write (another process takes the space): real ENOSPC from write().
+    # At most 2 * WORKERS tasks run ahead of the first progress call: with 2 workers, 4 of the 16
+    # chunks; with a machine's 16 every chunk was out before the filler ran, and the ENOSPC came
+    # from manifest.json instead (test_disk_filling_after_data_names_manifest).
     monkeypatch.setattr(format_mod, "CHUNK_BYTES", 128 << 10)
+    monkeypatch.setattr(format_mod, "WORKERS", 2)
     filler = tiny_tmpfs / "filler"
 
     def fill_disk(_n: int) -> None:
@@ -562,7 +566,7 @@ def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
         write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2, progress=fill_disk)
     assert ei.value.errno == errno.ENOSPC
     assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
-    assert "w.safetensors" in str(ei.value)
+    assert "'w.safetensors' (tensor 'w')" in str(ei.value)
     assert _siblings(p) == [] and not p.exists()
     assert read_manifest(prev_path).version == 1 and read_latest(tiny_tmpfs) == prev_path
     verify(prev_path)
@@ -590,3 +594,82 @@ def test_pointer_write_failure_keeps_old_pointer(tiny_tmpfs: Path) -> None:
         set_latest(tiny_tmpfs / "s2")
     assert read_latest(tiny_tmpfs) == tiny_tmpfs / "s1"
     assert [x for x in tiny_tmpfs.iterdir() if x.name.startswith(".")] == []
+
+
+class _FillingDisk:
+    """``os.pwritev`` on a disk with ``room`` bytes left, shared by every writer thread: a write that
+    does not fit is short, the next one fails with ENOSPC -- what a real filling disk does, no root needed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, room: int) -> None:
+        import threading
+
+        self.room, self.lock, self.real = room, threading.Lock(), os.pwritev
+        monkeypatch.setattr(os, "pwritev", self.pwritev)
+
+    def pwritev(self, fd: int, bufs, offset: int) -> int:
+        with self.lock:
+            if self.room <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            cut, left = [], self.room
+            for b in bufs:
+                cut.append(memoryview(b)[:left])
+                left -= len(cut[-1])
+                if not left:
+                    break
+            n = self.real(fd, cut, offset)
+            self.room -= n
+            return n
+
+
+def test_disk_filling_during_data_write_names_file_and_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: a full disk's ENOSPC must name the file being written (and its tensor), as the
+    # GPU machine's tmpfs test asks; everything else as before.
+    prev_path, p = tmp_path / "ck", tmp_path / "ck2"
+    prev = {"w": torch.randn(1000)}
+    write_checkpoint(prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True)
+    monkeypatch.setattr(format_mod, "CHUNK_BYTES", 64 << 10)
+    _FillingDisk(monkeypatch, room=300 << 10)  # part-way through the 1 MiB tensor
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        write_checkpoint(p, {"w.safetensors": _records({"w": torch.randn(256 << 10)})}, backend="t", layout={}, version=2)
+    assert ei.value.errno == errno.ENOSPC
+    msg = str(ei.value)
+    assert "'w.safetensors'" in msg and "tensor 'w'" in msg, msg
+    assert "previous checkpoint" in msg and "intact" in msg
+    assert _siblings(p) == [] and not p.exists()
+    monkeypatch.undo()
+    assert read_manifest(prev_path).version == 1 and read_latest(tmp_path) == prev_path
+    _assert_same(open_checkpoint(prev_path).read_tensors(), prev)
+
+
+def test_disk_filling_after_data_names_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (what the GPU machine's 16 cores hit in test_real_full_disk_enospc): every data byte
+    # was written before the disk filled, and the ENOSPC came from manifest.json, whose error named
+    # no file ("while installing the checkpoint").
+    prev_path, p = tmp_path / "ck", tmp_path / "ck2"
+    write_checkpoint(prev_path, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={}, update_latest=True)
+    new = {"w": torch.randn(1000)}
+    disk = _FillingDisk(monkeypatch, room=1 << 30)
+
+    def fill(_n: int) -> None:
+        disk.room = 0  # another process takes the rest of the space once our data is out
+
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2, progress=fill)
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and f"'{MANIFEST_NAME}'" in msg, msg
+    assert "previous checkpoint" in msg and "intact" in msg
+    assert _siblings(p) == [] and not p.exists() and read_latest(tmp_path) == prev_path
+
+
+def test_io_error_syncing_names_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EIO from fsync (a failing device) names the file too, and leaves nothing behind.
+    p = tmp_path / "ck"
+
+    def fsync(_fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CheckpointWriteError, match="EIO") as ei:
+        write_checkpoint(p, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={})
+    assert ei.value.errno == errno.EIO and "'w.safetensors'" in str(ei.value)
+    assert _siblings(p) == [] and not p.exists()

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError
 from .collective import Collective
-from .format import open_regular
+from .format import TransferError, open_regular, write_all
 from .manifest import MANIFEST_NAME
 
 LATEST = "latest"
@@ -52,7 +52,10 @@ def describe_os_error(e: OSError) -> str:
 
 
 def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointWriteError:
-    """The typed error for an OS error while ``doing`` part of a write of ``final``."""
+    """The typed error for an OS error while ``doing`` part of a write of ``final`` (e.g. "writing 'f'"),
+    naming the tensor whose bytes failed where the error knows it."""
+    if isinstance(e, TransferError) and e.tensor is not None:
+        doing += f" (tensor '{e.tensor}')"
     msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
            "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
     if e.errno in _SPACE and nbytes:
@@ -90,8 +93,11 @@ def replacing(path: Path) -> Iterator[Path]:
 def write_durable(path: Path, data: bytes) -> None:
     """``data`` to ``path`` atomically and durably (see ``replacing``)."""
     with replacing(path) as tmp:
-        with open(tmp, "xb") as f:
-            f.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, data, str(tmp))
+        finally:
+            os.close(fd)
 
 
 def make_parents(directory: Path) -> None:
@@ -173,9 +179,7 @@ def _check_space(final: Path, nbytes: int) -> None:
         raise OSError(errno_mod.ENOSPC, f"{st.f_bavail * st.f_frsize} bytes available")
 
 
-def _install(tmp: Path, final: Path, manifest: bytes) -> None:
-    """Rank 0, step 3: the manifest, then the rename (each made durable first)."""
-    write_durable(tmp / MANIFEST_NAME, manifest)  # and fsyncs tmp: every entry of it is durable
+def _rename(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     fsync_path(final.parent)
 
@@ -214,7 +218,9 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
         if comm.rank != 0:
             return None
         data = manifest(reports)
-        _step(final, "installing the checkpoint", nbytes, lambda: _install(tmp[0], final, data))
+        # the manifest (which fsyncs tmp: every entry of it is durable), then the rename, each made durable
+        _step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
+        _step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
         if update_latest:
             set_latest(final)
         return data

@@ -102,7 +102,8 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
                 dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
                          no_dist=not comm.on)
         except OSError as e:
-            raise write_error(final, e, "writing with torch.distributed.checkpoint") from e
+            name = f" ('{os.path.basename(e.filename)}')" if e.filename else ""
+            raise write_error(final, e, f"writing with torch.distributed.checkpoint{name}") from e
         except Exception as e:  # DCP wraps what failed on any rank
             raise CheckpointWriteError(final, f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
                                        "checkpoint was created") from e

@@ -79,10 +79,14 @@ class Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc."""
         root = resolve(path)
         ckpt = cls(root, mf.read(root))
-        for name in ckpt.manifest.files if files is None else files:
-            with ckpt.file(name):
-                pass
+        ckpt.check(ckpt.manifest.files if files is None else files)
         return ckpt
+
+    def check(self, files: Iterable[str]) -> None:
+        """Open each of ``files`` and check its size and header against the manifest (``file``)."""
+        for name in files:
+            with self.file(name):
+                pass
 
     @contextmanager
     def file(self, name: str) -> Iterator[tuple[int, FileEntry, str]]:
@@ -191,19 +195,18 @@ def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[
     meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})
 
     def write(tmp: Path) -> dict[str, Any]:
-        entries, synced = {}, []
-        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # file k syncs while k+1 is written
-            for fname, recs in plan.items():
-                try:
+        entries, synced, doing = {}, [], ""
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # file k syncs while k+1 is written
+                for fname, recs in plan.items():
+                    doing = f"writing '{fname}'"
                     entries[fname] = fmt.write_file(str(tmp / fname), recs, metadata=meta, progress=progress, fsync=False)
-                except OSError as e:
-                    raise write_error(final, e, f"writing '{fname}'", nbytes) from e
-                synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
-            for fname, done in synced:
-                try:
+                    synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
+                for fname, done in synced:
+                    doing = f"syncing '{fname}'"
                     done.result()
-                except OSError as e:
-                    raise write_error(final, e, f"syncing '{fname}'", nbytes) from e
+        except OSError as e:
+            raise write_error(final, e, doing, nbytes) from e
         return {"files": entries, "layout": rank_layout}
 
     def build(reports: list[Any]) -> bytes:

@@ -15,9 +15,10 @@ exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names
 
 Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
 signed, so a cryptographic digest would not stop someone who can rewrite the directory. The crc32
-is ``zlib_ng.crc32`` where the ``zlib-ng`` package is installed (a dependency: the same values as
-``zlib.crc32``, about 7x faster with PCLMUL on x86 and PMULL on ARM), else the standard library's:
-on a machine with few cores the standard one (5-7 GB/s per core) is what bounds a load.
+is ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: the same values as ``zlib.crc32``,
+about 7x faster with PCLMUL on x86 and PMULL on ARM, where the standard one's 5-7 GB/s per core
+would bound a load on a machine with few cores), and ``zlib_ng.crc32_combine`` joins pieces' crc32s
+(the standard library has no ``crc32_combine``).
 
 Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
 ``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import itertools
 import json
 import math
@@ -46,10 +46,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 
-try:
-    from zlib_ng.zlib_ng import crc32  # same polynomial and values as zlib.crc32, much faster
-except ImportError:  # pragma: no cover - zlib-ng is a dependency; the standard library gives the same values
-    from zlib import crc32
+from zlib_ng.zlib_ng import crc32, crc32_combine  # the values of zlib.crc32; crc32_combine(crc(a), crc(b), len(b)) = crc(a + b)
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -83,43 +80,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     """The dtype of a safetensors name; ``KeyError`` if unknown."""
     return _DTYPES[name]
-
-
-# --------------------------------------------------------------------------- crc32 of pieces
-
-
-def _times(mat: Sequence[int], vec: int) -> int:
-    """A GF(2) 32x32 matrix (rows as ints) times a vector."""
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-@functools.cache
-def _zero_ops() -> tuple[tuple[int, ...], ...]:
-    """``ops[k]``: the matrix that appends ``2**k`` zero bytes to a crc32 (as zlib's crc32_combine)."""
-    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    for _ in range(3):  # -> one zero byte
-        op = [_times(op, row) for row in op]
-    ops = [tuple(op)]
-    for _ in range(47):
-        ops.append(tuple(_times(ops[-1], row) for row in ops[-1]))
-    return tuple(ops)
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``."""
-    ops, k = _zero_ops(), 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(ops[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
 
 
 # --------------------------------------------------------------------------- entries and records
@@ -235,11 +195,25 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     return tasks
 
 
-def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
-    """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers."""
+class TransferError(OSError):
+    """An OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename``; ``tensor`` names
+    the tensor whose bytes failed (``None``: a header, or bytes of no named tensor)."""
+
+    def __init__(self, e: OSError, path: str, tensor: str | None) -> None:
+        super().__init__(e.errno, e.strerror, path)
+        self.tensor = tensor
+
+
+def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,
+            names: Sequence[str] | None = None) -> None:
+    """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers;
+    an OS error becomes ``TransferError`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
     i = 0
     while i < len(bufs):
-        n = op(fd, bufs[i : i + _IOV_MAX], offset)
+        try:
+            n = op(fd, bufs[i : i + _IOV_MAX], offset)
+        except OSError as e:
+            raise TransferError(e, path, None if names is None else names[i]) from e
         if n <= 0:
             raise CheckpointCorruptError(path, "file truncated while reading")
         offset += n
@@ -252,7 +226,8 @@ def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int
                 n = 0
 
 
-def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str) -> list[tuple[int, int, int]]:
+def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
+              names: Sequence[str] | None) -> list[tuple[int, int, int]]:
     """One task: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
     hashed = sum(n for _, _, n, mem in task if mem is None)
     scratch = getattr(_scratch, "buf", None)
@@ -263,21 +238,23 @@ def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str) -> 
         if mem is None:
             mem, pos = scratch[pos : pos + n], pos + n  # type: ignore[index]
         bufs.append(mem)
-    _io_all(op, fd, list(bufs), task[0][1], path)
+    _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
 
-def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None) -> list[int]:
+def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
+             names: Sequence[str] | None = None) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``progress`` runs on this thread, in file order, and at most
-    ``2 * WORKERS`` tasks run ahead of it (an error it raises stops the transfer promptly).
+    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
+    ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
+    it (an error it raises stops the transfer promptly).
 
     Never returns (nor raises) while a worker still touches caller memory.
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
-        running = deque(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 2 * WORKERS))
+        running = deque(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
             while running:
                 moved = 0
@@ -287,7 +264,7 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
                     moved += n
                 if progress is not None:
                     progress(moved)
-                running.extend(pool.submit(_run_task, op, fd, t, path) for t in itertools.islice(tasks, 1))
+                running.extend(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 1))
         except BaseException:
             for f in running:
                 f.cancel()
@@ -336,6 +313,11 @@ def load_json(raw: bytes, path: str, what: str) -> Any:
 # --------------------------------------------------------------------------- writing
 
 
+def write_all(fd: int, data: bytes, path: str) -> None:
+    """All of ``data`` to ``fd`` from offset 0 (an OS error is ``TransferError`` naming ``path``)."""
+    _io_all(os.pwritev, fd, [memoryview(data)], 0, path)
+
+
 def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
@@ -353,7 +335,8 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     (``fsync=False``: the caller does, e.g. while it writes the next file).
 
     Records must have been validated (``Record.validate``) with unique names. OS errors (ENOSPC,
-    EFBIG, ...) propagate as ``OSError``; the partial file is left for the caller to remove.
+    EFBIG, ...) propagate as ``OSError`` (``TransferError`` naming the file and the tensor where the
+    bytes failed); the partial file is left for the caller to remove.
     """
     ordered = sorted(records, key=lambda r: -r.dtype.itemsize)  # stable: each tensor aligned to its element size
     head = _header(ordered, metadata or {})
@@ -364,8 +347,8 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
-        _io_all(os.pwritev, fd, [memoryview(head)], 0, path)
-        crcs = transfer(os.pwritev, fd, spans, path, progress)
+        write_all(fd, head, path)
+        crcs = transfer(os.pwritev, fd, spans, path, progress, [r.name for r in ordered])
         if fsync:
             os.fsync(fd)
     finally:
@@ -454,7 +437,7 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    crcs = transfer(os.preadv, fd, spans, path, progress)
+    crcs = transfer(os.preadv, fd, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
             raise CheckpointCorruptError(path, f"checksum mismatch in tensor {t.name!r}: manifest says "

@@ -33,6 +33,7 @@ gaps up to the file's size. ``meta`` is JSON nested at most ``MAX_META_DEPTH`` d
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -172,10 +173,14 @@ def _canonical(d: Mapping[str, Any]) -> bytes:
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def _seal_of(d: Mapping[str, Any]) -> str:
+    """The crc32 of the canonical JSON of every field but ``seal``."""
+    return _crc_text(zlib.crc32(_canonical({k: v for k, v in d.items() if k != "seal"})))
+
+
 def seal(d: dict[str, Any]) -> dict[str, Any]:
-    """``d`` with its ``seal``: the crc32 of the canonical JSON of every other field."""
-    d.pop("seal", None)
-    d["seal"] = _crc_text(zlib.crc32(_canonical(d)))
+    """``d`` with its ``seal`` (``_seal_of``)."""
+    d["seal"] = _seal_of(d)
     return d
 
 
@@ -314,9 +319,7 @@ def _tensor(d: Any, where: str) -> TensorEntry:
     except KeyError:
         raise _Bad(f"{where}.dtype is not a safetensors dtype") from None
     shape, offsets = _ints(d, "shape", where), _ints(d, "data_offsets", where)
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    nbytes = math.prod(shape) * dtype.itemsize
     if len(offsets) != 2 or offsets[1] - offsets[0] != nbytes:
         raise _Bad(f"{where}.data_offsets do not hold {nbytes} bytes")
     return TensorEntry(_get(d, "name", "str", where), dtype, shape, offsets[0], nbytes, _crc(d, where))
@@ -339,12 +342,18 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
     return FileEntry(size, crc, (hsize, hcrc), tensors)
 
 
-def _member(d: Any, where: str) -> MemberInfo:
+def _torch_dtype(d: Any, where: str) -> str:
+    """``d["dtype"]``, the name of a torch dtype (``"bfloat16"``)."""
     dtype = _get(d, "dtype", "str", where)
     try:
         dtype_of(dtype)
     except KeyError:
         raise _Bad(f"{where}.dtype {dtype!r} is not a torch dtype") from None
+    return dtype
+
+
+def _member(d: Any, where: str) -> MemberInfo:
+    dtype = _torch_dtype(d, where)
     shape, stride = _ints(d, "shape", where), _ints(d, "stride", where)
     if len(stride) != len(shape):
         raise _Bad(f"{where}: stride and shape differ in length")
@@ -398,12 +407,7 @@ def _dcp(d: Mapping[str, Any]) -> dict[str, DcpTensor]:
     for name, t in _get(d, "dcp_tensors", "dict", "manifest").items():
         where = f"dcp_tensors[{name!r}]"
         _check(name, "str", where)
-        dtype = _get(t, "dtype", "str", where)
-        try:
-            dtype_of(dtype)
-        except KeyError:
-            raise _Bad(f"{where}.dtype {dtype!r} is not a torch dtype") from None
-        out[name] = DcpTensor(_ints(t, "shape", where), dtype)
+        out[name] = DcpTensor(_ints(t, "shape", where), _torch_dtype(t, where))
     return out
 
 
@@ -443,15 +447,14 @@ def loads(raw: bytes, path: str) -> Manifest:
     d = load_json(raw, path, "manifest")
     if not isinstance(d, dict):
         raise CheckpointCorruptError(path, "manifest is not a JSON object")
-    body = {k: v for k, v in d.items() if k != "seal"}
     try:
-        expected = _crc_text(zlib.crc32(_canonical(body)))
+        expected = _seal_of(d)
     except (RecursionError, ValueError):
         raise CheckpointCorruptError(path, "manifest is nested too deeply (or holds NaN)") from None
-    if d.get("seal") != expected:
+    if d.pop("seal", None) != expected:
         raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
     try:
-        return _decode(body)
+        return _decode(d)
     except _Bad as e:
         raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
 
@@ -459,16 +462,8 @@ def loads(raw: bytes, path: str) -> Manifest:
 def read(root: os.PathLike[str]) -> Manifest:
     """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
     fd, size, path = open_regular(root, MANIFEST_NAME)
-    try:
-        if size > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
-        chunks, pos = [], 0
-        while pos <= size:
-            chunk = os.pread(fd, size + 1 - pos, pos)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            pos += len(chunk)
-        return loads(b"".join(chunks), path)
-    finally:
+    if size > MAX_MANIFEST_BYTES:
         os.close(fd)
+        raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
+    with os.fdopen(fd, "rb") as f:
+        return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit

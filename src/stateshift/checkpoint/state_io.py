@@ -319,9 +319,7 @@ def _read(state: ModelState, ckpt: Checkpoint, stored: Mapping[str, mf.StoredGro
     for g in names:
         layout = state.layout(g)
         plans[g] = (layout, _plan(g, layout, stored[g], cast))
-    for g in names:  # every file opened and checked before the first byte of data is read
-        with ckpt.file(stored[g].file):
-            pass
+    ckpt.check(stored[g].file for g in names)  # every file opened and checked before the first byte of data is read
     return state.snapshot_from(names, _fill(ckpt, stored, plans, cast, progress),
                                tag=f"_checkpoint-load-{uuid.uuid4().hex[:12]}", version=ckpt.manifest.version)
 
@@ -401,14 +399,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups if "lr" in g]
-    for g in optimizer.param_groups:
-        if "lr" in g:
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    lrs = [(g, g["lr"]) for g in optimizer.param_groups if "lr" in g]
+    for g, lr in lrs:
+        g["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
     try:
         optimizer.step()
     finally:
-        for g in optimizer.param_groups:
-            if "lr" in g:
-                g["lr"] = lrs.pop(0)
+        for g, lr in lrs:
+            g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
