@@ -200,6 +200,19 @@ def test_disk_snapshot_holds_its_values_and_restores_and_swaps_in_every_mix(tmp_
     assert snap.released and path_span is not None
 
 
+def test_a_disk_snapshot_whose_last_slot_ends_before_its_layout_reads_back(tmp_path):
+    """Regression: the last region of the file used to end at its last slot's byte, and reading the whole
+    part (its layout's padded total) ended early with DiskTierError."""
+    m = torch.nn.Module()
+    m.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1023)), torch.nn.Parameter(torch.randn(5).half())])
+    state = ModelState(m, disk_dir=tmp_path / "d")
+    want = capture(state)
+    state.offload(to="disk")
+    snap = state.snapshot(tag="s", placement="disk")
+    assert_same(snap.tensors(), want)
+    state.close()
+
+
 def test_a_disk_snapshot_needs_a_disk_dir():
     model, opt = make()
     state = ModelState(model, opt)

@@ -175,13 +175,19 @@ class DiskHome:
             mv, offset = mv[n:], offset + n
 
     def settle(self, offset: int, nbytes: int) -> None:
-        """Push written pages to the disk and out of the page cache (a disk tier saves host memory)."""
+        """Push written pages to the disk and out of the page cache (a disk tier saves host memory), and
+        make the file cover the whole span (padding after the last slot may never have been written: a
+        read of the whole span must not end early; the rest is a hole that reads as zeros)."""
         try:
+            if os.fstat(self.fd).st_size < offset + nbytes:
+                os.ftruncate(self.fd, offset + nbytes)
             os.fdatasync(self.fd)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
-            raise DiskTierError(f"flushing the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
+            full = exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
+            what = "the disk is full" if full else (exc.strerror or str(exc))
+            raise DiskTierError(f"flushing the disk home {str(self.path)!r} failed: {what}") from None
 
 
 def windows(spans: list[tuple[int, int]], size: int) -> Iterator[tuple[int, int, list[int]]]:
