@@ -1,8 +1,10 @@
 """The disk tier (issue 14): every verb with ``disk`` in the mix, a full disk loses nothing, stale disk
-homes are never loaded, host memory bounded by the staging windows."""
+homes are never loaded, host memory bounded by the staging windows, ``O_DIRECT`` where the
+filesystem allows it and buffered I/O where it does not (both bit-exact, odd sizes included)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -13,7 +15,36 @@ import torch
 from helpers import assert_same, capture, live, make, perturb, run_isolated, train_step, warm
 
 from stateshift import DiskTierError, ModelState
+from stateshift.core import disk as disk_mod
 from stateshift.core.disk import DiskHome, sweep_stale
+
+
+def refuse_o_direct(monkeypatch) -> None:
+    """Make opening with ``O_DIRECT`` fail with ``EINVAL``, as tmpfs (before Linux 6.6) and some network
+    filesystems do; every other open is the real one."""
+    real = os.open
+
+    def fake(path, flags, *args, **kw):
+        if disk_mod.O_DIRECT and flags & disk_mod.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", fake)
+
+
+@pytest.fixture(params=["O_DIRECT", "buffered"])
+def io_mode(request, monkeypatch, tmp_path):
+    """Run a test in each I/O mode: ``O_DIRECT`` where this filesystem accepts it, ``buffered`` by an open
+    that refuses ``O_DIRECT`` (the fallback path, not a flag)."""
+    if request.param == "buffered":
+        refuse_o_direct(monkeypatch)
+    else:
+        probe = DiskHome(tmp_path / "probe")
+        mode, why = probe.io_mode, probe.why
+        probe.close()
+        if mode != "O_DIRECT":
+            pytest.skip(f"{tmp_path} does not take O_DIRECT here: {why}")
+    return request.param
 
 
 def _state(tmp_path, **kw):
@@ -146,6 +177,11 @@ _FULL_DISK = textwrap.dedent(
     sys.path[:0] = sys.argv[1:3]
     from helpers import capture, make, warm, assert_same
     from stateshift import DiskTierError, ModelState
+    if sys.argv[4] == "buffered":  # the filesystem refuses O_DIRECT
+        import errno, os
+        from stateshift.core import disk
+        real = os.open
+        os.open = lambda p, f, *a: (_ for _ in ()).throw(OSError(errno.EINVAL, "no")) if f & disk.O_DIRECT else real(p, f, *a)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     model, opt = make()
     warm(model, opt)
@@ -160,6 +196,7 @@ _FULL_DISK = textwrap.dedent(
     else:
         raise AssertionError("the disk offload did not fail")
     assert state.residency() == residency, (state.residency(), residency)
+    assert state._disk.io_mode == sys.argv[4], state._disk.describe()
     assert_same(capture(state), want)
     state.onload()
     assert_same(capture(state), want)
@@ -168,8 +205,13 @@ _FULL_DISK = textwrap.dedent(
 )
 
 
-def test_a_full_disk_during_a_disk_offload_loses_nothing(tmp_path):
-    proc = run_isolated(_FULL_DISK, str(tmp_path / "d"))
+@pytest.mark.parametrize("mode", ["O_DIRECT", "buffered"])
+def test_a_full_disk_during_a_disk_offload_loses_nothing(tmp_path, mode):
+    probe = DiskHome(tmp_path / "probe")
+    if mode == "O_DIRECT" and probe.io_mode != mode:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT here: {probe.why}")
+    probe.close()
+    proc = run_isolated(_FULL_DISK, str(tmp_path / "d"), mode)
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
 
 
@@ -198,6 +240,19 @@ def test_disk_snapshot_holds_its_values_and_restores_and_swaps_in_every_mix(tmp_
     path_span = snap.parts[0].disk
     state.release(snap)
     assert snap.released and path_span is not None
+
+
+def test_a_disk_snapshot_whose_last_slot_ends_before_its_layout_reads_back(tmp_path):
+    """Regression: the last region of the file used to end at its last slot's byte, and reading the whole
+    part (its layout's padded total) ended early with DiskTierError."""
+    m = torch.nn.Module()
+    m.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1023)), torch.nn.Parameter(torch.randn(5).half())])
+    state = ModelState(m, disk_dir=tmp_path / "d")
+    want = capture(state)
+    state.offload(to="disk")
+    snap = state.snapshot(tag="s", placement="disk")
+    assert_same(snap.tensors(), want)
+    state.close()
 
 
 def test_a_disk_snapshot_needs_a_disk_dir():
@@ -271,3 +326,150 @@ def test_pi_old_cycle_goes_to_disk_when_the_host_budget_is_short(tmp_path):
     assert_same(params(), now)
     cycle.end()
     assert state.pool.stats.peak_held_bytes <= 96 << 10
+
+
+# ----------------------------------------------------------------------------- I/O modes
+
+
+def test_o_direct_is_used_where_the_filesystem_allows_it(tmp_path):
+    home = DiskHome(tmp_path)
+    if home.io_mode != "O_DIRECT":
+        home.close()
+        pytest.skip(f"{tmp_path} does not take O_DIRECT here: {home.why}")
+    assert home.align >= 4096 and home.align % 4096 == 0
+    assert "O_DIRECT" in home.describe() and home.path.stat().st_size == 0  # the probe left nothing
+    n, a = (10 << 20) + 5, home.align  # an unaligned length
+
+    def aligned() -> torch.Tensor:
+        raw = torch.empty(n + a, dtype=torch.uint8)
+        return raw[-raw.data_ptr() % a :][:n]
+
+    src = aligned()
+    src.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
+    off = home.allocate(n)
+    assert off % a == 0
+    home.write(off, src)
+    out = aligned()
+    home.read(off, out)
+    assert torch.equal(out, src)
+    assert home.bytes_direct >= 2 * (10 << 20) and home.bytes_buffered <= 2 * home.align, home.describe()
+    home.close()
+
+
+def test_a_filesystem_refusing_o_direct_gets_buffered_io(tmp_path, monkeypatch):
+    refuse_o_direct(monkeypatch)
+    home = DiskHome(tmp_path)
+    assert home.io_mode == "buffered" and "EINVAL" in home.why, home.describe()
+    data = torch.arange(5000, dtype=torch.uint8)
+    home.write(home.allocate(5000), data)
+    assert home.bytes_direct == 0 and home.bytes_buffered == 5000
+    home.close()
+
+
+def test_buffered_only_when_asked(tmp_path):
+    home = DiskHome(tmp_path, direct=False)
+    assert home.io_mode == "buffered" and home.pieces(0, 0, 1 << 20) == [(0, 1 << 20, False)]
+    home.close()
+
+
+def test_only_aligned_blocks_with_aligned_memory_go_direct(tmp_path):
+    home = DiskHome(tmp_path, direct=False)
+    home._dfd, a = -1, home.align  # pieces() only asks whether there is a direct descriptor: the split is arithmetic
+    assert home.pieces(0, 0, 3 * a) == [(0, 3 * a, True)]
+    assert home.pieces(10, 10, 3 * a) == [(0, a - 10, False), (a - 10, 3 * a - 10, True), (3 * a - 10, 3 * a, False)]
+    assert home.pieces(0, 8, 3 * a) == [(0, 3 * a, False)]  # memory can never meet the file's alignment
+    assert home.pieces(a - 1, a - 1, a) == [(0, a, False)]  # no whole block inside
+    assert home.pieces(0, a, 100) == [(0, 100, False)]
+    home._dfd = None
+    home.close()
+
+
+def test_a_direct_write_refused_at_run_time_is_redone_buffered(tmp_path, monkeypatch):
+    home = DiskHome(tmp_path)
+    if home.io_mode != "O_DIRECT":
+        home.close()
+        pytest.skip(f"{tmp_path} does not take O_DIRECT here: {home.why}")
+    real, dfd = os.pwrite, home._dfd
+
+    def pwrite(fd, data, offset):
+        if fd == dfd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    src = torch.randint(0, 256, (3 * home.align + 7,), dtype=torch.uint8)
+    off = home.allocate(src.numel())
+    home.write(off, src)
+    out = torch.empty_like(src)
+    home.read(off, out)
+    assert torch.equal(out, src) and home.bytes_buffered >= src.numel()
+    home.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_odd_sizes_offsets_and_addresses_round_trip_bit_exactly(tmp_path, direct):
+    home = DiskHome(tmp_path, direct=direct)
+    a = home.align
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (8 * a + 4 * a,), dtype=torch.uint8, generator=gen)
+    base = home.allocate(16 * a)
+    for n in (1, 7, a - 1, a, a + 1, 2 * a - 3, 5 * a + 11):
+        for at in (0, 1, 64, a - 1, a, a + 64):
+            for shift in (0, 3, at % a):  # memory at, and off, the file offset's alignment
+                src = pool[shift : shift + n]
+                home.write(base + at, src)
+                out = torch.zeros(n + 2 * a, dtype=torch.uint8)[(shift + 5) % a :][:n]
+                home.read(base + at, out)
+                assert torch.equal(out, src), (n, at, shift)
+    home.close()
+
+
+def _odd_model():
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.ps = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(n).to(dt), requires_grad=dt.is_floating_point)
+        for n, dt in [(1, torch.float32), (3, torch.bfloat16), (1023, torch.float32), (4097, torch.bfloat16),
+                      (1, torch.float64), (100_003, torch.float32), (5, torch.float16), (70_001, torch.bfloat16)]
+    )
+    m.register_buffer("count", torch.tensor([7], dtype=torch.int64))
+    m.register_buffer("odd", torch.arange(13, dtype=torch.uint8))
+    return m
+
+
+@pytest.mark.parametrize("window", [16 << 10, 1 << 20])
+def test_tiny_and_odd_tensors_round_trip_bit_exactly_in_both_modes(tmp_path, io_mode, window):
+    model = _odd_model()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = ModelState(model, disk_dir=tmp_path / "disk", disk_window_bytes=window)
+    state.offload(to="disk")
+    assert state._disk.io_mode == io_mode and io_mode in (state.describe_disk() or ""), state.describe_disk()
+    snap = state.snapshot(tag="s", placement="disk")
+    assert_same(snap.tensors(), capture(state))
+    state.onload()
+    got = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert_same(got, want)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    state.offload(to="disk")
+    state.restore(snap)
+    state.onload()
+    assert_same({k: v.detach().clone() for k, v in model.state_dict().items()}, want)
+    if io_mode == "buffered":
+        assert state._disk.bytes_direct == 0
+    state.close()
+
+
+def test_training_with_disk_moves_is_bit_identical_in_both_modes(tmp_path, io_mode):
+    model, opt, state = _state(tmp_path, disk_window_bytes=48 << 10)
+    ref_model, ref_opt = make()
+    warm(ref_model, ref_opt)
+    for step in range(2):
+        assert train_step(model, opt, step) == train_step(ref_model, ref_opt, step)
+        state.offload(["params", "optim"], to="disk")
+        assert state._disk.io_mode == io_mode
+        state.onload()
+    assert_same(live(model, opt), live(ref_model, ref_opt))
+    if io_mode == "O_DIRECT":
+        assert state._disk.bytes_direct > 0, state._disk.describe()

@@ -102,7 +102,8 @@ class ModelState(SwapVerbs):
             the first time it is onloaded, and then moves whole. Accepted with
             a warning, and a no-op, on a machine without CUDA. See ``stable.py``.
         disk_dir: where ``offload(..., to="disk")`` keeps values: one scratch file per state
-            in this directory, removed on ``close()`` and at exit (``disk.py``).
+            in this directory, removed on ``close()`` and at exit (``disk.py``); opened with
+            ``O_DIRECT`` where the filesystem allows it, buffered otherwise (``describe_disk()``).
         disk_window_bytes: each of the two pinned staging windows disk transfers go through
             (host memory a disk offload uses: twice this, whatever it moves).
     """
@@ -191,6 +192,11 @@ class ModelState(SwapVerbs):
     def nbytes(self, groups: GroupArg = None) -> int:
         self._table.refresh()
         return sum(s.nbytes for g in self._select(groups, check_swap=False) for s in self._groups[g].slots)
+
+    def describe_disk(self) -> str | None:
+        """The disk home in use: its file, its I/O mode (``O_DIRECT`` or ``buffered``) and why, and the
+        bytes each mode moved; ``None`` while nothing went to disk (the file is made on first use)."""
+        return None if self._disk is None else self._disk.describe()
 
     @_locked
     def layout(self, group: str) -> Layout:
@@ -682,7 +688,7 @@ class ModelState(SwapVerbs):
         t = gs.copy_out(self.engine, by[Residency.DEVICE], arena).merged(gs.copy_home(self.engine, by[Residency.HOST], arena))
         if by[Residency.DISK]:
             assert self._disk is not None
-            t = t.merged(self._io.disk_to_arena(gs.plan(self.engine, by[Residency.DISK], self._io.window), self._disk, self._disk.region(gs.name, gs.layout.total), arena))
+            t = t.merged(self._io.disk_to_arena(gs.plan(self.engine, by[Residency.DISK], self._io.chunk), self._disk, self._disk.region(gs.name, gs.layout.total), arena))
         return t
 
     def _write_parts(
@@ -699,7 +705,7 @@ class ModelState(SwapVerbs):
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
             if on_disk:  # values on disk stay on disk
                 assert self._disk is not None
-                region, p = self._disk.region(gs.name, gs.layout.total), gs.plan(self.engine, on_disk, self._io.window)
+                region, p = self._disk.region(gs.name, gs.layout.total), gs.plan(self.engine, on_disk, self._io.chunk)
                 if part.disk is not None:
                     self._io.disk_to_disk(p, self._disk, part.disk[1], region)
                 else:
@@ -760,7 +766,7 @@ class ModelState(SwapVerbs):
             on_disk = [i for i in idx if gs.slots[i].residency is Residency.DISK]
             if on_disk:
                 assert self._disk is not None
-                transfer = transfer.merged(self._io.into(gs.plan(self.engine, on_disk, self._io.window), self._disk, self._disk.region(gs.name, gs.layout.total)))
+                transfer = transfer.merged(self._io.into(gs.plan(self.engine, on_disk, self._io.chunk), self._disk, self._disk.region(gs.name, gs.layout.total)))
         return transfer
 
     # -- internals: the disk tier ---------------------------------------------------------------
@@ -788,9 +794,9 @@ class ModelState(SwapVerbs):
             if host:
                 assert gs.home is not None
                 gs.home.sync()
-                moved += self._io.arena_to_disk(gs.plan(self.engine, host, self._io.window), gs.home.data, disk, base)
+                moved += self._io.arena_to_disk(gs.plan(self.engine, host, self._io.chunk), gs.home.data, disk, base)
             if dev:
-                moved += self._io.out(gs.plan(self.engine, dev, self._io.window), disk, base, frees_sources=True)
+                moved += self._io.out(gs.plan(self.engine, dev, self._io.chunk), disk, base, frees_sources=True)
             disk.settle(base, gs.layout.total)
         for g, (dev, host) in moving.items():
             gs = self._groups[g]
@@ -808,7 +814,7 @@ class ModelState(SwapVerbs):
         """Every slot's current values into a disk snapshot part, whatever their residency."""
         assert part.disk is not None
         disk, base = part.disk
-        w = self._io.window
+        w = self._io.chunk
         by = gs.by_residency()
         own = [i for i in by[Residency.HOST] if gs.slots[i].native_home is None]
         if own:
@@ -830,7 +836,7 @@ class ModelState(SwapVerbs):
         """A disk snapshot part -> slots ``device`` (holding storage) and into the home regions of ``home``."""
         assert part.disk is not None
         disk, base = part.disk
-        w = self._io.window
+        w = self._io.chunk
         if home:
             assert gs.home is not None
             for run in gs.plan(self.engine, home, w).runs:
