@@ -122,3 +122,36 @@ def test_address_stable_is_accepted_and_a_no_op_with_a_warning_on_the_cpu():
     state.offload()
     state.onload()
     assert_same(capture(state), want)
+
+
+def test_staged_runs_copy_in_the_widest_word_every_size_allows():
+    """Multi-tensor copies of a staged run move 8-, 4- or 2-byte words when every slot and gap of the run
+    allows it, bytes otherwise; the values round-trip bit for bit through every verb either way."""
+    from stateshift.core.transfer import plan
+
+    def word(sizes: list[int]) -> torch.dtype:
+        offsets = [sum((n + 63) // 64 * 64 for n in sizes[:i]) for i in range(len(sizes))]
+        p = plan(offsets, sizes, [True] * len(sizes), lambda i: torch.empty(sizes[i], dtype=torch.uint8))
+        (run,) = p.runs
+        return run.word
+
+    assert word([64, 128, 8]) is torch.int64
+    assert word([64, 12, 8]) is torch.int32  # 12 bytes: a gap of 52 after it, 4 divides both
+    assert word([6, 64]) is torch.int16
+    assert word([64, 3]) is torch.uint8
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(n, generator=g).to(dt))
+        for n, dt in [(7, torch.bfloat16), (5, torch.float32), (3, torch.float64), (9, torch.bfloat16), (1, torch.float16)] * 20
+    )
+    state = ModelState(model)
+    want = [p.detach().clone() for p in model]
+    snap = state.snapshot("params", tag="w")
+    with torch.no_grad():
+        for p in model:
+            p.mul_(-3)
+    state.restore(snap)
+    state.offload()
+    state.onload()
+    for p, w in zip(model, want, strict=True):
+        assert torch.equal(p, w)

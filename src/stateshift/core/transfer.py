@@ -20,8 +20,11 @@ Directions and streams:
   ones are gathered by one multi-tensor kernel on the current stream into a
   ring of ``RING`` buffers the device-to-host stream drains (a buffer is
   reused only after the copy that drained it completed: events, never a
-  synchronize); incoming ones are copied into one buffer and scattered by
-  the host-to-device stream itself;
+  synchronize); incoming ones cross into a second ring on the
+  host-to-device stream and are scattered by the current stream, so one
+  run's scatter overlaps the next run's PCIe copy; the multi-tensor kernels
+  move 8-, 4- or 2-byte words where every size of the run allows
+  (``Run.word``);
 - device-to-device copies (device-placed snapshots and stashes) are spread
   over the current stream and a third side stream (``_device_runs``);
   host-to-host copies run at once on the calling thread.
@@ -124,15 +127,21 @@ class Run:
     sizes: tuple[int, ...] | None = None
     keep: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
     offset: int = 0
+    #: a staged run's element: the widest integer type (8, 4, 2 or 1 bytes) dividing every size in
+    #: ``sizes``, so its multi-tensor copies move words, not bytes
+    word: torch.dtype = torch.uint8
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
     def views(self, span: torch.Tensor) -> Sequence[torch.Tensor]:
-        """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer)."""
+        """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer), as
+        ``word`` elements. ``span`` starts at an arena offset (a multiple of ``layout.ALIGN``) or at a
+        staging buffer's start, so it is aligned for any word."""
         assert self.sizes is not None
-        parts = span.split(self.sizes)
+        w = self.word.itemsize
+        parts = span.view(self.word).split([n // w for n in self.sizes]) if w > 1 else span.split(self.sizes)
         return parts if self.keep is None else self.keep(parts)
 
 
@@ -244,15 +253,23 @@ def _staged(items: list[int], offsets: Sequence[int], sizes: Sequence[int]) -> R
         split.append(sizes[i])
         pos = offsets[i] + sizes[i]
     getter = None if len(keep) == len(split) else operator.itemgetter(*keep)
-    return Run(offsets[items[0]], pos, tuple(items), tuple(split), getter)
+    word = next(w for w in _WORDS if all(n % w.itemsize == 0 for n in split))
+    return Run(offsets[items[0]], pos, tuple(items), tuple(split), getter, word=word)
+
+
+#: multi-tensor copies run one element per thread-step: the widest element that fits moves the most bytes
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _run_views(run: Run, view_of: Callable[[int], torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The slot side of a run: byte views (a storage starts aligned for any word) as ``run.word``."""
     if run.sizes is None:
         v = view_of(run.items[0])
         whole = run.offset == 0 and run.nbytes == v.numel()
         return (v,) if whole else (v[run.offset : run.offset + run.nbytes],)
-    return tuple(view_of(i) for i in run.items)
+    if run.word is torch.uint8:
+        return tuple(view_of(i) for i in run.items)
+    return tuple(view_of(i).view(run.word) for i in run.items)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -419,7 +436,7 @@ class CopyEngine:
             s.wait_stream(current)
         biggest = max((p.runs[k].nbytes for k in ks if p.runs[k].sizes is not None), default=0)
         ring = _Ring(self.device, biggest) if out is not None else None
-        in_buf = torch.empty(biggest, dtype=torch.uint8, device=self.device) if inp is not None and biggest else None
+        in_ring = _Ring(self.device, biggest) if inp is not None and biggest else None
         nbytes = {"d2h": 0, "h2d": 0}
         for k in ks:
             run, devs = p.runs[k], p.devs[k]
@@ -428,11 +445,13 @@ class CopyEngine:
                 nbytes["d2h"] += self._out(run, devs, out[run.start : run.end], ring, current, d2h, frees_sources)
             if inp is not None:
                 if before is not None:
-                    before(run)  # e.g. storage given back on the current stream: the copy waits for it
-                    h2d.wait_stream(current)
-                if out is not None:
-                    h2d.wait_stream(d2h)  # run k's old values are out before new ones overwrite them
-                nbytes["h2d"] += self._in(run, devs, inp[run.start : run.end], in_buf, h2d)
+                    before(run)  # e.g. storage given back on the current stream (a staged run's scatter is there too)
+                if run.sizes is None:  # a chunk is written by the copy itself, on the side stream:
+                    if before is not None:
+                        h2d.wait_stream(current)  # after its storage came back
+                    if out is not None:
+                        h2d.wait_stream(d2h)  # after its old values went out
+                nbytes["h2d"] += self._in(run, devs, inp[run.start : run.end], in_ring, h2d, current)
         events = [d2h.record_event(), h2d.record_event()]
         for e in events:
             current.wait_event(e)
@@ -457,15 +476,24 @@ class CopyEngine:
         return run.nbytes
 
     @staticmethod
-    def _in(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, buf: torch.Tensor | None, side: torch.cuda.Stream) -> int:
-        with torch.cuda.stream(side):
-            if run.sizes is None:
+    def _in(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, ring: _Ring | None,
+            side: torch.cuda.Stream, current: torch.cuda.Stream) -> int:
+        """One run in. A staged run crosses PCIe into a ring buffer on the side stream and is scattered
+        by the current stream, so the next run's PCIe copy overlaps this scatter. The scatter comes
+        after every earlier current-stream write of the run's slots (their storage coming back, and in
+        an exchange the gather of their old values), and a buffer is refilled only after the scatter
+        that read it (the ring's events)."""
+        if run.sizes is None:
+            with torch.cuda.stream(side):
                 devs[0].copy_(span, non_blocking=True)
-            else:
-                assert buf is not None
-                staged = buf[: run.nbytes]
-                staged.copy_(span, non_blocking=True)
-                torch._foreach_copy_(devs, run.views(staged))  # same stream: after the copy, before the next
+            return run.nbytes
+        assert ring is not None
+        staged = ring.take(run.nbytes, side)
+        with torch.cuda.stream(side):
+            staged.copy_(span, non_blocking=True)
+        current.wait_stream(side)
+        torch._foreach_copy_(devs, run.views(staged))
+        ring.used(current)
         return run.nbytes
 
     # -- generic pairs --------------------------------------------------------------------------
@@ -518,8 +546,10 @@ class CopyEngine:
 
 
 class _Ring:
-    """``RING`` device staging buffers reused round-robin: a buffer is handed to the current stream again
-    only after the side-stream copy that drained it last (recorded with ``used``) has completed."""
+    """``RING`` device staging buffers reused round-robin: ``take(n, stream)`` hands a buffer to ``stream``
+    only after the work that last used it (recorded on another stream with ``used``) has completed --
+    out: filled by the current stream, drained by the device-to-host one; in: filled by the
+    host-to-device stream, scattered by the current one."""
 
     def __init__(self, device: torch.device, size: int) -> None:
         self.device, self.size = device, size
