@@ -64,6 +64,7 @@ def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
                           rollouter.sampling)
         assert rollouter.generate(wave)
         trainer.update(Batch.of(wave.groups(task.score), task.pad_token), lambda name: _null())
+        trainer.park()  # what the loop does before it waits for the next batch
     assert trainer.state.residency()["params"]["device"] == 0  # offloaded: the snapshot below is of host homes
     snap = trainer.sync_snapshot()
     rollouter.update_weights(snap.wait().views(), 1)
@@ -74,6 +75,37 @@ def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
     assert want.keys() == got.keys(), sorted(want.keys() ^ got.keys())[:5]
     for name, t in want.items():
         assert torch.equal(t, got[name]), name
+
+
+def check_rollout_copy_alone(tmp: Path, family: str) -> None:
+    """The rollouter's copy built from the config alone (no policy: what a Ray rollouter actor does), loaded with
+    ``policy.rollout_state_dict()``, holds the trainer's weights; the same dict is a complete weight update."""
+    import importlib
+
+    from stateshift.rl.policies import FAMILIES, build_rollout_lm, load_rollout_weights
+
+    cfg = tiny(tmp, f"model.family={family}")
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.01)  # not the seeded init any more: the copy must get these from the dict
+    weights = policy.rollout_state_dict()
+    module = importlib.import_module(FAMILIES[family])
+    real_build = module.build
+    module.build = lambda *a, **k: (_ for _ in ()).throw(AssertionError("build_rollout_lm built a whole policy"))
+    try:
+        lm = build_rollout_lm(cfg, task)
+    finally:
+        module.build = real_build
+    assert getattr(lm, "own_stream", False)
+    assert not torch.equal(_params(lm)[next(iter(weights))], _params(policy.lm)[next(iter(weights))])
+    load_rollout_weights(lm, weights)
+    want, got = _params(policy.lm), _params(lm)
+    assert want.keys() == got.keys(), sorted(want.keys() ^ got.keys())[:5]
+    for name, t in want.items():
+        assert torch.equal(t, got[name]), name
+    KVRollouter(build_rollout_lm(cfg, task), sampling_of(cfg, task), seed=1).update_weights(weights.items(), 1)
 
 
 class _null:
@@ -96,6 +128,8 @@ def main(family: str, tmp: Path) -> None:
     print("ok bypass", flush=True)
     check_sync_equal(tmp / "c", family)
     print("ok sync_equal", flush=True)
+    check_rollout_copy_alone(tmp / "d", family)
+    print("ok rollout_copy_alone", flush=True)
 
 
 if __name__ == "__main__":

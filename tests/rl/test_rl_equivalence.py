@@ -40,10 +40,13 @@ def test_reference_detects_a_difference(tmp_path):
 
 
 def test_pi_old_with_param_and_optimizer_offload(tmp_path):
-    """pi_old recomputed while params and optimizer state are offloaded; same-version tokens: l_p == l_b."""
+    """pi_old recomputed while params and optimizer state are offloaded; same-version tokens: l_p == l_b.
+
+    The trainer parks only before it waits for samples, or after an evaluation: an evaluation after every step
+    makes every update start from offloaded state, whatever the queue does."""
     cfg = tiny(tmp_path, "trainer.steps=8", "async_training.trigger_parameter_sync_step=2",
                "async_training.staleness_threshold=0.5", "trainer.param_offload=true",
-               "trainer.optimizer_offload=true", "trainer.grad_offload=true")
+               "trainer.optimizer_offload=true", "trainer.grad_offload=true", "run.eval_every=1")
     result = run(cfg)
     s = result.summary
     assert s["status"] == "finished" and result.steps == 8

@@ -48,6 +48,11 @@ def test_synced_weights_equal_the_trainers(tmp_path, family):
     pc.check_sync_equal(tmp_path, family)
 
 
+@pytest.mark.parametrize("family", ["builtin", "fsdp2"])
+def test_rollout_copy_is_built_without_a_policy_and_loaded_from_rollout_state_dict(tmp_path, family):
+    pc.check_rollout_copy_alone(tmp_path, family)
+
+
 def test_fsdp2_policy_is_sharded_and_a_policy(tmp_path):
     from torch.distributed.fsdp import FSDPModule
 
@@ -96,4 +101,5 @@ def test_megatron_policy_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "policy_checks.py"), "megatron", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal"], proc.stdout
+    assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal", "ok",
+                                     "rollout_copy_alone"], proc.stdout

@@ -194,11 +194,11 @@ class TrainerConfig:
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
     param_offload: bool = True
-    """offload params to host between phases (while waiting for samples and after each update)"""
+    """offload params to host while the trainer waits for samples (not between two updates it runs back to back)"""
     grad_offload: bool = False
-    """offload grads to host between updates"""
+    """offload grads to host while the trainer waits for samples"""
     optimizer_offload: bool = False
-    """offload optimizer state to host between updates"""
+    """offload optimizer state to host while the trainer waits for samples"""
 
     def __post_init__(self) -> None:
         _check("trainer.steps", self.steps >= 0, "must be >= 0")

@@ -6,7 +6,8 @@
     start the rollouter and the watchdog
     for each trainer step:
         wait (bounded) for require_batches x batch_prompts groups
-        per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step, offload
+        (parking params etc. first, if the config offloads them and the groups are not queued yet)
+        per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step
         every trigger_parameter_sync_step steps: version += 1, host snapshot -> rollouter, new pi_old cycle
         every checkpoint_every steps (at a sync): the rollout side's capture; checkpoint once the step is logged
         log metrics; held-out accuracy every eval_every steps
@@ -225,10 +226,21 @@ class AsyncLoop:
             self.stop_early = f"run.max_wall_s ({r.max_wall_s:g} s) passed at step {self.step}"
 
     def next_groups(self, count: int) -> list[Group]:
-        """``count`` groups from the queue, waiting (bounded slices) as long as the rollout side is alive."""
+        """``count`` groups from the queue, waiting (bounded slices) as long as the rollout side is alive.
+
+        The trainer parks its state (``Trainer.park``: the configured offloads) only when it has to wait; with the
+        groups already queued it goes straight on with everything resident."""
         t0 = time.perf_counter()
-        got = self.rollouts.take(count, self.trainer.version)
-        self._add_time("wait", time.perf_counter() - t0)
+        parking = [0.0]
+
+        def park() -> None:  # only when the queue does not hold them yet: the trainer is about to wait
+            t = time.perf_counter()
+            self.trainer.park()
+            parking[0] += time.perf_counter() - t
+
+        got = self.rollouts.take(count, self.trainer.version, on_wait=park)
+        self._add_time("offload", parking[0])
+        self._add_time("wait", time.perf_counter() - t0 - parking[0])
         return got
 
     def train_step(self) -> dict[str, Any]:

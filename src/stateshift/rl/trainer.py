@@ -6,16 +6,21 @@ snapshots the trainer keeps alive for it, ``sync.py``).
 
 Phases of one update, with ``trainer.param_offload`` on (the default):
 
-1. old log-probs while the params are **offloaded**: in ``pi_old`` mode
-   under ``PiOldCycle.old_policy()`` -- ``swapped`` writes the pi_old snapshot
-   into the released storages, computes, and releases them again (the verl
-   #6026 scenario, a snapshot of offloaded params, is the normal path here).
+1. old log-probs, in ``pi_old`` mode under ``PiOldCycle.old_policy()`` --
+   ``swapped`` writes the pi_old snapshot into the params wherever they
+   live: into the released storages while they are **offloaded** (the verl
+   #6026 scenario, a snapshot of offloaded params, is the normal path here),
+   or over the resident ones, rebuilt or restored afterwards.
    The first update after a sync needs no swap: the current weights *are*
    pi_old, so it onloads and computes directly.
-2. onload params (and grads / optimizer state if offloaded), forward with
-   gradient, loss, backward, optimizer step.
-3. offload again what the config says; every verb's bytes and seconds go to
-   ``OffloadMeter``.
+2. onload what is parked (params; grads / optimizer state if offloaded),
+   forward with gradient, loss, backward, optimizer step.
+3. nothing is offloaded here: ``park()`` runs when the trainer is about to
+   *wait* for samples (``AsyncLoop.next_groups``: the queue does not hold the
+   next mini-batch yet), and before an evaluation ends. An update followed at
+   once by another (the queue is ahead) keeps its state on the device -- an
+   offload and onload between them would move every byte twice for nothing.
+   Every verb's bytes and seconds go to ``OffloadMeter``.
 
 ``pi_old`` is the snapshot taken at each sync (``begin_cycle``): the weights
 the rollouter was sent. ``proximal`` recomputes under the weights just
@@ -129,7 +134,7 @@ class Trainer:
         self.meter.add(f"{verb}.{group}", time.perf_counter() - t0, self.state.nbytes(group) if moving else 0)
 
     def park(self) -> None:
-        """Between phases: offload what the config says (params, grads, optimizer state)."""
+        """Before the trainer waits: offload what the config says (params, grads, optimizer state)."""
         for group, on in (("params", self.cfg.param_offload), ("grads", self.cfg.grad_offload),
                           ("optim", self.cfg.optimizer_offload)):
             if on and group in self.state.groups and self.state.residency()[group]["device"]:
@@ -217,9 +222,7 @@ class Trainer:
             self.unpark("params", "optim", "grads")
         with timer("update"):
             stats = self._step(batch, l_p, l_ref)
-        with timer("offload"):
-            self.park()
-        self.updates_in_cycle += 1
+        self.updates_in_cycle += 1  # parked later, only if the trainer then waits (AsyncLoop.next_groups)
         return stats
 
     def _step(self, batch: Batch, l_p: torch.Tensor, l_ref: torch.Tensor | None) -> dict[str, float]:

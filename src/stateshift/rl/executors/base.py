@@ -27,6 +27,7 @@ import torch
 
 from stateshift import Snapshot, StateShiftError
 
+from ..control import SLICE_S
 from ..rollout import Group, Wave
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class Rollouts(Protocol):
         """Start generating."""
         ...
 
-    def take(self, count: int, trainer_version: int) -> list[Group]:
+    def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
         """``count`` groups (bounded waits; raises the run's error if it stops meanwhile)."""
         ...
 
@@ -147,21 +148,29 @@ class Rollouts(Protocol):
         ...
 
 
-def take_in_slices(control: RunControl, count: int, fetch: Callable[[int], list[Group]]) -> list[Group]:
-    """``count`` groups for the trainer thread, gathered by ``fetch(need)`` (one bounded wait each, ``[]`` if none yet).
+def take_in_slices(control: RunControl, count: int, fetch: Callable[[int, float], list[Group]],
+                   on_wait: Callable[[], None] | None = None) -> list[Group]:
+    """``count`` groups for the trainer thread, gathered by ``fetch(need, wait_s)`` (one bounded wait each, ``[]``
+    if none yet).
 
     Between two fetches the run's stop flag is checked (``control.check`` re-raises the other side's error), so
     the trainer never waits for a rollout side that is gone. Groups arriving count as progress for the watchdog
-    (under Ray the trainer sees the rollouter's progress only this way).
+    (under Ray the trainer sees the rollouter's progress only this way). ``on_wait`` (the trainer parking its
+    state) is called once, and only when the groups are not all there already: the first fetch does not wait.
     """
     got: list[Group] = []
+    first = on_wait is not None
     while len(got) < count:
         need = count - len(got)
         control.doing["trainer"] = f"waiting for {need} groups from the queue"
         control.check()
-        more = fetch(need)
+        more = fetch(need, 0.0 if first else SLICE_S)
         if more:
             control.progress()
         got += more
+        if first and len(got) < count:
+            assert on_wait is not None
+            on_wait()
+        first = False
     control.doing["trainer"] = "working"
     return got

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,8 +179,9 @@ class InProcessRollouts:
         self.control.on_stop.append(self.rollouter.pause)
         self.thread.start()
 
-    def take(self, count: int, trainer_version: int) -> list[Group]:
-        return take_in_slices(self.control, count, lambda need: self.hub.take(need, trainer_version, SLICE_S))
+    def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
+        return take_in_slices(self.control, count, lambda need, wait_s: self.hub.take(need, trainer_version, wait_s),
+                              on_wait)
 
     def trained(self, count: int) -> int:
         return self.hub.trained(count)

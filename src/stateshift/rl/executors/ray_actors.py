@@ -3,7 +3,8 @@
 - ``TrainerActor`` runs the trainer's loop (``loop.train_here``, the same code
   as in process) with ``RayRollouts`` as its rollout side.
 - ``RolloutActor`` is one rollouter incarnation: its own model copy, built
-  from the config and loaded with the weights it is given, and the same
+  from the config alone (``policies.build_rollout_lm``: no trainer model, no
+  optimizer) and loaded with the weights it is given, and the same
   ``RolloutWorker`` loop as the in-process rollout thread, reaching the queue
   actor through ``RemoteQueuePort``. Its ``run`` call lasts as long as it
   generates; weight updates arrive on another of the actor's threads
@@ -27,9 +28,10 @@ from typing import Any
 import ray
 import torch
 
-from ..build import build_policy, build_task
+from ..build import build_task
 from ..config import TrainConfig
 from ..control import RunControl
+from ..policies import build_rollout_lm
 from ..rollout import Group
 from ..sync import WeightUpdate
 from .base import RolloutCapture, SyncOutcome, WorkerReport
@@ -88,7 +90,7 @@ class RolloutActor:
             torch.set_num_threads(cfg.run.torch_threads)
         task = build_task(cfg)
         self.control = RunControl()
-        self.worker = RolloutWorker.build(cfg, task, build_policy(cfg, task).rollout_lm(), RemoteQueuePort(hub), self.control,
+        self.worker = RolloutWorker.build(cfg, task, build_rollout_lm(cfg, task), RemoteQueuePort(hub), self.control,
                                           version=version, owner=owner, seed=rollout_seed(cfg, owner))
         self.rollouter = self.worker.rollouter
         self.rollouter.update_weights(weights.items(), version)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from stateshift import Snapshot
@@ -39,7 +40,6 @@ from stateshift import Snapshot
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..rollout import Group
-from ..build import rollout_copy
 from ..policies import Policy
 from ..tasks.base import Task
 from .base import RolloutCapture, RolloutDiedError, RolloutStats, SyncOutcome, take_in_slices
@@ -69,7 +69,7 @@ class RayRollouts:
         if capture is not None:
             self._hub("restore", capture)
         #: the newest weights sent (an object reference) and their version: what a replacement is built with
-        self.weights = (ray.put(dict(rollout_copy(cfg, task, policy).module.state_dict())), version)
+        self.weights = (ray.put(policy.rollout_state_dict()), version)  # ray.put copies: no copy of the model
         self.lock = threading.Lock()
         self.closing = False
         self.owner = 0
@@ -150,8 +150,9 @@ class RayRollouts:
               f"in flight are generated again ({len(self.restarts)}/{limit} restarts)", file=self.stream, flush=True)
 
     # -- the Rollouts protocol -------------------------------------------------------------------
-    def take(self, count: int, trainer_version: int) -> list[Group]:
-        return take_in_slices(self.control, count, lambda need: self._hub("take", need, trainer_version, SLICE_S))
+    def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
+        return take_in_slices(self.control, count, lambda need, wait_s: self._hub("take", need, trainer_version, wait_s),
+                              on_wait)
 
     def trained(self, count: int) -> int:
         return self._hub("trained", count)

@@ -16,7 +16,11 @@ differs in three things and nothing else:
 ``rollout_lm()`` builds the rollouter's own copy on the same device (a
 plain model of the same architecture, loaded with the current weights);
 from then on it changes only by weight syncs, which copy the trainer's host
-snapshot into it by name (``KVRollouter.update_weights``).
+snapshot into it by name (``KVRollouter.update_weights``). Where the copy is
+built in another process (a Ray rollouter actor), the two halves are apart:
+``policy.rollout_state_dict()`` gives the weights the copy needs, by the
+copy's names, and ``build_rollout_lm(cfg, task)`` builds the bare copy from
+the config alone -- no trainer model, optimizer or process group.
 
 Families (``model.family``): ``builtin`` and ``hf`` (``plain.py``), ``fsdp2``
 (``fsdp2.py``), ``megatron`` (``megatron.py``).
@@ -25,11 +29,13 @@ Families (``model.family``): ``builtin`` and ``hf`` (``plain.py``), ``fsdp2``
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..rollout import WeightSyncError
 from ..sampler import CausalLM
 from ..tasks.base import Task
 from ..warmup import Stepper
@@ -65,6 +71,12 @@ class Policy(Protocol):
         """A fresh copy for the rollouter, on the same device, with the current weights (call while resident)."""
         ...
 
+    def rollout_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights as the rollouter's copy names them (its ``module.state_dict()`` tensors, each once;
+        sharded ones gathered), without building a copy. The tensors may share the live params' storage: copy
+        them (``ray.put`` does) before the next update. Call while resident."""
+        ...
+
 
 #: ``model.family`` -> module with ``build(cfg, task, device) -> Policy``
 FAMILIES: dict[str, str] = {
@@ -84,4 +96,34 @@ def build_policy(cfg: TrainConfig, task: Task) -> Policy:
     return module.build(cfg, task, device)
 
 
-__all__ = ["FAMILIES", "Policy", "build_policy"]
+def build_rollout_lm(cfg: TrainConfig, task: Task) -> CausalLM:
+    """The rollouter's own copy as ``cfg.model`` describes it, on ``cfg.run.device``, built from the config alone
+    (initial weights from ``run.seed``; load the trainer's with ``KVRollouter.update_weights`` or
+    ``load_rollout_weights``): what a rollouter in another process builds, instead of a whole policy."""
+    device = torch.device(cfg.run.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device", "is 'cuda' but torch sees no CUDA device here")
+    module = importlib.import_module(FAMILIES[cfg.model.family])
+    return module.build_rollout(cfg, task, device)
+
+
+def load_rollout_weights(lm: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (``Policy.rollout_state_dict()``) into the rollouter's copy ``lm`` by name; every tensor of
+    ``lm.module.state_dict()`` must be given exactly once (``WeightSyncError`` names the first that is not)."""
+    targets = {n: t for n, t in lm.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    extra = [n for n in weights if n not in targets]
+    missing = [n for n in targets if n not in weights]
+    if extra or missing:
+        first = f"weight {extra[0]!r} is not in the rollout model" if extra else \
+            f"weight {missing[0]!r} of the rollout model was not sent ({len(missing)} missing)"
+        raise WeightSyncError(first)
+    with torch.no_grad():
+        for name, target in targets.items():
+            value = weights[name]
+            if target.shape != value.shape or target.dtype != value.dtype:
+                raise WeightSyncError(f"weight {name!r}: {tuple(value.shape)} {value.dtype} sent, "
+                                      f"the rollout model has {tuple(target.shape)} {target.dtype}")
+            target.copy_(value)
+
+
+__all__ = ["FAMILIES", "Policy", "build_policy", "build_rollout_lm", "load_rollout_weights"]

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, TrainConfig
-from ..sampler import HFCausalLM
+from ..sampler import CausalLM, HFCausalLM
 from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
-from .plain import TorchPolicy
+from .plain import TorchPolicy, rollout_lm_of
 
 
 def init_world_of_one(device: torch.device) -> None:
@@ -60,14 +61,12 @@ def qwen2_config(cfg: TrainConfig, task: Task):  # noqa: ANN201 - a transformers
                        attention_dropout=0.0, pad_token_id=task.pad_token)
 
 
-def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
+def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], nn.Module]:
+    """How an unsharded, seeded ``Qwen2ForCausalLM`` of ``cfg.model``'s shape is built on ``device``."""
     try:
         from transformers import Qwen2ForCausalLM
     except ImportError as exc:
         raise ConfigError("model.family", f"fsdp2 needs transformers ({exc})") from None
-    from torch.distributed.fsdp import fully_shard
-
-    init_world_of_one(device)
     config = qwen2_config(cfg, task)
 
     def fresh() -> nn.Module:
@@ -76,9 +75,22 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
             model = Qwen2ForCausalLM(config).to(dtype=torch.float32)
         return model.to(device).eval()  # no dropout: trainer and rollouter compute the same distribution
 
+    return fresh
+
+
+def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
+    from torch.distributed.fsdp import fully_shard
+
+    fresh = _fresh(cfg, task, device)
+    init_world_of_one(device)
     model = fresh()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     return TorchPolicy(family="fsdp2", device=device, module=model, make_lm=HFCausalLM, fresh=fresh,
                        lr=cfg.trainer.lr, grad_clip=cfg.trainer.grad_clip)
+
+
+def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> CausalLM:
+    """The rollouter's copy alone (``policies.build_rollout_lm``): an unsharded model, no process group."""
+    return rollout_lm_of(_fresh(cfg, task, device)(), HFCausalLM)

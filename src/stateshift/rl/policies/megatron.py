@@ -49,6 +49,7 @@ from ..config import ConfigError, TrainConfig
 from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from ..warmup import Stepper
+from . import load_rollout_weights
 from .fsdp2 import init_world_of_one
 
 #: held by every Megatron forward in this process: megatron-core's CUDA RNG tracker is one global object that
@@ -163,16 +164,22 @@ class MegatronPolicy:
 
         return step
 
-    def rollout_lm(self) -> MegatronLM:
-        from megatron.core.transformer.module import Float16Module
+    def rollout_state_dict(self) -> dict[str, torch.Tensor]:
+        """The GPTModel's tensors by name (the bf16 params are views into DDP's flat ``param_data``)."""
+        return {n: t for n, t in self.lm.module.state_dict().items() if isinstance(t, torch.Tensor)}
 
-        wrapper = Float16Module(self.config, self.make_gpt())
-        copy = wrapper.module
-        params = dict(self.lm.module.named_parameters())
-        with torch.no_grad():
-            for name, p in copy.named_parameters():
-                p.copy_(params[name])
-        return MegatronLM(wrapper, copy, own_stream=True)
+    def rollout_lm(self) -> MegatronLM:
+        lm = rollout_lm_of(self.config, self.make_gpt)
+        load_rollout_weights(lm, self.rollout_state_dict())
+        return lm
+
+
+def rollout_lm_of(config: Any, make_gpt: Any) -> MegatronLM:
+    """A fresh GPTModel in a ``Float16Module`` (no DDP), as the rollouter's private copy."""
+    from megatron.core.transformer.module import Float16Module
+
+    wrapper = Float16Module(config, make_gpt())
+    return MegatronLM(wrapper, wrapper.module, own_stream=True)
 
 
 def _check_usable(device: torch.device) -> None:
@@ -185,15 +192,13 @@ def _check_usable(device: torch.device) -> None:
         raise ConfigError("model.family", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})") from None
 
 
-def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
+def _gpt(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Any, Any]:
+    """Megatron's ``TransformerConfig`` of ``cfg.model`` and a seeded GPTModel factory on ``device``."""
     _check_usable(device)
     init_megatron(device, cfg.run.seed)
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
     m = cfg.model
     config = TransformerConfig(num_layers=m.layers, hidden_size=m.width, num_attention_heads=m.heads, bf16=True,
@@ -207,6 +212,15 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
                            max_sequence_length=PROMPT_LEN + cfg.rollout.max_new_tokens)
         return gpt.to(device)
 
+    return config, make_gpt
+
+
+def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
+    config, make_gpt = _gpt(cfg, task, device)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                         use_distributed_optimizer=True),
                                   module=Float16Module(config, make_gpt()))
@@ -215,3 +229,10 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
                                                        clip_grad=cfg.trainer.grad_clip), [ddp])
     return MegatronPolicy(device=device, config=config, ddp=ddp, optimizer=optimizer, lr=cfg.trainer.lr,
                           make_gpt=make_gpt)
+
+
+def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronLM:
+    """The rollouter's copy alone (``policies.build_rollout_lm``): no DDP, no optimizer (Megatron's model-parallel
+    state is still set up: a GPTModel needs it)."""
+    config, make_gpt = _gpt(cfg, task, device)
+    return rollout_lm_of(config, make_gpt)

@@ -2,7 +2,8 @@
 
 A step is the textbook one: ``backward``, ``clip_grad_norm_``, ``torch.optim.Adam.step``. The warm-up has an
 Adam of its own (the RL optimizer starts fresh after it). The rollouter's copy is the same architecture built
-afresh and loaded with ``state_dict`` -- not a deep copy, which would carry the trainer state's guard hooks.
+afresh and loaded with ``state_dict`` (``rollout_state_dict``) -- not a deep copy, which would carry the trainer
+state's guard hooks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from ..tasks.gpt import GPTConfig, build_gpt
 from ..warmup import Stepper, adam_stepper
+from . import load_rollout_weights
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,16 +72,24 @@ class TorchPolicy:
     def warmup_stepper(self, lr: float) -> Stepper:
         return adam_stepper(self.module.parameters(), lr)
 
+    def rollout_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.module)
+
     def rollout_lm(self) -> CausalLM:
-        copy = self.fresh()
-        copy.load_state_dict(full_state_dict(self.module))
-        lm = self.make_lm(copy)
-        lm.own_stream = True  # type: ignore[attr-defined] - the rollouter's private copy (see KVRollouter)
+        lm = rollout_lm_of(self.fresh(), self.make_lm)
+        load_rollout_weights(lm, self.rollout_state_dict())
         return lm
 
 
-def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
-    """``builtin`` (the seeded built-in GPT) or ``hf`` (``load_hf``), moved to ``device``."""
+def rollout_lm_of(module: nn.Module, make_lm: Callable[[nn.Module], CausalLM]) -> CausalLM:
+    """``module`` as the rollouter's private copy (its own CUDA stream, see ``KVRollouter``)."""
+    lm = make_lm(module)
+    lm.own_stream = True  # type: ignore[attr-defined]
+    return lm
+
+
+def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], CausalLM]]:
+    """How ``builtin`` (the seeded built-in GPT) or ``hf`` (``load_hf``) is built on ``device``, and its ``CausalLM``."""
     from ..build import load_hf
 
     m = cfg.model
@@ -90,11 +100,22 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
         def fresh() -> nn.Module:
             return build_gpt(gpt, seed=cfg.run.seed).to(device)
 
-        make_lm: Callable[[nn.Module], CausalLM] = BuiltinLM  # type: ignore[assignment]
-    else:
-        def fresh() -> nn.Module:
-            return load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed).to(device)
+        return fresh, BuiltinLM  # type: ignore[return-value]
 
-        make_lm = HFCausalLM
-    return TorchPolicy(family=m.family, device=device, module=fresh(), make_lm=make_lm, fresh=fresh,
+    def fresh_hf() -> nn.Module:
+        return load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed).to(device)
+
+    return fresh_hf, HFCausalLM  # type: ignore[return-value]
+
+
+def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
+    """``builtin`` (the seeded built-in GPT) or ``hf`` (``load_hf``), moved to ``device``."""
+    fresh, make_lm = _fresh(cfg, task, device)
+    return TorchPolicy(family=cfg.model.family, device=device, module=fresh(), make_lm=make_lm, fresh=fresh,
                        lr=cfg.trainer.lr, grad_clip=cfg.trainer.grad_clip)
+
+
+def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> CausalLM:
+    """The rollouter's copy alone (``policies.build_rollout_lm``): the same module, no optimizer."""
+    fresh, make_lm = _fresh(cfg, task, device)
+    return rollout_lm_of(fresh(), make_lm)
