@@ -211,11 +211,26 @@ class RayRollouts:
                 ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return False
-        except Exception:  # noqa: BLE001 - it died or raised: stopped either way (the supervisor reported it)
+        except ray.exceptions.RayActorError as err:
+            self._died_while_stopping(err)
+        except Exception:  # noqa: BLE001 - it raised: stopped either way (the supervisor reported it)
             pass
         if self.supervisor.ident is not None:
             self.supervisor.join(2)
         return True
+
+    def _died_while_stopping(self, err: BaseException) -> None:
+        """The rollouter was dead when the run stopped, and the supervisor (which stops restarting once the
+        run is closing) did not see it: report which and why all the same, as a death without a successor."""
+        with self.lock:
+            name, pid = self.name, self.pid
+        if any(r["rollouter"] == name for r in self.restarts):
+            return
+        why = death_reason(err)
+        print(f"[stateshift] rollouter {name} (pid {pid}) died: {why} (the run was stopping: not restarted)",
+              file=self.stream, flush=True)
+        self.restarts.append({"rollouter": name, "pid": pid, "why": why, "detected_at": time.time(), "restart_s": None,
+                              "weights_version": None, "regenerated": 0, "successor": None, "successor_pid": None})
 
     def close(self) -> dict[str, Any]:
         """Close the ledger in the queue actor, then end both actors."""
