@@ -384,15 +384,24 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
             raise CheckpointCorruptError(path, f"bad header entry for tensor {name!r}", name)
         found.append(TensorEntry(name, dtype, shape, b, e - b, 0))
     found.sort(key=lambda t: (t.start, t.nbytes))
-    pos = 0
-    for t in found:
-        if t.start != pos:
-            raise CheckpointCorruptError(path, f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name)
-        pos += t.nbytes
-    if len(raw) + pos != file_size:
-        what = "truncated" if len(raw) + pos > file_size else "has trailing bytes"
-        raise CheckpointCorruptError(path, f"file {what}: header describes {len(raw) + pos} bytes, file holds {file_size}")
+    bad = extent_error(found, len(raw), file_size)
+    if bad is not None:
+        raise CheckpointCorruptError(path, *bad)
     return tuple(found)
+
+
+def extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
+    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
+    ``(what, the tensor at fault or None)``, or ``None``. Shared by ``parse_header`` and the manifest's decoder."""
+    pos = 0
+    for t in tensors:
+        if t.start != pos:
+            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
+        pos += t.nbytes
+    if header_bytes + pos != file_size:
+        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
+        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
+    return None
 
 
 def check_file(fd: int, size: int, entry: FileEntry, path: str) -> None:
