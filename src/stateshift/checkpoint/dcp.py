@@ -68,11 +68,8 @@ def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     """This rank's share of the files DCP wrote: crc32 and size of each."""
     out = {}
     for name in sorted(os.listdir(tmp))[comm.rank :: comm.world]:
-        fd, size, path = open_regular(tmp, name)
-        try:
+        with open_regular(tmp, name) as (fd, size, path):
             out[mf.check_file_name(name)] = FileEntry(size, file_crc32(fd, size, path))
-        finally:
-            os.close(fd)
     return out
 
 

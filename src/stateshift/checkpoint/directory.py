@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +95,13 @@ class Checkpoint:
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
-        try:
-            fd, size, path = fmt.open_regular(self.path, name)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
-        try:
+        with ExitStack() as opened:
+            try:
+                fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
+            except FileNotFoundError:
+                raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
             fmt.check_file(fd, size, entry, path)
             yield fd, entry, path
-        finally:
-            os.close(fd)
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:

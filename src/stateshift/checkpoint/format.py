@@ -37,8 +37,9 @@ import stat
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,8 +276,9 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
 # --------------------------------------------------------------------------- opening and JSON
 
 
-def open_regular(root: os.PathLike[str], name: str) -> tuple[int, int, str]:
-    """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``.
+@contextmanager
+def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, str]]:
+    """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``, closed on exit.
 
     Refuses (``CheckpointCorruptError``) a symbolic link and anything that is not a regular file
     (a FIFO is opened non-blocking, so it cannot hang us). ``FileNotFoundError`` if absent.
@@ -292,12 +294,14 @@ def open_regular(root: os.PathLike[str], name: str) -> tuple[int, int, str]:
         raise
     finally:
         os.close(dir_fd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
+        os.set_blocking(fd, True)
+        yield fd, st.st_size, path
+    finally:
         os.close(fd)
-        raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
-    os.set_blocking(fd, True)
-    return fd, st.st_size, path
 
 
 def load_json(raw: bytes, path: str, what: str) -> Any:

@@ -460,9 +460,8 @@ def loads(raw: bytes, path: str) -> Manifest:
 
 def read(root: os.PathLike[str]) -> Manifest:
     """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
-    fd, size, path = open_regular(root, MANIFEST_NAME)
-    if size > MAX_MANIFEST_BYTES:
-        os.close(fd)
-        raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
-    with os.fdopen(fd, "rb") as f:
-        return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit
+    with open_regular(root, MANIFEST_NAME) as (fd, size, path):
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit
