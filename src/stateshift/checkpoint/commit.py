@@ -135,13 +135,10 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
     """The checkpoint ``<root>/latest`` names (a real directory inside ``root``), or ``None`` if there is no pointer."""
     root_p = Path(os.path.abspath(root))
     try:
-        fd, size, path = open_regular(root_p, LATEST)
+        with open_regular(root_p, LATEST) as (fd, size, path):
+            name = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     except FileNotFoundError:
         return None
-    try:
-        name = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
     if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
         raise CheckpointCorruptError(path, "latest does not hold the plain name of a checkpoint in this directory")
     if os.path.islink(root_p / name):

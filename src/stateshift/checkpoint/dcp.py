@@ -35,8 +35,8 @@ import torch
 from ..errors import CheckpointMismatchError, CheckpointUntrustedError, CheckpointWriteError
 from . import manifest as mf
 from .collective import Collective
-from .commit import commit, make_parents, write_error
-from .directory import Checkpoint, assemble, check_args
+from .commit import make_parents, write_error
+from .directory import Checkpoint, check_args, commit_checkpoint
 from .format import FileEntry, file_crc32, open_regular
 
 
@@ -68,11 +68,8 @@ def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     """This rank's share of the files DCP wrote: crc32 and size of each."""
     out = {}
     for name in sorted(os.listdir(tmp))[comm.rank :: comm.world]:
-        fd, size, path = open_regular(tmp, name)
-        try:
+        with open_regular(tmp, name) as (fd, size, path):
             out[mf.check_file_name(name)] = FileEntry(size, file_crc32(fd, size, path))
-        finally:
-            os.close(fd)
     return out
 
 
@@ -109,12 +106,9 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
                                        "checkpoint was created") from e
         return {"files": _hash_share(tmp, comm)}
 
-    def build(reports: list[Any]) -> bytes:
-        return assemble(reports, layout={"format": mf.DCP_FORMAT, "world_size": comm.world}, per_rank=False,
-                        backend="dcp", tag=tag, version=version, extra=extra_d, dcp_tensors=tensors)
-
-    data = commit(final, comm, write, build, update_latest=update_latest)
-    return mf.loads(data, str(final / mf.MANIFEST_NAME))
+    return commit_checkpoint(final, comm, write, layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
+                             per_rank=False, update_latest=update_latest, backend="dcp", tag=tag, version=version,
+                             extra=extra_d, dcp_tensors=tensors)
 
 
 def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast: bool) -> None:

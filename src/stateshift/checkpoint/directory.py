@@ -9,16 +9,17 @@ opened only as a regular file inside the directory (no symbolic link, no FIFO) a
 it -- size, then header crc32, then the header itself -- before a byte of data is read.
 
 Writing (``write_checkpoint``): records are checked, then ``commit.commit`` writes each rank's
-files into a fresh directory and rank 0 assembles the manifest from every rank's report.
+files into a fresh directory and rank 0 assembles the manifest from every rank's report
+(``commit_checkpoint``, which ``dcp.save_dcp`` shares).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +95,13 @@ class Checkpoint:
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
-        try:
-            fd, size, path = fmt.open_regular(self.path, name)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
-        try:
+        with ExitStack() as opened:
+            try:
+                fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
+            except FileNotFoundError:
+                raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
             fmt.check_file(fd, size, entry, path)
             yield fd, entry, path
-        finally:
-            os.close(fd)
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
@@ -161,18 +160,27 @@ def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[
     return out
 
 
-def assemble(reports: list[dict[str, Any]], *, layout: Mapping[str, Any], per_rank: bool, **fields: Any) -> bytes:
-    """Rank 0: the manifest's bytes from every rank's report (``{"files": ..., "layout": ...}``)."""
-    files: dict[str, FileEntry] = {}
-    for rank, report in enumerate(reports):
-        for name, entry in report["files"].items():
-            if name in files:
-                raise CheckpointMismatchError(name, f"file written by two ranks (rank {rank} and another)")
-            files[name] = entry
-    full = dict(layout)
-    if per_rank:
-        full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
-    return mf.dumps(mf.make(layout=full, files=files, **fields))
+def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dict[str, Any]], *,
+                      layout: Mapping[str, Any], per_rank: bool, nbytes: int = 0, update_latest: bool = False,
+                      **fields: Any) -> mf.Manifest:
+    """``commit.commit``, rank 0 assembling the manifest from every rank's report (``{"files": ..., "layout": ...}``,
+    returned by ``write``): ``layout``, with ``world_size`` and every rank's own layout when ``per_rank``, and the
+    manifest's other ``fields``. Returns the manifest, decoded, on every rank."""
+
+    def build(reports: list[dict[str, Any]]) -> bytes:
+        files: dict[str, FileEntry] = {}
+        for rank, report in enumerate(reports):
+            for name, entry in report["files"].items():
+                if name in files:
+                    raise CheckpointMismatchError(name, f"file written by two ranks (rank {rank} and another)")
+                files[name] = entry
+        full = dict(layout)
+        if per_rank:
+            full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
+        return mf.dumps(mf.make(layout=full, files=files, **fields))
+
+    data = commit(final, comm, write, build, nbytes=nbytes, update_latest=update_latest)
+    return mf.loads(data, str(final / mf.MANIFEST_NAME))
 
 
 def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[Record]], *, backend: str,
@@ -209,10 +217,6 @@ def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[
             raise write_error(final, e, doing, nbytes) from e
         return {"files": entries, "layout": rank_layout}
 
-    def build(reports: list[Any]) -> bytes:
-        return assemble(reports, layout=layout, per_rank=rank_layout is not None, backend=backend, tag=tag,
-                        version=version, extra=extra_d)
-
-    data = commit(final, comm, write, build, nbytes=nbytes, update_latest=update_latest)
-    return mf.loads(data, str(final / mf.MANIFEST_NAME))
+    return commit_checkpoint(final, comm, write, layout=layout, per_rank=rank_layout is not None, nbytes=nbytes,
+                             update_latest=update_latest, backend=backend, tag=tag, version=version, extra=extra_d)
 

@@ -37,8 +37,9 @@ import stat
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,8 +276,9 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
 # --------------------------------------------------------------------------- opening and JSON
 
 
-def open_regular(root: os.PathLike[str], name: str) -> tuple[int, int, str]:
-    """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``.
+@contextmanager
+def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, str]]:
+    """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``, closed on exit.
 
     Refuses (``CheckpointCorruptError``) a symbolic link and anything that is not a regular file
     (a FIFO is opened non-blocking, so it cannot hang us). ``FileNotFoundError`` if absent.
@@ -292,12 +294,14 @@ def open_regular(root: os.PathLike[str], name: str) -> tuple[int, int, str]:
         raise
     finally:
         os.close(dir_fd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
+        os.set_blocking(fd, True)
+        yield fd, st.st_size, path
+    finally:
         os.close(fd)
-        raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
-    os.set_blocking(fd, True)
-    return fd, st.st_size, path
 
 
 def load_json(raw: bytes, path: str, what: str) -> Any:
@@ -384,15 +388,24 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
             raise CheckpointCorruptError(path, f"bad header entry for tensor {name!r}", name)
         found.append(TensorEntry(name, dtype, shape, b, e - b, 0))
     found.sort(key=lambda t: (t.start, t.nbytes))
-    pos = 0
-    for t in found:
-        if t.start != pos:
-            raise CheckpointCorruptError(path, f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name)
-        pos += t.nbytes
-    if len(raw) + pos != file_size:
-        what = "truncated" if len(raw) + pos > file_size else "has trailing bytes"
-        raise CheckpointCorruptError(path, f"file {what}: header describes {len(raw) + pos} bytes, file holds {file_size}")
+    bad = extent_error(found, len(raw), file_size)
+    if bad is not None:
+        raise CheckpointCorruptError(path, *bad)
     return tuple(found)
+
+
+def extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
+    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
+    ``(what, the tensor at fault or None)``, or ``None``. Shared by ``parse_header`` and the manifest's decoder."""
+    pos = 0
+    for t in tensors:
+        if t.start != pos:
+            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
+        pos += t.nbytes
+    if header_bytes + pos != file_size:
+        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
+        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
+    return None
 
 
 def check_file(fd: int, size: int, entry: FileEntry, path: str) -> None:

@@ -47,7 +47,8 @@ import torch
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError
-from .format import MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, load_json, open_regular
+from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, load_json,
+                     open_regular)
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2
@@ -332,13 +333,11 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
     header = _get(d, "header", "dict", where)
     hsize, hcrc = _get(header, "bytes", "int", f"{where}.header"), _crc(header, f"{where}.header")
     tensors = tuple(_tensor(t, f"{where}.tensors[{i}]") for i, t in enumerate(_get(d, "tensors", "list", where)))
-    pos = 0
-    for t in tensors:
-        if t.start != pos:
-            raise _Bad(f"{where}: tensor {t.name!r} starts at {t.start}, expected {pos}")
-        pos += t.nbytes
-    if not 8 <= hsize <= MAX_HEADER_BYTES or hsize + pos != size or len({t.name for t in tensors}) != len(tensors):
-        raise _Bad(f"{where}: header and tensors do not add up to the file's {size} bytes (or a name repeats)")
+    bad = extent_error(tensors, hsize, size)
+    if bad is not None:
+        raise _Bad(f"{where}: {bad[0]}")
+    if not 8 <= hsize <= MAX_HEADER_BYTES or len({t.name for t in tensors}) != len(tensors):
+        raise _Bad(f"{where}: header size {hsize} impossible (or a tensor name repeats)")
     return FileEntry(size, crc, (hsize, hcrc), tensors)
 
 
@@ -461,9 +460,8 @@ def loads(raw: bytes, path: str) -> Manifest:
 
 def read(root: os.PathLike[str]) -> Manifest:
     """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
-    fd, size, path = open_regular(root, MANIFEST_NAME)
-    if size > MAX_MANIFEST_BYTES:
-        os.close(fd)
-        raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
-    with os.fdopen(fd, "rb") as f:
-        return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit
+    with open_regular(root, MANIFEST_NAME) as (fd, size, path):
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit
