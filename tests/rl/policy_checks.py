@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from rlkit import tiny
+from rlkit import parked_trainer, tiny
 from stateshift.rl.build import build_policy, build_task
 from stateshift.rl.loop import run
 from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.trainer import Batch, Trainer
+from stateshift.rl.trainer import Batch
 from stateshift.rl.executors.inprocess import sampling_of
 
 ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
@@ -25,8 +25,10 @@ ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "train
 
 
 def check_run(tmp: Path, family: str, *extra: str) -> dict:
-    """A few async steps with every offload on and pi_old: finished, finite losses, ledger balanced, pi_old swapped."""
-    cfg = tiny(tmp, f"model.family={family}", "trainer.steps=6", *ALL_OFFLOAD, *extra)
+    """A few async steps with every offload on and pi_old: finished, finite losses, ledger balanced, pi_old swapped.
+    (An evaluation after every step parks the trainer each time: it parks only before a wait or after an
+    evaluation, and whether it waits depends on timing, so without it a short run may never offload ``optim``.)"""
+    cfg = tiny(tmp, f"model.family={family}", "trainer.steps=6", "run.eval_every=1", *ALL_OFFLOAD, *extra)
     res = run(cfg)
     s = res.summary
     assert s["status"] == "finished", s["status"]
@@ -52,12 +54,7 @@ def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
     """Train two updates with params offloaded; a host snapshot synced into the rollouter's copy by name makes its
     weights equal the trainer's, and the copy then samples what the trainer's own model samples."""
     cfg = tiny(tmp, f"model.family={family}", *ALL_OFFLOAD, *extra)
-    task = build_task(cfg)
-    policy = build_policy(cfg, task)
-    trainer = Trainer(policy, cfg.trainer, temperature=1.0)
-    rollouter = KVRollouter(policy.rollout_lm(), sampling_of(cfg, task), seed=1)
-    trainer.begin_cycle()
-    trainer.park()
+    task, policy, trainer, rollouter = parked_trainer(cfg)
     items = [task.sample(__import__("random").Random(i)) for i in range(cfg.trainer.batch_prompts)]
     for _ in range(2):
         wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,

@@ -12,7 +12,7 @@ from stateshift.rl.build import build_policy, build_task
 from stateshift.rl.config import TrainConfig, resolve
 from stateshift.rl.rollout import KVRollouter, Wave
 from stateshift.rl.sampler import Sampling, sequence_logprobs
-from stateshift.rl.trainer import Batch
+from stateshift.rl.trainer import Batch, Trainer
 from stateshift.rl.warmup import supervised_warmup
 
 TINY = [
@@ -64,3 +64,17 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in lm.module.state_dict().items()}
+
+
+def parked_trainer(cfg: TrainConfig):
+    """``(task, policy, trainer, rollouter)`` for ``cfg``: a trainer at the start of a cycle with its state parked
+    (as configured) and a rollouter on the policy's own rollout copy."""
+    from stateshift.rl.executors.inprocess import sampling_of
+
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    trainer = Trainer(policy, cfg.trainer, temperature=1.0)
+    rollouter = KVRollouter(policy.rollout_lm(), sampling_of(cfg, task), seed=1)
+    trainer.begin_cycle()
+    trainer.park()
+    return task, policy, trainer, rollouter

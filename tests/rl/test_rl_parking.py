@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import random
 
-from rlkit import tiny
-from stateshift.rl.build import build_policy, build_task
+from rlkit import parked_trainer, tiny
 from stateshift.rl.control import RunControl
 from stateshift.rl.executors.base import take_in_slices
-from stateshift.rl.executors.inprocess import sampling_of
-from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.trainer import Batch, Trainer
+from stateshift.rl.rollout import Wave
+from stateshift.rl.trainer import Batch
 
 
 class _Null:
@@ -25,12 +23,7 @@ class _Null:
 def test_updates_back_to_back_move_no_params(tmp_path):
     cfg = tiny(tmp_path, "trainer.param_offload=true", "trainer.old_logprob=pi_old",
                "async_training.trigger_parameter_sync_step=4")
-    task = build_task(cfg)
-    policy = build_policy(cfg, task)
-    trainer = Trainer(policy, cfg.trainer, temperature=1.0)
-    rollouter = KVRollouter(policy.rollout_lm(), sampling_of(cfg, task), seed=1)
-    trainer.begin_cycle()
-    trainer.park()
+    task, policy, trainer, rollouter = parked_trainer(cfg)
     items = [task.sample(random.Random(i)) for i in range(cfg.trainer.batch_prompts)]
     for _ in range(3):
         wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,

@@ -246,55 +246,42 @@ class DiskHome:
         mv = _byte_view(data)
         try:
             for a, b, direct in self.pieces(offset, data.data_ptr(), mv.nbytes):
-                self._pwrite(mv[a:b], offset + a, direct)
+                self._io(mv[a:b], offset + a, direct, write=True)
         except OSError as exc:
             full = exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
             what = "the disk is full" if full else (exc.strerror or str(exc))
             raise DiskTierError(f"writing the disk home {str(self.path)!r} failed: {what}; nothing was moved") from None
 
-    def _pwrite(self, mv: memoryview, offset: int, direct: bool) -> None:
+    def _io(self, mv: memoryview, offset: int, direct: bool, write: bool) -> None:
+        """All of ``mv`` to (``write``) or from the file at ``offset``: through the ``O_DIRECT`` descriptor
+        where ``direct`` and the length is aligned, else (or once the kernel refuses it: ``EINVAL``) the
+        buffered one. A read that ends early raises ``DiskTierError``."""
+        what = "write" if write else "read"
         while mv.nbytes:
-            if direct and mv.nbytes % self.align == 0:
-                assert self._dfd is not None
-                try:
-                    n = os.pwrite(self._dfd, mv, offset)
-                    self.bytes_direct += n
-                except OSError as exc:
-                    if exc.errno != _errno.EINVAL:
-                        raise
-                    _log.debug("disk home %s: direct write refused at %d (EINVAL); buffered instead", self.path, offset)
-                    direct = False
-                    continue
+            use_direct = direct and mv.nbytes % self.align == 0
+            fd = self._dfd if use_direct else self.fd
+            assert fd is not None
+            try:
+                n = os.pwrite(fd, mv, offset) if write else os.preadv(fd, [mv], offset)
+            except OSError as exc:
+                if not use_direct or exc.errno != _errno.EINVAL:
+                    raise
+                _log.debug("disk home %s: direct %s refused at %d (EINVAL); buffered instead", self.path, what, offset)
+                direct = False
+                continue
+            if use_direct:
+                self.bytes_direct += max(n, 0)
             else:
-                n = os.pwrite(self.fd, mv, offset)
-                self.bytes_buffered += n
+                self.bytes_buffered += max(n, 0)
+            if n <= 0:
+                raise DiskTierError(f"the disk home {str(self.path)!r} ended early at byte {offset}")
             mv, offset = mv[n:], offset + n
 
     def read(self, offset: int, out: torch.Tensor) -> None:
         """Fill a contiguous CPU uint8 tensor from ``offset``."""
         mv = _byte_view(out)
         for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
-            self._pread(mv[a:b], offset + a, direct)
-
-    def _pread(self, mv: memoryview, offset: int, direct: bool) -> None:
-        while mv.nbytes:
-            if direct and mv.nbytes % self.align == 0:
-                assert self._dfd is not None
-                try:
-                    n = os.preadv(self._dfd, [mv], offset)
-                    self.bytes_direct += max(n, 0)
-                except OSError as exc:
-                    if exc.errno != _errno.EINVAL:
-                        raise
-                    _log.debug("disk home %s: direct read refused at %d (EINVAL); buffered instead", self.path, offset)
-                    direct = False
-                    continue
-            else:
-                n = os.preadv(self.fd, [mv], offset)
-                self.bytes_buffered += max(n, 0)
-            if n <= 0:
-                raise DiskTierError(f"the disk home {str(self.path)!r} ended early at byte {offset}")
-            mv, offset = mv[n:], offset + n
+            self._io(mv[a:b], offset + a, direct, write=False)
 
     def settle(self, offset: int, nbytes: int) -> None:
         """Push written pages to the disk and out of the page cache (a disk tier saves host memory), and
