@@ -180,7 +180,9 @@ def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_
     assert max(r["pi_old_same_version_max_abs_diff"] for r in recs) <= 1e-5
     # ... and never with older weights than its predecessor had (the rollout side's version never goes back)
     versions = [r["rollout_version"] for r in recs]
-    assert versions == sorted(versions) and all(1 <= r["weights_version"] <= 7 for r in restarts)
+    last = cfg.trainer.steps // cfg.async_training.trigger_parameter_sync_step
+    assert versions == sorted(versions)
+    assert all(r["successor"] is None or 1 <= r["weights_version"] <= last for r in restarts)
 
 
 def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess):
