@@ -427,3 +427,31 @@ def test_tensors_cross_as_their_bytes_and_leave_the_sender_untouched():
         back.untyped_storage().resize_(0)  # the receiver's memory is torch's own (the engine may resize it)
     assert len(pickle.dumps(to_wire(base[1:2]), protocol=5)) < 400  # a view sends its own bytes, not the storage
     base.untyped_storage().resize_(0)  # the sender's storage is still resizable (Tensor.numpy() would forbid it)
+
+
+def test_a_rollouter_found_dead_as_the_run_stops_is_reported(capsys):
+    """Once the run is closing the supervisor restarts nothing and reports nothing: a rollouter that died then
+    (a kill landing as the trainer took its last batch) must still be reported -- which and why -- by ``stop``."""
+    import io
+    import types
+
+    from stateshift.rl.executors.ray_rollouts import RayRollouts
+
+    err = ray.exceptions.RayActorError(error_msg="The actor is dead because its worker process has died.")
+
+    def get(ref, timeout=None):
+        raise err
+
+    side = RayRollouts.__new__(RayRollouts)  # the state stop() reads, without actors
+    side.ray = types.SimpleNamespace(exceptions=ray.exceptions, get=get)
+    side.lock, side.closing, side.stream = threading.Lock(), False, io.StringIO()
+    side.name, side.pid, side.run_ref, side.restarts = "stateshift-rollouter-1-3", 4242, object(), []
+    side.actor = types.SimpleNamespace(stop=types.SimpleNamespace(remote=lambda: object()))
+    side.supervisor = threading.Thread(target=lambda: None)
+    assert side.stop() is True
+    (entry,) = side.restarts
+    assert entry["rollouter"] == "stateshift-rollouter-1-3" and entry["pid"] == 4242 and entry["successor"] is None
+    assert "worker process has died" in entry["why"]
+    assert "rollouter stateshift-rollouter-1-3 (pid 4242) died" in side.stream.getvalue()
+    side.stop()  # once: a death already reported is not listed again
+    assert len(side.restarts) == 1
