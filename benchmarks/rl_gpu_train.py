@@ -340,8 +340,8 @@ def main() -> None:
                   f"verbs {100 * (r['stateshift_verbs_fraction_of_step'] or 0):.1f}% of step time", flush=True)
         result["comparison"] = comparison(result["runs"], args.threshold)
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))  # after each run: a kill keeps some
-    if result["runs"]:
-        plot(result, args.out / f"{args.name}.png")
+        if result["runs"]:
+            plot(result, args.out / f"{args.name}.png")  # (and its plot)
     print(table(result))
     print(json.dumps(result["comparison"], indent=1))
     sys.exit(1 if result["failures"] else 0)

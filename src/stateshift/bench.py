@@ -523,14 +523,16 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def bench_small(count: int, nbytes: int, device: torch.device, ceilings: dict[str, float], *, repeat: int = 5,
+def bench_small(count: int, nbytes: int, device: torch.device, *, repeat: int = 5,
                 progress: Progress | None = None) -> list[Row]:
     """Snapshot, restore, offload and onload of ``count`` tensors of ``nbytes``, each beside the plain loop
-    a user would write: ``copy_(non_blocking=True)`` per tensor into (or from) preallocated host memory."""
+    a user would write: ``copy_(non_blocking=True)`` per tensor into (or from) preallocated host memory.
+    The ratios are to ceilings measured here, on this case's own byte count (named in each row's note)."""
     model = ManySmall(count, nbytes, device)
     params = list(model.parameters())
     state = ModelState(model, free_device_memory=False)  # the copies alone, like the loop (memory: see full_state)
     total = state.nbytes("params")
+    ceilings = measure_ceilings(total, device, repeat=repeat)
     loops = plain_loops(params, repeat=repeat)
     snap = state.snapshot("params", tag="small")
     ops = {
@@ -547,7 +549,8 @@ def bench_small(count: int, nbytes: int, device: torch.device, ceilings: dict[st
         gbps, loop = total / t / 1e9, loops[direction][0] / loops[direction][1] / 1e9
         rows.append(Row("torch", op, "device" if op in ("snapshot", "offload", "restore") else "host", device.type, total, t,
                         gbps, gbps / ceiling, direction if device.type == "cuda" else "host_memcpy",
-                        f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s", case, loop, gbps / loop))
+                        f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s; ceiling {ceiling:.1f} GB/s",
+                        case, loop, gbps / loop))
         if progress is not None:
             progress.step(f"{op} ({case})")
     state.onload()

@@ -143,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.rows += rows
     result.extra.update(model=model_info, **extra)
     for count, nbytes in args.small_cases:
-        result.rows += bench.bench_small(count, nbytes, device, ceilings, repeat=args.repeat, progress=progress)
+        result.rows += bench.bench_small(count, nbytes, device, repeat=args.repeat, progress=progress)
     result.extra["full_state"] = bench.memory_handed_back(state)
     result.extra["pool"] = state.pool.stats.as_dict()
     _report(result, state, ceilings)
