@@ -17,7 +17,9 @@ into the same pi_old cycle.
 Rows (``docs/results.md``), ``residency`` ``disk``: ``offload`` (device -> disk), ``onload`` (disk ->
 device; its pages dropped from the cache first), ``snapshot`` (placement disk) and ``restore`` (from
 that snapshot), each with the pool's peak host bytes beside it (the staging windows bound it), and
-``pi_old_cycle`` with pi_old on disk.
+``pi_old_cycle`` with pi_old on disk. Every row, and its baseline, is the median of ``--repeat`` runs
+after one untimed warm-up (the first disk offload opens the disk home and the staging windows take
+their pinned memory: a one-time cost that a single timed run would count against the tier).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -141,14 +144,18 @@ class Naive:
             path.unlink()
 
 
-def _timed(fn, setup=None) -> float:
-    if setup is not None:
-        setup()
-    bench._sync()
-    t0 = time.perf_counter()
-    fn()
-    bench._sync()
-    return time.perf_counter() - t0
+def _timed(fn, setup=None, repeat: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs, ``setup`` untimed before each."""
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        bench._sync()
+        t0 = time.perf_counter()
+        fn()
+        bench._sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -159,6 +166,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="where the result JSON and PNG go")
     p.add_argument("--mb", type=int, default=1024, help="bytes of params, in MB (default 1024)")
     p.add_argument("--window-mb", type=int, default=64, help="each of the two staging windows, in MiB (default 64)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per row, after one warm-up (median; default 3)")
     p.add_argument("--buffered", action="store_true",
                    help="buffered I/O even where the filesystem takes O_DIRECT (sets STATESHIFT_DISK_DIRECT=0; the ceiling follows)")
     args = p.parse_args()
@@ -182,27 +190,45 @@ def main() -> None:
                             loop_gbps=naive_gbps, vs_loop=gbps / naive_gbps,
                             host_peak_bytes=state.pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
 
-    naive_save = _timed(lambda: naive.save("offload"))  # (first: the tensors are live; the offload releases them)
-    row("offload", _timed(lambda: state.offload(to="disk")), "disk_write", naive_save)
+    r = args.repeat
+
+    def drop_cache() -> None:
+        assert state._disk is not None
+        os.posix_fadvise(state._disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def offloaded() -> None:
+        state.offload(to="disk")
+        drop_cache()
+
+    # Warm-up: the first disk offload opens the disk home (and probes O_DIRECT) and the staging windows
+    # take their pinned memory; every row below is the median of ``r`` runs after it, as is the baseline.
+    offloaded()
+    state.onload()
+    naive.save("offload")
+    naive_save = _timed(lambda: naive.save("offload"), repeat=r)
+    row("offload", _timed(lambda: state.offload(to="disk"), setup=state.onload, repeat=r), "disk_write", naive_save)
     assert state._disk is not None and state._disk.io_mode == mode, (state.describe_disk(), mode)
-    os.posix_fadvise(state._disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    row("onload", _timed(state.onload), "disk_read", _timed(lambda: naive.load("offload")))
+    row("onload", _timed(state.onload, setup=offloaded, repeat=r), "disk_read", _timed(lambda: naive.load("offload"), repeat=r))
     snap = None
 
     def take():
         nonlocal snap
+        if snap is not None:
+            state.release(snap)  # the region is reused, as a pi_old cycle reuses its snapshot's
         snap = state.snapshot("params", tag="disk", placement="disk")
 
-    row("snapshot", _timed(take), "disk_write", _timed(lambda: naive.save("snapshot")))
-    os.posix_fadvise(state._disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    row("restore", _timed(lambda: state.restore(snap)), "disk_read", _timed(lambda: naive.load("snapshot")))
+    take()
+    row("snapshot", _timed(take, repeat=r), "disk_write", _timed(lambda: naive.save("snapshot"), repeat=r))
+    row("restore", _timed(lambda: state.restore(snap), setup=drop_cache, repeat=r), "disk_read",
+        _timed(lambda: naive.load("snapshot"), repeat=r))
     cycle = PiOldCycle(state, placement="disk")
 
     def run_cycle():
         cycle.run(range(4), lambda mb: None, lambda mb: None)
 
-    t = _timed(run_cycle)
-    naive_t = _timed(naive.cycle)
+    run_cycle()
+    t = _timed(run_cycle, repeat=r)
+    naive_t = _timed(naive.cycle, repeat=r)
     moved = total * (1 + 3 * 3)  # pi_old out once; 3 swaps: stash out and in, pi_old read
     bound_t = total / (ceilings["disk_write_gbps"] * 1e9) + 3 * total / (ceilings["disk_read_gbps"] * 1e9)
     rows.append(DiskRow("torch", "pi_old_cycle", "disk", device.type, moved, t, moved / t / 1e9, bound_t / t, "disk_write+disk_read",
