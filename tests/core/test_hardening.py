@@ -320,6 +320,19 @@ def test_buffers_trading_persistence_between_verbs_are_listed():
     assert set(snap.tensors()) == set(model.state_dict())
 
 
+def test_submodule_renamed_between_verbs_is_listed_under_its_new_name():
+    """Same modules in the same order, same tensors: only a child's key changed. Names are what
+    snapshots and checkpoints carry, so they must follow ``state_dict``."""
+    model = torch.nn.Sequential()
+    model.add_module("first", torch.nn.Linear(2, 2))
+    model.add_module("old", torch.nn.Linear(2, 2))
+    state = ModelState(model)
+    state.offload()
+    state.onload()
+    model._modules["new"] = model._modules.pop("old")
+    assert set(state.snapshot().tensors()) == set(model.state_dict())
+
+
 # ----------------------------------------------------------------------------- 8. torch.compile
 
 

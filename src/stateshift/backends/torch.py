@@ -78,7 +78,7 @@ _REQUIRES_GRAD, _FALSE = itertools.repeat("requires_grad"), itertools.repeat(Fal
 @dataclass
 class TreeWatch:
     """Says whether a module tree changed since the last look: a module, parameter or buffer added,
-    removed or replaced, a parameter frozen or unfrozen, a buffer made (non-)persistent
+    removed, replaced or renamed, a parameter frozen or unfrozen, a buffer made (non-)persistent
     (``param.data = ...`` keeps the parameter: storage changes are the slot table's business). One
     cheap pass per look (tuples of ids built in C, no names); what it saw is held, so no id in the
     signature can be reused by a new object while it is kept."""
@@ -90,7 +90,8 @@ class TreeWatch:
     def changed(self) -> bool:
         mods = [m for root in self.roots for m in modules_of(root)]
         sig = tuple(
-            (id(m), tuple(m._parameters), tuple(map(id, m._parameters.values())),
+            (id(m), tuple(m._modules),  # (children's names: a renamed child renames its tensors)
+             tuple(m._parameters), tuple(map(id, m._parameters.values())),
              # which are trainable: the guards hook gradients of trainable params only (one unfrozen later needs its hook)
              tuple(map(getattr, m._parameters.values(), _REQUIRES_GRAD, _FALSE)),
              tuple(m._buffers), tuple(map(id, m._buffers.values())),
