@@ -333,6 +333,23 @@ def test_submodule_renamed_between_verbs_is_listed_under_its_new_name():
     assert set(state.snapshot().tensors()) == set(model.state_dict())
 
 
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_buffer_leaving_the_listing_while_offloaded_gets_its_values_back(tmp_path, to):
+    """A buffer made non-persistent while offloaded is no longer stateshift's (non-persistent buffers
+    stay put), but the module still holds it: it must get its storage and values back, not stay
+    released forever (its values were only in the home that the re-listing let go)."""
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("a", torch.arange(6.0))
+    state = ModelState(model, disk_dir=tmp_path)
+    state.offload(to=to)
+    model.register_buffer("a", model.a, persistent=False)
+    state.onload()
+    nbytes = model.a.untyped_storage().nbytes()
+    assert nbytes == 24  # (reading a released storage would be a segfault)
+    assert torch.equal(model.a, torch.arange(6.0))
+    model(torch.ones(1, 4))
+
+
 # ----------------------------------------------------------------------------- 8. torch.compile
 
 
