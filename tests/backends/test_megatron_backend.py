@@ -508,6 +508,41 @@ def test_a_module_added_after_verbs_is_listed_and_guarded():
     assert torch.equal(inner.adapter.weight, torch.ones(HIDDEN, HIDDEN))
 
 
+_UNFROZEN_ADAPTER = """
+import sys
+sys.path[:0] = sys.argv[1:3]
+import torch
+from fakes.mcore import fake_train_step
+from fakes.mcore.setups import HIDDEN, _x, build
+from stateshift import ModelState, OffloadedStateError
+
+ddp, opt = build("dense_float16")
+fake_train_step(ddp, opt, _x(0))
+inner = ddp.module.module
+inner.adapter = torch.nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)  # frozen: group 'frozen', no grad hook
+state = ModelState(ddp, opt)
+state.offload()
+state.onload()
+inner.adapter.weight.requires_grad_(True)  # unfrozen between verbs: same objects, same names
+x = torch.zeros(2, HIDDEN)
+inner.adapter(x).sum().backward()
+state.offload("grads")
+try:
+    inner.adapter(x).sum().backward()  # accumulates into the released adapter.weight.grad
+except OffloadedStateError as e:
+    print("RAISED", e)
+"""
+
+
+def test_a_param_unfrozen_after_verbs_is_guarded():
+    """``TreeWatch`` must see ``requires_grad`` change: the guards hook gradients of trainable params only."""
+    from helpers import run_isolated
+
+    proc = run_isolated(_UNFROZEN_ADAPTER)
+    assert proc.returncode == 0 and "RAISED" in proc.stdout and "adapter.weight.grad" in proc.stdout, (
+        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
 def test_backward_into_offloaded_main_grads_is_a_python_error():
     ddp, opt = build("distrib")
     fake_train_step(ddp, opt, _x(0))

@@ -277,6 +277,79 @@ def test_parameter_replaced_by_a_new_object_is_guarded():
         model.ln_f(torch.zeros(1, model.cfg.hidden))
 
 
+_UNFROZEN = textwrap.dedent(
+    """
+    import sys
+    sys.path[:0] = sys.argv[1:3]
+    import torch
+    from stateshift import ModelState, OffloadedStateError
+
+    model = torch.nn.Linear(4, 1)
+    model.requires_grad_(False)  # frozen when the state is built: no gradient hook then
+    state = ModelState(model)
+    model.weight.requires_grad_(True)  # unfrozen later (progressive unfreezing): same objects, same names
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    state.offload("grads")
+    try:
+        model(x).sum().backward()  # accumulates into the released weight.grad
+    except OffloadedStateError as e:
+        print("RAISED", e)
+    """
+)
+
+
+def test_parameter_unfrozen_after_the_state_was_built_is_guarded():
+    proc = run_isolated(_UNFROZEN)
+    assert proc.returncode == 0 and "RAISED" in proc.stdout and "weight.grad" in proc.stdout, (
+        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_buffers_trading_persistence_between_verbs_are_listed():
+    """One buffer made non-persistent and another persistent between two verbs: as many
+    non-persistent buffers as before, but the listing must follow ``state_dict``."""
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("a", torch.randn(3))
+    model.register_buffer("b", torch.randn(3), persistent=False)
+    state = ModelState(model)
+    state.offload()
+    state.onload()
+    model.register_buffer("a", model.a, persistent=False)
+    model.register_buffer("b", model.b, persistent=True)
+    snap = state.snapshot()
+    assert set(snap.tensors()) == set(model.state_dict())
+
+
+def test_submodule_renamed_between_verbs_is_listed_under_its_new_name():
+    """Same modules in the same order, same tensors: only a child's key changed. Names are what
+    snapshots and checkpoints carry, so they must follow ``state_dict``."""
+    model = torch.nn.Sequential()
+    model.add_module("first", torch.nn.Linear(2, 2))
+    model.add_module("old", torch.nn.Linear(2, 2))
+    state = ModelState(model)
+    state.offload()
+    state.onload()
+    model._modules["new"] = model._modules.pop("old")
+    assert set(state.snapshot().tensors()) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_buffer_leaving_the_listing_while_offloaded_gets_its_values_back(tmp_path, to):
+    """A buffer made non-persistent while offloaded is no longer stateshift's (non-persistent buffers
+    stay put), but the module still holds it: it must get its storage and values back, not stay
+    released forever (its values were only in the home that the re-listing let go)."""
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("a", torch.arange(6.0))
+    state = ModelState(model, disk_dir=tmp_path)
+    state.offload(to=to)
+    model.register_buffer("a", model.a, persistent=False)
+    state.onload()
+    nbytes = model.a.untyped_storage().nbytes()
+    assert nbytes == 24  # (reading a released storage would be a segfault)
+    assert torch.equal(model.a, torch.arange(6.0))
+    model(torch.ones(1, 4))
+
+
 # ----------------------------------------------------------------------------- 8. torch.compile
 
 

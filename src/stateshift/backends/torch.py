@@ -21,6 +21,7 @@ compiled model and the plain one share names (checkpoints, HF export).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,12 +72,16 @@ def modules_of(root: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
+_REQUIRES_GRAD, _FALSE = itertools.repeat("requires_grad"), itertools.repeat(False)
+
+
 @dataclass
 class TreeWatch:
     """Says whether a module tree changed since the last look: a module, parameter or buffer added,
-    removed or replaced (``param.data = ...`` keeps the parameter: storage changes are the slot
-    table's business). One cheap pass per look (tuples of ids built in C, no names); what it saw is
-    held, so no id in the signature can be reused by a new object while it is kept."""
+    removed, replaced or renamed, a parameter frozen or unfrozen, a buffer made (non-)persistent
+    (``param.data = ...`` keeps the parameter: storage changes are the slot table's business). One
+    cheap pass per look (tuples of ids built in C, no names); what it saw is held, so no id in the
+    signature can be reused by a new object while it is kept."""
 
     roots: tuple[torch.nn.Module, ...]
     _signature: tuple[Any, ...] | None = field(default=None, repr=False)
@@ -85,8 +90,13 @@ class TreeWatch:
     def changed(self) -> bool:
         mods = [m for root in self.roots for m in modules_of(root)]
         sig = tuple(
-            (id(m), tuple(m._parameters), tuple(map(id, m._parameters.values())), tuple(m._buffers),
-             tuple(map(id, m._buffers.values())), len(m._non_persistent_buffers_set))
+            (id(m), tuple(m._modules),  # (children's names: a renamed child renames its tensors)
+             tuple(m._parameters), tuple(map(id, m._parameters.values())),
+             # which are trainable: the guards hook gradients of trainable params only (one unfrozen later needs its hook)
+             tuple(map(getattr, m._parameters.values(), _REQUIRES_GRAD, _FALSE)),
+             tuple(m._buffers), tuple(map(id, m._buffers.values())),
+             # which buffers, not how many: two trading persistence keep the count
+             frozenset(m._non_persistent_buffers_set) if m._non_persistent_buffers_set else None)
             for m in mods
         )
         if sig == self._signature:

@@ -250,7 +250,8 @@ class SlotTable:
         _TABLES.discard(self)
 
     def refresh(self, groups: Iterable[str] | None = None) -> None:
-        """Re-list ``groups`` (default all): new tensors become slots, vanished ones are forgotten."""
+        """Re-list ``groups`` (default all): new tensors become slots, vanished ones are forgotten (their values
+        back in their storage first: ``_let_go``)."""
         wanted = frozenset(self.names if groups is None else groups)
         by_group = self._list(wanted)
         seen: dict[int, Slot] = {k: s for k, s in self.slots.items() if s.info.group not in wanted}
@@ -348,10 +349,34 @@ class SlotTable:
             _adopt_native(slot, es)
         return slot, True
 
+    def _let_go(self, gs: GroupState, gone: list[Slot]) -> None:
+        """Slots no longer listed whose values are not in their storage (a buffer made non-persistent while
+        offloaded: the module still holds it) get storage and values back before their home is let go;
+        dropped ones come back zero-filled, as an onload would. (Storage released in place only: a
+        framework's own host copy, or an address-stable pause, stays the framework's / the policy's.)"""
+        index = gs.index()
+        for s in gone:
+            if s.native_home is not None or s.storage.nbytes() != 0 or s.key not in index:
+                continue
+            s.regrow_storage()
+            view = s.bytes()
+            if s.residency is Residency.HOST and gs.home is not None:
+                gs.home.sync()
+                view.copy_(gs.layout.region(gs.home.data, index[s.key]))
+            elif s.residency is Residency.DISK and self.disk is not None:
+                host = torch.empty(s.nbytes, dtype=torch.uint8)
+                self.disk.read(self.disk.region(gs.name, gs.layout.total) + gs.layout.offsets[index[s.key]], host)
+                view.copy_(host)
+            else:
+                view.zero_()
+            s.residency = Residency.DEVICE
+
     def _relayout(self, gs: GroupState, slots: list[Slot], layout: Layout) -> None:
         """Adopt a new slot list; carry offloaded values over into a home of the new layout (values that were
         on disk come back to the host: the disk region had the old layout)."""
         old_home, old_layout, old_index = gs.home, gs.layout, gs.index()
+        listed = {s.key for s in slots}
+        self._let_go(gs, [s for s in gs.slots if s.key not in listed and s.residency is not Residency.DEVICE])
         keep = [s for s in slots if s.residency is Residency.HOST and s.native_home is None and s.key in old_index]
         from_disk = [s for s in slots if s.residency is Residency.DISK and s.key in old_index]
         new_home = self.pool.acquire(layout.total) if keep or from_disk else None
