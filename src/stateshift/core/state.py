@@ -376,15 +376,13 @@ class ModelState(SwapVerbs):
         old = self._make_room_for(tag, version, gss, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
         device_arenas = {gs.name: self._device_arena(gs) for gs in gss if placement == "device"}
         disk = self._disk_home() if placement == "disk" else None
+        if disk is not None:  # writes can fail (a full disk): the old snapshot goes only once the new one is written
+            return self._store(Snapshot.of(tag=tag, version=version, placement=placement, parts=self._disk_parts(disk, gss), pool=self.pool))
         if old is not None:
             self.snapshots.discard(old)
         parts: list[SnapshotPart] = []
         transfer = Transfer()
         for gs in gss:
-            if disk is not None:
-                parts.append(SnapshotPart(gs.name, gs.layout, disk=(disk, disk.allocate(gs.layout.total))))
-                self._write_group_to_disk(gs, parts[-1])
-                continue
             if gs.name in shared:
                 assert gs.home is not None
                 parts.append(SnapshotPart(gs.name, gs.layout, host=self.pool.retain(gs.home)))
@@ -809,6 +807,20 @@ class ModelState(SwapVerbs):
         self._released({g: dev for g, (dev, _) in moving.items() if dev})
         _log.debug("offload to disk %s: %d bytes", list(moving), moved)
         return Transfer(nbytes={"disk": moved}, host_seconds=time.perf_counter() - t0)
+
+    def _disk_parts(self, disk: DiskHome, gss: list[GroupState]) -> tuple[SnapshotPart, ...]:
+        """Disk snapshot parts of ``gss`` holding their current values; on an error their spans are freed."""
+        parts: list[SnapshotPart] = []
+        try:
+            for gs in gss:
+                parts.append(SnapshotPart(gs.name, gs.layout, disk=(disk, disk.allocate(gs.layout.total))))
+                self._write_group_to_disk(gs, parts[-1])
+        except BaseException:
+            for p in parts:
+                assert p.disk is not None
+                disk.free(p.disk[1], p.layout.total)
+            raise
+        return tuple(parts)
 
     def _write_group_to_disk(self, gs: GroupState, part: SnapshotPart) -> None:
         """Every slot's current values into a disk snapshot part, whatever their residency."""
