@@ -45,3 +45,34 @@ def test_a_failing_disk_snapshot_keeps_the_snapshot_it_would_replace(tmp_path, m
     assert not old.released and state.snapshots.find("pi_old", None) is old
     assert_same(old.tensors(), want)
 
+
+@pytest.mark.parametrize("placement", ["disk", "host"])
+@pytest.mark.parametrize("at", [1, 2, 3, 5])
+def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monkeypatch, placement, at):
+    """Regression: restore wrote a snapshot's values straight over the disk region of slots on disk, so a
+    write failing part way (a full disk, EIO) left some slots with the snapshot's values and some with
+    their own, in the first groups of the snapshot all of them."""
+    model, opt, state = _state(tmp_path)
+    snap = state.snapshot(["params", "optim"], tag="s", placement=placement)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    for s in opt.state.values():
+        s["exp_avg"].add_(1)
+    state.offload(["params", "optim"], to="disk")
+    want, residency = capture(state), state.residency()
+    calls = _fail_pwrite(monkeypatch, at=at, err=errno.EIO)
+    try:
+        state.restore(snap)
+    except DiskTierError:
+        pass
+    else:
+        assert calls[0] < at, "the restore did not fail"
+        pytest.skip(f"the restore writes fewer than {at} times")
+    monkeypatch.undo()
+    assert state.residency() == residency
+    assert_same(capture(state), want)
+    state.restore(snap)  # and the restore works once the disk does
+    state.onload()
+    got = capture(state)
+    assert_same({k: got[k] for k in snap.tensors()}, snap.tensors())

@@ -206,6 +206,10 @@ class DiskHome:
             r = self._regions[group] = _Region(self.allocate(nbytes), nbytes)
         return r.offset
 
+    def adopt(self, group: str, offset: int, nbytes: int) -> None:
+        """Make an allocated span ``group``'s region (the caller forgot its old one)."""
+        self._regions[group] = _Region(offset, nbytes)
+
     def forget(self, group: str) -> None:
         r = self._regions.pop(group, None)
         if r is not None:

@@ -694,20 +694,13 @@ class ModelState(SwapVerbs):
     ) -> Transfer:
         """Copy ``parts`` into their groups: device slots in place, offloaded ones into (private) homes."""
         transfer = Transfer()
+        self._write_disk_regions(snapshot, parts)  # values on disk stay on disk (first: only these writes can fail)
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            by = gs.by_residency()
-            resident, on_disk = by[Residency.DEVICE], by[Residency.DISK]
-            if part.host is not None and (offloaded or on_disk):
+            resident = gs.by_residency()[Residency.DEVICE]
+            if part.host is not None and offloaded:
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
-            if on_disk:  # values on disk stay on disk
-                assert self._disk is not None
-                region, p = self._disk.region(gs.name, gs.layout.total), gs.plan(self.engine, on_disk, self._io.chunk)
-                if part.disk is not None:
-                    self._io.disk_to_disk(p, self._disk, part.disk[1], region)
-                else:
-                    self._io.arena_to_disk(p, part.arena, self._disk, region)
             if part.disk is not None:
                 transfer = transfer.merged(self._write_from_disk_part(gs, part, offloaded, fresh))
                 continue
@@ -726,6 +719,36 @@ class ModelState(SwapVerbs):
         if rewrite and not self._guarded:
             _KEEP_ALIVE.add(self)
         return transfer
+
+    def _write_disk_regions(self, snapshot: Snapshot, parts: list[SnapshotPart]) -> None:
+        """The parts' values of slots on disk, into new regions of the disk home that replace the groups'
+        regions only once every write (and its flush) succeeded: a failing write changes nothing."""
+        todo = [(self._groups[p.group], p) for p in parts]
+        todo = [(gs, p, gs.by_residency()[Residency.DISK]) for gs, p in todo]
+        todo = [(gs, p, idx) for gs, p, idx in todo if idx]
+        if not todo:
+            return
+        disk = self._disk
+        assert disk is not None
+        if any(p.host is not None for _, p, _ in todo):
+            snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
+        fresh: list[tuple[GroupState, int]] = []
+        try:
+            for gs, part, idx in todo:
+                fresh.append((gs, disk.allocate(gs.layout.total)))
+                p, region = gs.plan(self.engine, idx, self._io.chunk), fresh[-1][1]
+                if part.disk is not None:
+                    self._io.disk_to_disk(p, disk, part.disk[1], region)
+                else:
+                    self._io.arena_to_disk(p, part.arena, disk, region)
+                disk.settle(region, gs.layout.total)
+        except BaseException:
+            for gs, region in fresh:
+                disk.free(region, gs.layout.total)
+            raise
+        for gs, region in fresh:
+            disk.forget(gs.name)
+            disk.adopt(gs.name, region, gs.layout.total)
 
     def _write_from_disk_part(self, gs: GroupState, part: SnapshotPart, offloaded: list[Slot], fresh: dict[str, HostBlock]) -> Transfer:
         """Restore from a disk part: device slots in place, offloaded (not on disk) ones into a private home."""
