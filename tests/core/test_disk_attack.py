@@ -76,3 +76,48 @@ def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monke
     state.onload()
     got = capture(state)
     assert_same({k: got[k] for k in snap.tensors()}, snap.tensors())
+
+
+def _fail_preadv(monkeypatch, at: int = 1, err: int = errno.EIO) -> list[int]:
+    """``os.preadv`` fails with ``err`` from its ``at``-th call on."""
+    real, calls = os.preadv, [0]
+
+    def preadv(fd, buffers, offset, *args):
+        calls[0] += 1
+        if calls[0] >= at:
+            raise OSError(err, os.strerror(err))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+@pytest.mark.parametrize("stash", ["host", "device"])
+@pytest.mark.parametrize("at", [1, 2, 3, 6])
+def test_swapped_from_a_disk_snapshot_whose_read_fails_changes_nothing(tmp_path, monkeypatch, stash, at):
+    """Regression: an I/O error reading a disk snapshot on entering swapped() left the resident slots
+    partly overwritten with the snapshot's values (their stash was dropped) and raised a bare OSError."""
+    model, opt, state = _state(tmp_path)
+    snap = state.snapshot(["params", "optim"], tag="s", placement="disk")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    state.offload("optim", only=lambda name: "blocks.0." in name)  # a mix: some slots offloaded
+    want, residency = capture(state), state.residency()
+    calls = _fail_preadv(monkeypatch, at=at)
+    try:
+        with state.swapped(snap, stash=stash):
+            pass
+    except DiskTierError:
+        pass
+    else:
+        assert calls[0] < at, "the swap did not fail"
+        pytest.skip(f"entering the swap reads fewer than {at} times")
+    monkeypatch.undo()
+    assert state.residency() == residency
+    assert_same(capture(state), want)
+    with state.swapped(snap, stash=stash):  # and the swap works once the disk does
+        got = capture(state)
+        assert_same({k: got[k] for k in snap.tensors()}, snap.tensors())
+    assert_same(capture(state), want)
+

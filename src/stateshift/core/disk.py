@@ -282,10 +282,13 @@ class DiskHome:
             mv, offset = mv[n:], offset + n
 
     def read(self, offset: int, out: torch.Tensor) -> None:
-        """Fill a contiguous CPU uint8 tensor from ``offset``."""
+        """Fill a contiguous CPU uint8 tensor from ``offset`` (all of it, or ``DiskTierError``)."""
         mv = _byte_view(out)
-        for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
-            self._io(mv[a:b], offset + a, direct, write=False)
+        try:
+            for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
+                self._io(mv[a:b], offset + a, direct, write=False)
+        except OSError as exc:
+            raise DiskTierError(f"reading the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
 
     def settle(self, offset: int, nbytes: int) -> None:
         """Push written pages to the disk and out of the page cache (a disk tier saves host memory), and
