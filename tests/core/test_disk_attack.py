@@ -121,3 +121,22 @@ def test_swapped_from_a_disk_snapshot_whose_read_fails_changes_nothing(tmp_path,
         assert_same({k: got[k] for k in snap.tensors()}, snap.tensors())
     assert_same(capture(state), want)
 
+
+@pytest.mark.parametrize("at", [1, 2, 4])
+def test_an_onload_whose_disk_read_fails_changes_nothing(tmp_path, monkeypatch, at):
+    """Regression: a read error while onloading from disk raised a bare OSError and left the slots'
+    storage re-grown (device memory taken) while they stayed on disk."""
+    model, opt, state = _state(tmp_path)
+    want = live(model, opt)
+    state.offload("grads")
+    state.offload(["params", "optim"], to="disk")
+    residency = state.residency()
+    calls = _fail_preadv(monkeypatch, at=at)
+    with pytest.raises(DiskTierError, match="reading the disk home"):
+        state.onload()
+    assert calls[0] >= at
+    monkeypatch.undo()
+    assert state.residency() == residency
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # released again
+    state.onload()
+    assert_same(live(model, opt), want)

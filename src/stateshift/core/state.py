@@ -339,7 +339,15 @@ class ModelState(SwapVerbs):
     def _bring_back(self, names: Iterable[str], which: Callable[[Slot], bool]) -> Transfer:
         """Re-grow and fill the slots ``which`` selects in groups ``names``; they become ``device``."""
         todo = [(gs, gs.select(which)) for gs in map(self._groups.__getitem__, names)]
-        transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
+        try:
+            transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
+        except BaseException:  # e.g. a disk that cannot be read: the storage re-grown for it goes again
+            if self.engine.device is not None:
+                torch.cuda.synchronize(self.engine.device)  # no copy still writes into it
+            for gs, idx in todo:
+                if idx and not self._storage.paused(gs.name):
+                    self._release(gs, [i for i in idx if gs.slots[i].storage.nbytes() > 0])
+            raise
         for gs, idx in todo:
             for i in idx:
                 gs.slots[i].residency = Residency.DEVICE
