@@ -140,3 +140,22 @@ def test_an_onload_whose_disk_read_fails_changes_nothing(tmp_path, monkeypatch, 
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # released again
     state.onload()
     assert_same(live(model, opt), want)
+
+
+@pytest.mark.parametrize("at", [1, 2, 5])
+def test_a_relayout_whose_disk_read_fails_loses_nothing(tmp_path, monkeypatch, at):
+    """Regression: a relayout (a new parameter) reads the values on disk back into a home of the new
+    layout; a read failing part way had already switched the group to the new layout, so the slots still
+    on disk were then looked up in a new region of the new layout's size: their values were lost."""
+    model, opt, state = _state(tmp_path)
+    want = capture(state, ["params"])
+    state.offload("params", to="disk")
+    model.extra = torch.nn.Linear(64, 64)  # a new parameter (more than a disk block): the layout changes
+    calls = _fail_preadv(monkeypatch, at=at)
+    with pytest.raises(DiskTierError):
+        state.onload("params")
+    assert calls[0] >= at
+    monkeypatch.undo()
+    state.onload("params")
+    got = capture(state, ["params"])
+    assert_same({k: got[k] for k in want}, want)

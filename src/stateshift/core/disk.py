@@ -287,6 +287,8 @@ class DiskHome:
         try:
             for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
                 self._io(mv[a:b], offset + a, direct, write=False)
+        except DiskTierError:
+            raise
         except OSError as exc:
             raise DiskTierError(f"reading the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
 
