@@ -159,3 +159,25 @@ def test_a_relayout_whose_disk_read_fails_loses_nothing(tmp_path, monkeypatch, a
     state.onload("params")
     got = capture(state, ["params"])
     assert_same({k: got[k] for k in want}, want)
+
+
+def test_a_stale_disk_home_left_under_this_process_id_is_swept_but_live_ones_are_kept(tmp_path):
+    """Regression: sweep_stale never removed a file named with this process's pid, so a disk home left by
+    a killed process whose pid this one reuses (a restarted container: the trainer gets the same small
+    pid each time) stayed on disk for ever, one more per restart. A file of this pid that no live disk
+    home of this process owns is stale."""
+    import socket
+
+    from stateshift.core.disk import DiskHome, sweep_stale
+
+    d = tmp_path / "d"
+    live_home = DiskHome(d)
+    host = socket.gethostname().replace("-", "_")
+    stale = d / f"stateshift-{host}-{os.getpid()}-0123456789ab.disk"
+    stale.write_bytes(b"values of the previous run")
+    other = DiskHome(d)  # a second live home of this process in the same directory: kept
+    assert not stale.exists()
+    assert live_home.path.exists() and other.path.exists()
+    assert sweep_stale(d) == []
+    live_home.close()
+    other.close()

@@ -57,6 +57,9 @@ MAX_ALIGN = 64 << 10  #: the most: a filesystem block size (``statvfs().f_bsize`
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)  #: 0 where the platform has none (then always buffered)
 DISK_WINDOW = 64 << 20  #: default size of each of the two staging windows
 _NAME = re.compile(r"^stateshift-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+\.disk$")
+#: file names of this process's disk homes not yet removed: a file named with this pid and not here was
+#: left by an earlier process with the same pid (a restarted container), and is stale
+_LIVE: set[str] = set()
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -78,12 +81,14 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale(directory: Path) -> list[Path]:
-    """Remove disk homes of this host whose process is gone; returns what was removed."""
+    """Remove disk homes of this host whose process is gone (and those named with this process's pid that
+    none of its live disk homes owns: left by an earlier process with the same pid); returns what was removed."""
     removed = []
     host = socket.gethostname().replace("-", "_")
     for entry in directory.iterdir() if directory.is_dir() else ():
         m = _NAME.match(entry.name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+        pid = int(m["pid"]) if m else 0
+        if m and m["host"] == host and (entry.name not in _LIVE if pid == os.getpid() else not _alive(pid)):
             try:
                 entry.unlink()
                 removed.append(entry)
@@ -159,9 +164,11 @@ class DiskHome:
         sweep_stale(self.directory)
         host = socket.gethostname().replace("-", "_")
         self.path = self.directory / f"stateshift-{host}-{os.getpid()}-{secrets.token_hex(6)}.disk"
+        _LIVE.add(self.path.name)  # (before the file exists: a sweep in another thread must not take it)
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
+            _LIVE.discard(self.path.name)
             raise DiskTierError(f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
         self.align = alignment(self.fd)
         if direct is None:
@@ -188,6 +195,7 @@ class DiskHome:
             except OSError:
                 pass
         _remove(path)
+        _LIVE.discard(os.path.basename(path))
 
     def describe(self) -> str:
         """The file, the I/O mode and why, and the bytes each descriptor moved so far."""
