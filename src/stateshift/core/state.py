@@ -441,6 +441,10 @@ class ModelState(SwapVerbs):
         when the whole group is offloaded); ``dropped`` slots become ``host``
         with the values. Checks the layout of every group first and changes
         nothing if any differs (``LayoutMismatchError`` names the tensor).
+        Slots on disk get the values in a new region, switched to only once
+        every write succeeded (a full disk changes nothing); a disk snapshot
+        that cannot be read (``DiskTierError`` part way) leaves its groups'
+        device and host slots partly restored: restore again once it reads.
         """
         adopt, rewrite = self._restore_plan(snapshot)
         fresh = self._reserve_homes(rewrite)
