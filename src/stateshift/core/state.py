@@ -124,6 +124,8 @@ class ModelState(SwapVerbs):
         disk_dir: str | os.PathLike[str] | None = None,
         disk_window_bytes: int = DISK_WINDOW,
     ) -> None:
+        if disk_window_bytes < 1:
+            raise ValueError(f"disk_window_bytes must be at least 1 byte, not {disk_window_bytes}")
         self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
         self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
         self._table = SlotTable(self.backends, self.pool)
