@@ -12,6 +12,19 @@ from helpers import assert_same, capture, live, make, warm
 from stateshift import DiskTierError, ModelState
 
 
+@pytest.fixture(autouse=True, params=["direct", "buffered"])
+def io_mode(request):
+    """Every test in both I/O modes (``O_DIRECT`` where the filesystem takes it, and buffered as asked by
+    ``STATESHIFT_DISK_DIRECT=0``); set outside ``monkeypatch``, whose ``undo()`` the tests call."""
+    old = os.environ.get("STATESHIFT_DISK_DIRECT")
+    os.environ["STATESHIFT_DISK_DIRECT"] = "1" if request.param == "direct" else "0"
+    yield request.param
+    if old is None:
+        del os.environ["STATESHIFT_DISK_DIRECT"]
+    else:
+        os.environ["STATESHIFT_DISK_DIRECT"] = old
+
+
 def _state(tmp_path, **kw):
     model, opt = make()
     warm(model, opt)
@@ -181,3 +194,12 @@ def test_a_stale_disk_home_left_under_this_process_id_is_swept_but_live_ones_are
     assert sweep_stale(d) == []
     live_home.close()
     other.close()
+
+
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_staging_window_of_no_bytes_is_refused_up_front(tmp_path, window):
+    """Regression: disk_window_bytes=0 was accepted and the first disk offload failed inside the copy
+    planning with 'range() arg 3 must not be zero' (a negative one with a pool error)."""
+    model, opt = make()
+    with pytest.raises(ValueError, match="disk_window_bytes"):
+        ModelState(model, opt, disk_dir=tmp_path / "d", disk_window_bytes=window)
