@@ -57,6 +57,9 @@ MAX_ALIGN = 64 << 10  #: the most: a filesystem block size (``statvfs().f_bsize`
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)  #: 0 where the platform has none (then always buffered)
 DISK_WINDOW = 64 << 20  #: default size of each of the two staging windows
 _NAME = re.compile(r"^stateshift-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+\.disk$")
+#: file names of this process's disk homes not yet removed: a file named with this pid and not here was
+#: left by an earlier process with the same pid (a restarted container), and is stale
+_LIVE: set[str] = set()
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -78,12 +81,14 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale(directory: Path) -> list[Path]:
-    """Remove disk homes of this host whose process is gone; returns what was removed."""
+    """Remove disk homes of this host whose process is gone (and those named with this process's pid that
+    none of its live disk homes owns: left by an earlier process with the same pid); returns what was removed."""
     removed = []
     host = socket.gethostname().replace("-", "_")
     for entry in directory.iterdir() if directory.is_dir() else ():
         m = _NAME.match(entry.name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+        pid = int(m["pid"]) if m else 0
+        if m and m["host"] == host and (entry.name not in _LIVE if pid == os.getpid() else not _alive(pid)):
             try:
                 entry.unlink()
                 removed.append(entry)
@@ -159,9 +164,11 @@ class DiskHome:
         sweep_stale(self.directory)
         host = socket.gethostname().replace("-", "_")
         self.path = self.directory / f"stateshift-{host}-{os.getpid()}-{secrets.token_hex(6)}.disk"
+        _LIVE.add(self.path.name)  # (before the file exists: a sweep in another thread must not take it)
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
+            _LIVE.discard(self.path.name)
             raise DiskTierError(f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
         self.align = alignment(self.fd)
         if direct is None:
@@ -188,6 +195,7 @@ class DiskHome:
             except OSError:
                 pass
         _remove(path)
+        _LIVE.discard(os.path.basename(path))
 
     def describe(self) -> str:
         """The file, the I/O mode and why, and the bytes each descriptor moved so far."""
@@ -205,6 +213,10 @@ class DiskHome:
                 self.free(r.offset, r.nbytes)
             r = self._regions[group] = _Region(self.allocate(nbytes), nbytes)
         return r.offset
+
+    def adopt(self, group: str, offset: int, nbytes: int) -> None:
+        """Make an allocated span ``group``'s region (the caller forgot its old one)."""
+        self._regions[group] = _Region(offset, nbytes)
 
     def forget(self, group: str) -> None:
         r = self._regions.pop(group, None)
@@ -278,10 +290,15 @@ class DiskHome:
             mv, offset = mv[n:], offset + n
 
     def read(self, offset: int, out: torch.Tensor) -> None:
-        """Fill a contiguous CPU uint8 tensor from ``offset``."""
+        """Fill a contiguous CPU uint8 tensor from ``offset`` (all of it, or ``DiskTierError``)."""
         mv = _byte_view(out)
-        for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
-            self._io(mv[a:b], offset + a, direct, write=False)
+        try:
+            for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
+                self._io(mv[a:b], offset + a, direct, write=False)
+        except DiskTierError:
+            raise
+        except OSError as exc:
+            raise DiskTierError(f"reading the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
 
     def settle(self, offset: int, nbytes: int) -> None:
         """Push written pages to the disk and out of the page cache (a disk tier saves host memory), and

@@ -380,19 +380,25 @@ class SlotTable:
         keep = [s for s in slots if s.residency is Residency.HOST and s.native_home is None and s.key in old_index]
         from_disk = [s for s in slots if s.residency is Residency.DISK and s.key in old_index]
         new_home = self.pool.acquire(layout.total) if keep or from_disk else None
+        new_index = {s.key: i for i, s in enumerate(slots)}
+        if from_disk:  # first: a read can fail, and then the group keeps its old layout and its region
+            assert self.disk is not None and new_home is not None
+            base = self.disk.region(gs.name, old_layout.total)
+            try:
+                for s in from_disk:
+                    self.disk.read(base + old_layout.offsets[old_index[s.key]], layout.region(new_home.data, new_index[s.key]))
+            except BaseException:
+                self.pool.release(new_home)
+                raise
         gs.slots, gs.layout, gs.home = slots, layout, new_home
         gs.plans = {}
-        new_index = gs.index()
         if old_home is not None and keep:
             old_home.sync()
             for s in keep:
                 layout.region(new_home.data, new_index[s.key]).copy_(old_layout.region(old_home.data, old_index[s.key]))  # type: ignore[union-attr]
         if from_disk:
-            assert self.disk is not None and new_home is not None
-            base = self.disk.region(gs.name, old_layout.total)
             for s in from_disk:
-                self.disk.read(base + old_layout.offsets[old_index[s.key]], layout.region(new_home.data, new_index[s.key]))
                 s.residency = Residency.HOST
-            self.disk.forget(gs.name)
+            self.disk.forget(gs.name)  # type: ignore[union-attr]
         if old_home is not None:
             self.pool.release(old_home)

@@ -124,6 +124,8 @@ class ModelState(SwapVerbs):
         disk_dir: str | os.PathLike[str] | None = None,
         disk_window_bytes: int = DISK_WINDOW,
     ) -> None:
+        if disk_window_bytes < 1:
+            raise ValueError(f"disk_window_bytes must be at least 1 byte, not {disk_window_bytes}")
         self.backends: list[Source] = list(backends) if backends is not None else detect(model, optimizer)
         self.pool = pool if pool is not None else HostPool(pin=pin)  # type: ignore[arg-type]
         self._table = SlotTable(self.backends, self.pool)
@@ -339,7 +341,15 @@ class ModelState(SwapVerbs):
     def _bring_back(self, names: Iterable[str], which: Callable[[Slot], bool]) -> Transfer:
         """Re-grow and fill the slots ``which`` selects in groups ``names``; they become ``device``."""
         todo = [(gs, gs.select(which)) for gs in map(self._groups.__getitem__, names)]
-        transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
+        try:
+            transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
+        except BaseException:  # e.g. a disk that cannot be read: the storage re-grown for it goes again
+            if self.engine.device is not None:
+                torch.cuda.synchronize(self.engine.device)  # no copy still writes into it
+            for gs, idx in todo:
+                if idx and not self._storage.paused(gs.name):
+                    self._release(gs, [i for i in idx if gs.slots[i].storage.nbytes() > 0])
+            raise
         for gs, idx in todo:
             for i in idx:
                 gs.slots[i].residency = Residency.DEVICE
@@ -376,15 +386,13 @@ class ModelState(SwapVerbs):
         old = self._make_room_for(tag, version, gss, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
         device_arenas = {gs.name: self._device_arena(gs) for gs in gss if placement == "device"}
         disk = self._disk_home() if placement == "disk" else None
+        if disk is not None:  # writes can fail (a full disk): the old snapshot goes only once the new one is written
+            return self._store(Snapshot.of(tag=tag, version=version, placement=placement, parts=self._disk_parts(disk, gss), pool=self.pool))
         if old is not None:
             self.snapshots.discard(old)
         parts: list[SnapshotPart] = []
         transfer = Transfer()
         for gs in gss:
-            if disk is not None:
-                parts.append(SnapshotPart(gs.name, gs.layout, disk=(disk, disk.allocate(gs.layout.total))))
-                self._write_group_to_disk(gs, parts[-1])
-                continue
             if gs.name in shared:
                 assert gs.home is not None
                 parts.append(SnapshotPart(gs.name, gs.layout, host=self.pool.retain(gs.home)))
@@ -435,6 +443,10 @@ class ModelState(SwapVerbs):
         when the whole group is offloaded); ``dropped`` slots become ``host``
         with the values. Checks the layout of every group first and changes
         nothing if any differs (``LayoutMismatchError`` names the tensor).
+        Slots on disk get the values in a new region, switched to only once
+        every write succeeded (a full disk changes nothing); a disk snapshot
+        that cannot be read (``DiskTierError`` part way) leaves its groups'
+        device and host slots partly restored: restore again once it reads.
         """
         adopt, rewrite = self._restore_plan(snapshot)
         fresh = self._reserve_homes(rewrite)
@@ -696,20 +708,13 @@ class ModelState(SwapVerbs):
     ) -> Transfer:
         """Copy ``parts`` into their groups: device slots in place, offloaded ones into (private) homes."""
         transfer = Transfer()
+        self._write_disk_regions(snapshot, parts)  # values on disk stay on disk (first: only these writes can fail)
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            by = gs.by_residency()
-            resident, on_disk = by[Residency.DEVICE], by[Residency.DISK]
-            if part.host is not None and (offloaded or on_disk):
+            resident = gs.by_residency()[Residency.DEVICE]
+            if part.host is not None and offloaded:
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
-            if on_disk:  # values on disk stay on disk
-                assert self._disk is not None
-                region, p = self._disk.region(gs.name, gs.layout.total), gs.plan(self.engine, on_disk, self._io.chunk)
-                if part.disk is not None:
-                    self._io.disk_to_disk(p, self._disk, part.disk[1], region)
-                else:
-                    self._io.arena_to_disk(p, part.arena, self._disk, region)
             if part.disk is not None:
                 transfer = transfer.merged(self._write_from_disk_part(gs, part, offloaded, fresh))
                 continue
@@ -728,6 +733,36 @@ class ModelState(SwapVerbs):
         if rewrite and not self._guarded:
             _KEEP_ALIVE.add(self)
         return transfer
+
+    def _write_disk_regions(self, snapshot: Snapshot, parts: list[SnapshotPart]) -> None:
+        """The parts' values of slots on disk, into new regions of the disk home that replace the groups'
+        regions only once every write (and its flush) succeeded: a failing write changes nothing."""
+        todo = [(self._groups[p.group], p) for p in parts]
+        todo = [(gs, p, gs.by_residency()[Residency.DISK]) for gs, p in todo]
+        todo = [(gs, p, idx) for gs, p, idx in todo if idx]
+        if not todo:
+            return
+        disk = self._disk
+        assert disk is not None
+        if any(p.host is not None for _, p, _ in todo):
+            snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
+        fresh: list[tuple[GroupState, int]] = []
+        try:
+            for gs, part, idx in todo:
+                fresh.append((gs, disk.allocate(gs.layout.total)))
+                p, region = gs.plan(self.engine, idx, self._io.chunk), fresh[-1][1]
+                if part.disk is not None:
+                    self._io.disk_to_disk(p, disk, part.disk[1], region)
+                else:
+                    self._io.arena_to_disk(p, part.arena, disk, region)
+                disk.settle(region, gs.layout.total)
+        except BaseException:
+            for gs, region in fresh:
+                disk.free(region, gs.layout.total)
+            raise
+        for gs, region in fresh:
+            disk.forget(gs.name)
+            disk.adopt(gs.name, region, gs.layout.total)
 
     def _write_from_disk_part(self, gs: GroupState, part: SnapshotPart, offloaded: list[Slot], fresh: dict[str, HostBlock]) -> Transfer:
         """Restore from a disk part: device slots in place, offloaded (not on disk) ones into a private home."""
@@ -809,6 +844,20 @@ class ModelState(SwapVerbs):
         self._released({g: dev for g, (dev, _) in moving.items() if dev})
         _log.debug("offload to disk %s: %d bytes", list(moving), moved)
         return Transfer(nbytes={"disk": moved}, host_seconds=time.perf_counter() - t0)
+
+    def _disk_parts(self, disk: DiskHome, gss: list[GroupState]) -> tuple[SnapshotPart, ...]:
+        """Disk snapshot parts of ``gss`` holding their current values; on an error their spans are freed."""
+        parts: list[SnapshotPart] = []
+        try:
+            for gs in gss:
+                parts.append(SnapshotPart(gs.name, gs.layout, disk=(disk, disk.allocate(gs.layout.total))))
+                self._write_group_to_disk(gs, parts[-1])
+        except BaseException:
+            for p in parts:
+                assert p.disk is not None
+                disk.free(p.disk[1], p.layout.total)
+            raise
+        return tuple(parts)
 
     def _write_group_to_disk(self, gs: GroupState, part: SnapshotPart) -> None:
         """Every slot's current values into a disk snapshot part, whatever their residency."""

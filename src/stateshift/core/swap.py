@@ -115,8 +115,16 @@ class SwapVerbs:
         except BaseException:
             self._undo_regrow(swap)
             raise
-        for part in snapshot.parts:
-            self._write_swapped(swap, part, snapshot)
+        begun: set[str] = set()
+        try:
+            for part in snapshot.parts:
+                begun.add(part.group)  # (a group's stash is written before anything of the snapshot's)
+                self._write_swapped(swap, part, snapshot)
+        except BaseException:  # e.g. a disk snapshot that cannot be read: every group gets its own values back
+            swap.arenas = {g: a for g, a in swap.arenas.items() if g in begun}  # the others' stashes hold nothing
+            swap.ended = True
+            self._end_swap(swap, snapshot)
+            raise
         for g in names:
             for i, _, _ in swap.offloaded[g]:
                 self._groups[g].slots[i].residency = Residency.DEVICE
