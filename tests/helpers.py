@@ -44,6 +44,14 @@ def run_isolated(code: str, *args: str, timeout: float = 300) -> subprocess.Comp
     return subprocess.run([sys.executable, "-c", code, TESTS, SRC, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def assert_isolated(code: str, *printed: str, args: tuple[str, ...] = (), timeout: float = 300) -> None:
+    """``run_isolated(code, *args)`` exited 0 (no crash) and printed every string of ``printed``; the
+    return code and the tails of its output are the failure message."""
+    proc = run_isolated(code, *args, timeout=timeout)
+    assert proc.returncode == 0 and all(s in proc.stdout for s in printed), (
+        proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
 def make(device: str = "cpu", *, seed: int = 0, cfg: TinyConfig = SMALL, lr: float = 1e-2):
     model = build_default(cfg, seed=seed, device=device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)

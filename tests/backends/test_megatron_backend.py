@@ -536,11 +536,9 @@ except OffloadedStateError as e:
 
 def test_a_param_unfrozen_after_verbs_is_guarded():
     """``TreeWatch`` must see ``requires_grad`` change: the guards hook gradients of trainable params only."""
-    from helpers import run_isolated
+    from helpers import assert_isolated
 
-    proc = run_isolated(_UNFROZEN_ADAPTER)
-    assert proc.returncode == 0 and "RAISED" in proc.stdout and "adapter.weight.grad" in proc.stdout, (
-        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert_isolated(_UNFROZEN_ADAPTER, "RAISED", "adapter.weight.grad")
 
 
 def test_backward_into_offloaded_main_grads_is_a_python_error():

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import assert_same, capture, live, make, perturb, run_isolated, train_step, warm
+from helpers import assert_isolated, assert_same, capture, live, make, perturb, train_step, warm
 
 from stateshift import DiskTierError, ModelState
 from stateshift.core import disk as disk_mod
@@ -211,8 +211,7 @@ def test_a_full_disk_during_a_disk_offload_loses_nothing(tmp_path, mode):
     if mode == "O_DIRECT" and probe.io_mode != mode:
         pytest.skip(f"{tmp_path} does not take O_DIRECT here: {probe.why}")
     probe.close()
-    proc = run_isolated(_FULL_DISK, str(tmp_path / "d"), mode)
-    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert_isolated(_FULL_DISK, "OK", args=(str(tmp_path / "d"), mode))
 
 
 # ----------------------------------------------------------------------------- snapshots on disk

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fakes.mcore import fake_train_step
 from fakes.mcore.setups import _x, after_steps
-from helpers import assert_same, capture, live, make, run_isolated, warm
+from helpers import assert_isolated, assert_same, capture, live, make, warm
 
 from stateshift import ClosedStateError, ForeignStateError, ModelState, PoolBudgetError
 from stateshift.core.pool import HostPool
@@ -168,8 +168,7 @@ _THREADS = textwrap.dedent(
 
 def test_verbs_from_two_threads_neither_crash_nor_corrupt(tmp_path):
     for _ in range(3):
-        proc = run_isolated(_THREADS)
-        assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert_isolated(_THREADS, "OK")
 
 
 # ----------------------------------------------------------------------------- 7. rebuild with params offloaded
@@ -300,9 +299,7 @@ _UNFROZEN = textwrap.dedent(
 
 
 def test_parameter_unfrozen_after_the_state_was_built_is_guarded():
-    proc = run_isolated(_UNFROZEN)
-    assert proc.returncode == 0 and "RAISED" in proc.stdout and "weight.grad" in proc.stdout, (
-        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert_isolated(_UNFROZEN, "RAISED", "weight.grad")
 
 
 def test_buffers_trading_persistence_between_verbs_are_listed():
