@@ -40,7 +40,7 @@ import re
 import secrets
 import socket
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +110,12 @@ def _remove(path: str) -> None:
 class _Region:
     offset: int
     nbytes: int
+
+
+def _what(exc: OSError) -> str:
+    """A write error in words: "the disk is full" for a full disk, a quota or a file-size limit."""
+    full = exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
+    return "the disk is full" if full else (exc.strerror or str(exc))
 
 
 def alignment(fd: int) -> int:
@@ -260,9 +266,7 @@ class DiskHome:
             for a, b, direct in self.pieces(offset, data.data_ptr(), mv.nbytes):
                 self._io(mv[a:b], offset + a, direct, write=True)
         except OSError as exc:
-            full = exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
-            what = "the disk is full" if full else (exc.strerror or str(exc))
-            raise DiskTierError(f"writing the disk home {str(self.path)!r} failed: {what}; nothing was moved") from None
+            raise DiskTierError(f"writing the disk home {str(self.path)!r} failed: {_what(exc)}; nothing was moved") from None
 
     def _io(self, mv: memoryview, offset: int, direct: bool, write: bool) -> None:
         """All of ``mv`` to (``write``) or from the file at ``offset``: through the ``O_DIRECT`` descriptor
@@ -311,9 +315,7 @@ class DiskHome:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
-            full = exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
-            what = "the disk is full" if full else (exc.strerror or str(exc))
-            raise DiskTierError(f"flushing the disk home {str(self.path)!r} failed: {what}") from None
+            raise DiskTierError(f"flushing the disk home {str(self.path)!r} failed: {_what(exc)}") from None
 
 
 def windows(spans: list[tuple[int, int]], size: int) -> Iterator[tuple[int, int, list[int]]]:
@@ -362,13 +364,12 @@ class OffloadPlan:
 # --------------------------------------------------------------------------- staged transfers
 
 
-def extents(runs: tuple[Run, ...], ks: Iterator[int] | list[int] | range) -> list[tuple[int, int]]:
-    """The arena spans of runs ``ks`` (sorted), neighbours merged into one span when only padding lies
+def extents(runs: tuple[Run, ...], ks: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    """The arena spans of runs ``ks`` (sorted; default all), neighbours merged into one span when only padding lies
     between them (a gap of at most ``MAX_GAP`` bytes: layouts align every slot to 64 bytes), so a large
     slot moved in chunks, or slots side by side, become one disk transfer."""
     out: list[tuple[int, int]] = []
-    for k in ks:
-        r = runs[k]
+    for r in runs if ks is None else (runs[k] for k in ks):
         if out and 0 <= r.start - out[-1][1] <= MAX_GAP:
             out[-1] = (out[-1][0], r.end)
         else:
@@ -471,7 +472,7 @@ class StagedIO:
     def arena_to_disk(self, p: Plan, arena: torch.Tensor, disk: DiskHome, base: int) -> int:
         """The plan's run spans of an arena -> the disk region (a device arena through the windows)."""
         if arena.is_cpu:
-            for a, b in extents(p.runs, range(len(p.runs))):
+            for a, b in extents(p.runs):
                 disk.write(base + a, arena[a:b])
             return sum(r.nbytes for r in p.runs)
         bufs, moved = self.buffers(), 0
@@ -486,7 +487,7 @@ class StagedIO:
     def disk_to_arena(self, p: Plan, disk: DiskHome, base: int, arena: torch.Tensor) -> Transfer:
         """The disk region -> the plan's run spans of an arena (a device arena through the windows)."""
         if arena.is_cpu:
-            for a, b in extents(p.runs, range(len(p.runs))):
+            for a, b in extents(p.runs):
                 disk.read(base + a, arena[a:b])
             return Transfer(nbytes={"disk": sum(r.nbytes for r in p.runs)})
         bufs, t = self.buffers(), Transfer()
@@ -502,7 +503,7 @@ class StagedIO:
     def disk_to_disk(self, p: Plan, disk: DiskHome, src: int, dst: int) -> int:
         """The plan's run spans from one region of the file to another, through a window."""
         buf = self.buffers()[0]
-        for lo, hi in extents(p.runs, range(len(p.runs))):
+        for lo, hi in extents(p.runs):
             for a in range(lo, hi, self.chunk):
                 part = staged(buf, a, min(a + self.chunk, hi), disk.align)
                 disk.read(src + a, part)
@@ -513,6 +514,6 @@ class StagedIO:
         """Zeros into the plan's run spans (dropped slots read as zeros)."""
         buf = self.buffers()[0]
         buf.zero_()
-        for lo, hi in extents(p.runs, range(len(p.runs))):
+        for lo, hi in extents(p.runs):
             for a in range(lo, hi, self.chunk):
                 disk.write(base + a, staged(buf, a, min(a + self.chunk, hi), disk.align))
