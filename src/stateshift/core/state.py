@@ -712,7 +712,7 @@ class ModelState(SwapVerbs):
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            resident = gs.by_residency()[Residency.DEVICE]
+            resident = gs.select(lambda s: s.residency is Residency.DEVICE)
             if part.host is not None and offloaded:
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
             if part.disk is not None:
@@ -737,9 +737,12 @@ class ModelState(SwapVerbs):
     def _write_disk_regions(self, snapshot: Snapshot, parts: list[SnapshotPart]) -> None:
         """The parts' values of slots on disk, into new regions of the disk home that replace the groups'
         regions only once every write (and its flush) succeeded: a failing write changes nothing."""
-        todo = [(self._groups[p.group], p) for p in parts]
-        todo = [(gs, p, gs.by_residency()[Residency.DISK]) for gs, p in todo]
-        todo = [(gs, p, idx) for gs, p, idx in todo if idx]
+        todo: list[tuple[GroupState, SnapshotPart, list[int]]] = []
+        for part in parts:
+            gs = self._groups[part.group]
+            on_disk = gs.select(lambda s: s.residency is Residency.DISK)
+            if on_disk:
+                todo.append((gs, part, on_disk))
         if not todo:
             return
         disk = self._disk
