@@ -36,6 +36,20 @@ from .sampler import CausalLM, Sampling, draw, left_pad, lm_device, positions_of
 class WeightSyncError(StateShiftError, ValueError):
     """Weights sent to a rollouter do not match its model (the first offending name is given)."""
 
+    @staticmethod
+    def check(name: str, target: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+        """``target`` (the rollout model's tensor named ``name``, ``None`` if it has none), if ``value`` fits it."""
+        if target is None:
+            raise WeightSyncError(f"weight {name!r} is not in the rollout model")
+        if target.shape != value.shape or target.dtype != value.dtype:
+            raise WeightSyncError(f"weight {name!r}: {tuple(value.shape)} {value.dtype} sent, "
+                                  f"the rollout model has {tuple(target.shape)} {target.dtype}")
+        return target
+
+    @staticmethod
+    def missing(missing: list[str]) -> WeightSyncError:
+        return WeightSyncError(f"weight {missing[0]!r} of the rollout model was not sent ({len(missing)} missing)")
+
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Group:
@@ -229,20 +243,14 @@ class KVRollouter:
             for name, value in weights:
                 if self._skip is not None and self._skip(name):
                     continue
-                target = self._targets.get(name)
-                if target is None:
-                    raise WeightSyncError(f"weight {name!r} is not in the rollout model")
-                if target.shape != value.shape or target.dtype != value.dtype:
-                    raise WeightSyncError(f"weight {name!r}: {tuple(value.shape)} {value.dtype} sent, "
-                                          f"the rollout model has {tuple(target.shape)} {target.dtype}")
-                target.copy_(value)
+                WeightSyncError.check(name, self._targets.get(name), value).copy_(value)
                 seen.add(name)
                 self.copy_bytes += value.numel() * value.element_size()
             if self.stream is not None:
                 self.stream.synchronize()  # the copies read the sender's memory: done before it may be released
         missing = [n for n in self._targets if n not in seen]
         if missing:
-            raise WeightSyncError(f"weight {missing[0]!r} of the rollout model was not sent ({len(missing)} missing)")
+            raise WeightSyncError.missing(missing)
         self.version = version
         self.copy_seconds += time.perf_counter() - t0
 

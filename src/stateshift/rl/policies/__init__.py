@@ -87,12 +87,17 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def build_policy(cfg: TrainConfig, task: Task) -> Policy:
-    """The policy ``cfg.model`` describes, on ``cfg.run.device``, seeded by ``cfg.run.seed``."""
+def _family(cfg: TrainConfig) -> tuple[Any, torch.device]:
+    """The module of ``cfg.model.family`` and the device ``cfg.run.device`` names (checked to exist)."""
     device = torch.device(cfg.run.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device", "is 'cuda' but torch sees no CUDA device here")
-    module = importlib.import_module(FAMILIES[cfg.model.family])
+    return importlib.import_module(FAMILIES[cfg.model.family]), device
+
+
+def build_policy(cfg: TrainConfig, task: Task) -> Policy:
+    """The policy ``cfg.model`` describes, on ``cfg.run.device``, seeded by ``cfg.run.seed``."""
+    module, device = _family(cfg)
     return module.build(cfg, task, device)
 
 
@@ -100,10 +105,7 @@ def build_rollout_lm(cfg: TrainConfig, task: Task) -> CausalLM:
     """The rollouter's own copy as ``cfg.model`` describes it, on ``cfg.run.device``, built from the config alone
     (initial weights from ``run.seed``; load the trainer's with ``KVRollouter.update_weights`` or
     ``load_rollout_weights``): what a rollouter in another process builds, instead of a whole policy."""
-    device = torch.device(cfg.run.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device", "is 'cuda' but torch sees no CUDA device here")
-    module = importlib.import_module(FAMILIES[cfg.model.family])
+    module, device = _family(cfg)
     return module.build_rollout(cfg, task, device)
 
 
@@ -112,18 +114,14 @@ def load_rollout_weights(lm: CausalLM, weights: Mapping[str, torch.Tensor]) -> N
     ``lm.module.state_dict()`` must be given exactly once (``WeightSyncError`` names the first that is not)."""
     targets = {n: t for n, t in lm.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     extra = [n for n in weights if n not in targets]
+    if extra:
+        WeightSyncError.check(extra[0], None, weights[extra[0]])
     missing = [n for n in targets if n not in weights]
-    if extra or missing:
-        first = f"weight {extra[0]!r} is not in the rollout model" if extra else \
-            f"weight {missing[0]!r} of the rollout model was not sent ({len(missing)} missing)"
-        raise WeightSyncError(first)
+    if missing:
+        raise WeightSyncError.missing(missing)
     with torch.no_grad():
         for name, target in targets.items():
-            value = weights[name]
-            if target.shape != value.shape or target.dtype != value.dtype:
-                raise WeightSyncError(f"weight {name!r}: {tuple(value.shape)} {value.dtype} sent, "
-                                      f"the rollout model has {tuple(target.shape)} {target.dtype}")
-            target.copy_(value)
+            WeightSyncError.check(name, target, weights[name]).copy_(weights[name])
 
 
 __all__ = ["FAMILIES", "Policy", "build_policy", "build_rollout_lm", "load_rollout_weights"]
