@@ -74,13 +74,7 @@ def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monke
     state.offload(["params", "optim"], to="disk")
     want, residency = capture(state), state.residency()
     calls = _fail_pwrite(monkeypatch, at=at, err=errno.EIO)
-    try:
-        state.restore(snap)
-    except DiskTierError:
-        pass
-    else:
-        assert calls[0] < at, "the restore did not fail"
-        pytest.skip(f"the restore writes fewer than {at} times")
+    _fails_at(lambda: state.restore(snap), calls, at, "the restore writes")
     monkeypatch.undo()
     assert state.residency() == residency
     assert_same(capture(state), want)
@@ -88,6 +82,17 @@ def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monke
     state.onload()
     got = capture(state)
     assert_same({k: got[k] for k in snap.tensors()}, snap.tensors())
+
+
+def _fails_at(verb, calls: list[int], at: int, what: str) -> None:
+    """``verb()`` raises ``DiskTierError`` once the faked call fails (its ``at``-th); if the verb makes fewer
+    calls than that, it must not have failed, and the case does not apply (skipped, saying why)."""
+    try:
+        verb()
+    except DiskTierError:
+        return
+    assert calls[0] < at, f"{what} {calls[0]} times and did not fail"
+    pytest.skip(f"{what} fewer than {at} times")
 
 
 def _fail_preadv(monkeypatch, at: int = 1, err: int = errno.EIO) -> list[int]:
@@ -117,14 +122,11 @@ def test_swapped_from_a_disk_snapshot_whose_read_fails_changes_nothing(tmp_path,
     state.offload("optim", only=lambda name: "blocks.0." in name)  # a mix: some slots offloaded
     want, residency = capture(state), state.residency()
     calls = _fail_preadv(monkeypatch, at=at)
-    try:
+    def swap() -> None:
         with state.swapped(snap, stash=stash):
             pass
-    except DiskTierError:
-        pass
-    else:
-        assert calls[0] < at, "the swap did not fail"
-        pytest.skip(f"entering the swap reads fewer than {at} times")
+
+    _fails_at(swap, calls, at, "entering the swap reads")
     monkeypatch.undo()
     assert state.residency() == residency
     assert_same(capture(state), want)
