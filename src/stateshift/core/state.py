@@ -186,14 +186,16 @@ class ModelState(SwapVerbs):
 
     @_locked
     def slots(self, group: str | None = None) -> list[Slot]:
-        self._table.refresh()
+        """The slots of ``group`` (default: every group), listed afresh (only that group is re-listed)."""
         names = self._select(group, check_swap=False) if group is not None else self.groups
+        self._table.refresh(names)
         return [s for g in names for s in self._groups[g].slots]
 
     @_locked
     def nbytes(self, groups: GroupArg = None) -> int:
-        self._table.refresh()
-        return sum(s.nbytes for g in self._select(groups, check_swap=False) for s in self._groups[g].slots)
+        names = self._select(groups, check_swap=False)
+        self._table.refresh(names)
+        return sum(s.nbytes for g in names for s in self._groups[g].slots)
 
     def describe_disk(self) -> str | None:
         """The disk home in use: its file, its I/O mode (``O_DIRECT`` or ``buffered``) and why, and the

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -216,15 +216,16 @@ class PiOldCycle:
     def old_policy(self) -> Iterator[Snapshot]:
         """Inside, the model computes with pi_old; after, with exactly its current weights again."""
         snap = self.snapshot
+        slots = {g: self._slots(g) for g in snap.groups}  # one listing for the checks and the accounting below
         rebuild: dict[str, Callable[[], None]] = {}
         plugin = self.rebuild
-        if plugin is not None and plugin.group in snap.groups and self._resident(plugin.group):
+        if plugin is not None and plugin.group in snap.groups and any(s.residency is Residency.DEVICE for s in slots[plugin.group]):
             why = plugin.available()
             if why is None:
                 rebuild[plugin.group] = plugin
             else:
                 self._fallback(f"stashing {plugin.group!r} instead of rebuilding it: {why}")
-        self._account_swap(snap, rebuild)
+        self._account_swap(snap, rebuild, slots)
         # the current weights wait where pi_old lives (memory permitting; a disk pi_old: where they fit)
         stash = "auto" if snap.placement == "disk" else snap.placement
         with self.state.swapped(snap, rebuild=rebuild, stash=stash):
@@ -292,10 +293,6 @@ class PiOldCycle:
     def _slots(self, group: str) -> list[Any]:
         return self.state.slots(group)
 
-    def _resident(self, group: str) -> bool:
-        """Whether any slot of ``group`` is on the device now (else a swap has nothing to stash or rebuild)."""
-        return any(s.residency is Residency.DEVICE for s in self._slots(group))
-
     # Where each copy runs follows the tensors themselves: a slot's storage is on its own
     # device (``slot.device``: the CPU for a CPU model, even on a CUDA machine); homes and host
     # snapshots are CPU memory; a device snapshot or stash is where ModelState allocated it
@@ -317,11 +314,11 @@ class PiOldCycle:
                 elif s.residency is Residency.HOST and not whole_home:
                     self._move(s.nbytes, False, to_dev)  # from the (CPU) home
 
-    def _account_swap(self, snap: Snapshot, rebuild: dict[str, Callable[[], None]]) -> None:
+    def _account_swap(self, snap: Snapshot, rebuild: dict[str, Callable[[], None]], slots: Mapping[str, list[Any]]) -> None:
         for part in snap.parts:
             at_dev = part.device is not None and part.device.device.type != "cpu"
             # the stash waits where pi_old lives (``stash=snap.placement``: same device as the part)
-            for s in self._slots(part.group):
+            for s in slots[part.group]:
                 on_dev = _on_accelerator(s)
                 self._move(s.nbytes, at_dev, on_dev)  # write pi_old in
                 if s.residency is Residency.DEVICE and part.group not in rebuild:
