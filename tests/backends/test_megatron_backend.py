@@ -712,6 +712,27 @@ def test_master_rebuild_refuses_when_it_would_not_be_exact(engine, monkeypatch):
     assert plugin.available() is None
 
 
+def test_master_rebuild_counts_nan_equal_to_nan():
+    """A NaN param written by the optimizer's cast matches its NaN master even where the two casts give the
+    NaN other bits (the CPU's vectorised cast and its scalar one do), and -0.0 equals 0.0; a real
+    difference beside them is still found."""
+    ddp, opt = build("distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    plugin = state.backends[1].rebuild_plugin()
+    assert plugin.available() is None
+    dst, master = plugin._destinations()[0].view(-1), plugin._masters[0].view(-1)
+    with torch.no_grad():
+        master[0] = float("nan")
+        dst[0] = master[0].to(dst.dtype)  # the scalar cast
+        master[1], dst[1] = 0.0, -0.0
+    assert master.to(dst.dtype)[0].view(torch.int16) != dst[0].view(torch.int16)  # (the case this test is about)
+    assert plugin.available() is None
+    with torch.no_grad():
+        dst[2] = master[2].to(dst.dtype) + 1
+    assert "not the fp32 masters' cast" in plugin.available()
+
+
 def test_master_rebuild_copes_with_masters_offloaded_inside_the_swap():
     ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)

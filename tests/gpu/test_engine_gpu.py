@@ -137,3 +137,40 @@ def test_device_placed_copies_on_two_streams_are_ordered_with_compute():
     sums = [p.sum() for p in model]  # read right after the restore: must see the restored values
     for s, w in zip(sums, want, strict=True):
         assert torch.equal(s, w.sum())
+
+
+def test_verbs_inside_a_callers_stream_leave_it_current_and_ordered():
+    """The engine switches streams with ``torch.cuda.set_stream`` (``transfer._On``), not
+    ``torch.cuda.stream``: called inside the user's own stream context, every verb must give that stream
+    back as the current one, read the values that stream wrote before the call, and be waited for by
+    what it enqueues after."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    model = _mixed(4)
+    state = _state(model)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        torch.cuda._sleep(20_000_000)
+        with torch.no_grad():
+            for p in model:
+                p.add_(1)
+        want = _values(model)
+        for placement in ("host", "device"):
+            snap = state.snapshot("params", tag=placement, placement=placement)
+            assert torch.cuda.current_stream() == user
+            with torch.no_grad():
+                for p in model:
+                    p.copy_(torch.randn(p.shape, device="cuda", generator=g))
+            state.restore(snap)
+            assert torch.cuda.current_stream() == user
+            sums = [p.sum() for p in model]  # on the user's stream, right after the restore
+            for s, w in zip(sums, want, strict=True):
+                assert torch.equal(s, w.sum())
+        state.offload()
+        state.onload()
+        assert torch.cuda.current_stream() == user
+        with state.swapped(state.snapshots.get("host"), stash="host"):
+            assert torch.cuda.current_stream() == user
+        assert torch.cuda.current_stream() == user
+        _same(model, want)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()

@@ -13,10 +13,6 @@ if TYPE_CHECKING:
     from .optimizer import MegatronOptimizerBackend
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer dtype of each float width: params and casts are compared as bits."""
-
-
 class MasterRebuild:
     """Recompute the current bf16 params from the fp32 masters instead of stashing and copying them back.
 
@@ -146,23 +142,24 @@ class MasterRebuild:
         return None
 
     def _value_reason(self) -> str | None:
-        """Whether every param (this rank's part) equals its master's cast, bit for bit.
+        """Whether every param (this rank's part) equals its master's cast (NaN equal to NaN: the CPU's
+        vectorised and scalar casts give a NaN different bits). Three kernels per master and one host
+        sync; only when some value differs, a second pass that lets NaN match NaN."""
+        if self._differ(nan_equal=False) and self._differ(nan_equal=True):
+            return ("the params are not the fp32 masters' cast (written since the last optimizer step: a restore or "
+                    "load of params, a swapped() of optim, or a write outside the optimizer)")
+        return None
 
-        The cast's bits against the param's (a float viewed as the integer of its width): three kernels
-        per master and one host sync in all. A param that differs only in a NaN's payload or a zero's
-        sign counts as differing, so the cycle stashes (the safe answer); Megatron writes the params with
-        the same cast, so after its step they match bit for bit."""
+    def _differ(self, *, nan_equal: bool) -> bool:
         flags: dict[torch.device, list[torch.Tensor]] = {}
         with torch.no_grad():
             for d, m in zip(self._destinations(), self._masters, strict=True):
                 cast = m.detach().to(d.dtype).view(d.shape)
-                bits = _BITS.get(d.element_size()) if d.is_floating_point() else None
-                differ = cast.view(bits).ne(d.view(bits)) if bits is not None else cast.ne(d)
+                differ = cast.ne(d)
+                if nan_equal and d.is_floating_point():
+                    differ &= ~(cast.isnan() & d.isnan())
                 flags.setdefault(d.device, []).append(differ.any())
-            if any(bool(torch.stack(f).any()) for f in flags.values()):
-                return ("the params are not the fp32 masters' cast (written since the last optimizer step: a restore or "
-                        "load of params, a swapped() of optim, or a write outside the optimizer)")
-        return None
+            return any(bool(torch.stack(f).any()) for f in flags.values())
 
     def _agree(self, reason: str | None) -> str | None:
         """Every rank gets a reason if any rank has one (the rebuild's all-gather needs them all)."""
