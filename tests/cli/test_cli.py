@@ -40,6 +40,24 @@ def test_bench_rejects_bad_sizes(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("small", "want"), [(None, [(2000, 512 << 10), (20000, 16 << 10)]), (["none"], []),
+                                            (["10x4KiB"], [(10, 4 << 10)])])
+def test_small_cases_on_cuda(monkeypatch, small, want):
+    """On CUDA two small cases are the default; ``--small none`` runs the large-model rows only."""
+    import argparse
+
+    import torch
+
+    from stateshift.cli import bench as cli_bench
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli_bench.add_parser(sub)
+    args = sub.choices["bench"].parse_args([x for spec in small or [] for x in ("--small", spec)])
+    monkeypatch.setattr(cli_bench, "_device", lambda spec: torch.device("cuda"))
+    cli_bench._check_args(args)
+    assert args.small_cases == want
+
+
 def test_help_runs():
     result = subprocess.run([sys.executable, "-m", "stateshift.cli", "bench", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--json" in result.stdout
@@ -56,6 +74,7 @@ def test_help_runs():
         (["--small-tensors", "-1"], "--small-tensors must be >= 0"),
         (["--small-numel", "0"], "--small-numel must be >= 1"),
         (["--small", "3y"], "COUNTxSIZE"),
+        (["--small", "none", "--small", "10x4KiB"], "--small none cannot be given with other"),
         (["--repeat", "0"], "--repeat must be >= 1"),
         (["--json", "/proc/no/such/dir/out.json"], "cannot write"),
     ],

@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--minibatches", type=int, default=4, help="N of the pi_old cycle")
     p.add_argument("--small", action="append", default=None, metavar="COUNTxSIZE",
                    help="also time snapshot/restore/offload/onload of COUNT bf16 tensors of SIZE each beside a plain "
-                   "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none)")
+                   "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none; 'none': no small "
+                   "cases)")
     p.add_argument("--small-tensors", type=int, default=0, help="one more small case: this many tensors ...")
     p.add_argument("--small-numel", type=int, default=65536, help="... of this many bf16 elements each")
     p.add_argument("--json", type=Path, default=None, help="write the results here (format: docs/results.md)")
@@ -89,7 +90,9 @@ def _check_args(args: argparse.Namespace) -> tuple[torch.device, Any]:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
     if args.small_tensors < 0:
         raise UsageError(f"--small-tensors must be >= 0, not {args.small_tensors}")
-    args.small_cases = [parse_small(spec) for spec in (args.small or [])]
+    if args.small is not None and "none" in args.small and len(args.small) > 1:
+        raise UsageError("--small none cannot be given with other --small cases")
+    args.small_cases = [parse_small(spec) for spec in (args.small or []) if spec != "none"]
     if args.small_tensors:
         args.small_cases.append((args.small_tensors, 2 * args.small_numel))
     device = _device(args.device)
