@@ -244,7 +244,7 @@ def main() -> None:
     result = bench.BenchResult(bench.machine_name(device), torch.__version__, bench.git_sha(), ceilings, list(rows), extra={
         "io_mode": mode, "io_mode_why": why, "align": align, "disk_home": disk_desc,
         "baseline": "loop_gbps/vs_loop: torch.save + fsync (offload, snapshot); fadvise DONTNEED + torch.load + copy_ (onload, restore)",
-        "directory_filesystem": bsize})
+        "block_size": bsize, "repeat": args.repeat})
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{time.strftime('%Y-%m-%d')}-{'h200' if device.type == 'cuda' else 'cpu'}-disk.json"
     (args.out / name).write_text(json.dumps(result.to_json(), indent=1))
