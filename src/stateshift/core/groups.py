@@ -30,7 +30,7 @@ from ..errors import BackendError, ForeignStateError
 from .disk import DiskHome
 from .layout import Layout
 from .pool import HostBlock, HostPool
-from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_key
+from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_keys
 from .source import Source
 from .transfer import CopyEngine, Plan, Run, Transfer
 
@@ -97,8 +97,18 @@ def _adopt_native(slot: Slot, es: list[Entry]) -> None:
     slot.native_home = native
 
 
+_STORAGE, _NBYTES = operator.attrgetter("storage"), operator.methodcaller("nbytes")
+_TENSOR = operator.attrgetter("tensor")
+_RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("native_home")
+
+
 def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int]) -> None:
-    """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload."""
+    """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload.
+
+    Every storage holding memory and no framework copy anywhere (the resident steady state) leaves
+    nothing to follow: that is checked without a Python loop (a verb pays this per slot)."""
+    if 0 not in map(_NBYTES, map(_STORAGE, slots)) and not any(map(_NATIVE, slots)):
+        return
     for s in slots:
         size = s.storage.nbytes()
         if s.residency is Residency.DEVICE and size == 0 and s.nbytes > 0:
@@ -143,9 +153,16 @@ class GroupState:
     def by_residency(self) -> dict[Residency, list[int]]:
         """The slots' indices per residency, in one pass (every residency is a key)."""
         out: dict[Residency, list[int]] = {r: [] for r in Residency}
+        if self.all_resident():
+            out[Residency.DEVICE] = list(range(len(self.slots)))
+            return out
         for i, s in enumerate(self.slots):
             out[s.residency].append(i)
         return out
+
+    def all_resident(self) -> bool:
+        """Every slot ``DEVICE`` (checked without a Python loop: verbs ask this first)."""
+        return list(map(_RESIDENCY, self.slots)).count(Residency.DEVICE) == len(self.slots)
 
     # -- copies between this group and arenas of its layout (homes, snapshots, stashes) -------------
     def copy_out(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, frees: bool = False) -> Transfer:
@@ -280,7 +297,7 @@ class SlotTable:
         return by_group
 
     def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], seen: dict[int, Slot]) -> None:
-        keys = [storage_key(e.tensor) for e in entries]
+        keys = storage_keys(map(_TENSOR, entries))
         if gs.listed is not None and keys == gs.listed[2] and seen.keys().isdisjoint(gs.by_key) and self._same(gs, entries):
             seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
             gs.entries = entries

@@ -15,6 +15,8 @@ storage into slots. ``SlotInfo`` is the slot's part of a layout fingerprint.
 from __future__ import annotations
 
 import enum
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -138,6 +140,14 @@ _ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in vars(torch).valu
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage; stable across moves (``resize_`` keeps the StorageImpl)."""
     return tensor.untyped_storage()._cdata
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """``storage_key`` of each tensor, without a Python loop (every verb lists every slot's)."""
+    return list(map(_CDATA, map(_UNTYPED_STORAGE, tensors)))
+
+
+_UNTYPED_STORAGE, _CDATA = operator.methodcaller("untyped_storage"), operator.attrgetter("_cdata")
 
 
 def member_info(entry: Entry) -> MemberInfo:

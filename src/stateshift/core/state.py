@@ -476,6 +476,8 @@ class ModelState(SwapVerbs):
         rewrite: dict[str, list[Slot]] = {}
         for part in snapshot.parts:
             gs = self._groups[part.group]
+            if gs.all_resident():
+                continue  # written in place (``_write_parts``)
             offloaded = [s for s in gs.slots if s.residency is not Residency.DEVICE]
             on_disk = any(s.residency is Residency.DISK for s in offloaded)
             if part.host is not None and offloaded and len(offloaded) == len(gs.slots) and not gs.has_native() and not on_disk:
@@ -714,7 +716,7 @@ class ModelState(SwapVerbs):
         for part in parts:
             gs = self._groups[part.group]
             offloaded = rewrite.get(gs.name, [])
-            resident = gs.select(lambda s: s.residency is Residency.DEVICE)
+            resident = gs.by_residency()[Residency.DEVICE]
             if part.host is not None and offloaded:
                 snapshot.wait()  # host-to-host: its own copies must be done before this thread reads it
             if part.disk is not None:
@@ -742,7 +744,7 @@ class ModelState(SwapVerbs):
         todo: list[tuple[GroupState, SnapshotPart, list[int]]] = []
         for part in parts:
             gs = self._groups[part.group]
-            on_disk = gs.select(lambda s: s.residency is Residency.DISK)
+            on_disk = [] if gs.all_resident() else gs.select(lambda s: s.residency is Residency.DISK)
             if on_disk:
                 todo.append((gs, part, on_disk))
         if not todo:
