@@ -204,8 +204,10 @@ class ModelState(SwapVerbs):
 
     @_locked
     def layout(self, group: str) -> Layout:
-        self._table.refresh()
-        return self._groups[self._select(group, check_swap=False)[0]].layout
+        """The group's layout now (only that group is re-listed)."""
+        names = self._select(group, check_swap=False)
+        self._table.refresh(names)
+        return self._groups[names[0]].layout
 
     @_locked
     def stash_placement(self, groups: GroupArg = None, stash: Literal["auto", "device", "host"] = "auto") -> str:

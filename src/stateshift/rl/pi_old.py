@@ -149,6 +149,7 @@ class PiOldCycle:
         self.stats = CycleStats()
         self._snapshot: Snapshot | None = None
         self._warned: set[str] = set()
+        self._listing: dict[str, list[Any]] | None = None  # the groups' slots while begin() runs
 
     # -- the cycle ------------------------------------------------------------------------
     @property
@@ -203,9 +204,12 @@ class PiOldCycle:
         """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
         if self._snapshot is not None and not self._snapshot.released:
             self.state.release(self._snapshot)
-        self.state.refresh(self.groups)
-        placement = self.choose_placement()
-        self._account_snapshot(placement)
+        self._listing = {g: self.state.slots(g) for g in self.groups}  # one listing for the placement and the accounting
+        try:
+            placement = self.choose_placement()
+            self._account_snapshot(placement)
+        finally:
+            self._listing = None
         self._snapshot = self.state.snapshot(self.groups, tag=self.tag, version=version, placement=placement)
         self.stats.placement = placement
         self.stats.snapshots += 1
@@ -291,7 +295,8 @@ class PiOldCycle:
             self.stats.host_bytes += nbytes
 
     def _slots(self, group: str) -> list[Any]:
-        return self.state.slots(group)
+        """The group's slots: listed afresh, or as listed at the start of the ``begin()`` running now."""
+        return self._listing[group] if self._listing is not None else self.state.slots(group)
 
     # Where each copy runs follows the tensors themselves: a slot's storage is on its own
     # device (``slot.device``: the CPU for a CPU model, even on a CUDA machine); homes and host
