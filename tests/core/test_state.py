@@ -279,3 +279,23 @@ def test_host_storage_that_cannot_be_resized_stays_in_place():
     state.restore(snap)
     state.onload()
     assert torch.equal(fixed.detach(), want)
+
+
+def test_slots_and_nbytes_of_one_group_after_a_storage_moved_in_from_another_group():
+    """A storage that left one group for another (here the optimizer's ``exp_avg`` tensor becomes a
+    param's data and the optimizer gets a fresh one) belongs to one group again: ``slots("params")`` and
+    ``nbytes("params")`` list it there, as a listing of every group does (found at 4b91c18: re-listing
+    only the asked group kept the other group's stale slot and raised "shares storage")."""
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    total = state.nbytes("params")
+    state.slots()
+    p = model.embed.weight
+    moved = opt.state[p]["exp_avg"]
+    opt.state[p]["exp_avg"] = moved.clone()
+    p.data = moved
+    assert any(s.storage._cdata == moved.untyped_storage()._cdata for s in state.slots("params"))
+    assert state.nbytes("params") == total
+    assert len(state.slots()) == sum(len(state.slots(g)) for g in state.groups)
+
