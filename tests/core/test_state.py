@@ -299,3 +299,23 @@ def test_slots_and_nbytes_of_one_group_after_a_storage_moved_in_from_another_gro
     assert state.nbytes("params") == total
     assert len(state.slots()) == sum(len(state.slots(g)) for g in state.groups)
 
+
+def test_a_verb_on_one_group_after_a_storage_moved_in_from_another_group():
+    """The same move, met first by a verb on params alone (it raised "shares storage" before the table
+    re-listed the group that held the storage): the values move with the group, the optimizer keeps its own."""
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    state.slots()
+    p = model.embed.weight
+    moved = opt.state[p]["exp_avg"]
+    opt.state[p]["exp_avg"] = fresh = moved.clone().add_(1)
+    p.data = moved
+    want_p, want_opt = p.detach().clone(), fresh.clone()
+    state.offload("params")
+    state.onload("params")
+    assert torch.equal(p, want_p) and p.untyped_storage()._cdata == moved.untyped_storage()._cdata
+    snap = state.snapshot(["params", "optim"], tag="after")
+    state.restore(snap)
+    assert torch.equal(p, want_p) and torch.equal(opt.state[p]["exp_avg"], want_opt)
+

@@ -271,9 +271,15 @@ class SlotTable:
         back in their storage first: ``_let_go``)."""
         wanted = frozenset(self.names if groups is None else groups)
         by_group = self._list(wanted)
+        keys = {g: storage_keys(map(_TENSOR, entries)) for g, entries in by_group.items()}
+        others = [gs.by_key.keys() for name, gs in self.groups.items() if name not in wanted]
+        if any(not held.isdisjoint(k) for held in others for k in keys.values()):
+            # a storage listed now is still a slot of a group not asked for (``p.data`` set to an optimizer
+            # state's tensor, or to its own grad): that group's listing is stale, so every group is re-listed
+            return self.refresh()
         seen: dict[int, Slot] = {k: s for k, s in self.slots.items() if s.info.group not in wanted}
         for g, entries in by_group.items():
-            self._refresh_group(self.groups[g], entries, seen)
+            self._refresh_group(self.groups[g], entries, keys[g], seen)
         self.slots = seen
 
     def prepare(self, groups: Iterable[str]) -> None:
@@ -296,8 +302,7 @@ class SlotTable:
                         raise BackendError(f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}")
         return by_group
 
-    def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], seen: dict[int, Slot]) -> None:
-        keys = storage_keys(map(_TENSOR, entries))
+    def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], keys: list[int], seen: dict[int, Slot]) -> None:
         if gs.listed is not None and keys == gs.listed[2] and seen.keys().isdisjoint(gs.by_key) and self._same(gs, entries):
             seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
             gs.entries = entries

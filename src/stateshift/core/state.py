@@ -186,7 +186,8 @@ class ModelState(SwapVerbs):
 
     @_locked
     def slots(self, group: str | None = None) -> list[Slot]:
-        """The slots of ``group`` (default: every group), listed afresh (only that group is re-listed)."""
+        """The slots of ``group`` (default: every group), listed afresh: that group is re-listed (every group,
+        when one of its storages is still a slot of another group: ``GroupTable.refresh``)."""
         names = self._select(group, check_swap=False) if group is not None else self.groups
         self._table.refresh(names)
         return [s for g in names for s in self._groups[g].slots]
@@ -204,7 +205,7 @@ class ModelState(SwapVerbs):
 
     @_locked
     def layout(self, group: str) -> Layout:
-        """The group's layout now (only that group is re-listed)."""
+        """The group's layout now (re-listed as ``slots(group)`` is)."""
         names = self._select(group, check_swap=False)
         self._table.refresh(names)
         return self._groups[names[0]].layout
