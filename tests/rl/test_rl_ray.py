@@ -336,6 +336,57 @@ def test_prompts_in_flight_in_a_killed_rollouter_are_generated_by_its_successor(
     assert side.stats().version == 0
 
 
+def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainers(tmp_path):
+    """``ray.get`` raises a trainer's own ``RayActorError`` (a rollouter's death it could not handle) as a
+    class that is both ``RayTaskError`` and ``RayActorError``: it is that error, not ``TrainerDiedError``;
+    the trainer's death itself still is."""
+    import types
+
+    from stateshift.rl.executors.ray import TrainerDiedError, _await_trainer
+
+    inside = ray.exceptions.RayTaskError("run", "Traceback: ...", ray.exceptions.ActorDiedError()).as_instanceof_cause()
+    assert isinstance(inside, ray.exceptions.RayActorError)
+
+    def raising(err):
+        def get(ref, timeout=None):
+            raise err
+        return types.SimpleNamespace(get=get, exceptions=ray.exceptions)
+
+    with pytest.raises(ray.exceptions.ActorDiedError) as got:
+        _await_trainer(raising(inside), None, None, tmp_path)
+    assert not isinstance(got.value, TrainerDiedError)
+    with pytest.raises(TrainerDiedError, match="the trainer actor died"):
+        _await_trainer(raising(ray.exceptions.ActorDiedError()), None, None, tmp_path)
+
+
+def test_a_successor_that_dies_while_it_comes_up_is_replaced_too(side, monkeypatch):
+    """The successor of a killed rollouter dies before it says it is up (killed, OOM): that is one more
+    death to report and replace, not an error that stops the run. (Found as a flake of the kill test: the
+    run failed with the successor's ``RayActorError``, which the driver then reported as the trainer's
+    death.)"""
+    from stateshift.rl.executors import ray_rollouts
+
+    real, died = ray_rollouts.wait_ready, []
+
+    def dies_once(ray_, ref, timeout_s, what):
+        if not died:
+            died.append(what)
+            ray.kill(side.actor)  # (the successor, just made)
+            raise ray.exceptions.ActorDiedError()
+        return real(ray_, ref, timeout_s, what)
+
+    held = ray.get(side.hub.start.remote(0, 0, 3, 0.0))
+    first = side.name
+    monkeypatch.setattr(ray_rollouts, "wait_ready", dies_once)
+    ray.kill(side.actor)
+    taken = _train_until(side, {uid for uid, _ in held})
+    assert len(taken) == len(set(taken)) and died
+    restarts = side.stats().restarts
+    assert [r["rollouter"] for r in restarts] == [first, restarts[0]["successor"]]
+    assert "ray.kill" in restarts[0]["why"] and restarts[1]["successor"] == side.name
+    assert restarts[0]["regenerated"] >= 3
+
+
 def test_a_replaced_rollouter_generates_with_the_last_weights_sent(side):
     """Killed just before the trainer sends weights v1 (the sync is answered by the successor), then the
     successor killed too (SIGKILL): the third rollouter draws with exactly the v1 weights."""

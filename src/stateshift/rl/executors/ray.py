@@ -179,13 +179,13 @@ def _await_trainer(ray: Any, trainer: Any, ref: Any, out: Path) -> Any:
         except Exception:  # noqa: BLE001 - we are leaving on Ctrl-C whatever it says
             pass
         raise
+    except ray.exceptions.RayTaskError as err:  # (first: an actor's death raised *inside* the trainer is its error)
+        raise err.as_instanceof_cause() from None
     except ray.exceptions.RayActorError as err:
         latest = out / "checkpoints" / "latest"
         where = latest.read_text().strip() if latest.is_file() else "none yet"
         raise TrainerDiedError(f"the trainer actor died: {death_reason(err)}; latest checkpoint: {where} "
                                f"(continue with: stateshift train --resume {out})") from None
-    except ray.exceptions.RayTaskError as err:
-        raise err.as_instanceof_cause() from None
     if result == INTERRUPTED:
         raise KeyboardInterrupt
     return result

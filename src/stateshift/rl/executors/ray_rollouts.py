@@ -86,6 +86,7 @@ class RayRollouts:
 
         ref, version = self.weights
         self.name = f"stateshift-rollouter-{os.getpid()}-{self.owner}"  # unique in the cluster while it lives
+        self.pid = None  # (known once it is up)
         cls = actor_class(self.ray, RolloutActor, self.specs[ROLLOUTER], self.pg, ROLLOUTER, max_concurrency=4,
                           name=self.name)
         self.actor = cls.remote(self.cfg, ref, version, self.owner, self.hub, capture, os.getcwd())
@@ -138,13 +139,22 @@ class RayRollouts:
             raise RolloutDiedError(f"rollouter {name} (pid {pid}) died: {why} -- after {len(self.restarts)} restarts "
                                    f"(ray.max_rollout_restarts={limit}) the run stops")
         orphans = self._hub("owner_died", owner)  # before the successor asks for prompts: it gets these first
+        again: BaseException | None = None
         with self.lock:
             self.owner += 1
-            version = self._spawn(None)
-            self.run_ref = self.actor.run.remote()
+            try:
+                version = self._spawn(None)
+            except self.ray.exceptions.RayActorError as err:  # the successor died before it was up: one more death
+                version, again = self.weights[1], err
+            else:
+                self.run_ref = self.actor.run.remote()
         self.restarts.append({"rollouter": name, "pid": pid, "why": why, "detected_at": t_detect,
                               "restart_s": time.time() - t_detect, "weights_version": version,
                               "regenerated": orphans, "successor": self.name, "successor_pid": self.pid})
+        if again is not None:
+            if not self.closing:  # (stopping: ``stop`` reports it)
+                self._restart(self.owner, again)  # reported, counted against the limit, and replaced in turn
+            return
         self.control.progress()
         print(f"[stateshift] restarted it as {self.name} (pid {self.pid}) with weights v{version}; {orphans} prompts "
               f"in flight are generated again ({len(self.restarts)}/{limit} restarts)", file=self.stream, flush=True)
