@@ -107,6 +107,25 @@ def test_close_while_offloaded_brings_the_values_back():
     state.close()  # idempotent
 
 
+def test_a_storage_released_by_user_code_is_not_blamed_on_another_state():
+    """A tracked storage resized to 0 outside stateshift (no framework copy, no other state holding it):
+    the error says so, instead of naming "another ModelState" -- the state that asks is not another one
+    (found by an adversarial session: ``holder`` returned the asking table itself)."""
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt, guard=False)
+    state.slots()
+    storage = model.embed.weight.untyped_storage()
+    size = storage.nbytes()
+    storage.resize_(0)
+    with pytest.raises(ForeignStateError, match="released outside stateshift") as err:
+        state.snapshot("params", tag="s")
+    assert "another ModelState" not in str(err.value)
+    storage.resize_(size)  # (the user's code gives it back)
+    state.snapshot("params", tag="s")
+    state.close()
+
+
 def test_losing_the_last_reference_to_an_offloaded_state_loses_nothing():
     model, opt = make()
     warm(model, opt)

@@ -66,15 +66,16 @@ def _member_extent(t: torch.Tensor) -> int:
 _TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
 
-def holder(key: int) -> SlotTable | None:
-    """The open table that tracks the storage ``key`` (offloaded values are in its homes), if any."""
-    return next((t for t in list(_TABLES) if key in t.slots), None)
+def holder(key: int, *, besides: SlotTable | None = None) -> SlotTable | None:
+    """The open table (other than ``besides``) that tracks the storage ``key`` (offloaded values are in its
+    homes), if any."""
+    return next((t for t in list(_TABLES) if t is not besides and key in t.slots), None)
 
 
-def _adopt_native(slot: Slot, es: list[Entry]) -> None:
-    """A storage released outside stateshift: host-resident in the framework's copy, or dropped if it kept none."""
+def _adopt_native(slot: Slot, es: list[Entry], table: SlotTable) -> None:
+    """A storage released outside ``table``: host-resident in the framework's copy, or dropped if it kept none."""
     native = next((e.native_home for e in es if e.native_home is not None), None)
-    if native is None and holder(slot.key) is not None:
+    if native is None and holder(slot.key, besides=table) is not None:
         raise ForeignStateError(
             es[0].name,
             "its storage was released by another ModelState that is still alive and holds its values; get that "
@@ -102,7 +103,7 @@ _TENSOR = operator.attrgetter("tensor")
 _RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("native_home")
 
 
-def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int]) -> None:
+def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int], table: SlotTable) -> None:
     """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload.
 
     Every storage holding memory and no framework copy anywhere (the resident steady state) leaves
@@ -112,7 +113,7 @@ def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int]) 
     for s in slots:
         size = s.storage.nbytes()
         if s.residency is Residency.DEVICE and size == 0 and s.nbytes > 0:
-            _adopt_native(s, [e for e, k in zip(entries, keys, strict=True) if k == s.key])
+            _adopt_native(s, [e for e, k in zip(entries, keys, strict=True) if k == s.key], table)
         elif s.native_home is not None and s.residency is not Residency.DEVICE and size == s.nbytes > 0:
             s.residency = Residency.DEVICE
             disown(s)
@@ -306,7 +307,7 @@ class SlotTable:
         if gs.listed is not None and keys == gs.listed[2] and seen.keys().isdisjoint(gs.by_key) and self._same(gs, entries):
             seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
             gs.entries = entries
-            _follow_framework(gs.slots, entries, keys)
+            _follow_framework(gs.slots, entries, keys, self)
             return
         members: dict[int, list[Entry]] = {}
         for key, e in zip(keys, entries, strict=True):
@@ -330,7 +331,7 @@ class SlotTable:
         gs.listed = ([e.name for e in entries], [e.tensor for e in entries], keys)
         gs.entries = entries
         gs.by_key = {sl.key: sl for sl in slots}
-        _follow_framework(gs.slots, entries, keys)
+        _follow_framework(gs.slots, entries, keys, self)
 
     @staticmethod
     def _same(gs: GroupState, entries: Sequence[Entry]) -> bool:
@@ -368,7 +369,7 @@ class SlotTable:
             return old, True
         slot = Slot(key=key, info=info, storage=storage, device=first.tensor.device, tensors=tensors)
         if storage.nbytes() == 0 and nbytes > 0:
-            _adopt_native(slot, es)
+            _adopt_native(slot, es, self)
         return slot, True
 
     def _let_go(self, gs: GroupState, gone: list[Slot]) -> None:
