@@ -273,12 +273,14 @@ class SlotTable:
         wanted = frozenset(self.names if groups is None else groups)
         by_group = self._list(wanted)
         keys = {g: storage_keys(map(_TENSOR, entries)) for g, entries in by_group.items()}
-        others = [gs.by_key.keys() for name, gs in self.groups.items() if name not in wanted]
-        if any(not held.isdisjoint(k) for held in others for k in keys.values()):
+        others = [gs.by_key for name, gs in self.groups.items() if name not in wanted]
+        if any(not held.keys().isdisjoint(k) for held in others for k in keys.values()):
             # a storage listed now is still a slot of a group not asked for (``p.data`` set to an optimizer
             # state's tensor, or to its own grad): that group's listing is stale, so every group is re-listed
             return self.refresh()
-        seen: dict[int, Slot] = {k: s for k, s in self.slots.items() if s.info.group not in wanted}
+        seen: dict[int, Slot] = {}
+        for held in others:  # (``slots`` is the union of every group's ``by_key``)
+            seen.update(held)
         for g, entries in by_group.items():
             self._refresh_group(self.groups[g], entries, keys[g], seen)
         self.slots = seen

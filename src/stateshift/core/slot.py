@@ -142,12 +142,12 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+_UNTYPED_STORAGE, _CDATA = operator.methodcaller("untyped_storage"), operator.attrgetter("_cdata")
+
+
 def storage_keys(tensors: Iterable[torch.Tensor]) -> list[int]:
     """``storage_key`` of each tensor, without a Python loop (every verb lists every slot's)."""
     return list(map(_CDATA, map(_UNTYPED_STORAGE, tensors)))
-
-
-_UNTYPED_STORAGE, _CDATA = operator.methodcaller("untyped_storage"), operator.attrgetter("_cdata")
 
 
 def member_info(entry: Entry) -> MemberInfo:

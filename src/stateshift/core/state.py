@@ -747,7 +747,7 @@ class ModelState(SwapVerbs):
         todo: list[tuple[GroupState, SnapshotPart, list[int]]] = []
         for part in parts:
             gs = self._groups[part.group]
-            on_disk = [] if gs.all_resident() else gs.select(lambda s: s.residency is Residency.DISK)
+            on_disk = gs.by_residency()[Residency.DISK]
             if on_disk:
                 todo.append((gs, part, on_disk))
         if not todo:

@@ -288,10 +288,8 @@ class CopyEngine:
         chunk_bytes: int = CHUNK_BYTES,
         timing: bool = True,
     ) -> None:
-        if device is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device is not None and device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda" and device.index is None):
+            device = torch.device("cuda", torch.cuda.current_device())  # (a CUDA device without an index: the current one)
         self.device = device if device is not None and device.type == "cuda" else None
         self.small_bytes = small_bytes
         self.chunk_bytes = chunk_bytes
