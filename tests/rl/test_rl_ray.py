@@ -124,17 +124,29 @@ def _steps_done(out_dir) -> int:
 
 
 def _kill_rollouters(out_dir, rng: random.Random, kills: list[dict], done: threading.Event) -> None:
-    """Kill the rollouter with ray.kill at a random moment after a random step, once prompts are in flight (by
-    the time the kill lands they may have come back); then its successor with SIGKILL soon after it is up."""
+    """Kill the rollouter with ray.kill at a random moment after a random step, preferably once prompts are in
+    flight (by the time the kill lands they may have come back); then its successor with SIGKILL soon after it is
+    up.
+
+    The waits are bounded by the run, not by the clock: on a loaded 2-core machine the run's first steps may take
+    more than a minute. The wait for prompts in flight gives up after 1 s and kills all the same (between waves is
+    a random moment too): the rollouter may sit idle for most of the run once the queue is full, and waiting for
+    a busy moment let the kill land only as the run was stopping (CI, stop 18).
+    """
     steps = rng.randint(2, 5)
-    _wait_for(lambda: _steps_done(out_dir) >= steps, what="steps", done=done)
+    _wait_for(lambda: _steps_done(out_dir) >= steps, timeout=900, what="steps", done=done)
     time.sleep(rng.uniform(0.0, 0.3))
     queue = ray.get_actor(_named("stateshift-queue-")[-1])
-    _wait_for(lambda: ray.get(queue.stats.remote()).running > 0, what="prompts in flight", done=done)  # mid-wave
+    try:  # mid-wave, if one comes soon
+        _wait_for(lambda: ray.get(queue.stats.remote()).running > 0, timeout=1.0, what="prompts in flight", done=done)
+    except AssertionError:
+        if done.is_set():
+            raise
     first = _rollouters()[-1]
     kills.append({"name": first, "at": time.time(), "how": "ray.kill"})
     ray.kill(ray.get_actor(first))
-    second = _wait_for(lambda: [n for n in _rollouters() if n != first], what="the successor", done=done)[-1]
+    second = _wait_for(lambda: [n for n in _rollouters() if n != first], timeout=900, what="the successor",
+                       done=done)[-1]
     pid = ray.get(ray.get_actor(second).pid.remote())
     time.sleep(rng.uniform(0.0, 0.2))
     kills.append({"name": second, "at": time.time(), "how": "SIGKILL"})
