@@ -210,7 +210,7 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
     done = threading.Event()
 
     def kill_trainer() -> None:
-        _wait_for(lambda: _steps_done(out) >= at, what=f"step {at}", done=done)
+        _wait_for(lambda: _steps_done(out) >= at, timeout=900, what=f"step {at}", done=done)
         os.kill(ray.get(ray.get_actor(_named("stateshift-trainer-")[-1]).pid.remote()), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_trainer, daemon=True)
@@ -244,7 +244,7 @@ def test_restart_limit_stops_the_run(tmp_path):
     done = threading.Event()
 
     def kill_once():
-        _wait_for(lambda: _steps_done(tmp_path / "run") >= 1, what="a step", done=done)
+        _wait_for(lambda: _steps_done(tmp_path / "run") >= 1, timeout=900, what="a step", done=done)
         ray.kill(ray.get_actor(_rollouters()[-1]))
 
     killer = threading.Thread(target=kill_once, daemon=True)
