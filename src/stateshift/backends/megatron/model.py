@@ -7,6 +7,7 @@ this coexists with Megatron's own offload.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class MegatronModelBackend:
     _synced: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
     _guards: ModuleGuards | None = field(default=None, repr=False)
     _watch: TreeWatch = field(init=False, repr=False)
+    #: per group: what its listing was built from (compared by identity) and the list (see ``entries``)
+    _listed: dict[str, tuple[list[Any], list[Entry]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, torch.nn.Module):
@@ -156,6 +159,7 @@ class MegatronModelBackend:
         synchronised once per new copy before anything reads it.
         """
         if self._watch.changed():  # (one cheap pass; the named walk and the hooks only after a change)
+            self._listed = {}
             self._modules = self._walk()
             if self._guards is not None:
                 self._guards.cover(self._modules, ((n, p) for n, p in self._all_params()))
@@ -177,7 +181,29 @@ class MegatronModelBackend:
                     yield join(owner, leaf), p
 
     def entries(self, group: str) -> Sequence[Entry]:
-        """One group's tensors: flat buffers with their views, params outside the buffers, module buffers, grads."""
+        """One group's tensors: flat buffers with their views, params outside the buffers, module buffers, grads.
+
+        The same list object while nothing it was built from changed (the slot table's fast path): the module
+        tree (``prepare`` forgets every list when ``TreeWatch`` sees a change) and, for ``params``, each flat
+        buffer's ``param_data`` and ``param_data_cpu`` objects and whether ``param_data`` holds memory (which
+        decide its native home). Grads are listed afresh every time (``main_grad`` and ``grad_data`` change).
+        """
+        if group == "grads":
+            return self._list(group)
+        basis = [x for ref in self._refs for x in self._param_basis(ref)] if group == "params" else []
+        cached = self._listed.get(group)
+        if cached is not None and len(cached[0]) == len(basis) and all(map(operator.is_, cached[0], basis)):
+            return cached[1]
+        out = self._list(group)
+        self._listed[group] = (basis, out)
+        return out
+
+    @staticmethod
+    def _param_basis(ref: _BufferRef) -> tuple[Any, ...]:
+        pd, cpu = getattr(ref.buffer, "param_data", None), getattr(ref.buffer, "param_data_cpu", None)
+        return pd, cpu, pd is not None and storage_bytes(pd) > 0
+
+    def _list(self, group: str) -> list[Entry]:
         if group == "buffers":
             return [Entry(name, "buffers", b) for name, b in self._buffers()]
         out: list[Entry] = []
