@@ -178,6 +178,26 @@ class CheckpointWriteError(CheckpointError):
         super().__init__(f"cannot write checkpoint '{self.path}': {detail}")
 
 
+class CheckpointReadError(CheckpointError, OSError):
+    """Reading a checkpoint failed with an OS error (EIO from a failing disk, a file system gone away, ...).
+
+    ``path`` names the file, ``tensor`` the tensor whose bytes failed (``None``: a header, or the whole
+    file's hash), ``errno`` the OS error number. Raised before anything of the model changed. Also an
+    ``OSError``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], detail: str, errno: int | None = None,
+                 tensor: str | None = None) -> None:
+        self.path = os.fspath(path)
+        self.detail = detail
+        self.tensor = tensor
+        super().__init__(f"cannot read checkpoint file '{self.path}': {detail}")
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class CheckpointMismatchError(CheckpointError, LayoutMismatchError):
     """Bad input: unknown tensor name, wrong byte count / dtype, non-contiguous data.
 

@@ -292,6 +292,57 @@ def test_flipped_byte_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp
     assert err.path == str(f) and "optim.safetensors" in str(err)
 
 
+@pytest.mark.parametrize("residency", ["resident", "offloaded"])
+def test_io_error_while_reading_is_a_typed_error_naming_the_file_and_tensor_and_the_model_is_unchanged(
+        tmp_path, residency, monkeypatch):
+    """EIO from the device in the middle of a load (a failing disk, a network file system going away):
+    ``CheckpointReadError`` (a ``CheckpointError``, and still an ``OSError``) with the file, the tensor
+    whose bytes failed and the errno; nothing of the model changed."""
+    from stateshift.errors import CheckpointReadError
+
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+    _, _, state2 = _warmed("cpu", seed=1)
+    if residency == "offloaded":
+        state2.offload()
+    real = os.preadv
+    fails_at: list[int] = []
+
+    def preadv(fd, bufs, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("optim.safetensors") and not fails_at:
+            fails_at.append(offset)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(format_mod.os, "preadv", preadv)
+    err = _loaded_unchanged(state2, tmp_path / "ck", CheckpointReadError, "EIO")
+    assert fails_at, "the fault was never injected"
+    assert isinstance(err, OSError) and err.errno == errno.EIO
+    assert err.path == str(tmp_path / "ck" / "optim.safetensors") and err.tensor is not None
+    assert f"'{err.tensor}'" in str(err) and "unchanged" in str(err)
+
+
+def test_io_error_reading_the_manifest_or_verifying_is_a_typed_error(tmp_path, monkeypatch):
+    from stateshift.checkpoint import manifest as mf
+    from stateshift.errors import CheckpointReadError
+
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+
+    def eio(*_a, **_k):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as m:
+        m.setattr(mf, "read", eio)
+        with pytest.raises(CheckpointReadError, match="manifest.json") as ei:
+            verify(tmp_path / "ck")
+        assert ei.value.errno == errno.EIO and ei.value.tensor is None
+    monkeypatch.setattr(format_mod.os, "preadv", eio)
+    with pytest.raises(CheckpointReadError, match="EIO") as ei:
+        verify(tmp_path / "ck")
+    assert ei.value.tensor is not None and ei.value.path.endswith(".safetensors")
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointIncompleteError, CheckpointMismatchError,
+                      CheckpointNotFoundError, CheckpointReadError)
 from . import format as fmt
 from . import manifest as mf
 from .collective import Collective
-from .commit import commit, fsync_path, read_latest, write_error
+from .commit import commit, describe_os_error, fsync_path, read_latest, write_error
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$")
@@ -68,6 +69,13 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return latest
 
 
+def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointReadError:
+    tensor = e.tensor if isinstance(e, fmt.TransferError) else None
+    where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
+    return CheckpointReadError(path, f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
+                               e.errno, tensor)
+
+
 class Checkpoint:
     """One complete checkpoint, opened: its decoded manifest, and the files checked so far."""
 
@@ -79,7 +87,12 @@ class Checkpoint:
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc."""
         root = resolve(path)
-        ckpt = cls(root, mf.read(root))
+        try:
+            ckpt = cls(root, mf.read(root))
+        except OSError as e:
+            if isinstance(e, (CheckpointError, FileNotFoundError)):
+                raise
+            raise _read_error(root / mf.MANIFEST_NAME, e) from e
         ckpt.check(ckpt.manifest.files if files is None else files)
         return ckpt
 
@@ -91,7 +104,9 @@ class Checkpoint:
 
     @contextmanager
     def file(self, name: str) -> Iterator[tuple[int, FileEntry, str]]:
-        """``(fd, entry, path)`` of one file, its size and header checked against the manifest."""
+        """``(fd, entry, path)`` of one file, its size and header checked against the manifest. An OS error
+        while it is opened or read (EIO, ...) is ``CheckpointReadError`` naming the file (and the tensor,
+        where the error knows it)."""
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
@@ -100,8 +115,15 @@ class Checkpoint:
                 fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
             except FileNotFoundError:
                 raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
-            fmt.check_file(fd, size, entry, path)
-            yield fd, entry, path
+            except OSError as e:
+                raise _read_error(self.path / name, e) from e
+            try:
+                fmt.check_file(fd, size, entry, path)
+                yield fd, entry, path
+            except OSError as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise _read_error(path, e) from e
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
