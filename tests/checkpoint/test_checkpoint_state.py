@@ -646,6 +646,33 @@ def test_export_hf_usual_names_from_an_offloaded_model(tmp_path):
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
 
 
+def test_export_hf_full_disk_names_the_tensor_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    model, _opt, state = _warmed("cpu")
+    path = export_hf(state, tmp_path / "hf")
+    before = load_file(path)
+    perturb(model, None, 0.5)
+
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        if offset > 0 and sum(len(b) for b in bufs) > 64:  # a tensor's bytes, past the header
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(format_mod.os, "pwritev", pwritev)
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        export_hf(state, tmp_path / "hf")
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and "tensor '" in msg and "intact" in msg, msg
+    assert any(f"tensor '{k}'" in msg for k in before), msg
+    monkeypatch.undo()
+    after = load_file(path)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
+
+
 def test_export_hf_loads_with_transformers_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(

@@ -54,8 +54,8 @@ def describe_os_error(e: OSError) -> str:
 def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointWriteError:
     """The typed error for an OS error while ``doing`` part of a write of ``final`` (e.g. "writing 'f'"),
     naming the tensor whose bytes failed where the error knows it."""
-    if isinstance(e, TransferError) and e.tensor is not None:
-        doing += f" (tensor '{e.tensor}')"
+    if (tensor := TransferError.tensor_of(e)) is not None:
+        doing += f" (tensor '{tensor}')"
     msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
            "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
     if e.errno in _SPACE and nbytes:

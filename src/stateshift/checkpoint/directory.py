@@ -70,7 +70,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointReadError:
-    tensor = e.tensor if isinstance(e, fmt.TransferError) else None
+    tensor = fmt.TransferError.tensor_of(e)
     where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
     return CheckpointReadError(path, f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
                                e.errno, tensor)

@@ -204,6 +204,11 @@ class TransferError(OSError):
         super().__init__(e.errno, e.strerror, path)
         self.tensor = tensor
 
+    @staticmethod
+    def tensor_of(e: BaseException) -> str | None:
+        """The tensor whose bytes failed, where the error knows it."""
+        return e.tensor if isinstance(e, TransferError) else None
+
 
 def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,
             names: Sequence[str] | None = None) -> None:

@@ -26,7 +26,7 @@ import torch
 from ..backends.torch import state_dict_names, unwrap
 from ..errors import CheckpointMismatchError, CheckpointWriteError
 from .commit import describe_os_error, make_parents, replacing
-from .format import Record, write_file
+from .format import Record, TransferError, write_file
 
 
 def _module_of(state: Any) -> torch.nn.Module:
@@ -97,7 +97,10 @@ def export_hf(model: Any, directory: str | os.PathLike[str], *, filename: str = 
                     write_file(str(tmp), records, metadata={"format": "pt", **dict(metadata or {})})
             except OSError as e:
                 kept = f" The previous '{filename}' is intact." if final.exists() else ""
-                raise CheckpointWriteError(final, f"{describe_os_error(e)} while writing '{filename}'.{kept}", e.errno) from e
+                tensor = TransferError.tensor_of(e)
+                where = "" if tensor is None else f" (tensor '{tensor}')"
+                raise CheckpointWriteError(final, f"{describe_os_error(e)} while writing '{filename}'{where}.{kept}",
+                                           e.errno) from e
             return final
         finally:
             state.release(snap)
