@@ -254,7 +254,7 @@ def _check(v: Any, kind: str, where: str) -> Any:
         ok = type(v) is int and -_MAX_INT < v < _MAX_INT
     elif kind == "str":
         ok = isinstance(v, str)
-        if ok:
+        if ok and not v.isascii():
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
@@ -268,23 +268,33 @@ def _check(v: Any, kind: str, where: str) -> Any:
     return v
 
 
+_INT_ONLY, _HEX = {int}, frozenset("0123456789abcdef")
+
+
 def _get(d: Any, key: str, kind: str, where: str, *, optional: bool = False) -> Any:
     if not isinstance(d, dict):
         raise _Bad(f"{where} is not an object")
-    if key not in d or (optional and d[key] is None):
+    v = d.get(key)
+    if v is None:
         if optional:
             return None
-        raise _Bad(f"{where}.{key} is missing")
-    return _check(d[key], kind, f"{where}.{key}")
+        if key not in d:
+            raise _Bad(f"{where}.{key} is missing")
+    if kind == "int" and type(v) is int and 0 <= v < _MAX_INT:  # (the common case, without building a path)
+        return v
+    return _check(v, kind, f"{where}.{key}")
 
 
 def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
-    return tuple(_check(x, "int", f"{where}.{key}") for x in _get(d, key, "list", where))
+    v = _get(d, key, "list", where)
+    if not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT):  # (checked in C)
+        return tuple(v)
+    return tuple(_check(x, "int", f"{where}.{key}") for x in v)  # raises naming the value
 
 
 def _crc(d: Any, where: str) -> int:
     text = _get(d, "checksum", "str", where)
-    if not (text.startswith("crc32:") and len(text) == 14 and all(c in "0123456789abcdef" for c in text[6:])):
+    if not (text.startswith("crc32:") and len(text) == 14 and _HEX.issuperset(text[6:])):
         raise _Bad(f"{where}.checksum is not crc32:<8 hex digits>: {text[:40]!r}")
     return int(text[6:], 16)
 
