@@ -420,3 +420,28 @@ def test_tree_watch_sees_every_kind_of_change(change):
     assert not watch.changed()
     _TREE_CHANGES[change](model)
     assert watch.changed() and not watch.changed()
+
+
+def test_module_moved_into_an_empty_child_slot_is_listed_under_its_new_name():
+    """Found by the adversarial session: a module moved into a child slot that held ``None`` (an optional
+    submodule) keeps every id, name and count the walk sees (it skips ``None``); only which key holds
+    the module differs. Snapshots must carry the new names."""
+    from stateshift.backends.torch import TreeWatch
+
+    def model() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.add_module("a", torch.nn.Linear(2, 2))
+        m.add_module("b", None)
+        return m
+
+    m = model()
+    watch = TreeWatch((m,))
+    assert watch.changed() and not watch.changed()
+    m.b, m.a = m.a, None
+    assert watch.changed()
+    m = model()
+    state = ModelState(m)
+    state.offload()
+    state.onload()
+    m.b, m.a = m.a, None
+    assert set(state.snapshot().tensors()) == set(m.state_dict()) == {"b.weight", "b.bias"}

@@ -78,8 +78,9 @@ _NON_PERSISTENT, _values, _flat = operator.attrgetter("_non_persistent_buffers_s
 
 
 def tree_signature(mods: list[torch.nn.Module]) -> tuple[Any, ...]:
-    """What ``TreeWatch`` compares: per module (in ``modules_of`` order) its id, its children's names (a renamed
-    child renames its tensors), its parameters' names, ids and ``requires_grad`` (the guards hook gradients of
+    """What ``TreeWatch`` compares: per module (in ``modules_of`` order) its id, its children's names and ids (a
+    renamed child renames its tensors; the walk skips a ``None`` child, so a module moved into an empty slot
+    shows only there), its parameters' names, ids and ``requires_grad`` (the guards hook gradients of
     trainable params only: one unfrozen later needs its hook), its buffers' names and ids, and which buffers are
     non-persistent (which, not how many: two trading persistence keep the count).
 
@@ -92,6 +93,7 @@ def tree_signature(mods: list[torch.nn.Module]) -> tuple[Any, ...]:
     non_persistent = list(map(_NON_PERSISTENT, mods))
     pvals = list(_flat(map(_values, params)))
     return (tuple(map(id, mods)), tuple(map(len, children)), tuple(_flat(children)),
+            tuple(map(id, _flat(map(_values, children)))),  # which key holds which child (None ones included)
             tuple(map(len, params)), tuple(_flat(params)), tuple(map(id, pvals)), tuple(map(getattr, pvals, _REQUIRES_GRAD, _FALSE)),
             tuple(map(len, buffers)), tuple(_flat(buffers)), tuple(map(id, _flat(map(_values, buffers)))),
             tuple(map(len, non_persistent)), tuple(_flat(non_persistent)))
