@@ -343,6 +343,41 @@ def test_io_error_reading_the_manifest_or_verifying_is_a_typed_error(tmp_path, m
     assert ei.value.tensor is not None and ei.value.path.endswith(".safetensors")
 
 
+@pytest.mark.parametrize("verb", ["load", "verify"])
+def test_io_error_reading_the_latest_pointer_is_a_typed_error(tmp_path, monkeypatch, verb):
+    """(found by the adversarial session: ``latest`` was read outside the conversion)"""
+    from stateshift.checkpoint import commit as commit_mod
+    from stateshift.errors import CheckpointReadError
+
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "step-1", update_latest=True)
+    real = os.pread
+
+    def pread(fd, n, off):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/latest"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, n, off)
+
+    monkeypatch.setattr(commit_mod.os, "pread", pread)
+    with pytest.raises(CheckpointReadError, match="EIO"):
+        load(state, tmp_path) if verb == "load" else verify(tmp_path)
+
+
+def test_an_os_error_of_the_progress_callback_is_the_callers_not_a_read_error(tmp_path):
+    """(found by the adversarial session: every OS error inside ``Checkpoint.file()`` was called a read error)"""
+    from stateshift.errors import CheckpointReadError
+
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck")
+
+    def progress(_n):
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))  # progress printed to a closed pipe
+
+    with pytest.raises(BrokenPipeError) as ei:
+        load(state, tmp_path / "ck", progress=progress)
+    assert not isinstance(ei.value, CheckpointReadError)
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

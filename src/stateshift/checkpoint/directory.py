@@ -76,6 +76,19 @@ def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointReadError
                                e.errno, tensor)
 
 
+@contextmanager
+def _reading(path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OSError], ...] = OSError) -> Iterator[None]:
+    """Our own reads inside: an OS error (of ``errors``) is ``CheckpointReadError`` naming ``path``; a
+    ``CheckpointError`` or a missing file passes as it is. Wraps no caller code: an OS error raised by a
+    caller's callback is the caller's, not a read's."""
+    try:
+        yield
+    except errors as e:
+        if isinstance(e, (CheckpointError, FileNotFoundError)):
+            raise
+        raise _read_error(path, e) from e
+
+
 class Checkpoint:
     """One complete checkpoint, opened: its decoded manifest, and the files checked so far."""
 
@@ -85,14 +98,12 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
-        """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc."""
-        root = resolve(path)
-        try:
+        """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc. An OS error
+        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointReadError``."""
+        with _reading(os.path.abspath(path)):
+            root = resolve(path)
+        with _reading(root / mf.MANIFEST_NAME):
             ckpt = cls(root, mf.read(root))
-        except OSError as e:
-            if isinstance(e, (CheckpointError, FileNotFoundError)):
-                raise
-            raise _read_error(root / mf.MANIFEST_NAME, e) from e
         ckpt.check(ckpt.manifest.files if files is None else files)
         return ckpt
 
@@ -104,37 +115,30 @@ class Checkpoint:
 
     @contextmanager
     def file(self, name: str) -> Iterator[tuple[int, FileEntry, str]]:
-        """``(fd, entry, path)`` of one file, its size and header checked against the manifest. An OS error
-        while it is opened or read (EIO, ...) is ``CheckpointReadError`` naming the file (and the tensor,
-        where the error knows it)."""
+        """``(fd, entry, path)`` of one file, its size and header checked against the manifest."""
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
         with ExitStack() as opened:
             try:
-                fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
+                with _reading(self.path / name):
+                    fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
+                    fmt.check_file(fd, size, entry, path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
-            except OSError as e:
-                raise _read_error(self.path / name, e) from e
-            try:
-                fmt.check_file(fd, size, entry, path)
-                yield fd, entry, path
-            except OSError as e:
-                if isinstance(e, CheckpointError):
-                    raise
-                raise _read_error(path, e) from e
+            yield fd, entry, path
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
-        pass staging memory, since a corrupt file leaves them unspecified)."""
-        with self.file(file) as (fd, entry, path):
+        pass staging memory, since a corrupt file leaves them unspecified). A failing read (EIO, ...) is
+        ``CheckpointReadError`` naming the file and the tensor; what ``progress`` raises passes as it is."""
+        with self.file(file) as (fd, entry, path), _reading(path, fmt.TransferError):
             fmt.read_into(fd, entry, dsts, path, progress)
 
     def verify(self, files: Iterable[str] | None = None) -> mf.Manifest:
         """Hash every file (or ``files``) against the manifest; ``CheckpointCorruptError`` naming the first bad one."""
         for name in self.manifest.files if files is None else files:
-            with self.file(name) as (fd, entry, path):
+            with self.file(name) as (fd, entry, path), _reading(path, fmt.TransferError):
                 if entry.header is not None:
                     fmt.read_into(fd, entry, {t.name: None for t in entry.tensors}, path)
                 elif fmt.file_crc32(fd, entry.bytes, path) != entry.crc32:

@@ -454,7 +454,10 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
         chosen.append(t)
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:  # advice only
+            pass
     crcs = transfer(os.preadv, fd, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
