@@ -378,6 +378,55 @@ def test_an_os_error_of_the_progress_callback_is_the_callers_not_a_read_error(tm
     assert not isinstance(ei.value, CheckpointReadError)
 
 
+@pytest.mark.parametrize("fault", ["EIO", "ValueError"])
+def test_load_dcp_failing_part_way_puts_every_value_back(tmp_path, monkeypatch, fault):
+    """DCP reads into the live tensors; the disk failing part-way through its data file (found by the
+    adversarial session) left some parameters loaded and the rest old, behind torch's CheckpointException."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from stateshift.checkpoint import load_dcp, save_dcp
+    from stateshift.errors import CheckpointError, CheckpointReadError
+
+    model, opt, _ = _warmed("cpu")
+    save_dcp(tmp_path / "dcp", model, opt)
+    model2, opt2, state2 = _warmed("cpu", seed=1)
+    before = capture(state2, ("params", "buffers", "optim"))
+    real, calls = FileSystemReader._slice_file, []
+
+    def slice_file(self, file, sinfo):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.EIO, os.strerror(errno.EIO)) if fault == "EIO" else ValueError("a bad slice")
+        return real(self, file, sinfo)
+
+    monkeypatch.setattr(FileSystemReader, "_slice_file", slice_file)
+    with pytest.raises(CheckpointReadError if fault == "EIO" else CheckpointError, match="unchanged") as ei:
+        load_dcp(tmp_path / "dcp", model2, opt2, trusted=True)
+    assert len(calls) > 3, "the fault was never injected"
+    assert (ei.value.errno == errno.EIO) if fault == "EIO" else "a bad slice" in str(ei.value)
+    assert_same(capture(state2, ("params", "buffers", "optim")), before)
+    monkeypatch.undo()
+    load_dcp(tmp_path / "dcp", model2, opt2, trusted=True)  # and it loads once the disk reads again
+    assert_same(capture(state2, ("params", "buffers")), capture(ModelState(model, opt), ("params", "buffers")))
+
+
+def test_save_dcp_full_disk_is_a_write_error_and_creates_nothing(tmp_path, monkeypatch):
+    """DCP wraps a writer's OSError in its CheckpointException, a BaseException: it escaped untyped."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from stateshift.checkpoint import save_dcp
+
+    model, opt, _ = _warmed("cpu")
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+        save_dcp(tmp_path / "dcp", model, opt)
+    assert ei.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

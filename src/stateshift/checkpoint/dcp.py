@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointMismatchError, CheckpointUntrustedError, CheckpointWriteError
+from ..errors import (CheckpointError, CheckpointMismatchError, CheckpointReadError, CheckpointUntrustedError,
+                      CheckpointWriteError)
 from . import manifest as mf
 from .collective import Collective
-from .commit import make_parents, write_error
+from .commit import describe_os_error, make_parents, write_error
 from .directory import Checkpoint, check_args, commit_checkpoint
 from .format import FileEntry, file_crc32, open_regular
 
@@ -62,6 +63,50 @@ def _tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OS error behind what DCP raised: itself, or the first one its ``CheckpointException`` carries
+    (DCP gathers every rank's failure into one; it is a ``BaseException``, not an ``Exception``)."""
+    if isinstance(e, OSError):
+        return e
+    for failure in getattr(e, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
+def _is_dcp_failure(e: BaseException) -> bool:
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+
+
+def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor DCP would write into (this rank's shard of a DTensor), with a host copy of its values."""
+    out, seen = [], set()
+    for t in _tensors(state_dict).values():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if id(local) not in seen:
+            seen.add(id(local))
+            out.append((local, local.detach().to("cpu", copy=True)))
+    return out
+
+
+def _put_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for live, saved in copies:
+            live.copy_(saved)
+
+
+def _read_failure(root: Path, e: BaseException) -> CheckpointError:
+    """What ``load_dcp`` raises for what DCP raised while reading (the values already put back)."""
+    unchanged = "; the model and optimizer are unchanged"
+    os_error = _os_error_in(e)
+    if os_error is None:
+        return CheckpointError(f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
+    where = root / os.path.basename(os_error.filename) if os_error.filename else root
+    return CheckpointReadError(where, f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
+                               os_error.errno)
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -98,10 +143,13 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
                 dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
                          no_dist=not comm.on)
-        except OSError as e:
-            name = f" ('{os.path.basename(e.filename)}')" if e.filename else ""
-            raise write_error(final, e, f"writing with torch.distributed.checkpoint{name}") from e
-        except Exception as e:  # DCP wraps what failed on any rank
+        except BaseException as e:  # DCP wraps what failed on any rank (in a BaseException)
+            if not _is_dcp_failure(e):
+                raise
+            os_error = _os_error_in(e)
+            if os_error is not None:
+                name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
+                raise write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}") from e
             raise CheckpointWriteError(final, f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
                                        "checkpoint was created") from e
         return {"files": _hash_share(tmp, comm)}
@@ -144,6 +192,11 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
     ``.metadata`` and its share of the rest), then ``trusted``. Then DCP reads and reshards the
     values and ``set_model_state_dict`` / ``set_optimizer_state_dict`` put them in place. The model
     must be resident.
+
+    DCP reads into the live tensors, so each rank first takes a host copy of its local tensors (one
+    device-to-host copy, and host memory for this rank's state); if DCP fails part-way (EIO:
+    ``CheckpointReadError`` naming the file; anything else: ``CheckpointError``) they are put back,
+    and the model and optimizer are unchanged.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -165,9 +218,16 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
                 "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust")
 
     comm.run(check, share=False, what=f"checking '{ckpt.path}'")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
+    copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
+    except BaseException as e:
+        _put_back(copies)
+        if not _is_dcp_failure(e):
+            raise
+        raise _read_failure(ckpt.path, e) from e
     set_model_state_dict(model, state_dict["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state_dict["optim"])
