@@ -95,6 +95,8 @@ class Checkpoint:
     def __init__(self, path: Path, manifest: mf.Manifest) -> None:
         self.path = path
         self.manifest = manifest
+        #: each checked file's header bytes: the same bytes found again are not parsed again
+        self._headers: dict[str, bytes | None] = {}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
@@ -123,7 +125,7 @@ class Checkpoint:
             try:
                 with _reading(self.path / name):
                     fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
-                    fmt.check_file(fd, size, entry, path)
+                    self._headers[name] = fmt.check_file(fd, size, entry, path, self._headers.get(name))
             except FileNotFoundError:
                 raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
             yield fd, entry, path

@@ -413,21 +413,25 @@ def extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: i
     return None
 
 
-def check_file(fd: int, size: int, entry: FileEntry, path: str) -> None:
+def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
     """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
-    ``entry`` records (header crc32 first, so a damaged header is never interpreted)."""
+    ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
+    header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
     if size != entry.bytes:
         what = "truncated" if size < entry.bytes else "longer than recorded"
         raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
     if entry.header is None:
-        return
+        return None
     raw = os.pread(fd, entry.header[0], 0)
+    if raw == checked:
+        return raw
     if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
         raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
     found = parse_header(raw, size, path)
     want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
     if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
         raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
+    return raw
 
 
 def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None], path: str,

@@ -324,7 +324,29 @@ def check_file_name(name: Any, where: str = "file name") -> str:
     return name
 
 
-def _tensor(d: Any, where: str) -> TensorEntry:
+def _all_ints(v: list[Any]) -> bool:
+    """Every value a non-negative int below the limit, checked in C."""
+    return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT)
+
+
+def _tensor(d: Any, where: str, i: int) -> TensorEntry:
+    """A tensor entry; the common, valid case without a Python call per field (``_tensor_checked`` says
+    what is wrong with any other, or decodes it the same way)."""
+    try:
+        name, dname, shape, offsets, crc = d["name"], d["dtype"], d["shape"], d["data_offsets"], d["checksum"]
+        dtype = dtype_from_name(dname)
+    except (KeyError, TypeError):
+        return _tensor_checked(d, f"{where}.tensors[{i}]")
+    if (type(name) is str and name.isascii() and type(shape) is list and type(offsets) is list and len(offsets) == 2
+            and type(crc) is str and len(crc) == 14 and crc.startswith("crc32:") and _HEX.issuperset(crc[6:])
+            and _all_ints(shape) and _all_ints(offsets)):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] == nbytes:
+            return TensorEntry(name, dtype, tuple(shape), offsets[0], nbytes, int(crc[6:], 16))
+    return _tensor_checked(d, f"{where}.tensors[{i}]")
+
+
+def _tensor_checked(d: Any, where: str) -> TensorEntry:
     try:
         dtype = dtype_from_name(_get(d, "dtype", "str", where))
     except KeyError:
@@ -342,7 +364,7 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
         return FileEntry(size, crc)
     header = _get(d, "header", "dict", where)
     hsize, hcrc = _get(header, "bytes", "int", f"{where}.header"), _crc(header, f"{where}.header")
-    tensors = tuple(_tensor(t, f"{where}.tensors[{i}]") for i, t in enumerate(_get(d, "tensors", "list", where)))
+    tensors = tuple(_tensor(t, where, i) for i, t in enumerate(_get(d, "tensors", "list", where)))
     bad = extent_error(tensors, hsize, size)
     if bad is not None:
         raise _Bad(f"{where}: {bad[0]}")
@@ -361,7 +383,21 @@ def _torch_dtype(d: Any, where: str) -> str:
     return dtype
 
 
-def _member(d: Any, where: str) -> MemberInfo:
+def _member(d: Any, where: str, k: int) -> MemberInfo:
+    """A slot member; the common, valid case (no ``meta``) without a Python call per field."""
+    try:
+        name, shape, dtype, stride, offset, meta = d["name"], d["shape"], d["dtype"], d["stride"], d["offset"], d["meta"]
+        dtype_of(dtype)
+    except (KeyError, TypeError):
+        return _member_checked(d, f"{where}.members[{k}]")
+    if (type(name) is str and name.isascii() and type(offset) is int and 0 <= offset < _MAX_INT and meta == []
+            and type(shape) is list and type(stride) is list and len(stride) == len(shape)
+            and _all_ints(shape) and _all_ints(stride)):
+        return MemberInfo(name, tuple(shape), dtype, tuple(stride), offset, ())
+    return _member_checked(d, f"{where}.members[{k}]")
+
+
+def _member_checked(d: Any, where: str) -> MemberInfo:
     dtype = _torch_dtype(d, where)
     shape, stride = _ints(d, "shape", where), _ints(d, "stride", where)
     if len(stride) != len(shape):
@@ -371,7 +407,7 @@ def _member(d: Any, where: str) -> MemberInfo:
 
 
 def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> StoredSlot:
-    members = tuple(_member(m, f"{where}.members[{k}]") for k, m in enumerate(_get(d, "members", "list", where)))
+    members = tuple(_member(m, where, k) for k, m in enumerate(_get(d, "members", "list", where)))
     if not members:
         raise _Bad(f"{where}.members is empty")
     info = SlotInfo(_get(d, "slot", "str", where), group, _get(d, "nbytes", "int", where), members)
