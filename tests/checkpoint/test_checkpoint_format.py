@@ -673,3 +673,31 @@ def test_io_error_syncing_names_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         write_checkpoint(p, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={})
     assert ei.value.errno == errno.EIO and "'w.safetensors'" in str(ei.value)
     assert _siblings(p) == [] and not p.exists()
+
+
+def test_without_gc_pauses_the_collector_and_gives_back_its_state() -> None:
+    """Metadata of many tensors is decoded with the cyclic collector paused (it took half of a load of
+    20,000 tensors); the caller's setting comes back, after an error too, and a caller's own pause stays."""
+    import gc
+
+    from stateshift.checkpoint.format import without_gc
+
+    seen = []
+
+    @without_gc
+    def work(fail: bool) -> None:
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("bad header")
+
+    assert gc.isenabled()
+    work(False)
+    with pytest.raises(ValueError):
+        work(True)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        work(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

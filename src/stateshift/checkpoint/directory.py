@@ -148,6 +148,7 @@ class Checkpoint:
         return self.manifest
 
 
+@fmt.without_gc
 def verify(path: str | os.PathLike[str]) -> mf.Manifest:
     """Check a checkpoint against its manifest, reading every byte: every file's size, header and
     checksums (a crc32 per tensor). Returns the manifest; raises ``CheckpointCorruptError`` naming

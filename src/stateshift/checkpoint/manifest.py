@@ -48,7 +48,7 @@ from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError
 from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, load_json,
-                     open_regular)
+                     open_regular, without_gc)
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2
@@ -185,6 +185,7 @@ def seal(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+@without_gc
 def dumps(manifest: Manifest) -> bytes:
     """The bytes of ``manifest.json`` (sealed; compact, which keeps to json's C encoder: ``stateshift inspect``
     or ``python -m json.tool`` print it for people)."""
@@ -218,6 +219,7 @@ def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
     return info.name, torch.uint8, (info.nbytes,)
 
 
+@without_gc
 def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, Any]:
     """One rank's part of a model-state layout: per group, its file and its slots."""
     out = {}
@@ -485,6 +487,7 @@ def _decode(d: Any) -> Manifest:
     )
 
 
+@without_gc
 def loads(raw: bytes, path: str) -> Manifest:
     """Decode the bytes of ``manifest.json`` (``path`` names it in errors); see the module doc."""
     if len(raw) > MAX_MANIFEST_BYTES:

@@ -30,7 +30,7 @@ from . import manifest as mf
 from .collective import Collective
 from .commit import make_parents
 from .directory import Checkpoint, check_args, write_checkpoint
-from .format import ProgressFn, Record
+from .format import ProgressFn, Record, without_gc
 
 if TYPE_CHECKING:
     from ..core.state import ModelState
@@ -200,6 +200,7 @@ def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterab
     return handle
 
 
+@without_gc
 def save(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None = None, *,
          tag: str | None = None, version: int | None = None, extra: Mapping[str, str] | None = None,
          update_latest: bool = False, distributed: bool | None = None, group: Any = None,
@@ -335,6 +336,7 @@ def _my_rank(manifest: mf.Manifest, root: Path, group: Any) -> int:
     return Collective(group).rank
 
 
+@without_gc
 def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None = None, *,
          cast: bool = False, group: Any = None, progress: ProgressFn | None = None) -> mf.Manifest:
     """Load ``groups`` (default: every group in the checkpoint) from ``path`` into ``state``.
