@@ -427,6 +427,20 @@ def test_save_dcp_full_disk_is_a_write_error_and_creates_nothing(tmp_path, monke
     assert ei.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
 
 
+def test_the_manifest_a_save_returns_is_the_one_read_back(tmp_path):
+    """A save hands back the manifest it built (not decoded again from what it wrote): it must be the
+    very manifest a reader decodes from the file, ``ranks`` included."""
+    from stateshift.checkpoint import save_dcp
+
+    model, opt, state = _warmed("cpu")
+    for path, written in ((tmp_path / "ck", lambda p: save(state, p, tag="t", version=3, extra={"a": "b"})),
+                          (tmp_path / "dcp", lambda p: save_dcp(p, model, opt, tag="t", version=3))):
+        returned = written(path)
+        read_back = read_manifest(path)
+        assert returned == read_back and returned.ranks == read_back.ranks
+        assert returned.kind != "stateshift-state/1" or len(returned.ranks) == 1
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

@@ -194,7 +194,9 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
                       **fields: Any) -> mf.Manifest:
     """``commit.commit``, rank 0 assembling the manifest from every rank's report (``{"files": ..., "layout": ...}``,
     returned by ``write``): ``layout``, with ``world_size`` and every rank's own layout when ``per_rank``, and the
-    manifest's other ``fields``. Returns the manifest, decoded, on every rank."""
+    manifest's other ``fields``. Returns the manifest on every rank."""
+
+    built: list[mf.Manifest] = []
 
     def build(reports: list[dict[str, Any]]) -> bytes:
         files: dict[str, FileEntry] = {}
@@ -206,10 +208,12 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
         full = dict(layout)
         if per_rank:
             full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
-        return mf.dumps(mf.make(layout=full, files=files, **fields))
+        built.append(mf.make(layout=full, files=files, **fields))
+        return mf.dumps(built[0])
 
     data = commit(final, comm, write, build, nbytes=nbytes, update_latest=update_latest)
-    return mf.loads(data, str(final / mf.MANIFEST_NAME))
+    # rank 0 built it (and wrote exactly its bytes): not decoded again; the other ranks decode what it sent
+    return built[0] if built else mf.loads(data, str(final / mf.MANIFEST_NAME))
 
 
 def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[Record]], *, backend: str,

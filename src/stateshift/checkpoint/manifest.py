@@ -32,6 +32,7 @@ gaps up to the file's size. ``meta`` is JSON nested at most ``MAX_META_DEPTH`` d
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -97,7 +98,11 @@ class DcpTensor:
 @dataclass(frozen=True)
 class Manifest:
     """A decoded manifest. ``layout`` is the layout as stored (JSON); ``ranks`` the same, typed,
-    for a model-state checkpoint; ``dcp_tensors`` the tensors of a ``save_dcp`` checkpoint."""
+    for a model-state checkpoint; ``dcp_tensors`` the tensors of a ``save_dcp`` checkpoint.
+
+    ``ranks`` is derived from ``layout`` and ``files`` when first asked for: ``loads`` asks at once
+    (a manifest read from disk is checked whole before it is used), while the manifest a save hands
+    back, built from the values it wrote, is not decoded again unless someone looks."""
 
     backend: str
     layout: Mapping[str, Any]
@@ -110,10 +115,16 @@ class Manifest:
     torch_version: str = ""
     created: str = ""
     created_unix: float = 0.0
-    ranks: tuple[Mapping[str, StoredGroup], ...] = ()
     dcp_tensors: Mapping[str, DcpTensor] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = "crc32"
+
+    @functools.cached_property
+    def ranks(self) -> tuple[Mapping[str, StoredGroup], ...]:
+        try:
+            return _state(self.layout, self.files) if self.kind == STATE_FORMAT else ()
+        except _Bad as e:  # (only a manifest that was not read through ``loads``)
+            raise CheckpointCorruptError(MANIFEST_NAME, f"malformed manifest: {e}") from None
 
     @property
     def kind(self) -> Any:
@@ -481,7 +492,6 @@ def _decode(d: Any) -> Manifest:
         total_bytes=_get(d, "total_bytes", "int", "manifest"),
         library_version=_get(d, "library_version", "str", "manifest"), torch_version=_get(d, "torch_version", "str", "manifest"),
         created=_get(d, "created", "str", "manifest"), created_unix=float(_get(d, "created_unix", "number", "manifest")),
-        ranks=_state(layout, files) if kind == STATE_FORMAT else (),
         dcp_tensors=_dcp(d) if kind == DCP_FORMAT else {},
         format_version=fv,
     )
@@ -502,9 +512,11 @@ def loads(raw: bytes, path: str) -> Manifest:
     if d.pop("seal", None) != expected:
         raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
     try:
-        return _decode(d)
+        manifest = _decode(d)
+        manifest.__dict__["ranks"] = _state(manifest.layout, manifest.files) if manifest.kind == STATE_FORMAT else ()
     except _Bad as e:
         raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
+    return manifest
 
 
 def read(root: os.PathLike[str]) -> Manifest:
