@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--cold", action="store_true", help="drop the files' cached pages before every load")
     p.add_argument("--name", default=None, help="machine name in the result file's name (default: from the machine)")
+    p.add_argument("--many", type=int, default=0, metavar="N",
+                   help="instead of the transformer: N parameters of --many-kib KiB each (result file: ...-checkpoint-many)")
+    p.add_argument("--many-kib", type=int, default=16)
     return p
 
 
@@ -136,12 +139,26 @@ def _rounds(fns: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+class _Many(torch.nn.Module):
+    """``--many N``: N parameters of ``--many-kib`` KiB each, nothing else (norms, biases, LoRA adapters, experts)."""
+
+    def __init__(self, n: int, kib: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        numel = kib * 1024 // dtype.itemsize
+        self.params = torch.nn.ParameterList(torch.randn(numel, dtype=dtype, device=device) for _ in range(n))
+
+
 def _build(args: argparse.Namespace, device: torch.device) -> tuple[ModelState, dict[str, torch.Tensor], tuple[str, ...]]:
     cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                      dtype=DTYPES[args.dtype])
-    model = build_default(cfg, device=device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    lm_loss(model, batch(cfg, 0, size=1, device=device)).backward()
+    if args.many:
+        model: torch.nn.Module = _Many(args.many, args.many_kib, DTYPES[args.dtype], device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        sum(p.sum() for p in model.parameters()).backward()
+    else:
+        model = build_default(cfg, device=device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        lm_loss(model, batch(cfg, 0, size=1, device=device)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     groups = ("params", "buffers", "optim") if args.groups == "all" else ("params", "buffers")
@@ -247,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             plain = base_gbps[VERIFIED] if op == "load" else None
             result.rows.append(bench.Row("torch", op, residency, device.type, nbytes, seconds, gbps,
                                          gbps / base_gbps[bound], bound, note, loop_gbps=plain,
-                                         vs_loop=None if plain is None else gbps / plain))
+                                         vs_loop=None if plain is None else gbps / plain,
+                                         case=f"many-{args.many}x{args.many_kib}KiB" if args.many else ""))
     result.extra.update(
         model={"params": sum(p.numel() for p in state.backends[0].checkpoint_facts().module.parameters()),
                "dtype": args.dtype, "groups": list(groups), "tensors": len(tensors)},
@@ -261,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print("baselines (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in base_gbps.items()))
     if args.out is not None:
         slug = args.name or re.sub(r"[^a-z0-9]+", "-", result.machine.lower()).strip("-")
-        stem = f"{datetime.date.today().isoformat()}-{slug}-checkpoint"
+        stem = f"{datetime.date.today().isoformat()}-{slug}-checkpoint" + ("-many" if args.many else "")
         bench.save(result, args.out / f"{stem}.json", None if args.no_plot else args.out / f"{stem}.png")
         print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
