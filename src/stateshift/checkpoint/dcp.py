@@ -78,7 +78,10 @@ def _os_error_in(e: BaseException) -> OSError | None:
 
 
 def _is_dcp_failure(e: BaseException) -> bool:
-    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+    """An error (not ``KeyboardInterrupt`` and the like), DCP's ``CheckpointException`` included."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(e, (Exception, CheckpointException))
 
 
 def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
