@@ -420,11 +420,19 @@ def _member_checked(d: Any, where: str) -> MemberInfo:
 
 
 def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> StoredSlot:
-    members = tuple(_member(m, where, k) for k, m in enumerate(_get(d, "members", "list", where)))
+    try:  # (the common, valid case without a Python call per field; ``_get`` names what is wrong otherwise)
+        raw, name, nbytes, typed, record = d["members"], d["slot"], d["nbytes"], d["typed"], d["record"]
+        fast = (type(raw) is list and type(name) is str and name.isascii() and type(nbytes) is int
+                and 0 <= nbytes < _MAX_INT and type(typed) is bool and type(record) is str and record.isascii())
+    except (KeyError, TypeError):
+        fast = False
+    if not fast:
+        raw, name, nbytes = _get(d, "members", "list", where), _get(d, "slot", "str", where), _get(d, "nbytes", "int", where)
+        typed, record = _get(d, "typed", "bool", where), _get(d, "record", "str", where)
+    members = tuple(_member(m, where, k) for k, m in enumerate(raw))
     if not members:
         raise _Bad(f"{where}.members is empty")
-    info = SlotInfo(_get(d, "slot", "str", where), group, _get(d, "nbytes", "int", where), members)
-    typed, record = _get(d, "typed", "bool", where), _get(d, "record", "str", where)
+    info = SlotInfo(name, group, nbytes, members)
     want = (dtype_of(members[0].dtype), members[0].shape) if typed else (torch.uint8, (info.nbytes,))
     t = stored.get(record)
     if t is None or (t.dtype, t.shape) != want or (typed and not info.covers_storage):
