@@ -238,7 +238,7 @@ def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, 
         slots = []
         for info in layout.slots:
             members = [{"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride),
-                        "offset": m.offset, "meta": _meta_json(m.meta)} for m in info.members]
+                        "offset": m.offset, "meta": _meta_json(m.meta) if m.meta else []} for m in info.members]
             slots.append({"slot": info.name, "nbytes": info.nbytes, "record": stored_as(info)[0],
                           "typed": is_typed(info), "members": members})
         out[group] = {"file": fname, "slots": slots}

@@ -71,6 +71,7 @@ class _Staged:
     layout: dict[str, Any]
 
 
+@without_gc
 def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Staged:
     """A host snapshot of the groups, waited for; the records are views of its pinned blocks."""
     snap = state.snapshot(names, tag=f"_checkpoint-{uuid.uuid4().hex[:12]}", placement="host")

@@ -15,6 +15,7 @@ storage into slots. ``SlotInfo`` is the slot's part of a layout fingerprint.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -116,9 +117,10 @@ class SlotInfo:
         m = self.members[0]
         return f"{m.name} {list(m.shape)} {m.dtype}"
 
-    @property
+    @functools.cached_property
     def covers_storage(self) -> bool:
-        """One member, contiguous from byte 0, exactly as large as the storage: a plain tensor."""
+        """One member, contiguous from byte 0, exactly as large as the storage: a plain tensor (worked out
+        once per fingerprint: a checkpoint of many tensors asks several times per slot)."""
         if len(self.members) != 1:
             return False
         m = self.members[0]
