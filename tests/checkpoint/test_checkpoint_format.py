@@ -701,3 +701,28 @@ def test_without_gc_pauses_the_collector_and_gives_back_its_state() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_without_gc_from_two_threads_leaves_the_collector_on() -> None:
+    """Found by the adversarial session: checking and switching the collector without a lock let two threads
+    (a save and an async_save's writer, two loads) leave it off for good."""
+    import gc
+    import sys
+    import threading
+
+    from stateshift.checkpoint.format import without_gc
+
+    work = without_gc(lambda: None)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=lambda: [work() for _ in range(300_000)]) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+        on = gc.isenabled()
+        gc.enable()
+    assert on, "the collector was left off"

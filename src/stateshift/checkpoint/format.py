@@ -97,15 +97,29 @@ def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def paused(*args: Any, **kwargs: Any) -> Any:
-        was_on = gc.isenabled()
-        gc.disable()
+        _gc_pause(+1)
         try:
             return fn(*args, **kwargs)
         finally:
-            if was_on:
-                gc.enable()
+            _gc_pause(-1)
 
     return paused
+
+
+_GC_LOCK = threading.Lock()
+_gc_paused = [0, False]  # [callers inside, whether the collector was on when the first came in]
+
+
+def _gc_pause(step: int) -> None:
+    """Count callers in and out under one lock: the first pauses the collector, the last resumes it if it was
+    on (checking and switching without a lock let two threads leave it off for good: adversarial session)."""
+    with _GC_LOCK:
+        if step > 0 and _gc_paused[0] == 0:
+            _gc_paused[1] = gc.isenabled()
+            gc.disable()
+        _gc_paused[0] += step
+        if _gc_paused[0] == 0 and _gc_paused[1]:
+            gc.enable()
 
 
 # --------------------------------------------------------------------------- entries and records
