@@ -441,6 +441,37 @@ def test_the_manifest_a_save_returns_is_the_one_read_back(tmp_path):
         assert returned.kind != "stateshift-state/1" or len(returned.ranks) == 1
 
 
+def _named(name: str) -> ModelState:
+    model = nn.Module()
+    model.register_parameter(name, nn.Parameter(torch.ones(2)))
+    return ModelState(model)
+
+
+def _with_meta(value) -> ModelState:
+    from stateshift.backends.torch import TorchModuleBackend
+
+    model, _ = make("cpu")
+    return ModelState(model, backends=[TorchModuleBackend(model, meta_of=lambda t: (("v", value),))])
+
+
+UNREADABLE = {  # what the reader refuses, so a save must refuse it before writing (adversarial session)
+    "tag with a lone surrogate": (lambda: _warmed("cpu")[2], {"tag": "\udcff"}, ValueError),
+    "extra with a lone surrogate": (lambda: _warmed("cpu")[2], {"extra": {"k": "\ud800"}}, ValueError),
+    "version past 2**62": (lambda: _warmed("cpu")[2], {"version": 1 << 63}, ValueError),
+    "tensor name with a lone surrogate": (lambda: _named("\ud800"), {}, CheckpointMismatchError),
+    "meta holding NaN": (lambda: _with_meta(float("nan")), {}, CheckpointMismatchError),
+    "meta holding a lone surrogate": (lambda: _with_meta("\ud800"), {}, CheckpointMismatchError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_save_refuses_what_no_load_would_accept_before_writing(tmp_path, case):
+    make_state, kwargs, err = UNREADABLE[case]
+    with pytest.raises(err):
+        save(make_state(), tmp_path / "ck", update_latest=True, **kwargs)
+    assert os.listdir(tmp_path) == []
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

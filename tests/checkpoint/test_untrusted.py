@@ -280,6 +280,8 @@ MALFORMED = {
     "extra of ints": lambda d: d.update(extra={"a": 1}),
     "file name with a slash": lambda d: d["files"].update({"../x.safetensors": d["files"]["params.safetensors"]}),
     "group file outside files": lambda d: d["layout"]["ranks"][0]["groups"]["params"].update(file="nope.safetensors"),
+    # (adversarial session: float() of it raised OverflowError)
+    "created_unix of 400 digits": lambda d: d.update(created_unix=10**400),
 }
 
 

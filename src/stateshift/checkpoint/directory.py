@@ -178,14 +178,24 @@ def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]
 
 
 def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[str, str]:
-    """``tag`` a str or None, ``version`` an int or None, ``extra`` str -> str; returns ``extra`` as a dict."""
+    """``tag`` a str or None, ``version`` an int or None, ``extra`` str -> str; returns ``extra`` as a dict.
+    Text must be valid UTF-8 and ``version`` within what a manifest holds: what a load would refuse is
+    refused before anything is written."""
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}")
     if version is not None and (type(version) is not int):
         raise TypeError(f"version must be an int or None, got {version!r}")
+    if version is not None and not -(1 << 62) < version < 1 << 62:
+        raise ValueError(f"version must be within +-2**62, got {version}")
     out = dict(extra or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in out.items()):
         raise TypeError("extra must map str to str")
+    for text in (tag, *out.keys(), *out.values()):
+        if text is not None and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"tag and extra must be valid UTF-8 text, got {text!r}") from None
     return out
 
 

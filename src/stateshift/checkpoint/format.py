@@ -178,6 +178,11 @@ class Record:
         """Raise ``CheckpointMismatchError`` naming the tensor if it cannot be written."""
         if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
             raise CheckpointMismatchError(str(self.name), "invalid tensor name")
+        if not self.name.isascii():
+            try:
+                self.name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CheckpointMismatchError(self.name, "tensor name is not valid UTF-8 text") from None
         if self.dtype not in _NAMES:
             raise CheckpointMismatchError(self.name, f"dtype {self.dtype} cannot be stored in safetensors")
         if not all(type(d) is int and d >= 0 for d in self.shape):

@@ -47,7 +47,7 @@ import torch
 
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, load_json,
                      open_regular, without_gc)
 
@@ -219,7 +219,24 @@ def _meta_json(x: Any) -> Any:
         return [_meta_json(v) for v in x]
     if isinstance(x, dict):
         return {str(k): _meta_json(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        raise _Bad(f"meta holds {x} (JSON has no such number)")
     return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
+
+
+def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
+    """A member as the manifest stores it, checked with the reader's own rules first (text that is not valid
+    UTF-8, meta nested too deeply or holding NaN): a save must never commit a manifest that no load accepts."""
+    try:
+        _check(m.name, "str", "its name")
+        _check(slot, "str", "its slot's name")
+        meta = _meta_json(m.meta) if m.meta else []
+        if meta:
+            _meta(meta, "its meta")
+    except _Bad as e:
+        raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}") from None
+    return {"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride), "offset": m.offset,
+            "meta": meta}
 
 
 def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
@@ -237,8 +254,7 @@ def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, 
     for group, (fname, layout) in groups.items():
         slots = []
         for info in layout.slots:
-            members = [{"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride),
-                        "offset": m.offset, "meta": _meta_json(m.meta) if m.meta else []} for m in info.members]
+            members = [_member_json(info.name, m) for m in info.members]
             slots.append({"slot": info.name, "nbytes": info.nbytes, "record": stored_as(info)[0],
                           "typed": is_typed(info), "members": members})
         out[group] = {"file": fname, "slots": slots}
@@ -273,7 +289,7 @@ def _check(v: Any, kind: str, where: str) -> Any:
             except UnicodeEncodeError:
                 raise _Bad(f"{where} is not valid UTF-8 text") from None
     elif kind == "number":
-        ok = type(v) in (int, float)
+        ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
     else:
         ok = isinstance(v, {"bool": bool, "list": list, "dict": dict}[kind])
     if not ok:
