@@ -99,6 +99,7 @@ class Checkpoint:
         self._headers: dict[str, bytes | None] = {}
 
     @classmethod
+    @fmt.without_gc
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc. An OS error
         while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointReadError``."""
