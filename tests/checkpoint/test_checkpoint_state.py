@@ -472,6 +472,13 @@ def test_save_refuses_what_no_load_would_accept_before_writing(tmp_path, case):
     assert os.listdir(tmp_path) == []
 
 
+def test_load_into_a_model_whose_meta_cannot_be_stored_is_a_typed_mismatch(tmp_path):
+    _, _, state = _warmed("cpu")
+    save(state, tmp_path / "ck", ("params",))
+    with pytest.raises(CheckpointMismatchError, match="meta holds nan"):
+        load(_with_meta(float("nan")), tmp_path / "ck", "params")
+
+
 def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")

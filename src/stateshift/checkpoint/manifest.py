@@ -265,12 +265,18 @@ def as_stored(layout: Layout) -> Layout:
     """The model's layout as a manifest would give it back (``meta`` through JSON), to compare with one."""
     if not any(m.meta for s in layout.slots for m in s.members):
         return layout
-    slots = tuple(
+    return Layout.build(tuple(
         SlotInfo(s.name, s.group, s.nbytes, tuple(
-            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _meta(_meta_json(m.meta), "meta")) for m in s.members))
+            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)) for m in s.members))
         for s in layout.slots
-    )
-    return Layout.build(slots)
+    ))
+
+
+def _stored_meta(m: MemberInfo) -> Any:
+    try:
+        return _meta(_meta_json(m.meta), "its meta")
+    except _Bad as e:  # (no checkpoint can hold it, so none matches it)
+        raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}", "meta") from None
 
 
 # --------------------------------------------------------------------------- reading: the schema
