@@ -134,17 +134,21 @@ def _kill_rollouters(out_dir, rng: random.Random, kills: list[dict], done: threa
     a busy moment let the kill land only as the run was stopping (CI, stop 18).
     """
     steps = rng.randint(2, 5)
+    # (the actors' handles before the wait, once this run made a step: Ray's lookups take a while on a loaded
+    # machine, the kill must not)
+    _wait_for(lambda: _steps_done(out_dir) >= 1, timeout=900, what="a step", done=done)
+    first = _wait_for(_rollouters, timeout=900, what="the rollouter", done=done)[-1]
+    rollouter = ray.get_actor(first)
+    queue = ray.get_actor(_wait_for(lambda: _named("stateshift-queue-"), timeout=900, what="the queue", done=done)[-1])
     _wait_for(lambda: _steps_done(out_dir) >= steps, timeout=900, what="steps", done=done)
     time.sleep(rng.uniform(0.0, 0.3))
-    queue = ray.get_actor(_named("stateshift-queue-")[-1])
     try:  # mid-wave, if one comes soon
         _wait_for(lambda: ray.get(queue.stats.remote()).running > 0, timeout=1.0, what="prompts in flight", done=done)
     except AssertionError:
         if done.is_set():
             raise
-    first = _rollouters()[-1]
     kills.append({"name": first, "at": time.time(), "how": "ray.kill"})
-    ray.kill(ray.get_actor(first))
+    ray.kill(rollouter)
     second = _wait_for(lambda: [n for n in _rollouters() if n != first], timeout=900, what="the successor",
                        done=done)[-1]
     pid = ray.get(ray.get_actor(second).pid.remote())
@@ -153,11 +157,15 @@ def _kill_rollouters(out_dir, rng: random.Random, kills: list[dict], done: threa
     os.kill(pid, signal.SIGKILL)
 
 
+#: enough steps that the run still needs samples when the successor is killed (a kill landing after the run
+#: stopped its rollouter is no failure to report). 24 were too few on CI's two cores: the run took 6 s, and Ray's
+#: own calls in the killer (listing named actors, the queue's stats) delayed the first kill to step 20 (stop 19)
+KILL_RUN_STEPS = 64
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_path, seed, capfd):
-    # (enough steps that the run still needs samples when the successor is killed: a kill landing after the run
-    # stopped its rollouter is no failure to report)
-    cfg = tiny(tmp_path, "executor=ray", "trainer.steps=24", "async_training.trigger_parameter_sync_step=2",
+    cfg = tiny(tmp_path, "executor=ray", f"trainer.steps={KILL_RUN_STEPS}", "async_training.trigger_parameter_sync_step=2",
                f"run.seed={seed}", *LIVELY)
     kills: list[dict] = []
     done = threading.Event()
@@ -170,7 +178,7 @@ def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_
         done.set()
         killer.join(10)
     s = result.summary
-    assert s["status"] == "finished" and result.steps == 24 and len(kills) == 2
+    assert s["status"] == "finished" and result.steps == KILL_RUN_STEPS and len(kills) == 2
     restarts = s["rollout"]["restarts"]
     assert [r["rollouter"] for r in restarts] == [k["name"] for k in kills]  # which
     assert "ray.kill" in restarts[0]["why"] and "worker process has died" in restarts[1]["why"]  # why
@@ -185,7 +193,7 @@ def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_
     # a lost group would sit "in flight" until the end: at most one wave may be in flight then
     assert led["discarded"].get("in flight at the end of the run", 0) <= cfg.rollout.max_concurrent_prompts
     assert led["regenerated"] == sum(r["regenerated"] for r in restarts)
-    assert len(result.trained_uids) == len(set(result.trained_uids)) == led["trained"] == 24 * 4
+    assert len(result.trained_uids) == len(set(result.trained_uids)) == led["trained"] == KILL_RUN_STEPS * 4
     # the replacements generated with exactly the weights they were sent: pi_old (the sync's weights) gives the
     # same log-probs as the rollouter recorded for every token drawn at pi_old's version
     recs = _records(result.out_dir)
@@ -209,9 +217,13 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
 
     done = threading.Event()
 
-    def kill_trainer() -> None:
+    def kill_trainer() -> None:  # (its pid first, once this run made a step: Ray's lookups take a while on a
+        # loaded machine, the kill must not)
+        _wait_for(lambda: _steps_done(out) >= 1, timeout=900, what="a step", done=done)
+        name = _wait_for(lambda: _named("stateshift-trainer-"), timeout=900, what="the trainer", done=done)[-1]
+        pid = ray.get(ray.get_actor(name).pid.remote())
         _wait_for(lambda: _steps_done(out) >= at, timeout=900, what=f"step {at}", done=done)
-        os.kill(ray.get(ray.get_actor(_named("stateshift-trainer-")[-1]).pid.remote()), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_trainer, daemon=True)
     killer.start()
