@@ -191,12 +191,9 @@ def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[
     out = dict(extra or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in out.items()):
         raise TypeError("extra must map str to str")
-    for text in (tag, *out.keys(), *out.values()):
-        if text is not None and not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"tag and extra must be valid UTF-8 text, got {text!r}") from None
+    bad = next((t for t in (tag, *out.keys(), *out.values()) if t is not None and not fmt.is_utf8(t)), None)
+    if bad is not None:
+        raise ValueError(f"tag and extra must be valid UTF-8 text, got {bad!r}")
     return out
 
 

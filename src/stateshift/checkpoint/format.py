@@ -85,6 +85,18 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a lone surrogate cannot): what names and other text in a
+    checkpoint must be, on both sides (a writer refuses what a reader would)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with Python's cyclic garbage collector paused (and resumed after, if it was on).
 
@@ -178,11 +190,8 @@ class Record:
         """Raise ``CheckpointMismatchError`` naming the tensor if it cannot be written."""
         if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
             raise CheckpointMismatchError(str(self.name), "invalid tensor name")
-        if not self.name.isascii():
-            try:
-                self.name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise CheckpointMismatchError(self.name, "tensor name is not valid UTF-8 text") from None
+        if not is_utf8(self.name):
+            raise CheckpointMismatchError(self.name, "tensor name is not valid UTF-8 text")
         if self.dtype not in _NAMES:
             raise CheckpointMismatchError(self.name, f"dtype {self.dtype} cannot be stored in safetensors")
         if not all(type(d) is int and d >= 0 for d in self.shape):

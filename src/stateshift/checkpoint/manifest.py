@@ -48,8 +48,8 @@ import torch
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, load_json,
-                     open_regular, without_gc)
+from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, is_utf8,
+                     load_json, open_regular, without_gc)
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2
@@ -122,9 +122,13 @@ class Manifest:
     @functools.cached_property
     def ranks(self) -> tuple[Mapping[str, StoredGroup], ...]:
         try:
-            return _state(self.layout, self.files) if self.kind == STATE_FORMAT else ()
+            return self._ranks()
         except _Bad as e:  # (only a manifest that was not read through ``loads``)
             raise CheckpointCorruptError(MANIFEST_NAME, f"malformed manifest: {e}") from None
+
+    def _ranks(self) -> tuple[Mapping[str, StoredGroup], ...]:
+        """``ranks`` from ``layout`` and ``files``; ``_Bad`` where they disagree."""
+        return _state(self.layout, self.files) if self.kind == STATE_FORMAT else ()
 
     @property
     def kind(self) -> Any:
@@ -230,13 +234,10 @@ def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
     try:
         _check(m.name, "str", "its name")
         _check(slot, "str", "its slot's name")
-        meta = _meta_json(m.meta) if m.meta else []
-        if meta:
-            _meta(meta, "its meta")
     except _Bad as e:
         raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}") from None
     return {"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride), "offset": m.offset,
-            "meta": meta}
+            "meta": _stored_meta(m)[0] if m.meta else []}
 
 
 def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
@@ -267,15 +268,18 @@ def as_stored(layout: Layout) -> Layout:
         return layout
     return Layout.build(tuple(
         SlotInfo(s.name, s.group, s.nbytes, tuple(
-            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)) for m in s.members))
+            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)[1]) for m in s.members))
         for s in layout.slots
     ))
 
 
-def _stored_meta(m: MemberInfo) -> Any:
+def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
+    """A member's meta as a manifest stores it (JSON) and as a load gives it back, checked with the reader's
+    own rules; ``CheckpointMismatchError`` if no checkpoint can hold it (NaN, text that is not UTF-8, too deep)."""
     try:
-        return _meta(_meta_json(m.meta), "its meta")
-    except _Bad as e:  # (no checkpoint can hold it, so none matches it)
+        stored = _meta_json(m.meta)
+        return stored, _meta(stored, "its meta")
+    except _Bad as e:
         raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}", "meta") from None
 
 
@@ -289,11 +293,8 @@ def _check(v: Any, kind: str, where: str) -> Any:
         ok = type(v) is int and -_MAX_INT < v < _MAX_INT
     elif kind == "str":
         ok = isinstance(v, str)
-        if ok and not v.isascii():
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise _Bad(f"{where} is not valid UTF-8 text") from None
+        if ok and not is_utf8(v):
+            raise _Bad(f"{where} is not valid UTF-8 text")
     elif kind == "number":
         ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
     else:
@@ -320,9 +321,14 @@ def _get(d: Any, key: str, kind: str, where: str, *, optional: bool = False) -> 
     return _check(v, kind, f"{where}.{key}")
 
 
+def _all_ints(v: list[Any]) -> bool:
+    """Every value a non-negative int below the limit, checked in C."""
+    return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT)
+
+
 def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
     v = _get(d, key, "list", where)
-    if not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT):  # (checked in C)
+    if _all_ints(v):
         return tuple(v)
     return tuple(_check(x, "int", f"{where}.{key}") for x in v)  # raises naming the value
 
@@ -357,11 +363,6 @@ def check_file_name(name: Any, where: str = "file name") -> str:
     if bad:
         raise _Bad(f"{where} {name!r} is not a plain file name inside the checkpoint")
     return name
-
-
-def _all_ints(v: list[Any]) -> bool:
-    """Every value a non-negative int below the limit, checked in C."""
-    return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT)
 
 
 def _tensor(d: Any, where: str, i: int) -> TensorEntry:
@@ -543,7 +544,7 @@ def loads(raw: bytes, path: str) -> Manifest:
         raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
     try:
         manifest = _decode(d)
-        manifest.__dict__["ranks"] = _state(manifest.layout, manifest.files) if manifest.kind == STATE_FORMAT else ()
+        manifest.__dict__["ranks"] = manifest._ranks()  # (the cached property's value, checked now)
     except _Bad as e:
         raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
     return manifest
