@@ -17,8 +17,10 @@ ceilings measured in the same process on the params' byte count:
   masters, Adam moments, buffers) and the GPU memory left allocated;
 - the ``PiOldCycle`` helper, N mini-batches: host placement, device
   placement (and what ``placement="auto"`` chose), with and without the
-  master-rebuild plug-in, ``run`` (first swap skipped) and one swap per
-  mini-batch; ``bytes`` = bytes moved (device copies counted read + write),
+  master-rebuild plug-in (``"auto"``: used where it is the cheaper way back,
+  so on the device, with room, the cycle stashes; one more row forces it
+  there), ``run`` (first swap skipped) and one swap per
+  mini-batch; the note says what the swaps did; ``bytes`` = bytes moved (device copies counted read + write),
   ``ratio`` = (time those bytes need at the ceilings) / (measured time);
 - host memory: peak RSS during a snapshot above the steady state, first
   (allocating) and second (reusing the pooled block).
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from stateshift import ModelState
     from stateshift import bench as sb
-    from stateshift.rl import PiOldCycle
+    from stateshift.rl import PiOldCycle, find_rebuild
 
     t_start = time.perf_counter()
     init_megatron(device)
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     noop = lambda mb: None
 
     def cycle_row(placement: str, rebuild: Any, how: str) -> None:
+        forced = rebuild not in ("auto", None)
         cycle = PiOldCycle(state, placement=placement, rebuild=rebuild)  # type: ignore[arg-type]
         if how == "run":
             fn = lambda: cycle.run(range(n), noop, noop)
@@ -376,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         fn()  # warm-up (pool blocks, allocator)
         _sync()
         before = dict(cycle.stats.as_dict())
+        rebuilt = cycle.stats.rebuilds
         t = sb.timed(fn, repeat=args.repeat, warmup=0)
         after = cycle.stats.as_dict()
         runs = args.repeat
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(sb.Row(
             "megatron", "pi_old_cycle", "device", device, moved, t, moved / t / 1e9 if t > 0 else float("inf"),
             bound_s / t if t > 0 else float("inf"), "pcie+d2d" if cuda else "host_memcpy",
-            f"N={n}, pi_old placement={cycle.stats.placement}, {'rebuild from masters' if cycle.rebuild else 'stash'}, "
+            f"N={n}, pi_old placement={cycle.stats.placement}, "
+            f"{'stash' if cycle.stats.rebuilds == rebuilt else 'rebuild from masters'}{' (forced)' if forced else ''}, "
             f"{'run (first swap skipped)' if how == 'run' else 'swap every mini-batch'}; "
             f"pcie {pcie_b / 1e9:.2f} GB, device {dev_b / 1e9:.2f} GB, rebuild {rb_b / 1e9:.2f} GB, bound {bound_s:.3f}s"
             + (f"; fallbacks: {sorted(set(cycle.stats.fallbacks))}" if cycle.stats.fallbacks else ""),
@@ -400,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         for rebuild in ("auto", None):
             cycle_row(placement, rebuild, "run")
         cycle_row(placement, "auto", "every")
+    plugin = find_rebuild(state)  # on the device "auto" stashes where a stash fits: the rebuild's own figure
+    if plugin is not None:
+        cycle_row("device", plugin, "run")
 
     # -- host memory peak during a snapshot
     for snap in list(state.snapshots):

@@ -248,3 +248,34 @@ def test_auto_placement_follows_where_the_state_lives_and_that_devices_free_memo
     assert cycle.choose_placement() == "host" and asked == []
     monkeypatch.setattr(slots[0], "device", torch.device("cuda", 0))  # spread over two GPUs
     assert cycle.state_device() is None and cycle.choose_placement() == "host"
+
+
+def test_auto_rebuild_stashes_on_the_device_when_a_stash_fits_and_rebuilds_when_only_pi_old_does(monkeypatch):
+    """With pi_old on the GPU a device stash (6P device bytes, no host sync) is cheaper than a rebuild
+    (5P plus the exactness check and its sync): ``rebuild="auto"`` rebuilds only where memory asks for it,
+    an explicit plug-in always; pi_old on the host always rebuilds (the stash would cross PCIe twice)."""
+    ddp, opt = build("distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    gib = 1 << 30
+    free = {"bytes": 80 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free["bytes"], 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
+    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
+    for s in [s for g in default_groups(state) for s in state._groups[g].slots]:
+        monkeypatch.setattr(s, "device", torch.device("cuda", 0))
+    p = state.layout("params").total
+    need = sum(state.layout(g).total for g in default_groups(state))
+    headroom = 4 * gib  # the default: max(1 GiB, 5 % of 80 GiB)
+    auto, forced, never = PiOldCycle(state), PiOldCycle(state, rebuild=find_rebuild(state)), PiOldCycle(state, rebuild=None)
+    assert auto._decide() == ("device", False) and forced._decide() == ("device", True) and never._decide() == ("device", False)
+    free["bytes"] = headroom + 2 * need - p  # pi_old and the buffers' stash fit, a stash of the params too does not
+    assert auto._decide() == ("device", True) and forced._decide() == ("device", True) and never._decide() == ("host", False)
+    free["bytes"] = headroom + need - 1  # not even pi_old
+    assert auto._decide() == ("host", True) and never._decide() == ("host", False)
+    assert PiOldCycle(state, placement="host")._decide() == ("host", True)
+    free["bytes"] = 80 * gib
+    assert PiOldCycle(state, placement="device")._decide() == ("device", False)  # room: the stash
+    free["bytes"] = headroom + need  # explicit device placement without room for a stash: the rebuild
+    assert PiOldCycle(state, placement="device")._decide() == ("device", True)

@@ -15,10 +15,15 @@ through PCIe. Here:
   CPU (a CPU model, even on a machine with CUDA) get ``host`` -- pooled CPU
   memory, which *is* their own device's memory, so every copy is host to
   host -- and a GPU's free memory is only consulted for params on that GPU;
-- **no stash of the current weights when they can be rebuilt**: a backend
-  plug-in (``Rebuild``; Megatron: ``MasterRebuild``, bf16 params recomputed
-  from the fp32 master shards on the device) replaces "copy out, copy back"
-  with one cast on the device, so a swap moves the snapshot's bytes once;
+- **no stash of the current weights when rebuilding them is cheaper**: a
+  backend plug-in (``Rebuild``; Megatron: ``MasterRebuild``, bf16 params
+  recomputed from the fp32 master shards on the device) replaces "copy out,
+  copy back" with one cast on the device. That saves two PCIe crossings per
+  swap when pi_old is on the host, and a stash's device memory; but each
+  swap first checks that the params *are* the masters' cast (reads both,
+  then a host sync), so with pi_old on the device and room for a device
+  stash the stash is faster (it moves 6P device bytes against 5P plus the
+  check, and never waits for the GPU) and ``rebuild="auto"`` stashes;
 - **no swap for the first mini-batch** in ``run``: right after ``begin`` the
   current weights *are* pi_old.
 
@@ -114,8 +119,10 @@ class PiOldCycle:
             memory and PCIe copies -- ``"auto"`` never picks that. Pass
             ``ModelState(..., device=torch.device("cpu"))`` to keep a CPU model
             off the GPU altogether.
-        rebuild: ``"auto"`` (the plug-in a backend offers), ``None`` (always
-            stash), or a ``Rebuild``.
+        rebuild: ``"auto"`` (the plug-in a backend offers, used where it is
+            the cheaper way back: pi_old on the host or disk, or on the device
+            without room for a device stash), ``None`` (always stash), or a
+            ``Rebuild`` (used at every swap where it is exact).
         device_headroom_bytes: GPU memory that must stay free after placing
             pi_old on the device (default: max(1 GiB, 5% of the device)).
         tag: the snapshot's tag in ``state.snapshots``.
@@ -144,6 +151,8 @@ class PiOldCycle:
         self.rebuild: Rebuild | None = find_rebuild(state) if rebuild == "auto" else rebuild  # type: ignore[assignment]
         if self.rebuild is not None and not isinstance(self.rebuild, Rebuild):
             raise TypeError(f"rebuild must be 'auto', None or a Rebuild, not {type(self.rebuild).__name__}")
+        self._rebuild_auto = rebuild == "auto"
+        self._rebuilding = self.rebuild is not None  # this cycle's swaps rebuild (decided by begin())
         self.device_headroom_bytes = device_headroom_bytes
         self.tag = tag
         self.stats = CycleStats()
@@ -177,28 +186,41 @@ class PiOldCycle:
         Based on where the state lives (``state_device``) and on the free
         memory of *that* device: params on the CPU -> not ``device`` (CPU memory
         is their own); on a GPU -> ``device`` if that GPU is the copy engine's
-        (device snapshots and stashes are allocated there) and has room.
+        (device snapshots and stashes are allocated there) and has room for
+        pi_old and the stash of each swap (or, with a rebuild plug-in, for
+        pi_old and the stash of the groups it does not rebuild).
         """
-        if self.placement != "auto":
-            return self.placement  # type: ignore[return-value]
+        return self._decide()[0]
+
+    def _decide(self) -> tuple[Literal["host", "device", "disk"], bool]:
+        """This cycle's placement, and whether its swaps rebuild (``rebuild``'s docstring says when)."""
+        plugin = self.rebuild is not None and self.rebuild.group in self.groups
         need = sum(self.state.layout(g).total for g in self.groups)
-        if self._fits_on_device(need):
-            return "device"
+        stashed = 2 * need  # pi_old, and each swap's stash of the current values
+        rebuilt = stashed - (self.state.layout(self.rebuild.group).total if plugin else 0)  # type: ignore[union-attr]
+        if self.placement in ("host", "disk"):
+            return self.placement, plugin  # type: ignore[return-value]
+        room = self._device_room()
+        if self.placement == "device":  # (a CPU-only engine: no room to ask, the plug-in as it is)
+            return "device", plugin and (not self._rebuild_auto or room is None or room < stashed)
+        if room is not None and room >= stashed:
+            return "device", plugin and not self._rebuild_auto
+        if room is not None and plugin and room >= rebuilt:
+            return "device", True
         budget = self.state.pool.budget_bytes
         if budget is None or self.state.pool.stats.in_use_bytes + need <= budget or self.state.disk_dir is None:
-            return "host"
-        return "disk"
+            return "host", plugin
+        return "disk", plugin
 
-    def _fits_on_device(self, need: int) -> bool:
+    def _device_room(self) -> int | None:
+        """Bytes the state's GPU can still give this cycle (free, cached and unused, less the headroom);
+        ``None`` when the groups do not live on the copy engine's CUDA device."""
         dev = self.state_device()
         if dev is None or dev.type != "cuda" or dev != self.state.engine.device:
-            return False
-        if self.rebuild is None or self.rebuild.group not in self.groups:
-            need *= 2  # a device stash of the current weights during each swap
+            return None
         free, total = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        headroom = self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20)
-        return free - need >= headroom
+        return free - (self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20))
 
     def begin(self, version: int | None = None) -> Snapshot:
         """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
@@ -206,7 +228,7 @@ class PiOldCycle:
             self.state.release(self._snapshot)
         self._listing = {g: self.state.slots(g) for g in self.groups}  # one listing for the placement and the accounting
         try:
-            placement = self.choose_placement()
+            placement, self._rebuilding = self._decide()
             self._account_snapshot(placement)
         finally:
             self._listing = None
@@ -222,7 +244,7 @@ class PiOldCycle:
         snap = self.snapshot
         slots = {g: self._slots(g) for g in snap.groups}  # one listing for the checks and the accounting below
         rebuild: dict[str, Callable[[], None]] = {}
-        plugin = self.rebuild
+        plugin = self.rebuild if self._rebuilding else None
         if plugin is not None and plugin.group in snap.groups and any(s.residency is Residency.DEVICE for s in slots[plugin.group]):
             why = plugin.available()
             if why is None:
