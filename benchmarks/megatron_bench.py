@@ -379,7 +379,6 @@ def main(argv: list[str] | None = None) -> int:
         fn()  # warm-up (pool blocks, allocator)
         _sync()
         before = dict(cycle.stats.as_dict())
-        rebuilt = cycle.stats.rebuilds
         t = sb.timed(fn, repeat=args.repeat, warmup=0)
         after = cycle.stats.as_dict()
         runs = args.repeat
@@ -393,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             "megatron", "pi_old_cycle", "device", device, moved, t, moved / t / 1e9 if t > 0 else float("inf"),
             bound_s / t if t > 0 else float("inf"), "pcie+d2d" if cuda else "host_memcpy",
             f"N={n}, pi_old placement={cycle.stats.placement}, "
-            f"{'stash' if cycle.stats.rebuilds == rebuilt else 'rebuild from masters'}{' (forced)' if forced else ''}, "
+            f"{'rebuild from masters' if cycle.rebuilding else 'stash'}{' (forced)' if forced else ''}, "
             f"{'run (first swap skipped)' if how == 'run' else 'swap every mini-batch'}; "
             f"pcie {pcie_b / 1e9:.2f} GB, device {dev_b / 1e9:.2f} GB, rebuild {rb_b / 1e9:.2f} GB, bound {bound_s:.3f}s"
             + (f"; fallbacks: {sorted(set(cycle.stats.fallbacks))}" if cycle.stats.fallbacks else ""),

@@ -279,3 +279,68 @@ def test_auto_rebuild_stashes_on_the_device_when_a_stash_fits_and_rebuilds_when_
     assert PiOldCycle(state, placement="device")._decide() == ("device", False)  # room: the stash
     free["bytes"] = headroom + need  # explicit device placement without room for a stash: the rebuild
     assert PiOldCycle(state, placement="device")._decide() == ("device", True)
+
+
+def _ranks_with_unequal_gpu_memory(rank, world_size):
+    """Rank 0's GPU has room for a device stash, rank 1's only for pi_old; with data parallelism the
+    rebuild's check and all-gather are collectives, so both must take the same way (they hung before)."""
+    import torch.distributed as dist
+
+    real = MasterRebuild._prepare
+
+    def prepare(self):  # data parallelism > 1: some param is not wholly this rank's shard (the fake has DP 1)
+        real(self)
+        self._gather = True
+
+    MasterRebuild._prepare = prepare
+    ddp, opt = build("distrib")
+    fake_train_step(ddp, opt, _x(0))
+    state = ModelState(ddp, opt)
+    cycle = PiOldCycle(state)
+    need = sum(state.layout(g).total for g in cycle.groups)
+    cycle._device_room = (lambda: 10**12) if rank == 0 else (lambda: 2 * need - 1)  # per-rank free GPU memory
+    local = cycle._decide()  # what each rank alone would do
+    cycle.begin()
+    fake_train_step(ddp, opt, _x(1))
+    with cycle.old_policy():
+        pass
+    grad = torch.full((4,), 100.0 + rank)
+    dist.all_reduce(grad)  # the next training step's collective comes after the same ones on both ranks
+    return {"local": local, "rebuilding": cycle.rebuilding, "rebuilds": cycle.stats.rebuilds, "grad": grad.tolist()}
+
+
+def test_data_parallel_ranks_agree_to_rebuild_when_one_has_no_room_for_a_stash():
+    from dist_harness import run_distributed
+
+    out = run_distributed(_ranks_with_unequal_gpu_memory, 2, timeout=60)
+    assert [r["local"][1] for r in out] == [False, True]  # alone, rank 0 would stash and rank 1 rebuild
+    assert all(r["rebuilding"] and r["rebuilds"] == 1 and r["grad"] == [201.0] * 4 for r in out), out
+
+
+def test_host_placement_counts_the_swaps_host_stash_against_the_pool_budget(tmp_path):
+    """pi_old fits the pool's budget but pi_old and a host stash of the current weights do not: ``auto``
+    goes to disk (it chose host, and the first swap raised ``PoolBudgetError``)."""
+    from stateshift.core.pool import HostPool
+
+    model = make()[0]
+    need = ModelState(model).layout("params").total + ModelState(model).layout("buffers").total
+    state = ModelState(model, pool=HostPool(budget_bytes=need + need // 2), disk_dir=tmp_path / "d", disk_window_bytes=4 << 10)
+    cycle = PiOldCycle(state)
+    assert cycle.choose_placement() == "disk"
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    cycle.begin()
+    with cycle.old_policy():
+        pass
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_a_begin_that_fails_counts_nothing():
+    from stateshift import PoolBudgetError
+    from stateshift.core.pool import HostPool
+
+    model = make()[0]
+    state = ModelState(model, pool=HostPool(budget_bytes=100))
+    cycle = PiOldCycle(state, placement="host")
+    with pytest.raises(PoolBudgetError):
+        cycle.begin()
+    assert cycle.stats.as_dict() == PiOldCycle(state).stats.as_dict()  # nothing counted

@@ -30,7 +30,7 @@ through PCIe. Here:
 Bytes per cycle of N mini-batches with params of P bytes on the device:
 host placement ``P + (N-1)P`` through PCIe (plus, without a rebuild plug-in,
 ``2(N-1)P`` of stash traffic); device placement the same counts as
-device-to-device copies. ``CycleStats`` records what was moved, by where
+device-to-device copies (plus the stash's ``2(N-1)P`` when it stashes). ``CycleStats`` records what was moved, by where
 each copy really ran (a slot's own device, the snapshot's own memory): for
 params on the CPU every copy is host to host, whether or not the machine
 has a GPU.
@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from ..backends.base import Rebuild
+from ..core.ranks import on_every_rank
 from ..core.slot import Residency
 from ..core.snapshot import Snapshot
 from ..core.state import ModelState
@@ -188,27 +189,41 @@ class PiOldCycle:
         is their own); on a GPU -> ``device`` if that GPU is the copy engine's
         (device snapshots and stashes are allocated there) and has room for
         pi_old and the stash of each swap (or, with a rebuild plug-in, for
-        pi_old and the stash of the groups it does not rebuild).
+        pi_old and the stash of the groups it does not rebuild). This rank's
+        own answer: ``begin()`` also asks the other ranks whether each has room
+        for a stash (with data parallelism they must all rebuild or all stash).
         """
         return self._decide()[0]
 
-    def _decide(self) -> tuple[Literal["host", "device", "disk"], bool]:
-        """This cycle's placement, and whether its swaps rebuild (``rebuild``'s docstring says when)."""
+    @property
+    def rebuilding(self) -> bool:
+        """Whether the swaps of the cycle ``begin()`` started rebuild ``rebuild.group`` (where exact) or stash it."""
+        return self._rebuilding
+
+    def _decide(self, agree: Callable[[bool], bool] = bool) -> tuple[Literal["host", "device", "disk"], bool]:
+        """This cycle's placement, and whether its swaps rebuild (``rebuild``'s docstring says when).
+
+        ``agree``: whether a flag holds on every rank. ``begin()`` passes ``on_every_rank``: with
+        data parallelism the rebuild's check and all-gather are collectives, so the ranks must
+        all rebuild or all stash, and each only knows its own GPU's memory. It is called on the
+        same branch on every rank (the same placement and plug-in), never on the host or disk one.
+        """
         plugin = self.rebuild is not None and self.rebuild.group in self.groups
         need = sum(self.state.layout(g).total for g in self.groups)
         stashed = 2 * need  # pi_old, and each swap's stash of the current values
         rebuilt = stashed - (self.state.layout(self.rebuild.group).total if plugin else 0)  # type: ignore[union-attr]
         if self.placement in ("host", "disk"):
             return self.placement, plugin  # type: ignore[return-value]
-        room = self._device_room()
-        if self.placement == "device":  # (a CPU-only engine: no room to ask, the plug-in as it is)
-            return "device", plugin and (not self._rebuild_auto or room is None or room < stashed)
-        if room is not None and room >= stashed:
-            return "device", plugin and not self._rebuild_auto
-        if room is not None and plugin and room >= rebuilt:
-            return "device", True
+        asks = plugin and self._rebuild_auto  # stash or rebuild is the GPU's memory's call
+        room = self._device_room() if asks or self.placement == "auto" else None
+        stash = not plugin or (asks and agree(room is not None and room >= stashed))
+        if self.placement == "device":  # (no room to ask -- a CPU engine, several GPUs -- : the plug-in)
+            return "device", not stash
+        if room is not None and room >= (stashed if stash else rebuilt):
+            return "device", not stash
+        host = rebuilt if plugin else stashed  # on the host the plug-in always pays: a stash crosses PCIe
         budget = self.state.pool.budget_bytes
-        if budget is None or self.state.pool.stats.in_use_bytes + need <= budget or self.state.disk_dir is None:
+        if budget is None or self.state.pool.stats.in_use_bytes + host <= budget or self.state.disk_dir is None:
             return "host", plugin
         return "disk", plugin
 
@@ -228,11 +243,11 @@ class PiOldCycle:
             self.state.release(self._snapshot)
         self._listing = {g: self.state.slots(g) for g in self.groups}  # one listing for the placement and the accounting
         try:
-            placement, self._rebuilding = self._decide()
-            self._account_snapshot(placement)
+            placement, self._rebuilding = self._decide(on_every_rank)
+            self._snapshot = self.state.snapshot(self.groups, tag=self.tag, version=version, placement=placement)
+            self._account_snapshot(placement)  # (as listed before it: a snapshot moves nothing between residencies)
         finally:
             self._listing = None
-        self._snapshot = self.state.snapshot(self.groups, tag=self.tag, version=version, placement=placement)
         self.stats.placement = placement
         self.stats.snapshots += 1
         self.stats.cycles += 1

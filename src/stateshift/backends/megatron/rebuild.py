@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...core.ranks import on_every_rank
 from .objects import master_pairs, storage_bytes
 
 if TYPE_CHECKING:
@@ -163,11 +164,7 @@ class MasterRebuild:
 
     def _agree(self, reason: str | None) -> str | None:
         """Every rank gets a reason if any rank has one (the rebuild's all-gather needs them all)."""
-        dist = torch.distributed
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
-        flag = torch.tensor([0 if reason is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if reason is None and int(flag.item()):
+        if not on_every_rank(reason is None) and reason is None:
             return "another data-parallel rank cannot rebuild exactly (its available() gives the reason)"
         return reason
 
