@@ -344,3 +344,22 @@ def test_a_begin_that_fails_counts_nothing():
     with pytest.raises(PoolBudgetError):
         cycle.begin()
     assert cycle.stats.as_dict() == PiOldCycle(state).stats.as_dict()  # nothing counted
+
+
+def test_a_cycle_lists_the_model_once_per_begin_and_once_per_swap_beyond_the_verbs(monkeypatch):
+    """Each listing walks the whole module tree (what an isolated device-placed swap waits for on the
+    host): ``begin()`` lists the cycle's groups once for its decision and accounting (it listed each
+    group again for each layout it asked for), ``old_policy()`` once before its ``swapped()``."""
+    model, opt = make()
+    state = ModelState(model, opt)
+    cycle = PiOldCycle(state, placement="host")
+    walks = []
+    real = state._table.refresh
+    monkeypatch.setattr(state._table, "refresh", lambda groups=None: (walks.append(groups), real(groups))[1])
+    cycle.begin()
+    begin = len(walks)
+    with cycle.old_policy():
+        pass
+    assert begin == 3  # the listing, the layouts for the decision, the snapshot
+    assert len(walks) - begin == 2  # the listing, and swapped()'s entry (its exit puts back the slots it recorded)
+    cycle.end()

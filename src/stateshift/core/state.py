@@ -185,9 +185,10 @@ class ModelState(SwapVerbs):
         return {g: {k: n for k, n in gs.counts().items() if k not in hide} for g, gs in self._groups.items()}
 
     @_locked
-    def slots(self, group: str | None = None) -> list[Slot]:
-        """The slots of ``group`` (default: every group), listed afresh: that group is re-listed (every group,
-        when one of its storages is still a slot of another group: ``GroupTable.refresh``)."""
+    def slots(self, group: GroupArg = None) -> list[Slot]:
+        """The slots of ``group`` -- a name, several (one listing for all), or ``None`` for every group --
+        listed afresh: those groups are re-listed (every group, when one of their storages is still a slot
+        of another group: ``GroupTable.refresh``). In group order; ``slot.info.group`` says whose."""
         names = self._select(group, check_swap=False) if group is not None else self.groups
         self._table.refresh(names)
         return [s for g in names for s in self._groups[g].slots]
@@ -206,9 +207,14 @@ class ModelState(SwapVerbs):
     @_locked
     def layout(self, group: str) -> Layout:
         """The group's layout now (re-listed as ``slots(group)`` is)."""
-        names = self._select(group, check_swap=False)
+        return self.layouts(group)[group]
+
+    @_locked
+    def layouts(self, groups: GroupArg) -> dict[str, Layout]:
+        """Each group's layout now, from one listing of them all (as ``slots(groups)``)."""
+        names = self._select(groups, check_swap=False)
         self._table.refresh(names)
-        return self._groups[names[0]].layout
+        return {g: self._groups[g].layout for g in names}
 
     @_locked
     def stash_placement(self, groups: GroupArg = None, stash: Literal["auto", "device", "host"] = "auto") -> str:

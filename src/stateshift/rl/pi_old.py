@@ -209,9 +209,10 @@ class PiOldCycle:
         same branch on every rank (the same placement and plug-in), never on the host or disk one.
         """
         plugin = self.rebuild is not None and self.rebuild.group in self.groups
-        need = sum(self.state.layout(g).total for g in self.groups)
+        layouts = self.state.layouts(self.groups)
+        need = sum(layout.total for layout in layouts.values())
         stashed = 2 * need  # pi_old, and each swap's stash of the current values
-        rebuilt = stashed - (self.state.layout(self.rebuild.group).total if plugin else 0)  # type: ignore[union-attr]
+        rebuilt = stashed - (layouts[self.rebuild.group].total if plugin else 0)  # type: ignore[union-attr]
         if self.placement in ("host", "disk"):
             return self.placement, plugin  # type: ignore[return-value]
         asks = plugin and self._rebuild_auto  # stash or rebuild is the GPU's memory's call
@@ -241,7 +242,7 @@ class PiOldCycle:
         """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
         if self._snapshot is not None and not self._snapshot.released:
             self.state.release(self._snapshot)
-        self._listing = {g: self.state.slots(g) for g in self.groups}  # one listing for the placement and the accounting
+        self._listing = self._list(self.groups)  # one listing for the placement and the accounting
         try:
             placement, self._rebuilding = self._decide(on_every_rank)
             self._snapshot = self.state.snapshot(self.groups, tag=self.tag, version=version, placement=placement)
@@ -257,7 +258,7 @@ class PiOldCycle:
     def old_policy(self) -> Iterator[Snapshot]:
         """Inside, the model computes with pi_old; after, with exactly its current weights again."""
         snap = self.snapshot
-        slots = {g: self._slots(g) for g in snap.groups}  # one listing for the checks and the accounting below
+        slots = self._list(snap.groups)  # one listing for the checks and the accounting below
         rebuild: dict[str, Callable[[], None]] = {}
         plugin = self.rebuild if self._rebuilding else None
         if plugin is not None and plugin.group in snap.groups and any(s.residency is Residency.DEVICE for s in slots[plugin.group]):
@@ -330,6 +331,13 @@ class PiOldCycle:
             self.stats.pcie_bytes += nbytes
         else:
             self.stats.host_bytes += nbytes
+
+    def _list(self, groups: Sequence[str]) -> dict[str, list[Any]]:
+        """The groups' slots, by group, from one listing of them all (each listing walks the model)."""
+        by: dict[str, list[Any]] = {g: [] for g in groups}
+        for s in self.state.slots(groups):
+            by[s.info.group].append(s)
+        return by
 
     def _slots(self, group: str) -> list[Any]:
         """The group's slots: listed afresh, or as listed at the start of the ``begin()`` running now."""
