@@ -19,9 +19,9 @@ ceilings measured in the same process on the params' byte count:
   placement (and what ``placement="auto"`` chose), with and without the
   master-rebuild plug-in (``"auto"``: used where it is the cheaper way back,
   so on the device, with room, the cycle stashes; one more row forces it
-  there), ``run`` (first swap skipped) and one swap per
-  mini-batch; the note says what the swaps did; ``bytes`` = bytes moved (device copies counted read + write),
-  ``ratio`` = (time those bytes need at the ceilings) / (measured time);
+  there), ``run`` (first swap skipped) and one swap per mini-batch; the
+  note says what the swaps did; ``bytes`` = bytes moved (device copies
+  counted read + write), ``ratio`` = (time those bytes need at the ceilings) / (measured time);
 - host memory: peak RSS during a snapshot above the steady state, first
   (allocating) and second (reusing the pooled block).
 

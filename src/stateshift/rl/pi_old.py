@@ -30,10 +30,10 @@ through PCIe. Here:
 Bytes per cycle of N mini-batches with params of P bytes on the device:
 host placement ``P + (N-1)P`` through PCIe (plus, without a rebuild plug-in,
 ``2(N-1)P`` of stash traffic); device placement the same counts as
-device-to-device copies (plus the stash's ``2(N-1)P`` when it stashes). ``CycleStats`` records what was moved, by where
-each copy really ran (a slot's own device, the snapshot's own memory): for
-params on the CPU every copy is host to host, whether or not the machine
-has a GPU.
+device-to-device copies (plus the stash's ``2(N-1)P`` when it stashes).
+``CycleStats`` records what was moved, by where each copy really ran (a
+slot's own device, the snapshot's own memory): for params on the CPU every
+copy is host to host, whether or not the machine has a GPU.
 
 When results are safe to read: as for ``ModelState.swapped`` -- the model
 computes under pi_old inside ``old_policy()`` (compute enqueued there is
@@ -209,12 +209,12 @@ class PiOldCycle:
         same branch on every rank (the same placement and plug-in), never on the host or disk one.
         """
         plugin = self.rebuild is not None and self.rebuild.group in self.groups
+        if self.placement in ("host", "disk"):
+            return self.placement, plugin  # type: ignore[return-value]
         layouts = self.state.layouts(self.groups)
         need = sum(layout.total for layout in layouts.values())
         stashed = 2 * need  # pi_old, and each swap's stash of the current values
         rebuilt = stashed - (layouts[self.rebuild.group].total if plugin else 0)  # type: ignore[union-attr]
-        if self.placement in ("host", "disk"):
-            return self.placement, plugin  # type: ignore[return-value]
         asks = plugin and self._rebuild_auto  # stash or rebuild is the GPU's memory's call
         room = self._device_room() if asks or self.placement == "auto" else None
         stash = not plugin or (asks and agree(room is not None and room >= stashed))
