@@ -155,3 +155,88 @@ def test_staged_runs_copy_in_the_widest_word_every_size_allows():
     state.onload()
     for p, w in zip(model, want, strict=True):
         assert torch.equal(p, w)
+
+
+def test_a_staged_run_without_gaps_moves_in_one_call_and_makes_no_view_per_slot(monkeypatch):
+    """A staged run whose slots fill it (no padding between them) is gathered by one ``cat`` and scattered
+    by one ``split_with_sizes_copy``: a verb makes no Python view per slot (2000 small slots made 2000
+    per verb); a run with gaps still splits its span. Values round-trip bit for bit either way."""
+    from stateshift.bench import ManySmall
+    from stateshift.core import transfer
+    from stateshift.core.transfer import plan
+
+    def run_of(sizes: list[int]) -> transfer.Run:
+        offsets = [sum((n + 63) // 64 * 64 for n in sizes[:i]) for i in range(len(sizes))]
+        (run,) = plan(offsets, sizes, [True] * len(sizes), lambda i: torch.empty(sizes[i], dtype=torch.uint8)).runs
+        return run
+
+    assert run_of([64, 128, 256]).counts == (8, 16, 32)  # int64 words
+    assert run_of([64, 12, 8]).counts is None  # a gap after the 12 bytes: split, then copy
+    views = []
+    real = transfer.Run.views
+    monkeypatch.setattr(transfer.Run, "views", lambda self, span: views.append(self) or real(self, span))
+    model = ManySmall(300, 1024)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(i)
+    want = [p.detach().clone() for p in model.parameters()]
+    state = ModelState(model)
+    snap = state.snapshot("params", tag="a")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.neg_()
+    state.restore(snap)
+    state.offload("params")
+    state.onload("params")
+    state.offload("params", only=lambda n: n.endswith(("1", "3")))  # a subset: its own plan, still no gaps
+    state.onload("params")
+    assert views == []
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert torch.equal(p, w)
+
+
+def test_group_residency_helpers_agree_with_a_loop_over_the_slots():
+    """The loop-free answers verbs ask first (``by_residency``, ``offloaded``, ``releasable``) agree with a
+    plain loop over the slots, in every mix of residencies an offload, a drop and an onload make."""
+    from stateshift.core.slot import Residency
+
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    gs = state._groups["params"]
+
+    def check() -> None:
+        loop = {r: [i for i, s in enumerate(gs.slots) if s.residency is r] for r in Residency}
+        assert gs.by_residency() == loop
+        some = list(range(0, len(gs.slots), 2))
+        assert gs.by_residency(some) == {r: [i for i in some if i in loop[r]] for r in Residency}
+        assert gs.offloaded() == sorted(loop[Residency.HOST] + loop[Residency.DROPPED] + loop[Residency.DISK])
+        assert gs.releasable(None) == loop[Residency.DEVICE]
+        assert gs.count(Residency.HOST) == len(loop[Residency.HOST])
+
+    check()
+    state.offload("params", only=lambda n: n.startswith("blocks.0."))
+    check()
+    state.drop("params", only=lambda n: n.startswith("blocks.1."))
+    check()
+    state.offload("params")
+    check()
+    state.onload("params")
+    check()
+
+
+def test_regrow_all_gives_memory_only_to_storages_without_it():
+    """``regrow_all`` re-grows released storages and leaves one that holds its memory alone (a resize to
+    the same size would move it to new memory); ``release_all`` releases each."""
+    from stateshift.core.slot import regrow_all, release_all
+
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.full((16,), float(i))) for i in range(3))
+    state = ModelState(model)
+    slots = state.slots("params")
+    kept = slots[1].storage.data_ptr()
+    release_all([slots[0], slots[2]])
+    assert [s.storage.nbytes() for s in slots] == [0, 64, 0]
+    regrow_all(slots)
+    assert [s.storage.nbytes() for s in slots] == [64, 64, 64]
+    assert slots[1].storage.data_ptr() == kept
+    assert torch.equal(model[1], torch.full((16,), 1.0))

@@ -30,7 +30,7 @@ from ..errors import BackendError, ForeignStateError
 from .disk import DiskHome
 from .layout import Layout
 from .pool import HostBlock, HostPool
-from .slot import Entry, Residency, Slot, SlotInfo, member_info, storage_keys
+from .slot import Entry, Residency, Slot, SlotInfo, member_info, regrow_all, storage_keys
 from .source import Source
 from .transfer import CopyEngine, Plan, Run, Transfer
 
@@ -106,9 +106,10 @@ _RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("nat
 def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int], table: SlotTable) -> None:
     """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload.
 
-    Every storage holding memory and no framework copy anywhere (the resident steady state) leaves
-    nothing to follow: that is checked without a Python loop (a verb pays this per slot)."""
-    if 0 not in map(_NBYTES, map(_STORAGE, slots)) and not any(map(_NATIVE, slots)):
+    No framework copy anywhere and every storage holding memory (the resident steady state) or no slot
+    resident (the offloaded one) leaves nothing to follow: that is checked without a Python loop (a verb
+    pays this per slot)."""
+    if not any(map(_NATIVE, slots)) and (0 not in map(_NBYTES, map(_STORAGE, slots)) or Residency.DEVICE not in map(_RESIDENCY, slots)):
         return
     for s in slots:
         size = s.storage.nbytes()
@@ -134,6 +135,7 @@ class GroupState:
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
     plans: dict[tuple[tuple[int, ...] | None, int | None], Plan] = field(default_factory=dict, repr=False)
+    _releasable: tuple[list[Slot], bool] | None = field(default=None, repr=False)
 
     def plan(self, engine: CopyEngine, indices: list[int], chunk: int | None = None) -> Plan:
         """The copy plan between slots ``indices`` and any arena of this group's layout (cached).
@@ -151,19 +153,53 @@ class GroupState:
     def select(self, keep: Callable[[Slot], bool]) -> list[int]:
         return [i for i, s in enumerate(self.slots) if keep(s)]
 
-    def by_residency(self) -> dict[Residency, list[int]]:
-        """The slots' indices per residency, in one pass (every residency is a key)."""
+    def by_residency(self, indices: Sequence[int] | None = None) -> dict[Residency, list[int]]:
+        """Slots ``indices`` (default all) per residency, every residency a key: one pass, and none
+        in Python when they all share one (the steady state of every verb)."""
+        idx = range(len(self.slots)) if indices is None else indices
+        slots = self.slots if indices is None else list(map(self.slots.__getitem__, idx))
+        found = list(map(_RESIDENCY, slots))
         out: dict[Residency, list[int]] = {r: [] for r in Residency}
-        if self.all_resident():
-            out[Residency.DEVICE] = list(range(len(self.slots)))
-            return out
-        for i, s in enumerate(self.slots):
-            out[s.residency].append(i)
+        for r in Residency:
+            if found.count(r) == len(found):
+                out[r] = list(idx)
+                return out
+        for i, r in zip(idx, found, strict=True):
+            out[r].append(i)
         return out
 
     def all_resident(self) -> bool:
         """Every slot ``DEVICE`` (checked without a Python loop: verbs ask this first)."""
-        return list(map(_RESIDENCY, self.slots)).count(Residency.DEVICE) == len(self.slots)
+        return self.count(Residency.DEVICE) == len(self.slots)
+
+    def count(self, residency: Residency) -> int:
+        """How many slots are ``residency`` (no Python loop)."""
+        return list(map(_RESIDENCY, self.slots)).count(residency)
+
+    def any_native(self) -> bool:
+        """Whether a slot has a framework copy of its values (no Python loop)."""
+        return any(map(_NATIVE, self.slots))
+
+    def all_releasable(self) -> bool:
+        """Every slot's storage can be released in place; asked once per slot list (a storage's
+        resizability does not change, and a relayout makes a new list)."""
+        known = self._releasable
+        if known is None or known[0] is not self.slots:
+            known = self._releasable = (self.slots, all(s.releasable for s in self.slots))
+        return known[1]
+
+    def offloaded(self) -> list[int]:
+        """Every slot not resident, in slot order (what a whole onload brings back)."""
+        by = self.by_residency()
+        if by[Residency.DEVICE]:
+            return [i for i, s in enumerate(self.slots) if s.residency is not Residency.DEVICE]
+        return list(range(len(self.slots)))
+
+    def releasable(self, only: Only) -> list[int]:
+        """Resident slots ``only`` selects whose storage can be released (what an offload moves)."""
+        if only is None and self.all_releasable():
+            return self.by_residency()[Residency.DEVICE]
+        return self.select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
 
     # -- copies between this group and arenas of its layout (homes, snapshots, stashes) -------------
     def copy_out(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, frees: bool = False) -> Transfer:
@@ -181,8 +217,7 @@ class GroupState:
             slots = self.slots
 
             def before(run: Run) -> None:
-                for i in run.items:
-                    slots[i].regrow_storage()
+                regrow_all(list(map(slots.__getitem__, run.items)))
 
         return engine.from_arena(self.plan(engine, indices), arena, before=before)
 

@@ -14,10 +14,12 @@ storage into slots. ``SlotInfo`` is the slot's part of a layout fingerprint.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
+import itertools
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -215,3 +217,21 @@ class Slot:
         """Give the storage its memory back (uninitialised); allocated on the current stream."""
         if self.storage.nbytes() != self.nbytes:
             self.storage.resize_(self.nbytes)
+
+
+_SLOT_STORAGE, _SLOT_NBYTES = operator.attrgetter("storage"), operator.attrgetter("info.nbytes")
+_STORAGE_NBYTES, _RELEASE = operator.methodcaller("nbytes"), operator.methodcaller("resize_", 0)
+
+
+def release_all(slots: Iterable[Slot]) -> None:
+    """``release_storage`` of every slot, without a Python loop (an offload of 20,000 small slots made
+    20,000 Python calls after its copies were enqueued)."""
+    collections.deque(map(_RELEASE, map(_SLOT_STORAGE, slots)), maxlen=0)
+
+
+def regrow_all(slots: Sequence[Slot]) -> None:
+    """``regrow_storage`` of every slot (those whose storage is short of its size), without a Python loop:
+    an onload runs this between its copies, so per-slot Python here delays them."""
+    storages, sizes = list(map(_SLOT_STORAGE, slots)), list(map(_SLOT_NBYTES, slots))
+    short = list(map(operator.ne, map(_STORAGE_NBYTES, storages), sizes))
+    collections.deque(map(torch.UntypedStorage.resize_, itertools.compress(storages, short), itertools.compress(sizes, short)), maxlen=0)

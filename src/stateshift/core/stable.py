@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import AddressStableError
-from .slot import Slot
+from .slot import Slot, regrow_all, release_all
 
 
 class StoragePolicy(Protocol):
@@ -46,12 +46,10 @@ class InPlace:
     """Release with ``resize_(0)``, re-grow with ``resize_(nbytes)``."""
 
     def regrow(self, group: str, slots: Sequence[Slot], whole: bool) -> None:
-        for s in slots:
-            s.regrow_storage()
+        regrow_all(slots)
 
     def release(self, group: str, slots: Sequence[Slot], whole: bool) -> None:
-        for s in slots:
-            s.release_storage()
+        release_all(slots)
 
     def paused(self, group: str) -> bool:
         return False
@@ -101,14 +99,13 @@ class AddressStable:
             self._paused.discard(group)
             return
         with torch.cuda.device(self.device), self.tms.region(self.tag(group), enable_cpu_backup=False):
-            for s in slots:
-                s.regrow_storage()
+            regrow_all(slots)
         if whole and any(s.device.type == "cuda" for s in slots):
             self._adopted.add(group)
 
     def release(self, group: str, slots: Sequence[Slot], whole: bool) -> None:
         if group not in self._adopted:
-            InPlace().release(group, slots, whole)
+            release_all(slots)
             return
         self._whole(group, whole, "offload")
         torch.cuda.synchronize(self.device)  # an unmap does not wait for the streams using the memory

@@ -42,7 +42,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -262,14 +262,14 @@ class ModelState(SwapVerbs):
             return self._offload_to_disk(names, only)
         moving: dict[str, list[int]] = {}
         for g in names:
-            idx = self._groups[g].select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
+            idx = self._groups[g].releasable(only)
             if idx:
                 moving[g] = idx
-        fresh = self._reserve_homes({g: [self._groups[g].slots[i] for i in idx] for g, idx in moving.items()})
+        fresh = self._reserve_homes(moving)
         transfer = Transfer()
         for g, idx in moving.items():
             gs = self._groups[g]
-            home = self._install_home(gs, fresh.get(g), rewriting={gs.slots[i].key for i in idx})
+            home = self._install_home(gs, fresh.get(g), rewriting=list(map(gs.slots.__getitem__, idx)))
             moved = gs.copy_out(self.engine, idx, home.data, frees=True)
             home.pending = moved.merged(home.pending)
             transfer = transfer.merged(moved)
@@ -343,15 +343,17 @@ class ModelState(SwapVerbs):
         """
         names = self._select(groups)
         self._table.refresh(names)
-        transfer = self._bring_back(names, lambda s: s.residency is not Residency.DEVICE and matches(s, only))
+        transfer = self._bring_back(names, None if only is None else lambda s: s.residency is not Residency.DEVICE and matches(s, only))
         if groups is None and only is None:
             _KEEP_ALIVE.discard(self)
         _log.debug("onload %s: %d bytes", names, transfer.total_bytes)
         return transfer
 
-    def _bring_back(self, names: Iterable[str], which: Callable[[Slot], bool]) -> Transfer:
-        """Re-grow and fill the slots ``which`` selects in groups ``names``; they become ``device``."""
-        todo = [(gs, gs.select(which)) for gs in map(self._groups.__getitem__, names)]
+    def _bring_back(self, names: Iterable[str], which: Callable[[Slot], bool] | None) -> Transfer:
+        """Re-grow and fill the slots ``which`` selects (``None``: every one not resident) in groups ``names``;
+        they become ``device``."""
+        groups = list(map(self._groups.__getitem__, names))
+        todo = [(gs, gs.offloaded() if which is None else gs.select(which)) for gs in groups]
         try:
             transfer = self._fill_from_homes([(gs, idx) for gs, idx in todo if idx])
         except BaseException:  # e.g. a disk that cannot be read: the storage re-grown for it goes again
@@ -362,9 +364,11 @@ class ModelState(SwapVerbs):
                     self._release(gs, [i for i in idx if gs.slots[i].storage.nbytes() > 0])
             raise
         for gs, idx in todo:
+            native_too = gs.any_native()
             for i in idx:
                 gs.slots[i].residency = Residency.DEVICE
-                disown(gs.slots[i])
+                if native_too:
+                    disown(gs.slots[i])
         self._forget_disk_regions(names)
         return transfer
 
@@ -655,7 +659,7 @@ class ModelState(SwapVerbs):
     def _device_arena(self, gs: GroupState) -> torch.Tensor:
         return torch.empty(gs.layout.total, dtype=torch.uint8, device=self._device_for(gs))
 
-    def _reserve_homes(self, writing: Mapping[str, list[Slot]]) -> dict[str, HostBlock]:
+    def _reserve_homes(self, writing: Collection[str]) -> dict[str, HostBlock]:
         """Phase one of a home write: a fresh block for every group whose home is missing or shared.
 
         All blocks are acquired (or ``PoolBudgetError`` raised) before any home
@@ -664,26 +668,27 @@ class ModelState(SwapVerbs):
         self.pool.check_room(self._home_bytes(writing))
         return {g: self.pool.acquire(self._groups[g].layout.total) for g in self._needs_home(writing)}
 
-    def _needs_home(self, writing: Mapping[str, list[Slot]]) -> list[str]:
+    def _needs_home(self, writing: Collection[str]) -> list[str]:
         return [g for g in writing if self._groups[g].home is None or self._groups[g].home.shared]  # type: ignore[union-attr]
 
-    def _home_bytes(self, writing: Mapping[str, list[Slot]]) -> int:
-        """Pooled bytes a home write of ``writing`` acquires (``_reserve_homes``)."""
+    def _home_bytes(self, writing: Collection[str]) -> int:
+        """Pooled bytes a home write of (groups) ``writing`` acquires (``_reserve_homes``)."""
         return sum(self._groups[g].layout.total for g in self._needs_home(writing))
 
-    def _install_home(self, gs: GroupState, fresh: HostBlock | None, rewriting: set[int]) -> HostBlock:
+    def _install_home(self, gs: GroupState, fresh: HostBlock | None, rewriting: Sequence[Slot]) -> HostBlock:
         """Phase two: make ``fresh`` the group's home (copying over host values not being rewritten).
 
         Native slots being rewritten leave their framework copy: their values
         will now live in our home. Returns the home, free of pending readers.
         """
-        for s in gs.slots:
-            if s.key in rewriting:
+        if gs.any_native():
+            for s in rewriting:
                 disown(s)
         if fresh is not None:
             old, gs.home = gs.home, fresh
             if old is not None:
-                carry = [i for i, s in enumerate(gs.slots) if s.residency is Residency.HOST and s.native_home is None and s.key not in rewriting]
+                keys = {s.key for s in rewriting}
+                carry = [i for i, s in enumerate(gs.slots) if s.residency is Residency.HOST and s.native_home is None and s.key not in keys]
                 if carry:
                     old.sync()
                     for i in carry:
@@ -732,7 +737,7 @@ class ModelState(SwapVerbs):
                 transfer = transfer.merged(self._write_from_disk_part(gs, part, offloaded, fresh))
                 continue
             if offloaded:
-                home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
+                home = self._install_home(gs, fresh.get(gs.name), rewriting=offloaded)
                 idx = gs.select(lambda s: s.residency is not Residency.DEVICE and s.residency is not Residency.DISK)
                 written = gs.copy_home(self.engine, idx, part.arena, into_home=True)
                 home.pending = written.merged(home.pending)
@@ -784,7 +789,7 @@ class ModelState(SwapVerbs):
         """Restore from a disk part: device slots in place, offloaded (not on disk) ones into a private home."""
         home_idx: list[int] = []
         if offloaded:
-            home = self._install_home(gs, fresh.get(gs.name), rewriting={s.key for s in offloaded})
+            home = self._install_home(gs, fresh.get(gs.name), rewriting=offloaded)
             home_idx = gs.select(lambda s: s.residency is not Residency.DEVICE and s.residency is not Residency.DISK)
         t = self._read_disk_part(gs, part, gs.select(lambda s: s.residency is Residency.DEVICE), home_idx)
         for i in home_idx:
@@ -797,12 +802,13 @@ class ModelState(SwapVerbs):
         """Re-grow slots ``indices`` and fill them from their homes (dropped slots: zeros). Residency unchanged."""
         transfer = Transfer()
         for gs, idx in todo:
-            host = [i for i in idx if gs.slots[i].residency is Residency.HOST]
-            own = [i for i in host if gs.slots[i].native_home is None]
+            by = gs.by_residency(idx)
+            host, native_too = by[Residency.HOST], gs.any_native()
+            own = [i for i in host if gs.slots[i].native_home is None] if native_too else host
             # in place, the storage of slots refilled from the home is given back run by run, overlapping the copies
             late = set(own) if isinstance(self._storage, InPlace) else set()
             self._regrow(gs, [i for i in idx if i not in late])
-            zeros = [gs.slots[i].bytes() for i in idx if gs.slots[i].residency is Residency.DROPPED]
+            zeros = [gs.slots[i].bytes() for i in by[Residency.DROPPED]]
             if zeros:
                 torch._foreach_zero_(zeros)
             if own:
@@ -812,9 +818,9 @@ class ModelState(SwapVerbs):
                 moved = gs.copy_in(self.engine, own, gs.home.data, regrow=bool(late))
                 gs.home.pending = moved.merged(gs.home.pending)
                 transfer = transfer.merged(moved)
-            native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None]
+            native = [(gs.slots[i].bytes(), gs.home_region(i)) for i in host if gs.slots[i].native_home is not None] if native_too else []
             transfer = transfer.merged(self.engine.copy(native))
-            on_disk = [i for i in idx if gs.slots[i].residency is Residency.DISK]
+            on_disk = by[Residency.DISK]
             if on_disk:
                 assert self._disk is not None
                 transfer = transfer.merged(self._io.into(gs.plan(self.engine, on_disk, self._io.chunk), self._disk, self._disk.region(gs.name, gs.layout.total)))
@@ -919,7 +925,7 @@ class ModelState(SwapVerbs):
         """Release the storage of resident slots ``idx`` (residency is the caller's to set)."""
         if not idx:
             return
-        resident = sum(s.residency is Residency.DEVICE for s in gs.slots)
+        resident = gs.count(Residency.DEVICE)
         self._storage.release(gs.name, [gs.slots[i] for i in idx], whole=len(idx) >= resident)
         if self._storage.paused(gs.name):
             self._paused_keys.update(s.key for s in gs.slots)
@@ -928,7 +934,7 @@ class ModelState(SwapVerbs):
         """Give slots ``idx`` device storage back (uninitialised; residency is the caller's to set)."""
         if not idx:
             return
-        offloaded = sum(s.residency is not Residency.DEVICE for s in gs.slots)
+        offloaded = len(gs.slots) - gs.count(Residency.DEVICE)
         was_paused = self._storage.paused(gs.name)
         self._storage.regrow(gs.name, [gs.slots[i] for i in idx], whole=len(idx) >= offloaded)
         if was_paused:
@@ -947,6 +953,8 @@ class ModelState(SwapVerbs):
         memory, e.g. FSDP2's pinned shards under CPUOffloadPolicy: it stays where it is), an error
         on an accelerator -- raised before anything moves."""
         for g in names:
+            if self._groups[g].all_releasable():
+                continue
             for s in self._groups[g].slots:
                 if s.residency is Residency.DEVICE and s.device.type != "cpu" and not s.releasable and matches(s, only):
                     raise NotReleasableError(

@@ -7,7 +7,9 @@ caller per layout and slot subset) groups the slots into *runs* in arena
 order -- a chunk of at most ``CHUNK_BYTES`` of one large slot, or many small
 slots that are neighbours in the arena. A verb on an unchanged group then
 does no per-tensor Python work beyond the copies: each staged run is one
-split, one multi-tensor kernel and one PCIe copy.
+batched kernel (``Run.gather``: a ``cat`` into the span; ``Run.scatter``:
+``split_with_sizes_copy`` out of it; a split and a multi-tensor copy where
+padding lies between its slots) and one PCIe copy.
 
 Directions and streams:
 
@@ -17,12 +19,12 @@ Directions and streams:
   of the values coming in move at once, and a chunk is overwritten only
   after its outgoing copy has completed;
 - small slots cross PCIe through staging buffers on the device: outgoing
-  ones are gathered by one multi-tensor kernel on the current stream into a
+  ones are gathered by one batched kernel on the current stream into a
   ring of ``RING`` buffers the device-to-host stream drains (a buffer is
   reused only after the copy that drained it completed: events, never a
   synchronize); incoming ones cross into a second ring on the
   host-to-device stream and are scattered by the current stream, so one
-  run's scatter overlaps the next run's PCIe copy; the multi-tensor kernels
+  run's scatter overlaps the next run's PCIe copy; the batched kernels
   move 8-, 4- or 2-byte words where every size of the run allows
   (``Run.word``);
 - device-to-device copies (device-placed snapshots and stashes) are spread
@@ -132,6 +134,9 @@ class Run:
     #: a staged run's element: the widest integer type (8, 4, 2 or 1 bytes) dividing every size in
     #: ``sizes``, so its multi-tensor copies move words, not bytes
     word: torch.dtype = torch.uint8
+    #: a staged run without gaps: its slots' sizes in ``word`` elements (``gather`` and ``scatter`` are then
+    #: one call each, with no view per slot)
+    counts: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +150,22 @@ class Run:
         w = self.word.itemsize
         parts = span.view(self.word).split([n // w for n in self.sizes]) if w > 1 else span.split(self.sizes)
         return parts if self.keep is None else self.keep(parts)
+
+    def gather(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> None:
+        """Copy a staged run's slots (``devs``, as ``word`` elements) into ``span``, its bytes of an arena or
+        of a staging buffer. Without gaps that is one ``cat`` into ``span``: no Python view per slot (a
+        verb on 2000 small slots made 2000 of them), one batched kernel on a device."""
+        if self.counts is not None:
+            torch.cat(devs, out=span.view(self.word))
+        else:
+            torch._foreach_copy_(self.views(span), devs)
+
+    def scatter(self, devs: Sequence[torch.Tensor], span: torch.Tensor) -> None:
+        """Copy ``span`` into a staged run's slots: ``gather`` reversed (one ``split_with_sizes_copy``)."""
+        if self.counts is not None:
+            torch.split_with_sizes_copy(span.view(self.word), self.counts, out=devs)
+        else:
+            torch._foreach_copy_(devs, self.views(span))
 
 
 @dataclass
@@ -256,7 +277,8 @@ def _staged(items: list[int], offsets: Sequence[int], sizes: Sequence[int]) -> R
         pos = offsets[i] + sizes[i]
     getter = None if len(keep) == len(split) else operator.itemgetter(*keep)
     word = next(w for w in _WORDS if all(n % w.itemsize == 0 for n in split))
-    return Run(offsets[items[0]], pos, tuple(items), tuple(split), getter, word=word)
+    counts = tuple(n // word.itemsize for n in split) if getter is None else None
+    return Run(offsets[items[0]], pos, tuple(items), tuple(split), getter, word=word, counts=counts)
 
 
 #: multi-tensor copies run one element per thread-step: the widest element that fits moves the most bytes
@@ -379,9 +401,9 @@ class CopyEngine:
         if run.sizes is None:
             (span.copy_(devs[0]) if out else devs[0].copy_(span))
         elif out:
-            torch._foreach_copy_(run.views(span), devs)
+            run.gather(span, devs)
         else:
-            torch._foreach_copy_(devs, run.views(span))
+            run.scatter(devs, span)
         return run.nbytes
 
     def _device_runs(self, p: Plan, arena: torch.Tensor, out: bool, before: BeforeRun | None = None) -> Transfer:
@@ -482,7 +504,7 @@ class CopyEngine:
                 devs[0].record_stream(side)
             return run.nbytes
         buf = ring.take(run.nbytes, current)  # the copy that drained it last is done
-        torch._foreach_copy_(run.views(buf), devs)
+        run.gather(buf, devs)
         side.wait_stream(current)
         with _On(side, current):
             span.copy_(buf, non_blocking=True)
@@ -506,7 +528,7 @@ class CopyEngine:
         with _On(side, current):
             staged.copy_(span, non_blocking=True)
         current.wait_stream(side)
-        torch._foreach_copy_(devs, run.views(staged))
+        run.scatter(devs, staged)
         ring.used(current)
         return run.nbytes
 
