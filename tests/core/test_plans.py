@@ -240,3 +240,19 @@ def test_regrow_all_gives_memory_only_to_storages_without_it():
     assert [s.storage.nbytes() for s in slots] == [64, 64, 64]
     assert slots[1].storage.data_ptr() == kept
     assert torch.equal(model[1], torch.full((16,), 1.0))
+
+
+def test_storage_keys_agree_with_storage_key_for_views_and_released_storages():
+    """The bulk listing of storage keys (``torch._C._storage_id`` where this torch has it) gives what
+    ``storage_key`` gives, for views, offsets, tied tensors and storages released to 0 bytes."""
+    from stateshift.core.slot import storage_key, storage_keys
+
+    base = torch.arange(64, dtype=torch.float32)
+    other = torch.zeros(8)
+    tensors = [base, base[3:], base.view(8, 8), base.view(8, 8).t(), other, other[:0]]
+    released = torch.ones(4)
+    released.untyped_storage().resize_(0)
+    tensors.append(released)
+    keys = storage_keys(tensors)
+    assert keys == [storage_key(t) for t in tensors]
+    assert keys[0] == keys[1] == keys[2] == keys[3] != keys[4] == keys[5]

@@ -101,6 +101,7 @@ def _adopt_native(slot: Slot, es: list[Entry], table: SlotTable) -> None:
 _STORAGE, _NBYTES = operator.attrgetter("storage"), operator.methodcaller("nbytes")
 _TENSOR = operator.attrgetter("tensor")
 _RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("native_home")
+_RESIDENCIES = tuple(Residency)
 
 
 def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int], table: SlotTable) -> None:
@@ -154,16 +155,17 @@ class GroupState:
         return [i for i, s in enumerate(self.slots) if keep(s)]
 
     def by_residency(self, indices: Sequence[int] | None = None) -> dict[Residency, list[int]]:
-        """Slots ``indices`` (default all) per residency, every residency a key: one pass, and none
-        in Python when they all share one (the steady state of every verb)."""
+        """Slots ``indices`` (ascending and distinct; default all) per residency, every residency a key:
+        one pass, and none in Python when they all share one (the steady state of every verb)."""
+        if indices is not None and len(indices) == len(self.slots):
+            indices = None  # (ascending, distinct and as many as the slots: all of them)
         idx = range(len(self.slots)) if indices is None else indices
         slots = self.slots if indices is None else list(map(self.slots.__getitem__, idx))
         found = list(map(_RESIDENCY, slots))
-        out: dict[Residency, list[int]] = {r: [] for r in Residency}
-        for r in Residency:
-            if found.count(r) == len(found):
-                out[r] = list(idx)
-                return out
+        out: dict[Residency, list[int]] = {r: [] for r in _RESIDENCIES}
+        if not found or found.count(found[0]) == len(found):
+            out[found[0] if found else Residency.DEVICE] = list(idx)
+            return out
         for i, r in zip(idx, found, strict=True):
             out[r].append(i)
         return out

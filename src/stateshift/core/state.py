@@ -806,8 +806,10 @@ class ModelState(SwapVerbs):
             host, native_too = by[Residency.HOST], gs.any_native()
             own = [i for i in host if gs.slots[i].native_home is None] if native_too else host
             # in place, the storage of slots refilled from the home is given back run by run, overlapping the copies
-            late = set(own) if isinstance(self._storage, InPlace) else set()
-            self._regrow(gs, [i for i in idx if i not in late])
+            late = own if isinstance(self._storage, InPlace) else []
+            if len(late) < len(idx):  # (``own`` is part of ``idx``: all of it, in a whole onload)
+                given_late = set(late)
+                self._regrow(gs, [i for i in idx if i not in given_late])
             zeros = [gs.slots[i].bytes() for i in by[Residency.DROPPED]]
             if zeros:
                 torch._foreach_zero_(zeros)
