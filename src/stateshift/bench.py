@@ -65,10 +65,13 @@ class BenchResult:
     ceilings: dict[str, float]
     rows: list[Row] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the host CPU and its Python speed (``host_facts``): verbs on many small tensors are bound by it
+    host: dict[str, Any] = field(default_factory=lambda: host_facts())
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "machine": self.machine,
+            "host": self.host,
             "torch": self.torch,
             "stateshift": self.stateshift,
             "ceilings": self.ceilings,
@@ -270,6 +273,29 @@ def git_sha() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def host_facts() -> dict[str, Any]:
+    """The host CPU's model name and ``python_us``: the median time of a fixed pure-Python workload (a walk
+    over 2000 small objects, the kind of work a verb does per slot). Two runs on hosts whose figures differ
+    are not comparable for host-bound rows (many small tensors, isolated device-placed verbs)."""
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    objs = [Row("", "", "", "", i, 0.0, 0.0, 0.0, "") for i in range(2000)]
+
+    def work() -> int:
+        return sum(r.bytes for r in objs if r.ratio == 0.0) + len([r for r in objs if r.note == ""])
+
+    times = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t0)
+    return {"cpu": cpu, "python_us": round(sorted(times)[len(times) // 2] * 1e6, 1)}
 
 
 def machine_name(device: torch.device) -> str:

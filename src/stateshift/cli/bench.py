@@ -177,6 +177,7 @@ def _report(result: Any, state: Any, ceilings: dict[str, float]) -> None:
     print(result.table())
     print()
     print("ceilings (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    print(f"host: {result.host['cpu']}; Python workload {result.host['python_us']:.0f} us (host-bound rows scale with it)")
     if "d2h_gbps" not in ceilings:
         print("CPU only: 'device' rows are the model's own (CPU) memory, every copy is a host memcpy, "
               "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)")
