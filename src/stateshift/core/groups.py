@@ -136,7 +136,7 @@ class GroupState:
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
     plans: dict[tuple[tuple[int, ...] | None, int | None], Plan] = field(default_factory=dict, repr=False)
-    _releasable: tuple[list[Slot], bool] | None = field(default=None, repr=False)
+    _known: tuple[list[Slot], bool, bool] | None = field(default=None, repr=False)
 
     def plan(self, engine: CopyEngine, indices: list[int], chunk: int | None = None) -> Plan:
         """The copy plan between slots ``indices`` and any arena of this group's layout (cached).
@@ -183,12 +183,21 @@ class GroupState:
         return any(map(_NATIVE, self.slots))
 
     def all_releasable(self) -> bool:
-        """Every slot's storage can be released in place; asked once per slot list (a storage's
-        resizability does not change, and a relayout makes a new list)."""
-        known = self._releasable
+        """Every slot's storage can be released in place (asked once per slot list: ``_facts``)."""
+        return self._facts()[0]
+
+    def any_on_host(self) -> bool:
+        """Whether a slot's own storage is host memory (a CPU model's; asked once per slot list)."""
+        return self._facts()[1]
+
+    def _facts(self) -> tuple[bool, bool]:
+        """What never changes for a slot list (a storage's resizability and device are its own, and a
+        relayout makes a new list): asked once, not per verb and slot."""
+        known = self._known
         if known is None or known[0] is not self.slots:
-            known = self._releasable = (self.slots, all(s.releasable for s in self.slots))
-        return known[1]
+            slots = self.slots
+            known = self._known = (slots, all(s.releasable for s in slots), any(s.device.type == "cpu" for s in slots))
+        return known[1], known[2]
 
     def offloaded(self) -> list[int]:
         """Every slot not resident, in slot order (what a whole onload brings back)."""

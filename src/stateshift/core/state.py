@@ -815,7 +815,7 @@ class ModelState(SwapVerbs):
                 torch._foreach_zero_(zeros)
             if own:
                 assert gs.home is not None
-                if any(gs.slots[i].device.type == "cpu" for i in own):
+                if gs.any_on_host() and any(gs.slots[i].device.type == "cpu" for i in own):
                     gs.home.sync()  # host-to-host copies read the home on this thread
                 moved = gs.copy_in(self.engine, own, gs.home.data, regrow=bool(late))
                 gs.home.pending = moved.merged(gs.home.pending)

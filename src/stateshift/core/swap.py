@@ -175,7 +175,7 @@ class SwapVerbs:
         gs = self._groups[part.group]
         resident, stash = swap.resident[gs.name], swap.arenas.get(gs.name)
         offloaded = [i for i, _, _ in swap.offloaded[gs.name]]
-        if part.host is not None and any(s.device.type == "cpu" for s in gs.slots):
+        if part.host is not None and gs.any_on_host():
             snapshot.wait()  # host-to-host copies read the snapshot on this thread
         if part.disk is not None:  # through the staging windows (the stash first)
             if stash is not None:
