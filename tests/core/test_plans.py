@@ -256,3 +256,32 @@ def test_storage_keys_agree_with_storage_key_for_views_and_released_storages():
     keys = storage_keys(tensors)
     assert keys == [storage_key(t) for t in tensors]
     assert keys[0] == keys[1] == keys[2] == keys[3] != keys[4] == keys[5]
+
+
+def test_larger_small_slots_are_scattered_through_views_and_no_run_mixes_devices(monkeypatch):
+    """A staged run of slots averaging ``FUSED_SCATTER_BELOW`` or more is scattered by a split and a
+    multi-tensor copy (one ``split_with_sizes_copy`` was slower there on the H200), gathered by one ``cat``;
+    values round-trip either way. A plan never stages slots of two devices together (``cat`` needs one)."""
+    from stateshift.core import transfer
+    from stateshift.core.transfer import FUSED_SCATTER_BELOW, plan
+
+    big = FUSED_SCATTER_BELOW  # average slot size at the threshold: not fused on the way in
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.full((big // 4,), float(i))) for i in range(6))
+    want = [p.detach().clone() for p in model]
+    state = ModelState(model)
+    snap = state.snapshot("params", tag="v")
+    views = []
+    real = transfer.Run.views
+    monkeypatch.setattr(transfer.Run, "views", lambda self, span: views.append(self) or real(self, span))
+    state.snapshot("params", tag="w")
+    assert views == []  # out: one cat
+    with torch.no_grad():
+        for p in model:
+            p.zero_()
+    state.restore(snap)
+    assert len(views) == 1  # in: through views
+    for p, w in zip(model, want, strict=True):
+        assert torch.equal(p, w)
+    sizes = [64] * 4
+    p = plan([0, 64, 128, 192], sizes, [False] * 4, lambda i: torch.empty(64, dtype=torch.uint8), devices=["a", "a", "b", "b"])
+    assert [r.items for r in p.runs] == [(0, 1), (2, 3)]

@@ -136,7 +136,7 @@ class GroupState:
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
     plans: dict[tuple[tuple[int, ...] | None, int | None], Plan] = field(default_factory=dict, repr=False)
-    _known: tuple[list[Slot], bool, bool] | None = field(default=None, repr=False)
+    _known: tuple[bool, bool] | None = field(default=None, repr=False)
 
     def plan(self, engine: CopyEngine, indices: list[int], chunk: int | None = None) -> Plan:
         """The copy plan between slots ``indices`` and any arena of this group's layout (cached).
@@ -147,7 +147,7 @@ class GroupState:
             slots = self.slots
             p = self.plans[key] = engine.plan(
                 self.layout.offsets, [s.nbytes for s in slots], [s.device.type == "cpu" for s in slots],
-                lambda i: slots[i].bytes(), indices, chunk,
+                lambda i: slots[i].bytes(), indices, chunk, devices=[s.device for s in slots],
             )
         return p
 
@@ -191,13 +191,13 @@ class GroupState:
         return self._facts()[1]
 
     def _facts(self) -> tuple[bool, bool]:
-        """What never changes for a slot list (a storage's resizability and device are its own, and a
-        relayout makes a new list): asked once, not per verb and slot."""
-        known = self._known
-        if known is None or known[0] is not self.slots:
+        """What never changes for a slot list (a storage's resizability and device are its own): asked once,
+        not per verb and slot; a relayout forgets it (``SlotTable._relayout``). It holds no slot: a slot
+        list kept here would keep the tensors a relayout let go of alive, with their memory."""
+        if self._known is None:
             slots = self.slots
-            known = self._known = (slots, all(s.releasable for s in slots), any(s.device.type == "cpu" for s in slots))
-        return known[1], known[2]
+            self._known = (all(s.releasable for s in slots), any(s.device.type == "cpu" for s in slots))
+        return self._known
 
     def offloaded(self) -> list[int]:
         """Every slot not resident, in slot order (what a whole onload brings back)."""
@@ -462,7 +462,7 @@ class SlotTable:
                 self.pool.release(new_home)
                 raise
         gs.slots, gs.layout, gs.home = slots, layout, new_home
-        gs.plans = {}
+        gs.plans, gs._known = {}, None
         if old_home is not None and keep:
             old_home.sync()
             for s in keep:
