@@ -5,8 +5,8 @@ release_all / regrow_all).
 offload_onload_cycle`` failed on 36cf085 and passed on fd1d4af (``GroupState.all_releasable`` cached the slot
 list it was asked for, which kept every slot of it alive after a relayout); fixed since.
 
-The two ``xfail(strict=True)`` tests document older bugs (already at fd1d4af), not fixed yet: each fails
-and says so; when one is fixed its xfail must go.
+The last two are older bugs it found (already at fd1d4af): the ``.numpy()`` one is fixed; the
+``xfail(strict=True)`` one is not yet (when it is, its xfail must go).
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def test_preexisting_disk_offload_with_a_window_whose_chunk_is_not_word_aligned(
         assert torch.equal(v, want[k])
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing at fd1d4af: releasability cached per slot, .numpy() changes it")
-def test_preexisting_offload_after_numpy_leaves_the_state_unusable():
-    """``t.numpy()`` (e.g. logging a parameter) marks its storage non-resizable; the slot cached
-    ``releasable`` True at an earlier offload, so the next offload releases the weight, then raises on the
-    bias: the weight's storage is released with residency ``device`` and every later verb raises
-    ``ForeignStateError`` (its values sit in the home, unreachable). The same on fd1d4af."""
+def test_an_offload_after_numpy_refuses_before_anything_moves():
+    """``t.numpy()`` (e.g. logging a parameter) marks its storage non-resizable. The slot cached
+    ``releasable`` True at an earlier offload, so the next offload released the weight, then raised on the
+    bias: the weight's storage released with residency ``device``, and every later verb raised
+    ``ForeignStateError`` (its values in the home, unreachable). Already so at fd1d4af; fixed since:
+    resizability is asked at each verb, so the offload refuses before anything moves."""
     model = torch.nn.Linear(4, 4)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     state = ModelState(model)

@@ -30,7 +30,7 @@ from ..errors import BackendError, ForeignStateError
 from .disk import DiskHome
 from .layout import Layout
 from .pool import HostBlock, HostPool
-from .slot import Entry, Residency, Slot, SlotInfo, member_info, regrow_all, storage_keys
+from .slot import Entry, Residency, Slot, SlotInfo, all_releasable, member_info, regrow_all, storage_keys
 from .source import Source
 from .transfer import CopyEngine, Plan, Run, Transfer
 
@@ -136,7 +136,7 @@ class GroupState:
     by_key: dict[int, Slot] = field(default_factory=dict, repr=False)
     #: copy plans by slot subset (``None``: every slot), valid until the next relayout
     plans: dict[tuple[tuple[int, ...] | None, int | None], Plan] = field(default_factory=dict, repr=False)
-    _known: tuple[bool, bool] | None = field(default=None, repr=False)
+    _on_host: bool | None = field(default=None, repr=False)
 
     def plan(self, engine: CopyEngine, indices: list[int], chunk: int | None = None) -> Plan:
         """The copy plan between slots ``indices`` and any arena of this group's layout (cached).
@@ -183,21 +183,17 @@ class GroupState:
         return any(map(_NATIVE, self.slots))
 
     def all_releasable(self) -> bool:
-        """Every slot's storage can be released in place (asked once per slot list: ``_facts``)."""
-        return self._facts()[0]
+        """Every slot's storage can be released in place now (asked each time: ``tensor.numpy()`` makes a
+        storage non-resizable at any moment; no Python loop)."""
+        return all_releasable(self.slots)
 
     def any_on_host(self) -> bool:
-        """Whether a slot's own storage is host memory (a CPU model's; asked once per slot list)."""
-        return self._facts()[1]
-
-    def _facts(self) -> tuple[bool, bool]:
-        """What never changes for a slot list (a storage's resizability and device are its own): asked once,
-        not per verb and slot; a relayout forgets it (``SlotTable._relayout``). It holds no slot: a slot
-        list kept here would keep the tensors a relayout let go of alive, with their memory."""
-        if self._known is None:
-            slots = self.slots
-            self._known = (all(s.releasable for s in slots), any(s.device.type == "cpu" for s in slots))
-        return self._known
+        """Whether a slot's own storage is host memory (a CPU model's). A slot's device never changes, so
+        this is asked once per slot list; a relayout forgets it (``SlotTable._relayout``). The answer
+        holds no slot: a slot list kept here would keep the tensors a relayout let go of alive."""
+        if self._on_host is None:
+            self._on_host = any(s.device.type == "cpu" for s in self.slots)
+        return self._on_host
 
     def offloaded(self) -> list[int]:
         """Every slot not resident, in slot order (what a whole onload brings back)."""
@@ -206,9 +202,11 @@ class GroupState:
             return [i for i, s in enumerate(self.slots) if s.residency is not Residency.DEVICE]
         return list(range(len(self.slots)))
 
-    def releasable(self, only: Only) -> list[int]:
-        """Resident slots ``only`` selects whose storage can be released (what an offload moves)."""
-        if only is None and self.all_releasable():
+    def releasable(self, only: Only, *, checked: bool = False) -> list[int]:
+        """Resident slots ``only`` selects whose storage can be released (what an offload moves).
+        ``checked``: the caller just made sure every resident accelerator slot is (``ModelState.
+        _check_releasable``), so with no host slot none needs asking again."""
+        if only is None and ((checked and not self.any_on_host()) or self.all_releasable()):
             return self.by_residency()[Residency.DEVICE]
         return self.select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))
 
@@ -462,7 +460,7 @@ class SlotTable:
                 self.pool.release(new_home)
                 raise
         gs.slots, gs.layout, gs.home = slots, layout, new_home
-        gs.plans, gs._known = {}, None
+        gs.plans, gs._on_host = {}, None
         if old_home is not None and keep:
             old_home.sync()
             for s in keep:

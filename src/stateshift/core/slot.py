@@ -199,7 +199,6 @@ class Slot:
     #: the member tensors as last listed (identity fast path of ``ModelState.refresh``)
     tensors: tuple[torch.Tensor, ...] = field(default=(), repr=False)
     _view: torch.Tensor | None = field(default=None, repr=False)
-    _releasable: bool | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -219,11 +218,10 @@ class Slot:
 
     @property
     def releasable(self) -> bool:
-        """Whether the storage can be resized in place (pinned storages of torch's host allocator cannot)."""
-        r = self._releasable
-        if r is None:
-            r = self._releasable = self.storage.resizable()
-        return r
+        """Whether the storage can be resized in place now (pinned storages of torch's host allocator cannot,
+        and ``tensor.numpy()`` makes any storage it is asked of non-resizable from then on: asked afresh
+        each time, never cached)."""
+        return self.storage.resizable()
 
     def release_storage(self) -> None:
         """Free the storage's memory; its tensors keep their identity (and must not be read)."""
@@ -237,6 +235,12 @@ class Slot:
 
 _SLOT_STORAGE, _SLOT_NBYTES = operator.attrgetter("storage"), operator.attrgetter("info.nbytes")
 _STORAGE_NBYTES, _RELEASE = operator.methodcaller("nbytes"), operator.methodcaller("resize_", 0)
+_RESIZABLE = operator.methodcaller("resizable")
+
+
+def all_releasable(slots: Iterable[Slot]) -> bool:
+    """``releasable`` of every slot, asked now, without a Python loop."""
+    return all(map(_RESIZABLE, map(_SLOT_STORAGE, slots)))
 
 
 def release_all(slots: Iterable[Slot]) -> None:

@@ -262,7 +262,7 @@ class ModelState(SwapVerbs):
             return self._offload_to_disk(names, only)
         moving: dict[str, list[int]] = {}
         for g in names:
-            idx = self._groups[g].releasable(only)
+            idx = self._groups[g].releasable(only, checked=True)
             if idx:
                 moving[g] = idx
         fresh = self._reserve_homes(moving)
