@@ -5,8 +5,7 @@ release_all / regrow_all).
 offload_onload_cycle`` failed on 36cf085 and passed on fd1d4af (``GroupState.all_releasable`` cached the slot
 list it was asked for, which kept every slot of it alive after a relayout); fixed since.
 
-The last two are older bugs it found (already at fd1d4af): the ``.numpy()`` one is fixed; the
-``xfail(strict=True)`` one is not yet (when it is, its xfail must go).
+The last two are older bugs it found (already at fd1d4af), fixed since.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
 import torch
 
 from stateshift import ModelState
@@ -57,14 +55,13 @@ def test_grads_set_to_none_are_freed_after_an_offload_onload_cycle():
     assert old() is None, "a grad the model set to None is still referenced by the ModelState"
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing at fd1d4af: staging window view misaligned for word copies")
-def test_preexisting_disk_offload_with_a_window_whose_chunk_is_not_word_aligned(tmp_path):
+def test_a_disk_offload_through_a_window_whose_chunk_is_not_word_aligned(tmp_path):
     """``disk_window_bytes=1000``: plans through the windows chunk large slots every 750 bytes, so a window
     starts at the second chunk of ``a{i}`` (arena byte 750 of it) and holds the staged run ``b{i}``, ``c{i}``
     (int64 words) 274 bytes in; where ``staged()`` cannot shift the window's start to the disk alignment it
     starts at the buffer's first byte and ``span.view(torch.int64)`` raises (storage offset 274). Any
-    ``disk_window_bytes`` whose chunk is not a multiple of 8 can do this. The same on fd1d4af
-    (``Run.views``); the error comes before residency changes."""
+    ``disk_window_bytes`` whose chunk is not a multiple of 8 can do this. So on fd1d4af (``Run.views``;
+    the error came before residency changed); fixed since: such a run moves as bytes."""
     model = torch.nn.Module()
     for i in range(3):  # (3 times: where the buffer's address lets a window start aligned, the next one cannot)
         model.register_parameter(f"a{i}", torch.nn.Parameter(torch.randn(250)))  # 1000 bytes: runs of 750 and 250

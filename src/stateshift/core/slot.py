@@ -152,7 +152,7 @@ _UNTYPED_STORAGE, _CDATA = operator.methodcaller("untyped_storage"), operator.at
 def _storage_id_agrees() -> bool:
     """Whether this torch's ``torch._C._storage_id`` gives ``storage_key`` (the StorageImpl's address)
     without making a storage object per call: about 40% less time for a verb's listing of keys."""
-    probe = torch.empty(1)
+    probe = torch.empty(1, device="cpu")  # (not the default device: no CUDA start at import)
     fn = getattr(torch._C, "_storage_id", None)
     try:
         return fn is not None and fn(probe) == storage_key(probe) and fn(probe[:0]) == storage_key(probe)

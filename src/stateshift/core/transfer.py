@@ -151,18 +151,33 @@ class Run:
     def views(self, span: torch.Tensor) -> Sequence[torch.Tensor]:
         """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer), as
         ``word`` elements. ``span`` starts at an arena offset (a multiple of ``layout.ALIGN``) or at a
-        staging buffer's start, so it is aligned for any word."""
+        staging buffer's start, so it is aligned for any word -- except in a window of the disk tier,
+        which may start mid-slot: ``gather`` and ``scatter`` check (``_in_words``)."""
         assert self.sizes is not None
         w = self.word.itemsize
         parts = span.view(self.word).split([n // w for n in self.sizes]) if w > 1 else span.split(self.sizes)
         return parts if self.keep is None else self.keep(parts)
+
+    def _in_words(self, span: torch.Tensor) -> bool:
+        """Whether ``span`` can be viewed as ``word`` elements (a disk staging window whose size is not a
+        multiple of 8 can put a run at an odd byte of it: then both sides move as bytes)."""
+        return span.storage_offset() % self.word.itemsize == 0
+
+    def _as_bytes(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
+        """The run's regions of ``span`` and its slots, both as bytes (the rare path ``_in_words`` refuses)."""
+        assert self.sizes is not None
+        parts = span.split(self.sizes)
+        return (parts if self.keep is None else self.keep(parts)), [d.view(torch.uint8) for d in devs]
 
     def gather(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> None:
         """Copy a staged run's slots (``devs``, as ``word`` elements) into ``span``, its bytes of an arena or
         of a staging buffer. Without gaps, and with the slots on ``span``'s device (``plan`` never stages
         slots of two devices together), that is one ``cat`` into ``span``: no Python view per slot (a verb
         on 2000 small slots made 2000 of them), one batched kernel on a device."""
-        if self.counts is not None and devs[0].device == span.device:
+        if not self._in_words(span):
+            regions, slots = self._as_bytes(span, devs)
+            torch._foreach_copy_(regions, slots)
+        elif self.counts is not None and devs[0].device == span.device:
             torch.cat(devs, out=span.view(self.word))
         else:
             torch._foreach_copy_(self.views(span), devs)
@@ -170,7 +185,10 @@ class Run:
     def scatter(self, devs: Sequence[torch.Tensor], span: torch.Tensor) -> None:
         """Copy ``span`` into a staged run's slots: ``gather`` reversed, one ``split_with_sizes_copy`` where
         the slots are small (``FUSED_SCATTER_BELOW``)."""
-        if self.counts is not None and self.nbytes < FUSED_SCATTER_BELOW * len(self.items) and devs[0].device == span.device:
+        if not self._in_words(span):
+            regions, slots = self._as_bytes(span, devs)
+            torch._foreach_copy_(slots, regions)
+        elif self.counts is not None and self.nbytes < FUSED_SCATTER_BELOW * len(self.items) and devs[0].device == span.device:
             torch.split_with_sizes_copy(span.view(self.word), self.counts, out=devs)
         else:
             torch._foreach_copy_(devs, self.views(span))
