@@ -198,9 +198,7 @@ class GroupState:
     def offloaded(self) -> list[int]:
         """Every slot not resident, in slot order (what a whole onload brings back)."""
         by = self.by_residency()
-        if by[Residency.DEVICE]:
-            return [i for i, s in enumerate(self.slots) if s.residency is not Residency.DEVICE]
-        return list(range(len(self.slots)))
+        return sorted(by[Residency.HOST] + by[Residency.DROPPED] + by[Residency.DISK])
 
     def releasable(self, only: Only, *, checked: bool = False) -> list[int]:
         """Resident slots ``only`` selects whose storage can be released (what an offload moves).
@@ -427,7 +425,7 @@ class SlotTable:
         for s in gone:
             if s.native_home is not None or s.storage.nbytes() != 0 or s.key not in index:
                 continue
-            s.regrow_storage()
+            regrow_all([s])
             view = s.bytes()
             if s.residency is Residency.HOST and gs.home is not None:
                 gs.home.sync()

@@ -223,15 +223,6 @@ class Slot:
         each time, never cached)."""
         return self.storage.resizable()
 
-    def release_storage(self) -> None:
-        """Free the storage's memory; its tensors keep their identity (and must not be read)."""
-        self.storage.resize_(0)
-
-    def regrow_storage(self) -> None:
-        """Give the storage its memory back (uninitialised); allocated on the current stream."""
-        if self.storage.nbytes() != self.nbytes:
-            self.storage.resize_(self.nbytes)
-
 
 _SLOT_STORAGE, _SLOT_NBYTES = operator.attrgetter("storage"), operator.attrgetter("info.nbytes")
 _STORAGE_NBYTES, _RELEASE = operator.methodcaller("nbytes"), operator.methodcaller("resize_", 0)
@@ -244,14 +235,16 @@ def all_releasable(slots: Iterable[Slot]) -> bool:
 
 
 def release_all(slots: Iterable[Slot]) -> None:
-    """``release_storage`` of every slot, without a Python loop (an offload of 20,000 small slots made
-    20,000 Python calls after its copies were enqueued)."""
+    """Free each slot's storage memory (``resize_(0)``; its tensors keep their identity and must not be
+    read), without a Python loop (an offload of 20,000 small slots made 20,000 Python calls after its
+    copies were enqueued)."""
     collections.deque(map(_RELEASE, map(_SLOT_STORAGE, slots)), maxlen=0)
 
 
 def regrow_all(slots: Sequence[Slot]) -> None:
-    """``regrow_storage`` of every slot (those whose storage is short of its size), without a Python loop:
-    an onload runs this between its copies, so per-slot Python here delays them."""
+    """Give each slot's storage its memory back (uninitialised, allocated on the current stream), those
+    whose storage is short of its size only (a same-size ``resize_`` would move it to new memory),
+    without a Python loop: an onload runs this between its copies, so per-slot Python here delays them."""
     storages, sizes = list(map(_SLOT_STORAGE, slots)), list(map(_SLOT_NBYTES, slots))
     short = list(map(operator.ne, map(_STORAGE_NBYTES, storages), sizes))
     collections.deque(map(torch.UntypedStorage.resize_, itertools.compress(storages, short), itertools.compress(sizes, short)), maxlen=0)

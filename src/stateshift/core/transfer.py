@@ -148,14 +148,16 @@ class Run:
     def nbytes(self) -> int:
         return self.end - self.start
 
-    def views(self, span: torch.Tensor) -> Sequence[torch.Tensor]:
+    def views(self, span: torch.Tensor, word: torch.dtype | None = None) -> Sequence[torch.Tensor]:
         """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer), as
-        ``word`` elements. ``span`` starts at an arena offset (a multiple of ``layout.ALIGN``) or at a
-        staging buffer's start, so it is aligned for any word -- except in a window of the disk tier,
-        which may start mid-slot: ``gather`` and ``scatter`` check (``_in_words``)."""
+        ``word`` elements (default ``self.word``). ``span`` starts at an arena offset (a multiple of
+        ``layout.ALIGN``) or at a staging buffer's start, so it is aligned for any word -- except in a
+        window of the disk tier, which may start mid-slot: ``gather`` and ``scatter`` check
+        (``_in_words``)."""
         assert self.sizes is not None
-        w = self.word.itemsize
-        parts = span.view(self.word).split([n // w for n in self.sizes]) if w > 1 else span.split(self.sizes)
+        word = self.word if word is None else word
+        w = word.itemsize
+        parts = span.view(word).split([n // w for n in self.sizes]) if w > 1 else span.split(self.sizes)
         return parts if self.keep is None else self.keep(parts)
 
     def _in_words(self, span: torch.Tensor) -> bool:
@@ -165,9 +167,7 @@ class Run:
 
     def _as_bytes(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
         """The run's regions of ``span`` and its slots, both as bytes (the rare path ``_in_words`` refuses)."""
-        assert self.sizes is not None
-        parts = span.split(self.sizes)
-        return (parts if self.keep is None else self.keep(parts)), [d.view(torch.uint8) for d in devs]
+        return self.views(span, torch.uint8), [d.view(torch.uint8) for d in devs]
 
     def gather(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> None:
         """Copy a staged run's slots (``devs``, as ``word`` elements) into ``span``, its bytes of an arena or
