@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     host = ceilings["host_memcpy_gbps"]
     d2h, h2d, d2d = (ceilings["d2h_gbps"], ceilings["h2d_gbps"], ceilings["d2d_gbps"]) if cuda else (host, host, host)
     pcie = min(d2h, h2d)
+    bidir = ceilings.get("bidir_gbps", pcie) if cuda else host
 
     rows, extra = sb.bench_state(state, backend="megatron", ceilings=ceilings, groups=("params",), repeat=args.repeat,
                                  cycle_minibatches=args.minibatches, loop_tensors=list(ddp.parameters()))
@@ -382,11 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         t = sb.timed(fn, repeat=args.repeat, warmup=0)
         after = cycle.stats.as_dict()
         runs = args.repeat
-        per = {k: (after[k] - before[k]) // runs for k in ("pcie_bytes", "device_bytes", "host_bytes", "rebuild_bytes")}
-        pcie_b, dev_b, host_b, rb_b = per["pcie_bytes"], per["device_bytes"], per["host_bytes"], per["rebuild_bytes"]
+        keys = ("pcie_bytes", "device_bytes", "host_bytes", "rebuild_bytes", "both_ways_bytes")
+        per = {k: (after[k] - before[k]) // runs for k in keys}
+        pcie_b, dev_b, host_b, rb_b, both_b = (per[k] for k in keys)
         # a device copy reads and writes its bytes (the d2d ceiling counts both); a rebuild reads
-        # the fp32 masters and writes the bf16 params
-        bound_s = pcie_b / (pcie * 1e9) + (2 * dev_b + rb_b) / (d2d * 1e9) + host_b / (host * 1e9)
+        # the fp32 masters and writes the bf16 params; a host stash's bytes going out while as many of
+        # pi_old come in move at the bidirectional ceiling, the rest of PCIe one way at a time
+        bound_s = ((pcie_b - 2 * both_b) / (pcie * 1e9) + 2 * both_b / (bidir * 1e9)
+                   + (2 * dev_b + rb_b) / (d2d * 1e9) + host_b / (host * 1e9))
         moved = pcie_b + dev_b + host_b
         rows.append(sb.Row(
             "megatron", "pi_old_cycle", "device", device, moved, t, moved / t / 1e9 if t > 0 else float("inf"),

@@ -363,3 +363,26 @@ def test_a_cycle_lists_the_model_once_per_begin_and_once_per_swap_beyond_the_ver
     assert begin == 2  # the listing and the snapshot (an explicit host placement needs no layouts to decide)
     assert len(walks) - begin == 2  # the listing, and swapped()'s entry (its exit puts back the slots it recorded)
     cycle.end()
+
+
+def test_a_host_stash_counts_the_bytes_that_cross_both_ways_at_once():
+    """A swap with a host stash sends the current values out while pi_old comes in; the bench counts those
+    pairs at the bidirectional ceiling (``both_ways_bytes``), the rest of PCIe one way at a time. Before,
+    the Megatron bench counted all PCIe bytes one way and reported 1.3x of its bound."""
+    from types import SimpleNamespace
+
+    from stateshift import Residency
+
+    model, opt = _torch_setup()
+    cycle = PiOldCycle(ModelState(model, opt))
+    gpu = torch.device("cuda", 0)
+    resident = [SimpleNamespace(nbytes=n, device=gpu, residency=Residency.DEVICE) for n in (100, 28)]
+    slots = {"params": resident}
+    host_part = SimpleNamespace(group="params", device=None)
+    cycle._account_swap(SimpleNamespace(parts=[host_part]), {}, slots)
+    s = cycle.stats
+    # in: 128 bytes of pi_old while the 128 current ones go out to the stash; then back
+    assert (s.pcie_bytes, s.both_ways_bytes, s.stashed_bytes, s.device_bytes) == (3 * 128, 128, 128, 0)
+    device_part = SimpleNamespace(group="params", device=SimpleNamespace(device=gpu))
+    cycle._account_swap(SimpleNamespace(parts=[device_part]), {}, slots)  # a device stash crosses nothing
+    assert (s.pcie_bytes, s.both_ways_bytes, s.device_bytes) == (3 * 128, 128, 3 * 128)
