@@ -71,16 +71,15 @@ class WorkerReport:
     version: int = 0
 
 
-@dataclass
-class RolloutStats:
-    """The rollout side as the trainer's metrics see it: every rollouter's reports summed, and the queue."""
+#: the ``WorkerReport`` fields that add up over rollouters
+SUMMED = ("busy_s", "copy_s", "copy_bytes", "tokens")
 
-    busy_s: float = 0.0
-    copy_s: float = 0.0
-    copy_bytes: int = 0
-    tokens: int = 0
-    #: the version the current rollouter generates with
-    version: int = 0
+
+@dataclass
+class RolloutStats(WorkerReport):
+    """The rollout side as the trainer's metrics see it: every rollouter's reports summed (``SUMMED``;
+    ``version`` is the one the current rollouter generates with), and the queue."""
+
     generated: int = 0
     depth: int = 0
     running: int = 0

@@ -36,7 +36,7 @@ from ..config import AsyncConfig
 from ..queue import Ledger, SampleQueue
 from ..rollout import Group
 from ..tasks.base import Task
-from .base import RolloutCapture, RolloutStats, WorkerReport
+from .base import SUMMED, RolloutCapture, RolloutStats, WorkerReport
 
 
 class QueueHub:
@@ -151,8 +151,7 @@ class QueueHub:
         with self.cond:
             reps = list(self.reports.values())
             current = self.reports[max(self.reports)] if self.reports else WorkerReport()
-            return RolloutStats(busy_s=sum(r.busy_s for r in reps), copy_s=sum(r.copy_s for r in reps),
-                                copy_bytes=sum(r.copy_bytes for r in reps), tokens=sum(r.tokens for r in reps),
+            return RolloutStats(**{k: sum(getattr(r, k) for r in reps) for k in SUMMED},
                                 version=current.version, generated=self.queue.ledger.generated,
                                 depth=self.queue.depth(), running=self.queue.running, refused=self.refused)
 
