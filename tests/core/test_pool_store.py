@@ -25,6 +25,37 @@ def test_pool_exact_sizes_and_reuse():
     assert c is not a and pool.stats.held_bytes == a.nbytes + 100
 
 
+def _resident_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(pages of [ptr, ptr + nbytes) in memory, pages in all), from ``mincore``."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = ptr - ptr % page
+    pages = -(-(ptr + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), pages
+
+
+def test_a_new_pinned_block_is_faulted_in_before_it_is_registered(monkeypatch):
+    """cudaHostRegister faults pages in on one thread; the pool touches them first on torch's threads (the
+    first offload of a state pins every home). Registered here is a fake that counts what was resident."""
+    from stateshift.core import pool as pool_mod
+
+    seen = []
+    monkeypatch.setattr(pool_mod, "_cuda_register", lambda ptr, n: seen.append(_resident_pages(ptr, n)))
+    monkeypatch.setattr(pool_mod, "_cuda_unregister", lambda ptr: None)
+    pool = HostPool(pin=False)
+    pool.pinned = True  # as on a CUDA machine
+    block = pool.acquire(8 << 20)
+    assert block.pinned and seen and seen[0][0] == seen[0][1], seen
+    unpinned = HostPool(pin=False).acquire(8 << 20)  # never pinned: not touched (the pages come as they are written)
+    assert _resident_pages(unpinned.data.data_ptr(), 8 << 20)[0] < (8 << 20) // 4096
+
+
 def test_pool_trim_and_budget_frees_idle_blocks():
     pool = HostPool(pin=False, budget_bytes=3 << 20)
     a = pool.acquire(2 << 20)
