@@ -511,24 +511,28 @@ def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) ->
 
 def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One offload of ``groups`` (default all) as configured (``free_device_memory``): what PyTorch's
-    allocator and the driver got back, and the speed of the onload that follows. ``{}`` without CUDA."""
+    allocator and the driver got back, and the speed of the onload that follows. ``{}`` without CUDA.
+    ``offload_gbps`` includes pinning whatever homes the pool had no idle block for (``homes_pinned_bytes``:
+    after ``state.pool.trim()``, every one of them -- a state's first offload)."""
     dev = state.engine.device
     if dev is None:
         return {}
     total = state.nbytes(groups)
     _sync()
     a0, r0, f0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
+    held = state.pool.stats.held_bytes
     t0 = time.perf_counter()
     state.offload(groups)
     _sync()
     t_off = time.perf_counter() - t0
+    pinned = state.pool.stats.held_bytes - held
     a1, r1, f1 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
     t0 = time.perf_counter()
     state.onload(groups)
     _sync()
     t_on = time.perf_counter() - t0
     return {"bytes": total, "allocated_drop_bytes": a0 - a1, "reserved_drop_bytes": r0 - r1, "driver_free_gain_bytes": f1 - f0,
-            "free_device_memory": state.free_device_memory, "offload_gbps": total / t_off / 1e9,
+            "free_device_memory": state.free_device_memory, "offload_gbps": total / t_off / 1e9, "homes_pinned_bytes": pinned,
             "onload_after_gbps": total / t_on / 1e9}
 
 
