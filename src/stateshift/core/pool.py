@@ -11,9 +11,11 @@ A new block is what makes a state's first offload or snapshot slow: the kernel
 must fault in (and zero) every page before it can be pinned. ``cudaHostRegister``
 faults them in on one thread; touching them first with ``zero_`` spreads that
 over torch's intra-op threads. On the H200 host (16 cores, 2026-12-04,
-``.gpu-extra/probe_pin.py``) a fresh 8 GiB block took 2.7-2.9 s that way
-against 2.1 s touched first (1 GiB: 380 against 290 ms); torch's own pinned
-allocator took 4.3 s. ``MADV_HUGEPAGE`` and ``MADV_POPULATE_WRITE`` did no better.
+``benchmarks/pinned_alloc_probe.py``; its output is
+``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``) a fresh 8 GiB block
+took 2.7-2.9 s that way against 2.1 s touched first (1 GiB: 380 against 290
+ms); torch's own pinned allocator took 4.3 s. ``MADV_HUGEPAGE`` and
+``MADV_POPULATE_WRITE`` did no better.
 
 Safety: a block carries the transfer that last touched it (``pending``).
 ``acquire`` waits for that transfer before handing a reused block out, so a
