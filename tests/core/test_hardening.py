@@ -378,7 +378,8 @@ def test_compiled_model_has_the_plain_models_names():
 
 
 def _two_linears() -> torch.nn.Sequential:
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False), torch.nn.Module())
+    nested = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Identity()), torch.nn.Linear(2, 1, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False), torch.nn.Module(), nested)
     model[0].register_buffer("a", torch.zeros(1))
     model[0].register_buffer("b", torch.zeros(1), persistent=False)
     return model
@@ -404,6 +405,10 @@ _TREE_CHANGES = {
     "module removed": lambda m: m._modules.pop("2"),
     "module added": lambda m: m[2].add_module("relu", torch.nn.ReLU()),
     "module renamed": lambda m: m._modules.__setitem__("z", m._modules.pop("1")),
+    "module added two levels down": lambda m: m[3][0].add_module("relu", torch.nn.ReLU()),
+    "module replaced two levels down": lambda m: m[3].__setitem__(0, torch.nn.Sequential(torch.nn.Tanh())),
+    "param replaced two levels down": lambda m: setattr(m[3][1], "weight", torch.nn.Parameter(torch.zeros(1, 2))),
+    "subtrees swapped": lambda m: (m._modules.__setitem__("3", torch.nn.Sequential(m[3][1], m[3][0]))),
 }
 
 
