@@ -388,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         pcie_b, dev_b, host_b, rb_b, both_b = (per[k] for k in keys)
         # a device copy reads and writes its bytes (the d2d ceiling counts both); a rebuild reads
         # the fp32 masters and writes the bf16 params; a host stash's bytes going out while as many of
-        # pi_old come in move at the bidirectional ceiling, the rest of PCIe one way at a time
-        bound_s = ((pcie_b - 2 * both_b) / (pcie * 1e9) + 2 * both_b / (bidir * 1e9)
+        # pi_old come in move at the bidirectional ceiling (never faster than one direction alone), the
+        # rest of PCIe one way at a time
+        both_s = max(2 * both_b / (bidir * 1e9), both_b / (pcie * 1e9))
+        bound_s = ((pcie_b - 2 * both_b) / (pcie * 1e9) + both_s
                    + (2 * dev_b + rb_b) / (d2d * 1e9) + host_b / (host * 1e9))
         moved = pcie_b + dev_b + host_b
         rows.append(sb.Row(

@@ -89,3 +89,28 @@ for n in (1 << 30, 8 << 30):
     # second pass, to see the order does not matter
     for name in names[1:3]:
         strategy(name, n)
+
+
+# the touch on N intra-op threads against none, 2 GiB fresh blocks, alternating (the pool touches on 2 or more)
+def touched(threads: int, n: int = 2 << 30) -> float:
+    mm = mmap.mmap(-1, n)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    if threads:
+        torch.set_num_threads(threads)
+        t.zero_()
+    register(t)
+    dt = time.perf_counter() - t0
+    cudart.cudaHostUnregister(t.data_ptr())
+    del t
+    mm.close()
+    return dt
+
+
+sweep: dict[int, list[float]] = {k: [] for k in (0, 1, 2, 4, 8, 16)}
+for _ in range(3):
+    for k in sweep:
+        sweep[k].append(touched(k))
+for k, v in sweep.items():
+    med = statistics.median(v)
+    print(f"{'register alone' if k == 0 else f'zero_ on {k:>2} threads + register'}: {med * 1e3:7.1f} ms for 2 GiB ({(2 << 30) / med / 1e9:.2f} GB/s)")

@@ -512,8 +512,9 @@ def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) ->
 def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One offload of ``groups`` (default all) as configured (``free_device_memory``): what PyTorch's
     allocator and the driver got back, and the speed of the onload that follows. ``{}`` without CUDA.
-    ``offload_gbps`` includes pinning whatever homes the pool had no idle block for (``homes_pinned_bytes``:
-    after ``state.pool.trim()``, every one of them -- a state's first offload)."""
+    ``offload_gbps`` includes pinning whatever homes the pool had no block for (``homes_pinned_bytes``: a
+    group keeps its home after an onload and ``state.pool.trim()`` frees only idle blocks, so after a trim
+    the groups never offloaded before pin theirs afresh, as in a state's first offload)."""
     dev = state.engine.device
     if dev is None:
         return {}

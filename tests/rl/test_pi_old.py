@@ -378,11 +378,33 @@ def test_a_host_stash_counts_the_bytes_that_cross_both_ways_at_once():
     gpu = torch.device("cuda", 0)
     resident = [SimpleNamespace(nbytes=n, device=gpu, residency=Residency.DEVICE) for n in (100, 28)]
     slots = {"params": resident}
-    host_part = SimpleNamespace(group="params", device=None)
+    host_part = SimpleNamespace(group="params", device=None, host=SimpleNamespace(pinned=True))
     cycle._account_swap(SimpleNamespace(parts=[host_part]), {}, slots)
     s = cycle.stats
     # in: 128 bytes of pi_old while the 128 current ones go out to the stash; then back
     assert (s.pcie_bytes, s.both_ways_bytes, s.stashed_bytes, s.device_bytes) == (3 * 128, 128, 128, 0)
-    device_part = SimpleNamespace(group="params", device=SimpleNamespace(device=gpu))
+    device_part = SimpleNamespace(group="params", device=SimpleNamespace(device=gpu), host=None)
     cycle._account_swap(SimpleNamespace(parts=[device_part]), {}, slots)  # a device stash crosses nothing
     assert (s.pcie_bytes, s.both_ways_bytes, s.device_bytes) == (3 * 128, 128, 3 * 128)
+
+
+def test_a_disk_pi_old_counts_no_bytes_both_ways_at_once(tmp_path):
+    """Found by the review of this change: a disk part never takes the overlapping path (the swap stashes,
+    then reads the part through the staging windows, one after the other), yet ``at_dev`` is False for any
+    part without a device tensor and its bytes were counted both ways at once."""
+    from types import SimpleNamespace
+
+    from stateshift import Residency
+
+    model, opt = make()
+    train_step(model, opt, 0)
+    state = ModelState(model, opt, disk_dir=tmp_path / "d", disk_window_bytes=4 << 10)
+    cycle = PiOldCycle(state, placement="disk")
+    snap = cycle.begin()
+    assert snap.placement == "disk" and all(p.disk is not None and p.host is None for p in snap.parts)
+    gpu = torch.device("cuda", 0)  # the same slots as on a CUDA machine: resident on the GPU
+    slots = {p.group: [SimpleNamespace(nbytes=128, device=gpu, residency=Residency.DEVICE)] for p in snap.parts}
+    cycle._account_swap(snap, {}, slots)
+    cycle.end()
+    state.close()
+    assert cycle.stats.both_ways_bytes == 0, cycle.stats.as_dict()

@@ -9,13 +9,17 @@ snapshot of the same state allocates nothing.
 
 A new block is what makes a state's first offload or snapshot slow: the kernel
 must fault in (and zero) every page before it can be pinned. ``cudaHostRegister``
-faults them in on one thread; touching them first with ``zero_`` spreads that
-over torch's intra-op threads. On the H200 host (16 cores, 2026-12-04,
+faults them in on one thread; with two or more intra-op threads
+(``torch.get_num_threads()``) the pool touches them first with ``zero_``, which
+spreads that over those threads. Measured on H200 hosts (16 cores, 2026-12-04,
 ``benchmarks/pinned_alloc_probe.py``; its output is
-``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``) a fresh 8 GiB block
-took 2.7-2.9 s that way against 2.1 s touched first (1 GiB: 380 against 290
-ms); torch's own pinned allocator took 4.3 s. ``MADV_HUGEPAGE`` and
-``MADV_POPULATE_WRITE`` did no better.
+``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``): a fresh 8 GiB block
+took 2.7-2.9 s without the touch, 2.1 s with it on 16 threads (1 GiB: 380
+against 290 ms), 4.3 s through torch's own pinned allocator; for 2 GiB on
+another host, 1.24 s without, 1.60 / 1.00 / 0.62 / 0.55 s touched on 1 / 2 / 4 /
+8 threads -- so one thread does not touch. ``MADV_HUGEPAGE`` did no better; 16
+threads each populating a part (``MADV_POPULATE_WRITE``) were 5-9% faster than
+``zero_`` but need a ctypes helper.
 
 Safety: a block carries the transfer that last touched it (``pending``).
 ``acquire`` waits for that transfer before handing a reused block out, so a
@@ -265,7 +269,7 @@ class HostPool:
             data = torch.empty(nbytes, dtype=torch.uint8)
         pinned = False
         if self.pinned and nbytes > 0:
-            if mm is not None:
+            if mm is not None and torch.get_num_threads() > 1:
                 data.zero_()  # fault the pages in on every intra-op thread, not on the driver's one (module doc)
             try:
                 _cuda_register(data.data_ptr(), nbytes)

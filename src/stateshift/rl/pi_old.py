@@ -76,9 +76,9 @@ class CycleStats:
     """What the cycles so far did. Each copy counts its bytes once, by where it ran:
     ``pcie_bytes`` (device <-> host), ``device_bytes`` (device to device), ``host_bytes``
     (host to host); ``rebuild_bytes`` is what rebuilds read and wrote on the device. ``both_ways_bytes``
-    (part of ``pcie_bytes``) is what a swap with a host stash sent out to the host while as many bytes of
-    pi_old came in: the copy engine runs the two directions at once, so a bound counts those pairs at the
-    bidirectional ceiling."""
+    (part of ``pcie_bytes``) is what a swap with a pinned host pi_old and stash sent out to the host while
+    as many bytes of pi_old came in: the copy engine runs the two directions at once (``exchange``), so a
+    bound may count those pairs at the bidirectional ceiling. A disk pi_old moves one way, then the other."""
 
     placement: str = ""
     cycles: int = 0
@@ -378,8 +378,8 @@ class PiOldCycle:
                 if s.residency is Residency.DEVICE and part.group not in rebuild:
                     self.stats.stashed_bytes += s.nbytes
                     self._move(s.nbytes, on_dev, at_dev)  # stash out
-                    if on_dev and not at_dev:  # out to the host while pi_old comes in
-                        self.stats.both_ways_bytes += s.nbytes
+                    if on_dev and part.host is not None and part.host.pinned:  # out to pinned host memory while pi_old comes in
+                        self.stats.both_ways_bytes += s.nbytes  # (a disk part moves one way, then the other)
                     self._move(s.nbytes, at_dev, on_dev)  # and back
         for fn in rebuild.values():
             read, written = fn.nbytes() if hasattr(fn, "nbytes") else (0, 0)  # type: ignore[attr-defined]
