@@ -114,3 +114,20 @@ for _ in range(3):
 for k, v in sweep.items():
     med = statistics.median(v)
     print(f"{'register alone' if k == 0 else f'zero_ on {k:>2} threads + register'}: {med * 1e3:7.1f} ms for 2 GiB ({(2 << 30) / med / 1e9:.2f} GB/s)")
+
+
+# the pool's own path (stateshift.core.pool: the touch on threads of its own), with torch on 1 and on 16 threads
+from stateshift.core.pool import HostPool  # noqa: E402
+
+for torch_threads in (1, 16):
+    torch.set_num_threads(torch_threads)
+    ts = []
+    for _ in range(3):
+        pool = HostPool(pin=True)
+        t0 = time.perf_counter()
+        block = pool.acquire(2 << 30)
+        ts.append(time.perf_counter() - t0)
+        pool.release(block)
+        pool.trim()  # unregistered and unmapped: the next one is fresh
+    med = statistics.median(ts)
+    print(f"HostPool.acquire of a fresh 2 GiB block, torch on {torch_threads:>2} threads: {med * 1e3:7.1f} ms ({(2 << 30) / med / 1e9:.2f} GB/s)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import capture, make, warm
+from helpers import capture, make, one_torch_thread, warm
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
 from stateshift.core.snapshot import SnapshotStore
@@ -41,28 +41,27 @@ def _resident_pages(ptr: int, nbytes: int) -> tuple[int, int]:
 
 
 def test_a_new_pinned_block_is_faulted_in_before_it_is_registered(monkeypatch):
-    """cudaHostRegister faults pages in on one thread; the pool touches them first on torch's threads (the
-    first offload of a state pins every home). Registered here is a fake that counts what was resident."""
+    """cudaHostRegister faults pages in on one thread; the pool touches a large new block first on threads of
+    its own (the first offload of a state pins every home). Registered here is a fake that counts what was
+    resident. The touch must not depend on torch's thread count: the RL loop runs torch on one thread, and
+    a touch through torch there was slower than none (found by the review)."""
     from stateshift.core import pool as pool_mod
 
     seen = []
     monkeypatch.setattr(pool_mod, "_cuda_register", lambda ptr, n: seen.append(_resident_pages(ptr, n)))
     monkeypatch.setattr(pool_mod, "_cuda_unregister", lambda ptr: None)
+    monkeypatch.setattr(pool_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     pool = HostPool(pin=False)
     pool.pinned = True  # as on a CUDA machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        block = pool.acquire(8 << 20)
-        assert block.pinned and seen and seen[0][0] == seen[0][1], seen
-        # on one thread the touch is slower than the driver's own faulting (found by the review): left to it
-        torch.set_num_threads(1)
-        pool.acquire(4 << 20)
-        assert seen[1][0] < seen[1][1] // 4, seen
-    finally:
-        torch.set_num_threads(threads)
-    unpinned = HostPool(pin=False).acquire(8 << 20)  # never pinned: not touched (the pages come as they are written)
-    assert _resident_pages(unpinned.data.data_ptr(), 8 << 20)[0] < (8 << 20) // 4096
+    big = 2 * pool_mod.TOUCH_MIN_BYTES + 3 * 4096 + 5  # two parts, the last one short
+    with one_torch_thread():
+        block = pool.acquire(big)
+    assert block.pinned and seen[0][0] == seen[0][1], seen
+    assert torch.count_nonzero(block.data) == 0
+    pool.acquire(8 << 20)  # one part: left to the driver
+    assert seen[1][0] < seen[1][1] // 4, seen
+    unpinned = HostPool(pin=False).acquire(big)  # never pinned: not touched (the pages come as they are written)
+    assert _resident_pages(unpinned.data.data_ptr(), big)[0] < big // 4096 // 4
 
 
 def test_pool_trim_and_budget_frees_idle_blocks():

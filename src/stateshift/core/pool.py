@@ -9,33 +9,30 @@ snapshot of the same state allocates nothing.
 
 A new block is what makes a state's first offload or snapshot slow: the kernel
 must fault in (and zero) every page before it can be pinned. ``cudaHostRegister``
-faults them in on one thread; with two or more intra-op threads
-(``torch.get_num_threads()``) the pool touches them first with ``zero_``, which
-spreads that over those threads. Measured on H200 hosts (16 cores, 2026-12-04,
-``benchmarks/pinned_alloc_probe.py``; its output is
-``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``): a fresh 8 GiB block
-took 2.7-2.9 s without the touch, 2.1 s with it on 16 threads (1 GiB: 380
-against 290 ms), 4.3 s through torch's own pinned allocator; for 2 GiB on
-another host, 1.24 s without, 1.60 / 1.00 / 0.62 / 0.55 s touched on 1 / 2 / 4 /
-8 threads -- so one thread does not touch. ``MADV_HUGEPAGE`` did no better; 16
-threads each populating a part (``MADV_POPULATE_WRITE``) were 5-9% faster than
-``zero_`` but need a ctypes helper.
-
-Safety: a block carries the transfer that last touched it (``pending``).
-``acquire`` waits for that transfer before handing a reused block out, so a
-block is never rewritten while a copy still reads or writes it.
-
-On a machine without an accelerator (or with ``pin=False``) blocks are plain
-host memory; everything else behaves the same.
+faults them in on one thread. The pool first writes a new block of two
+``TOUCH_MIN_BYTES`` or more on several threads of its own (``_touch``: ``memset``
+through ctypes, which runs without the GIL), whatever torch's thread count
+(the RL loop runs torch on one thread). Measured on H200 hosts (16 cores,
+2026-12-04, ``benchmarks/pinned_alloc_probe.py``; its output is
+``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``): a fresh 2 GiB block
+took 617 ms registered alone and 458-467 ms through ``HostPool.acquire``, with
+torch on 1 or on 16 threads; 8 GiB took 2.7-3.1 s registered alone, 1.9 s
+touched by ``zero_`` on 16 threads, 3.4-4.3 s through torch's own pinned
+allocator. A touch through torch on one thread was slower than none (2 GiB:
+904 against 617 ms); ``MADV_HUGEPAGE`` and ``MADV_POPULATE_WRITE`` did about
+as well as a plain write.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import os
 import threading
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -52,6 +49,10 @@ _log = logging.getLogger("stateshift")
 #: Requests at least this large get their own ``mmap`` (page aligned, returned
 #: to the OS on ``trim``); smaller ones come from torch's CPU allocator.
 MMAP_MIN_BYTES = 1 << 20
+#: A new block to be pinned is touched first on one thread per this many bytes (up to ``TOUCH_THREADS``), from
+#: two such parts up (module doc).
+TOUCH_MIN_BYTES = 64 << 20
+TOUCH_THREADS = 16
 
 
 @dataclass(eq=False)
@@ -114,6 +115,18 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
     code = int(getattr(rc, "value", rc))
     if code != 0:
         raise PinningUnavailableError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+
+
+def _touch(ptr: int, nbytes: int) -> None:
+    """Fault in the pages of ``[ptr, ptr + nbytes)`` (fresh anonymous memory: writing zeros changes no
+    value) on up to ``TOUCH_THREADS`` threads, one per ``TOUCH_MIN_BYTES``; nothing below two."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(TOUCH_THREADS, cores, nbytes // TOUCH_MIN_BYTES)
+    if workers < 2:
+        return
+    step = -(-nbytes // workers // mmap.PAGESIZE) * mmap.PAGESIZE
+    with ThreadPoolExecutor(workers, thread_name_prefix="stateshift-touch") as ex:
+        list(ex.map(lambda a: ctypes.memset(ptr + a, 0, min(step, nbytes - a)), range(0, nbytes, step)))
 
 
 def _cuda_unregister(ptr: int) -> None:
@@ -269,8 +282,8 @@ class HostPool:
             data = torch.empty(nbytes, dtype=torch.uint8)
         pinned = False
         if self.pinned and nbytes > 0:
-            if mm is not None and torch.get_num_threads() > 1:
-                data.zero_()  # fault the pages in on every intra-op thread, not on the driver's one (module doc)
+            if mm is not None:
+                _touch(data.data_ptr(), nbytes)
             try:
                 _cuda_register(data.data_ptr(), nbytes)
                 pinned = True
