@@ -233,3 +233,23 @@ def test_staged_move_copies_exactly(to_arena):
             assert torch.equal(regions[i], dev_before[i]), i
         else:
             assert torch.equal(devs[i], regions[i]), i
+
+
+def test_a_block_is_still_made_when_no_thread_can_start(monkeypatch):
+    """The touch is an optimisation: where no thread can start (interpreter shutdown raises RuntimeError),
+    the block is made and registered as before."""
+    from stateshift.core import pool as pool_mod
+
+    class NoThreads:
+        def __init__(self, *a, **k):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    registered = []
+    monkeypatch.setattr(pool_mod, "ThreadPoolExecutor", NoThreads)
+    monkeypatch.setattr(pool_mod, "_cuda_register", lambda ptr, n: registered.append(n))
+    monkeypatch.setattr(pool_mod, "_cuda_unregister", lambda ptr: None)
+    monkeypatch.setattr(pool_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    pool = HostPool(pin=False)
+    pool.pinned = True
+    block = pool.acquire(2 * pool_mod.TOUCH_MIN_BYTES)
+    assert block.pinned and registered == [2 * pool_mod.TOUCH_MIN_BYTES]

@@ -125,8 +125,11 @@ def _touch(ptr: int, nbytes: int) -> None:
     if workers < 2:
         return
     step = -(-nbytes // workers // mmap.PAGESIZE) * mmap.PAGESIZE
-    with ThreadPoolExecutor(workers, thread_name_prefix="stateshift-touch") as ex:
-        list(ex.map(lambda a: ctypes.memset(ptr + a, 0, min(step, nbytes - a)), range(0, nbytes, step)))
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="stateshift-touch") as ex:
+            list(ex.map(lambda a: ctypes.memset(ptr + a, 0, min(step, nbytes - a)), range(0, nbytes, step)))
+    except RuntimeError:  # no new thread (interpreter shutdown): the register faults the pages in itself
+        pass
 
 
 def _cuda_unregister(ptr: int) -> None:
