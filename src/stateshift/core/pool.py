@@ -21,6 +21,13 @@ touched by ``zero_`` on 16 threads, 3.4-4.3 s through torch's own pinned
 allocator. A touch through torch on one thread was slower than none (2 GiB:
 904 against 617 ms); ``MADV_HUGEPAGE`` and ``MADV_POPULATE_WRITE`` did about
 as well as a plain write.
+
+Safety: a block carries the transfer that last touched it (``pending``).
+``acquire`` waits for that transfer before handing a reused block out, so a
+block is never rewritten while a copy still reads or writes it.
+
+On a machine without an accelerator (or with ``pin=False``) blocks are plain
+host memory; everything else behaves the same.
 """
 
 from __future__ import annotations
