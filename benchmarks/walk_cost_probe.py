@@ -4,9 +4,10 @@ docs/design.md), alternating, same process. Against one device copy of the same 
 
     python3 benchmarks/walk_cost_probe.py       # on a CUDA machine
 """
-import os, statistics, time
+import statistics
 import torch
 from stateshift import ModelState
+from stateshift import bench
 from stateshift.bench import host_facts
 from stateshift.models import TinyConfig, build_default
 import importlib
@@ -16,13 +17,9 @@ if not torch.cuda.is_available():
     raise SystemExit("walk_cost_probe needs a CUDA device")
 print(host_facts())
 orig = tb.TreeWatch.changed
-def timed(fn, n=25):
-    ts = []
-    for i in range(n + 3):
-        torch.cuda.synchronize(); a = time.perf_counter(); fn(); torch.cuda.synchronize()
-        if i >= 3:
-            ts.append(time.perf_counter() - a)
-    return statistics.median(ts) * 1e6
+def timed(fn):
+    """Median microseconds over 25 synchronised runs after 3 (``stateshift.bench.timed``, as every bench row)."""
+    return bench.timed(fn, repeat=25, warmup=3) * 1e6
 for L in (6, 14):
     model = build_default(TinyConfig(vocab=32000, hidden=4096, layers=L, heads=32, seq=32, dtype=torch.bfloat16), device="cuda")
     state = ModelState(model)
