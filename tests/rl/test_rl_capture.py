@@ -12,7 +12,7 @@ from stateshift.rl.executors.hub import QueueHub
 from stateshift.rl.executors.inprocess import RolloutWorker
 from stateshift.rl.rollout import KVRollouter
 from stateshift.rl.sampler import BuiltinLM, Sampling
-from stateshift.rl.sync import WeightChannel
+from stateshift.rl.handshake import WeightChannel
 from stateshift.rl.tasks.addition import AdditionTask
 from stateshift.rl.tasks.gpt import build_gpt
 

@@ -37,7 +37,7 @@ from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..rollout import Group, KVRollouter, Wave
 from ..sampler import CausalLM, Sampling
-from ..sync import WeightChannel, WeightUpdate
+from ..handshake import WeightChannel, WeightUpdate
 from ..tasks.base import Task
 from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport, take_in_slices
 from .hub import QueueHub

@@ -33,7 +33,7 @@ from ..config import TrainConfig
 from ..control import RunControl
 from ..policies import build_rollout_lm
 from ..rollout import Group
-from ..sync import WeightUpdate
+from ..handshake import WeightUpdate
 from .base import RolloutCapture, SyncOutcome, WorkerReport
 from .hub import QueueHub
 from .inprocess import RolloutWorker
