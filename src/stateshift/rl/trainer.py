@@ -2,7 +2,7 @@
 
 The trainer owns its model, optimizer and ``ModelState``; only the trainer
 thread calls verbs on that state (the rollouter has its own model and reads
-snapshots the trainer keeps alive for it, ``sync.py``).
+snapshots the trainer keeps alive for it, ``handshake.py``).
 
 Phases of one update, with ``trainer.param_offload`` on (the default):
 
