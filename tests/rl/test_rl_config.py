@@ -125,3 +125,83 @@ def test_executor_ray_refuses_what_it_does_not_run_yet(override, monkeypatch):
     with pytest.raises(ConfigError, match="executor=ray runs the builtin and hf families on the CPU") as info:
         resolve(None, ["executor=ray", override])
     assert info.value.key == "executor"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.lr=.inf", "trainer.lr"),
+    ("trainer.lr=inf", "trainer.lr"),
+    ("trainer.lr=nan", "trainer.lr"),
+    ("trainer.grad_clip=.nan", "trainer.grad_clip"),
+    ("trainer.kl_coef=.inf", "trainer.kl_coef"),
+    ("rollout.temperature=-.inf", "rollout.temperature"),
+    ("run.watchdog_s=.inf", "run.watchdog_s"),
+    ("run.max_wall_s=.inf", "run.max_wall_s"),
+    ("ray.trainer_cpus=inf", "ray.trainer_cpus"),
+    ("trainer.lr=" + "9" * 400, "trainer.lr"),
+])
+def test_non_finite_numbers_are_refused_naming_the_key(override, key, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        resolve(None, [override])
+    assert info.value.key == key, str(info.value)
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {override.partition('=')[2]}\n")
+    with pytest.raises(ConfigError) as info:
+        resolve(path)
+    assert info.value.key == key
+
+
+BOMB = """\
+trainer:
+  steps:
+    - &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    - &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    - &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    - &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    - &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    - &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    - &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    - &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+    - [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+# Resolves a config file in a process whose address space is capped, and reports what happened.
+BOUNDED = r"""
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
+from stateshift.rl.config import ConfigError, resolve
+t0 = time.perf_counter()
+try:
+    resolve(sys.argv[1])
+except ConfigError as e:
+    print("ConfigError", e.key, len(str(e)), round(time.perf_counter() - t0, 2))
+"""
+
+
+def test_yaml_bomb_under_a_known_key_is_refused_quickly_in_bounded_memory(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    limit = 3 * 2**30  # far below what formatting the expanded bomb takes (tens of GB)
+    path.write_text(BOMB)
+    out = subprocess.run([sys.executable, "-c", BOUNDED, str(path), str(limit)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ConfigError"), out.stderr[-2000:]
+    _, _, length, seconds = out.stdout.split()
+    assert int(length) < 400 and float(seconds) < 5
+
+
+def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("trainer:\n  steps: [" + ", ".join(["12345678"] * 100_000) + "]\n")
+    with pytest.raises(ConfigError) as info:
+        resolve(path)
+    assert info.value.key == "trainer.steps" and len(str(info.value)) < 400
+    path.write_text("trainer:\n  lr: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        resolve(path)
+    assert len(str(info.value)) < 400
+    with pytest.raises(ConfigError) as info:
+        resolve(None, ["trainer." + "k" * 100_000 + "=1"])
+    assert len(str(info.value)) < 400
+    with pytest.raises(ConfigError) as info:
+        resolve(None, ["trainer.old_logprob=" + "x" * 100_000])
+    assert len(str(info.value)) < 400

@@ -18,6 +18,8 @@ import ast
 import dataclasses
 import importlib.util
 import inspect
+import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,11 +30,35 @@ from stateshift import StateShiftError
 
 
 class ConfigError(StateShiftError, ValueError):
-    """A config key that does not exist, or a value of the wrong type or range; ``key`` is the dotted name."""
+    """A config key that does not exist, or a value of the wrong type or range; ``key`` is the dotted name.
+
+    The message is built from bounded reprs (``show``): a value of any size, a YAML alias bomb included,
+    gives a message of a few hundred characters."""
 
     def __init__(self, key: str, reason: str) -> None:
         self.key = key
-        super().__init__(f"config key {key!r}: {reason}")
+        super().__init__(f"config key {show(key)}: {reason}")
+
+
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 2, 60, 40, 60
+    r.maxtuple = r.maxlist = r.maxarray = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = 4
+    return r
+
+
+_REPR = _bounded_repr()
+
+
+def show(value: Any) -> str:
+    """A repr of ``value`` of at most ~200 characters, in bounded time and memory, whatever its size or nesting
+    (for error messages about untrusted input)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 96:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        return _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to convert, nested in a list: say what it is
+        return f"<a {type(value).__name__}>"
 
 
 def _check(key: str, ok: bool, reason: str) -> None:
@@ -347,7 +373,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     """``value`` as the annotated type ``hint``, or ``ConfigError`` naming ``key``."""
     origin = typing.get_origin(hint)
     if origin is Literal:
-        _check(key, value in typing.get_args(hint), f"must be one of {list(typing.get_args(hint))}, not {value!r}")
+        if value not in typing.get_args(hint):
+            raise ConfigError(key, f"must be one of {list(typing.get_args(hint))}, not {show(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -356,23 +383,39 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return None
         return _coerce(key, value, next(a for a in args if a is not type(None)))
     if hint is bool:
-        _check(key, isinstance(value, bool), f"must be true or false, not {value!r}")
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, not {show(value)}")
         return value
     if hint is int:
-        _check(key, isinstance(value, int) and not isinstance(value, bool), f"must be an integer, not {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(key, f"must be an integer, not {show(value)}")
         return value
     if hint is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(key, f"must be a number, not {value!r}") from None
-        _check(key, isinstance(value, (int, float)) and not isinstance(value, bool), f"must be a number, not {value!r}")
-        return float(value)
+        return _finite(key, value)
     if hint is str:
-        _check(key, isinstance(value, str), f"must be a string, not {value!r}")
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, not {show(value)}")
         return value
     raise ConfigError(key, f"unsupported type {hint!r}")  # pragma: no cover - every field is one of the above
+
+
+def _finite(key: str, value: Any) -> float:
+    """``value`` (a number, or a string holding one) as a finite float, or ``ConfigError`` naming ``key``."""
+    number: Any = value
+    if isinstance(value, str) and len(value) <= 100:
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if not isinstance(number, (int, float)) or isinstance(number, bool):
+        raise ConfigError(key, f"must be a number, not {show(value)}")
+    try:
+        number = float(number)
+    except OverflowError:
+        raise ConfigError(key, f"must be a finite number, not {show(value)} (too large for a float)") from None
+    if not math.isfinite(number):
+        raise ConfigError(key, f"must be a finite number, not {number}")
+    return number
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -382,12 +425,12 @@ def _hints(cls: type) -> dict[str, Any]:
 def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """An instance of the config dataclass ``cls`` from nested dicts; unknown keys raise ``ConfigError``."""
     if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "(root)", f"must be a mapping, not {data!r}")
+        raise ConfigError(prefix.rstrip(".") or "(root)", f"must be a mapping, not {show(data)}")
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        dotted = f"{prefix}{key}"
+        dotted = f"{prefix}{key if isinstance(key, str) and len(key) <= 200 else show(key)}"
         if key not in names:
             raise ConfigError(dotted, f"unknown key (known here: {', '.join(sorted(names))})")
         hint = hints[key]
@@ -409,25 +452,74 @@ def as_dict(cfg: Any) -> dict[str, Any]:
             for f in dataclasses.fields(cfg)}
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], value parsed as YAML: numbers, true/false, null, strings)."""
+#: the largest config file read (a config is a few KB)
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _no_alias_loader() -> type:
+    """A ``yaml.SafeLoader`` that refuses aliases: through them a few hundred bytes expand to billions of
+    nodes (a "billion laughs"), and anything that walks the result -- a check, a repr -- walks them all."""
     import yaml
 
+    class NoAliasLoader(yaml.SafeLoader):
+        where = "YAML"
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError("(root)", f"{self.where}, line {event.start_mark.line + 1}: YAML aliases "
+                                            f"(*{show(event.anchor)}) are not allowed in a config; write the value out")
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed as YAML without aliases (``ConfigError`` for one, or for nesting too deep); ``where`` (a file
+    name, an override) goes into the messages. Bounded in time and memory by the size of ``text``."""
+    loader = _no_alias_loader()(text)
+    loader.where = where
+    try:
+        return loader.get_single_data()
+    except RecursionError:
+        raise ConfigError("(root)", f"{where} is nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _read_config(path: str | Path) -> Any:
+    with Path(path).open("rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError("(root)", f"{path} is larger than {MAX_CONFIG_BYTES} bytes: not a config file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("(root)", f"{path} is not UTF-8 text (byte {e.start})") from None
+    return load_yaml(text, str(path))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML: numbers, true/false, null, strings)."""
     if "=" not in text:
         raise ConfigError(text, "an override is key=value (e.g. trainer.lr=1e-3)")
     key, _, raw = text.partition("=")
     path = key.strip().split(".")
     _check(key, all(path), "empty key")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    return path, load_yaml(raw, f"the override of {show(key)}") if raw.strip() else ""
 
 
 def resolve(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """The config of a run: defaults, then the YAML file at ``path``, then each ``key=value`` override."""
-    import yaml
+    """The config of a run: defaults, then the YAML file at ``path``, then each ``key=value`` override.
 
+    Raises:
+        ConfigError: a bad key or value (non-finite numbers included), a YAML alias, nesting too deep, a file over
+            ``MAX_CONFIG_BYTES``; the message names the key and is bounded whatever the input.
+        OSError: ``path`` cannot be read. ``yaml.YAMLError``: ``path`` is not YAML.
+    """
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = _read_config(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("(root)", f"{path} must hold a mapping of sections")
         data = loaded or {}
@@ -437,7 +529,7 @@ def resolve(path: str | Path | None = None, overrides: list[str] | tuple[str, ..
         for k in keys[:-1]:
             child = node.setdefault(k, {})
             if not isinstance(child, dict):
-                raise ConfigError(".".join(keys), f"{k!r} is a value, not a section")
+                raise ConfigError(".".join(keys), f"{show(k)} is a value, not a section")
             node = child
         node[keys[-1]] = value
     return build(TrainConfig, data)
