@@ -12,6 +12,7 @@ import time
 import pytest
 from rl.rlkit import tiny
 
+from stateshift.rl.checkpointing import SIDECAR
 from stateshift.rl.loop import run
 
 COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
@@ -38,11 +39,11 @@ def test_resume_rewrites_a_half_written_step(tmp_path):
     first = run(tiny(tmp_path, "trainer.steps=6", *COMMON))
     root = first.out_dir / "checkpoints"
     (root / "latest").write_text("step-4")
-    (root / "step-6" / "rl_state.pt").unlink()
+    (root / "step-6" / SIDECAR).unlink()
     shutil.rmtree(root / "step-6" / "state" / "params", ignore_errors=True)
     resumed = run(tiny(tmp_path, "trainer.steps=6", *COMMON), resume=first.out_dir)
     assert resumed.summary["status"] == "finished"
-    assert (root / "latest").read_text().strip() == "step-6" and (root / "step-6" / "rl_state.pt").is_file()
+    assert (root / "latest").read_text().strip() == "step-6" and (root / "step-6" / SIDECAR).is_file()
 
 
 def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):

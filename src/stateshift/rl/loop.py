@@ -40,7 +40,7 @@ from stateshift import StateShiftError
 
 from . import config as config_mod
 from .build import build_policy, build_task
-from .checkpointing import Resumed, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpointing import Resumed, resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import RunControl, Watchdog, describe_sides
 from .executors.base import RolloutCapture, Rollouts, RolloutStats
@@ -108,7 +108,8 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature)
-    resumed = load_checkpoint(latest_checkpoint(out / "checkpoints"), trainer) if resume else None
+    resumed = resume_checkpoint(out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True)) \
+        if resume else None
     if resumed is None:
         warm = supervised_warmup(policy.lm, task, cfg.warmup, seed=cfg.run.seed,
                                  stepper=policy.warmup_stepper(cfg.warmup.lr))
