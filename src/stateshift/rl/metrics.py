@@ -62,21 +62,38 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """The records of ``path`` up to ``step``; if it holds more (records after a checkpoint, a last line cut short),
+    it is rewritten with only those, atomically (temporary file, fsync, rename): a kill at any moment leaves
+    either the old file or the new one, never fewer records up to ``step``."""
+    from stateshift.checkpoint.commit import write_durable
+
+    text = path.read_text()
+    records = _read_records(path)
+    kept = [r for r in records if r["step"] <= step]
+    cut_short = bool(text) and not text.endswith("\n")
+    if len(kept) < len(records) or cut_short or len(records) < len(text.splitlines()):
+        write_durable(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return kept
+
+
 class MetricsLog:
     """Appends step records to ``metrics.jsonl`` (and TensorBoard); keeps what the plot needs."""
 
     def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
-        """A new log, or (``resume_step``) the existing one without the records after that step.
+        """A new log, or (``resume_step``) the existing one without the records after that step, appended to.
 
-        The records after a checkpoint's step come from the interrupted run and are trained again after resuming.
+        The records after a checkpoint's step come from the interrupted run and are trained again after resuming;
+        they are dropped by an atomic rewrite (``_keep_until``), so those up to the step are never lost, whenever
+        the process is killed. Each record is flushed as it is logged.
         """
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         if resume_step is not None and self.path.exists():
-            self.records = [r for r in _read_records(self.path) if r["step"] <= resume_step]
-        self._file = self.path.open("w")
-        for r in self.records:
-            self._file.write(json.dumps(r) + "\n")
+            self.records = _keep_until(self.path, resume_step)
+            self._file = self.path.open("a")
+        else:
+            self._file = self.path.open("w")
         self.staleness: Counter[int] = Counter()
         for r in self.records:
             self.staleness.update({int(k): v for k, v in r.get("staleness_tokens", {}).items()})
