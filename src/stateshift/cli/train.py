@@ -6,6 +6,7 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from ..rl.config import ConfigError, field_docs, resolve
 
@@ -48,8 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run ``stateshift train``; 0 on success, 2 for a bad config, 130 on Ctrl-C, 1 when the run failed
-    (a ``TrainerDiedError`` as one line naming the checkpoint to resume from, other errors with their traceback)."""
+    """Run ``stateshift train``; 0 on success, 2 for a fault the user can fix (a bad config, a damaged or missing
+    checkpoint, a run directory that cannot be used: one line naming the file and what to do), 130 on Ctrl-C, 1 when
+    the run failed (a ``TrainerDiedError`` as one line naming the checkpoint to resume from, other errors with their
+    traceback)."""
     import yaml
 
     from ..rl import config as config_mod
@@ -62,28 +65,62 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config_path = args.resume / "config.yaml"
         if not config_path.is_file():
-            print(f"error: --resume {args.resume}: no config.yaml there", file=sys.stderr)
+            print(f"error: --resume {args.resume}: no config.yaml there (is it the run.out_dir of a run?)",
+                  file=sys.stderr)
             return 2
     try:
         cfg = resolve(config_path, args.overrides)
     except (ConfigError, OSError, yaml.YAMLError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     if args.print_config:
         print(yaml.safe_dump(config_mod.as_dict(cfg), sort_keys=False), end="")
         return 0
+    return _run(cfg, args.resume)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+#: OS errors about the run directory itself, with what to do
+_DIR_FAULTS = {PermissionError: "check its permissions, or choose another run.out_dir",
+               FileExistsError: "run.out_dir (or --resume DIR) must be a directory",
+               NotADirectoryError: "run.out_dir (or --resume DIR) must be a directory",
+               IsADirectoryError: "a file of the run directory is a directory: remove it or choose another run.out_dir",
+               FileNotFoundError: "check the path (run.out_dir, or --resume DIR)"}
+
+
+def _run(cfg: Any, resume: Path | None) -> int:
+    from ..errors import CheckpointError
     from ..rl.executors.ray import TrainerDiedError
     from ..rl.loop import RunDirBusyError, run
 
+    summary = Path(resume if resume is not None else cfg.run.out_dir) / "summary.json"
+    before = _stat(summary)
     try:
-        run(cfg, resume=args.resume)
+        run(cfg, resume=resume)
     except KeyboardInterrupt:
-        print("\ninterrupted: the rollout side was stopped; summary.json says where the run was", file=sys.stderr)
+        wrote = _stat(summary) not in (None, before)
+        print("\ninterrupted: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote else
+              "it stopped before the run started (no summary.json written)"), file=sys.stderr)
         return 130
-    except (FileNotFoundError, RunDirBusyError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (CheckpointError, RunDirBusyError, ConfigError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except tuple(_DIR_FAULTS) as exc:
+        advice = next(text for cls, text in _DIR_FAULTS.items() if isinstance(exc, cls))
+        print(f"error: {exc.filename or ''}: {exc.strerror or _one_line(exc)}; {advice}", file=sys.stderr)
         return 2
     except TrainerDiedError as exc:  # no summary.json from a dead trainer: the message says how to go on
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

@@ -153,8 +153,8 @@ def resume_checkpoint(root: Path, trainer: Trainer, warn: Callable[[str], None])
     Checkpoints newer than ``latest`` are never used: a run killed before ``latest`` moved may have left one.
 
     Raises:
-        CheckpointNotFoundError: no ``latest``. CheckpointCorruptError: ``latest`` is not a plain step name, or no
-            checkpoint is intact (one line naming each and why).
+        CheckpointNotFoundError: no ``latest``, or no checkpoint is intact (one line naming each and why).
+        CheckpointCorruptError: ``latest`` is not a plain step name.
     """
     latest = latest_checkpoint(root)
     newest = int(latest.name[5:])
@@ -169,5 +169,5 @@ def resume_checkpoint(root: Path, trainer: Trainer, warn: Callable[[str], None])
         for what in skipped:
             warn(f"warning: skipped checkpoint {what}; resuming from {path.name}")
         return resumed
-    raise CheckpointCorruptError(root, f"no intact checkpoint to resume from: {'; '.join(skipped)}. Start a new run "
-                                       "(without --resume), or put back an intact step-<n> from a copy")
+    raise CheckpointNotFoundError(root, f"none of its checkpoints is intact: {'; '.join(skipped)}. Start a new run "
+                                        "(without --resume), or put back an intact step-<n> from a copy")

@@ -15,7 +15,10 @@
 
 Failure on either side stops both within one wait slice and the original
 exception propagates out of ``run`` (``RunControl``); Ctrl-C does the same
-with ``KeyboardInterrupt``. ``summary.json`` is written in every case. Under
+with ``KeyboardInterrupt``. ``summary.json`` is written in every case, during
+start-up (building, loading the checkpoint, warm-up) too (``StartUp``), except
+when a resume is refused before anything started (a damaged checkpoint: the
+error names the file, nothing in the run directory changes). Under
 Ray a rollouter actor that dies is restarted instead (``executors/ray.py``).
 
 With ``executor=ray`` the trainer itself runs in a Ray actor: ``run`` (the
@@ -37,6 +40,7 @@ from typing import Any, TextIO
 import torch
 
 from stateshift import StateShiftError
+from stateshift.checkpoint.commit import write_durable
 
 from . import config as config_mod
 from .build import build_policy, build_task
@@ -100,39 +104,89 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
 
 def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool,
                rollouts: RolloutsFactory) -> RunResult:
-    """The run in this process (the caller holds the run directory's lock); ``rollouts`` builds the rollout side."""
+    """The run in this process (the caller holds the run directory's lock); ``rollouts`` builds the rollout side.
+
+    ``summary.json`` is written on every way out once the run directory is locked: by ``StartUp`` if start-up
+    (building, loading the checkpoint, warm-up) is interrupted or fails -- except a checkpoint or config refused
+    before anything started, which changes nothing --, by ``AsyncLoop.finish`` after that.
+    """
     t0 = time.perf_counter()
-    config_mod.save(cfg, out / "config.yaml")
+    start = StartUp(cfg, out, t0)
+    with start.guard():
+        loop = _start(cfg, out, resume, stream, rollouts, start)
+    try:
+        loop.train()
+    finally:
+        loop.finish(time.perf_counter() - t0)
+    held_end = loop.final_heldout()
+    print(f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
+          f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+    result = loop.result(held_end, time.perf_counter() - t0)
+    if return_params:
+        snap = loop.trainer.sync_snapshot()  # a host snapshot works in any residency
+        result.params = snap.tensors()
+        loop.trainer.release(snap)
+    return result
+
+
+def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: RolloutsFactory,
+           start: StartUp) -> AsyncLoop:
+    """Build the policy and the trainer, load the checkpoint (``resume``) or warm up, build the loop."""
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature)
-    resumed = resume_checkpoint(out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True)) \
-        if resume else None
+    resumed = None
+    if resume:
+        start.phase = "loading the checkpoint"
+        resumed = resume_checkpoint(out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True))
+        start.step = resumed.step
+    config_mod.save(cfg, out / "config.yaml")  # after the checkpoint: a refused resume changes nothing
     if resumed is None:
+        start.phase = "warm-up"
         warm = supervised_warmup(policy.lm, task, cfg.warmup, seed=cfg.run.seed,
                                  stepper=policy.warmup_stepper(cfg.warmup.lr))
+        start.phase = "held-out evaluation"
         held_start = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
         print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
               file=stream, flush=True)
     else:
         held_start = float(resumed.extra["heldout_accuracy_start"])
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
-    loop = AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start, rollouts)
-    try:
-        loop.train()
-    finally:
-        loop.finish(time.perf_counter() - t0)
-    held_end = loop.final_heldout()
-    print(f"held-out accuracy: {held_start:.3f} after warm-up -> {held_end:.3f} after RL "
-          f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
-    result = loop.result(held_end, time.perf_counter() - t0)
-    if return_params:
-        snap = trainer.sync_snapshot()  # a host snapshot works in any residency
-        result.params = snap.tensors()
-        trainer.release(snap)
-    return result
+    start.phase = "starting the rollout side"
+    return AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start, rollouts)
+
+
+class StartUp:
+    """Where a run's start-up is, so that ``summary.json`` can say it when start-up ends early."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, t0: float) -> None:
+        self.cfg, self.out, self.t0 = cfg, out, t0
+        self.phase = "building the policy"
+        #: the step the run continues from (0 until a checkpoint is loaded)
+        self.step = 0
+
+    @contextmanager
+    def guard(self) -> Any:
+        """On an exception (Ctrl-C included), write ``summary.json`` saying where start-up was, and re-raise;
+        not for a checkpoint or config refused while loading the checkpoint (nothing started: nothing changes)."""
+        try:
+            yield self
+        except BaseException as exc:
+            refused = self.phase == "loading the checkpoint" and isinstance(exc, StateShiftError)
+            if not refused:
+                what = ("interrupted" if isinstance(exc, KeyboardInterrupt)
+                        else f"failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
+                write_summary(self.out, {"status": f"{what} during start-up ({self.phase})", "steps": self.step,
+                                         "wall_s": time.perf_counter() - self.t0, "out_dir": str(self.out),
+                                         "config": config_mod.as_dict(self.cfg)})
+            raise
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    """``out/summary.json`` replaced atomically (a kill leaves the previous one or this one, whole)."""
+    write_durable(out / "summary.json", json.dumps(summary, indent=1).encode())
 
 
 class RunDirBusyError(StateShiftError, RuntimeError):
@@ -304,25 +358,28 @@ class AsyncLoop:
                                              "rollout_version": side["rollout_version"], "step": self.step})
 
     def finish(self, wall_s: float) -> None:
-        """Stop the rollout side, account for what is left, write the summary (whatever happened)."""
-        stopped = self.rollouts.stop()
-        self.watchdog.join()
+        """Stop the rollout side, account for what is left, write the summary (whatever happened, a second
+        Ctrl-C while stopping included)."""
         try:
-            self.final_stats = self.rollouts.stats()
-            self.ledger = self.rollouts.close()  # AssertionError if the ledger does not balance
+            stopped = self.rollouts.stop()
+            self.watchdog.join()
+            try:
+                self.final_stats = self.rollouts.stats()
+                self.ledger = self.rollouts.close()  # AssertionError if the ledger does not balance
+            finally:
+                self.metrics.close()
+                self.progress.close()
+            if not stopped:
+                self.status += "; the rollout side did not stop within 10 s"
         finally:
-            self.metrics.close()
-            self.progress.close()
-        if not stopped:
-            self.status += "; the rollout side did not stop within 10 s"
-        self.summary = summarize(self, wall_s)
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+            self.summary = summarize(self, wall_s)
+            write_summary(self.out, self.summary)
 
     def final_heldout(self) -> float:
         with self.trainer.resident():
             held = heldout_accuracy(self.trainer.lm, self.task, self.cfg.rollout.max_new_tokens)
         self.summary["heldout_accuracy_end"] = held
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        write_summary(self.out, self.summary)
         why = None
         if self.cfg.run.plot:
             why = plot_curves(self.metrics.records, self.metrics.staleness, self.summary["time_split_s"],
