@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 
 import torch
 
@@ -12,6 +11,7 @@ from stateshift.rl.executors.hub import QueueHub
 from stateshift.rl.executors.inprocess import RolloutWorker
 from stateshift.rl.rollout import KVRollouter
 from stateshift.rl.sampler import BuiltinLM, Sampling
+from stateshift.rl.sidecar import read_sidecar, write_sidecar
 from stateshift.rl.handshake import WeightChannel
 from stateshift.rl.tasks.addition import AdditionTask
 from stateshift.rl.tasks.gpt import build_gpt
@@ -64,15 +64,15 @@ def _finish(w: RolloutWorker) -> list:
     return out + list(w.port.queue.items)
 
 
-def test_capture_restore_continues_identically():
+def test_capture_restore_continues_identically(tmp_path):
     a = _worker()
     _advance(a)  # one finished wave in the queue
     _advance(a, pause_after_tokens=2)  # a wave in flight with 2 tokens kept
-    buf = io.BytesIO()
-    torch.save(a.capture(a.port.on_sync(a.owner, a.report, capture=True)), buf)  # what the checkpoint sidecar does
-    buf.seek(0)
+    captured = a.capture(a.port.on_sync(a.owner, a.report, capture=True))
+    write_sidecar(tmp_path, step=1, version=0, capture=captured, extra={})  # through the checkpoint's sidecar
     b = _worker(seed=5)  # other seeds: everything that matters must come from the capture
-    cap = torch.load(buf, weights_only=False)
+    cap = read_sidecar(tmp_path).capture
+    assert cap is not None
     b.port.restore(cap)
     b.restore(cap)
     assert [g.uid for g in b.port.queue.items] == [g.uid for g in a.port.queue.items]

@@ -3,7 +3,6 @@ delivers after its death was handled is refused, so nothing is trained twice; th
 
 from __future__ import annotations
 
-import io
 
 import torch
 
@@ -76,19 +75,19 @@ def test_prompts_continue_the_same_sequence_after_a_death():
     assert a.start(1, 1, 4) == b.start(0, 1, 4)  # the next new prompts: same uids, same problems
 
 
-def test_orphans_survive_a_capture():
+def test_orphans_survive_a_capture(tmp_path):
     hub = _hub()
     wave = hub.start(0, 0, 4)
     hub.owner_died(0)
     part = hub.on_sync(1, WorkerReport(), capture=True)
     assert part is not None and part["orphans"] == tuple(wave)
     from stateshift.rl.executors.base import RolloutCapture
+    from stateshift.rl.sidecar import read_sidecar, write_sidecar
 
-    buf = io.BytesIO()
-    torch.save(RolloutCapture(version=1, sample_rng=torch.Generator().get_state(), wave=None, **part), buf)
-    buf.seek(0)
+    write_sidecar(tmp_path, step=1, version=1, extra={},
+                  capture=RolloutCapture(version=1, sample_rng=torch.Generator().get_state(), wave=None, **part))
     other = _hub()
-    other.restore(torch.load(buf, weights_only=False))
+    other.restore(read_sidecar(tmp_path).capture)
     assert other.start(0, 1, 8) == wave  # handed out first after the resume
     other.put(0, _groups(wave), WorkerReport())
     assert sorted(_take_all(other)) == [u for u, _ in wave] and other.close()["trained"] == 4
