@@ -185,9 +185,8 @@ def test_no_intact_checkpoint_is_one_error_naming_each(run_dir, tmp_path):
     assert "step-4" in text and "step-2" in text and "\n" not in text
 
 
-def test_capture_round_trips_exactly(tmp_path):
-    """Every field of a capture (wave in flight, queued groups, orphans, both random states) comes back equal."""
-    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+def _capture():
+    """A capture with a wave in flight, queued groups, an orphan and both random states."""
     from stateshift.rl.executors.base import RolloutCapture
     from stateshift.rl.rollout import Wave
     from stateshift.rl.sampler import Sampling
@@ -204,24 +203,65 @@ def test_capture_round_trips_exactly(tmp_path):
     wave.step = 2
     groups = wave.groups(task.score)
     gen = torch.Generator().manual_seed(5)
-    cap = RolloutCapture(version=1, prompt_rng=rng.getstate(), sample_rng=gen.get_state(), next_uid=10, wave=wave,
-                         queued=groups[:2], running=3, staleness_samples=4,
-                         ledger={"admitted": 9, "generated": 6, "trained": 2, "discarded": {"lag": 1},
-                                 "by_version": {"0": 4, "1": 2}, "regenerated": 0},
-                         orphans=((11, items[0]),))
+    return RolloutCapture(version=1, prompt_rng=rng.getstate(), sample_rng=gen.get_state(), next_uid=10, wave=wave,
+                          queued=groups[:2], running=3, staleness_samples=4,
+                          ledger={"admitted": 9, "generated": 6, "trained": 2, "discarded": {"lag": 1},
+                                  "by_version": {"0": 4, "1": 2}, "regenerated": 0},
+                          orphans=((11, items[0]),))
+
+
+def test_capture_round_trips_exactly(tmp_path):
+    """Every field of a capture (wave in flight, queued groups, orphans, both random states) comes back equal."""
+    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+
+    cap = _capture()
+    wave, groups = cap.wave, cap.queued
     write_sidecar(tmp_path, step=6, version=3, capture=cap, extra={"heldout_accuracy_start": 0.25})
     back = read_sidecar(tmp_path)
     assert (back.step, back.version, back.extra) == (6, 3, {"heldout_accuracy_start": 0.25})
     got = back.capture
-    assert got.prompt_rng == rng.getstate() and torch.equal(got.sample_rng, gen.get_state())
+    assert got.prompt_rng == cap.prompt_rng and torch.equal(got.sample_rng, cap.sample_rng)
     assert (got.version, got.next_uid, got.running, got.staleness_samples, got.ledger, got.orphans) == (
         1, 10, 3, 4, cap.ledger, cap.orphans)
     for name in ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "done"):
         a, b = getattr(got.wave, name), getattr(wave, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert (got.wave.uids, got.wave.items, got.wave.n, got.wave.step) == (wave.uids, wave.items, 2, 2)
-    for a, b in zip(got.queued, groups[:2], strict=True):
+    for a, b in zip(got.queued, groups, strict=True):
         assert (a.uid, a.item, a.prompt) == (b.uid, b.item, b.prompt)
         for name in ("tokens", "mask", "logprobs", "versions", "rewards", "exact", "finished"):
             assert getattr(a, name).dtype == getattr(b, name).dtype and torch.equal(getattr(a, name), getattr(b, name))
     assert os.listdir(tmp_path) == [SIDECAR]
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Change the header of the sidecar at ``path`` with ``edit(header)`` and re-seal it (a hostile writer)."""
+    body = path.read_bytes()[52:]
+    (hlen,) = struct.unpack_from("<Q", body)
+    header = json.loads(body[8:8 + hlen])
+    edit(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(_reseal(struct.pack("<Q", len(raw)) + raw + body[8 + hlen:], 1))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["capture"].update(queued=h["capture"]["queued"] * 100_000),  # one tensor used 200,000 times
+    lambda h: h["tensors"].__setitem__(slice(None), [max(h["tensors"], key=lambda e: e[3])] * len(h["tensors"])),
+    lambda h: h["capture"]["wave"].update(step=10**30),
+    lambda h: h["capture"].update(prompt_rng=[3, [2**40] * 625, None]),
+    lambda h: h["capture"]["queued"][0].update(item={"type": "os.system", "fields": {"command": "touch x"}}),
+    lambda h: h["capture"]["queued"][0].update(uid=True),
+    lambda h: h["capture"]["wave"].update(n=3),
+    lambda h: h["capture"].update(extra_field=1),
+    lambda h: h.update(extra={"k": [1] * 10}),
+], ids=["tensor shared", "tensors overlap", "huge step", "bad random state", "unknown item type", "bool uid",
+        "wave rows", "unknown field", "nested extra"])
+def test_hostile_resealed_header_is_refused_quickly(tmp_path, edit):
+    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+
+    path = write_sidecar(tmp_path, step=6, version=3, capture=_capture(), extra={})
+    _edit_header(path, edit)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_sidecar(tmp_path)
+    assert time.perf_counter() - t0 < 5 and len(str(info.value)) < 500 and info.value.path == str(path)

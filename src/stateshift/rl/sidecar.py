@@ -15,9 +15,9 @@ or strings or as a registered dataclass: ``{"type": name, "fields": {...}}``, se
 Reading (``read_sidecar``) checks, before anything is parsed: a regular file inside the checkpoint
 directory (no symbolic link, no FIFO), at most ``MAX_SIDECAR_BYTES``, the magic, a format version this
 code reads, the length, the SHA-256. A single flipped bit anywhere, a truncation, a pickle: each is a
-``CheckpointCorruptError`` naming the file. Then the header is decoded against the schema above, every
-check bounded before it computes (rank <= 8, each size bounded by the bytes present, offsets inside the
-tensor bytes, integers within 64 bits), so a re-sealed hostile header is refused too, in bounded time and
+``CheckpointCorruptError`` naming the file. Then the header (at most ``MAX_HEADER_BYTES``) is decoded against the schema above,
+every check bounded before it computes (rank <= 8, each size bounded by the bytes present, offsets inside
+the tensor bytes, each tensor used once and all of them within the bytes present, integers within 64 bits), so a re-sealed hostile header is refused too, in bounded time and
 memory, with a message of bounded size. A later format version adds fields under a new version number;
 this reader refuses versions it does not know (naming the version) rather than guessing.
 """
@@ -53,6 +53,8 @@ FORMAT_VERSION = 1
 #: magic, version, body length, SHA-256
 PREFIX = struct.Struct("<8sIQ32s")
 MAX_SIDECAR_BYTES = 1 << 30
+#: the largest JSON header parsed (a run's header is well under 1 MiB: ~200 bytes per queued group)
+MAX_HEADER_BYTES = 64 << 20
 MAX_RANK = 8
 _I64 = 2**63
 #: task items that are dataclasses, by the name written for them (register a new task's item type here)
@@ -225,6 +227,8 @@ def read_sidecar(directory: str | os.PathLike[str]) -> Sidecar:
     body = _body(data, path)
     if len(body) < 8 or (hlen := struct.unpack_from("<Q", body)[0]) > len(body) - 8:
         raise CheckpointCorruptError(path, "the header length runs past the end of the file")
+    if hlen > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(path, f"a header of {hlen} bytes, more than a sidecar's may be ({MAX_HEADER_BYTES})")
     header = fmt.load_json(body[8:8 + hlen], path, "the header")
     return _Reader(path, memoryview(body)[8 + hlen:]).sidecar(header)
 
@@ -239,6 +243,10 @@ class _Reader:
         self.path = path
         self.payload = payload
         self.entries: list[Any] = []
+        #: tensors decoded so far: each at most once (the writer never shares one), so that the bytes
+        #: materialised stay within the payload's size whatever a header says
+        self.used: set[int] = set()
+        self.taken = 0
 
     def fail(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(self.path, f"header: {what}")
@@ -281,6 +289,9 @@ class _Reader:
     def tensor(self, ref: Any, what: str, rank: int | None = None) -> torch.Tensor:
         """The tensor ``ref`` (an index into ``tensors``) names, checked before any size is computed."""
         i = self.int(ref, f"{what} (a tensor index)", 0, len(self.entries) - 1)
+        if i in self.used:
+            raise self.fail(f"tensors[{i}] ({what}) is referenced twice")
+        self.used.add(i)
         entry = self.list(self.entries[i], f"tensors[{i}]")
         if len(entry) != 4 or entry[0] not in _DTYPES:
             raise self.fail(f"tensors[{i}] must be [dtype, shape, offset, nbytes] with a dtype of {sorted(_DTYPES)}")
@@ -297,6 +308,9 @@ class _Reader:
                 break
         if numel * dtype.itemsize != nbytes:
             raise self.fail(f"tensors[{i}] ({what}): shape {show(shape)} of {entry[0]} does not take {nbytes} bytes")
+        self.taken += nbytes
+        if self.taken > len(self.payload):
+            raise self.fail(f"tensors[{i}] ({what}): the tensors overlap (more bytes than the file holds)")
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype)
         raw = torch.frombuffer(bytearray(self.payload[offset:offset + nbytes]), dtype=torch.uint8)
