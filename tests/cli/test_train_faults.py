@@ -120,3 +120,10 @@ def test_ctrl_c_while_loading_the_checkpoint_exits_130_with_a_summary(run_dir, c
     assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 130
     assert "summary.json" in capsys.readouterr().err
     assert json.loads((run_dir / "summary.json").read_text())["status"].startswith("interrupted during start-up")
+
+
+def test_damaged_metrics_log_is_one_line_exit_2(run_dir, capsys):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[2:]]) + "\n")
+    assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 2
+    _one_error_line(capsys, "metrics.jsonl", "line 2")

@@ -50,7 +50,7 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     """A run killed inside the write of a step's record: the resumed log keeps the records up to the checkpoint."""
     import json
 
-    from stateshift.rl.metrics import MetricsLog
+    from stateshift.rl.metrics import MetricsLog, MetricsLogError
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": k, "loss": 0.5}) + "\n" for k in (1, 2, 3)) + '{"step": 4, "lo')
@@ -59,7 +59,10 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     assert [r["step"] for r in log.records] == [1, 2]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     path.write_text('{"step": 1, "lo\n{"step": 2}\n')  # not the last line: the file is damaged, not cut short
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(MetricsLogError, match="line 1: not JSON"):
+        MetricsLog(tmp_path, tensorboard=False, resume_step=2)
+    path.write_text('[1]\n{"step": 2}\n')
+    with pytest.raises(MetricsLogError, match="line 1: not a step record"):
         MetricsLog(tmp_path, tensorboard=False, resume_step=2)
 
 

@@ -95,6 +95,7 @@ def _run(cfg: Any, resume: Path | None) -> int:
     from ..errors import CheckpointError
     from ..rl.executors.ray import TrainerDiedError
     from ..rl.loop import RunDirBusyError, run
+    from ..rl.metrics import MetricsLogError
 
     summary = Path(resume if resume is not None else cfg.run.out_dir) / "summary.json"
     before = _stat(summary)
@@ -105,7 +106,7 @@ def _run(cfg: Any, resume: Path | None) -> int:
         print("\ninterrupted: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote else
               "it stopped before the run started (no summary.json written)"), file=sys.stderr)
         return 130
-    except (CheckpointError, RunDirBusyError, ConfigError) as exc:
+    except (CheckpointError, RunDirBusyError, ConfigError, MetricsLogError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except tuple(_DIR_FAULTS) as exc:

@@ -49,7 +49,7 @@ from .config import TrainConfig
 from .control import RunControl, Watchdog, describe_sides
 from .executors.base import RolloutCapture, Rollouts, RolloutStats
 from .executors.inprocess import InProcessRollouts
-from .metrics import MetricsLog, Progress, plot_curves
+from .metrics import MetricsLog, Progress, plot_curves, read_records
 from .report import step_metrics, summarize
 from .rollout import Group
 from .trainer import Batch, Trainer
@@ -141,6 +141,8 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
     if resume:
         start.phase = "loading the checkpoint"
         resumed = resume_checkpoint(out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True))
+        if (out / "metrics.jsonl").exists():
+            read_records(out / "metrics.jsonl")  # a damaged log is refused now, before anything changes
         start.step = resumed.step
     config_mod.save(cfg, out / "config.yaml")  # after the checkpoint: a refused resume changes nothing
     if resumed is None:

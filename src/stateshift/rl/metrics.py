@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
+from stateshift import StateShiftError
+
 #: the phases of the time split, in plot order
 PHASES = ("generate", "old_logprob", "update", "sync", "offload", "wait")
 
@@ -50,14 +52,35 @@ class Progress:
             print(file=self.stream, flush=True)
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; a last line cut short (its writer was killed inside the write) is
-    dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere raises."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    out = [json.loads(line) for line in lines[:-1]]
+class MetricsLogError(StateShiftError, ValueError):
+    """``metrics.jsonl`` has a line that is not a step record (and is not a last line cut short by a kill);
+    ``path`` and ``line`` (1-based) name it."""
+
+    def __init__(self, path: Path, line: int, detail: str) -> None:
+        self.path, self.line = path, line
+        super().__init__(f"{path}, line {line}: {detail}; a resume keeps the records up to its checkpoint from this "
+                         "file: repair or remove that line")
+
+
+def _record(path: Path, number: int, line: str) -> dict[str, Any]:
     try:
-        out += [json.loads(line) for line in lines[-1:]]
-    except json.JSONDecodeError:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        raise MetricsLogError(path, number, "not JSON") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise MetricsLogError(path, number, "not a step record (an object with an integer 'step')")
+    return rec
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a last line cut short (its writer was killed inside the write) is
+    dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere is
+    ``MetricsLogError`` naming it."""
+    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    out = [_record(path, i, line) for i, line in lines[:-1]]
+    try:
+        out += [_record(path, i, line) for i, line in lines[-1:]]
+    except MetricsLogError:
         pass
     return out
 
@@ -69,7 +92,7 @@ def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
     from stateshift.checkpoint.commit import write_durable
 
     text = path.read_text()
-    records = _read_records(path)
+    records = read_records(path)
     kept = [r for r in records if r["step"] <= step]
     cut_short = bool(text) and not text.endswith("\n")
     if len(kept) < len(records) or cut_short or len(records) < len(text.splitlines()):
