@@ -43,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.lr=1e-3 rollout.n=8")
     p.add_argument("--config", type=Path, default=None, help="a YAML file of config sections (overrides apply on top)")
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
-                   help="continue the run in DIR (its config.yaml and latest checkpoint; overrides apply on top)")
+                   help="continue the run in DIR (its config.yaml and latest checkpoint, or the newest intact one kept, "
+                        "with a warning naming each skipped; overrides apply on top)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.set_defaults(func=cmd_train)
 
