@@ -180,9 +180,12 @@ class StartUp:
             if not refused:
                 what = ("interrupted" if isinstance(exc, KeyboardInterrupt)
                         else f"failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
-                write_summary(self.out, {"status": f"{what} during start-up ({self.phase})", "steps": self.step,
-                                         "wall_s": time.perf_counter() - self.t0, "out_dir": str(self.out),
-                                         "config": config_mod.as_dict(self.cfg)})
+                try:
+                    write_summary(self.out, {"status": f"{what} during start-up ({self.phase})", "steps": self.step,
+                                             "wall_s": time.perf_counter() - self.t0, "out_dir": str(self.out),
+                                             "config": config_mod.as_dict(self.cfg)})
+                except OSError:  # (an unwritable directory) the original error is the one to report
+                    pass
             raise
 
 
