@@ -115,6 +115,24 @@ class FSDP2StateError(StateShiftError, RuntimeError):
     """FSDP2 is in a state in which its shards cannot be moved (a forward or backward is running)."""
 
 
+class SnapshotHandleError(StateShiftError, TypeError):
+    """A restore was handed something that is not a live snapshot handle of that model.
+
+    Raised by the drop-ins of ``stateshift.integrations`` (e.g. verl's
+    ``restore_megatron_model_from_cpu``) before anything changes: ``function``
+    is the function called, ``got`` the type of what it was given, ``reason``
+    what is wrong (not a handle -- e.g. a dict from the framework's own copy
+    function --, a handle of another model, a handle of the other kind, or one
+    whose model state was closed).
+    """
+
+    def __init__(self, function: str, got: str, reason: str) -> None:
+        self.function = function
+        self.got = got
+        self.reason = reason
+        super().__init__(f"{function}: {reason} (got {got})")
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

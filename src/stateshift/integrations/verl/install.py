@@ -1,0 +1,205 @@
+"""``install()`` / ``uninstall()``: put the drop-ins in place of verl's functions, and back.
+
+``install()`` imports ``verl.utils.megatron_utils`` and ``verl.utils.fsdp_utils``
+(the first import of verl stateshift makes), keeps each original function,
+and replaces it wherever it is bound: in its own module (so a later
+``from verl.utils.megatron_utils import ...``, e.g. inside a worker method,
+gets the drop-in) and in every module already in ``sys.modules`` that bound
+the same function object under the same name (``from ... import
+offload_megatron_model_to_cpu`` at the top of verl's engines). It logs each
+replacement and returns them. A target module that cannot be imported (e.g.
+megatron-core missing on an FSDP-only setup) is reported (a warning, and
+``Installation.skipped``), never passed over in silence.
+
+``uninstall()`` puts every original back where it replaced one, and warns
+about any place that no longer holds the drop-in (someone rebound it since),
+which it leaves as it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import fsdp, megatron
+from .registry import SETTINGS, Placement
+
+_log = logging.getLogger("stateshift.integrations.verl")
+
+#: verl versions whose functions these drop-ins were written and tested against
+TESTED_VERSIONS = ("0.9.1",)
+
+#: the functions replaced, by the verl module that defines them
+TARGETS: dict[str, tuple[str, ...]] = {
+    "verl.utils.megatron_utils": (
+        "offload_megatron_model_to_cpu",
+        "load_megatron_model_to_gpu",
+        "copy_megatron_model_to_cpu",
+        "restore_megatron_model_from_cpu",
+        "offload_megatron_copy_params",
+        "load_megatron_copy_params",
+        "offload_megatron_optimizer",
+        "load_megatron_optimizer",
+    ),
+    "verl.utils.fsdp_utils": (
+        "offload_fsdp_model_to_cpu",
+        "load_fsdp_model_to_gpu",
+        "offload_fsdp_optimizer",
+        "load_fsdp_optimizer",
+        "fsdp2_sharded_save_to_cpu",
+        "fsdp2_sharded_load_from_cpu",
+    ),
+}
+_OURS = {"verl.utils.megatron_utils": megatron, "verl.utils.fsdp_utils": fsdp}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One name in one module that now holds a drop-in."""
+
+    module: str
+    name: str
+    original: Any
+    replacement: Any
+
+
+@dataclass
+class Installation:
+    """What ``install()`` did: the verl version, each replacement, and what it could not replace (and why)."""
+
+    version: str | None
+    replaced: list[Replacement] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def originals(self) -> dict[str, Any]:
+        """verl's own function by name (from its defining module)."""
+        return {r.name: r.original for r in self.replaced if r.module in TARGETS}
+
+    def __str__(self) -> str:
+        where = sorted({r.module for r in self.replaced})
+        lines = [f"stateshift replaced {len(self.replaced)} bindings of verl {self.version or '(unknown version)'} in {len(where)} modules:"]
+        lines += [f"  {r.module}.{r.name}" for r in self.replaced]
+        lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+_CURRENT: Installation | None = None
+
+
+def original(name: str) -> Any | None:
+    """verl's own function ``name`` while installed, else ``None``."""
+    return None if _CURRENT is None else _CURRENT.originals().get(name)
+
+
+def _verl_version() -> str | None:
+    mod = sys.modules.get("verl")
+    version = getattr(mod, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _originals(inst: Installation) -> dict[str, tuple[str, Any, Any]]:
+    """verl's functions by name -> (defining module, original, drop-in); unimportable modules go to ``skipped``."""
+    found: dict[str, tuple[str, Any, Any]] = {}
+    for modname, names in TARGETS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except Exception as exc:  # an import of verl's module runs its module-level imports (megatron, peft, ...)
+            inst.skipped[modname] = f"not importable: {type(exc).__name__}: {exc}"
+            continue
+        for name in names:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                inst.skipped[f"{modname}.{name}"] = "not defined in this verl version"
+                continue
+            found[name] = (modname, fn, getattr(_OURS[modname], name))
+    return found
+
+
+def _bind_everywhere(inst: Installation, found: dict[str, tuple[str, Any, Any]]) -> None:
+    by_original = {id(orig): (name, ours) for name, (_, orig, ours) in found.items()}
+    for modname, mod in list(sys.modules.items()):
+        if mod is None or modname.startswith("stateshift"):
+            continue
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            hit = by_original.get(id(value))
+            if hit is not None and hit[0] == name:
+                setattr(mod, name, hit[1])
+                inst.replaced.append(Replacement(modname, name, value, hit[1]))
+                _log.info("stateshift: %s.%s now runs stateshift.integrations.verl.%s", modname, name, name)
+
+
+def install(*, placement: Placement = "host", guard: bool = True) -> Installation:
+    """Replace verl's offload, load, copy and restore functions with stateshift's, wherever they are bound.
+
+    Args:
+        placement: where copies (pi_old snapshots) live: ``"host"`` (pinned memory, verl's choice) or
+            ``"device"`` (GPU memory: no PCIe crossing, the params' bytes per live handle).
+        guard: stateshift's guards (a forward on offloaded params raises ``OffloadedStateError``).
+
+    Returns:
+        The ``Installation`` (also logged): every module and name replaced, and what was skipped and why.
+        Calling it again while installed returns the same one (settings must match).
+
+    Raises:
+        ValueError: a bad ``placement``, or settings that differ from the current installation's.
+    """
+    global _CURRENT
+    if placement not in ("host", "device"):
+        raise ValueError(f"placement must be 'host' or 'device', not {placement!r}")
+    if _CURRENT is not None:
+        if (SETTINGS.placement, SETTINGS.guard) != (placement, guard):
+            raise ValueError("already installed with other settings: uninstall() first")
+        return _CURRENT
+    inst = Installation(version=None)
+    found = _originals(inst)
+    inst.version = _verl_version()
+    if inst.version not in TESTED_VERSIONS:
+        warnings.warn(f"stateshift.integrations.verl was tested with verl {', '.join(TESTED_VERSIONS)}, not {inst.version}", stacklevel=2)
+    for what, why in inst.skipped.items():
+        warnings.warn(f"stateshift.integrations.verl.install: {what} left as is ({why})", stacklevel=2)
+    SETTINGS.placement, SETTINGS.guard = placement, guard
+    _bind_everywhere(inst, found)
+    _CURRENT = inst
+    _log.info("%s", inst)
+    return inst
+
+
+def uninstall() -> list[Replacement]:
+    """Put verl's own functions back wherever ``install()`` replaced them; returns what it put back.
+
+    A place that no longer holds the drop-in (rebound since) is left as it is, with a warning.
+    States, homes and snapshot handles made meanwhile stay valid for the drop-ins, called directly.
+    """
+    global _CURRENT
+    inst, _CURRENT = _CURRENT, None
+    if inst is None:
+        return []
+    restored = []
+    for r in inst.replaced:
+        mod = sys.modules.get(r.module)
+        if mod is None or getattr(mod, r.name, None) is not r.replacement:
+            warnings.warn(f"{r.module}.{r.name} no longer holds the stateshift drop-in; left as is", stacklevel=2)
+            continue
+        setattr(mod, r.name, r.original)
+        restored.append(r)
+    SETTINGS.placement, SETTINGS.guard = "host", True
+    _log.info("stateshift: put back %d verl bindings", len(restored))
+    return restored
+
+
+def installed() -> Installation | None:
+    """The current installation, or ``None``."""
+    return _CURRENT
