@@ -1,0 +1,267 @@
+"""The verl drop-ins on the CPU fake of megatron-core 0.16.1: every function, every residency, the handles,
+and verl's fully-async pi_old sequence against a reference that never moves.
+
+Values are read straight from the model's tensors once they are resident (``weights``), not through
+stateshift. Residencies: on the device; offloaded by the drop-ins; released by Megatron's own
+``offload_to_cpu`` on every buffer; one buffer Megatron's and the rest the drop-ins'.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
+from fakes.mcore.setups import _x, after_steps
+from helpers import one_torch_thread
+
+import stateshift.integrations.verl as V
+from stateshift import LayoutMismatchError, OffloadedStateError, SnapshotHandleError
+from stateshift.integrations.verl.registry import take
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from verl_sequence import compare, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def bufs(ddp):
+    return ddp.buffers + ddp.expert_parallel_buffers
+
+
+def assert_same(a, b, what=""):
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys())[:5])
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: values differ at {k}"
+
+
+def optim_values(opt) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, leaf in enumerate(getattr(opt, "chained_optimizers", [opt])):
+        for g, group in enumerate(getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups", [])):
+            out.update({f"{i}.m.{g}.{j}": t.detach().clone() for j, t in enumerate(group)})
+        for j, st in enumerate(leaf.optimizer.state.values()):
+            out.update({f"{i}.s.{j}.{k}": v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def put(models, residency: str) -> None:
+    """Put the model in a residency, as verl's engine or Megatron would."""
+    if residency == "offloaded":
+        V.offload_megatron_model_to_cpu(models)
+    elif residency == "native":
+        megatron_native_offload(models)
+    elif residency == "mixed":
+        bufs(models[0])[0].offload_to_cpu(move_params=True, move_grads=True)
+        V.offload_megatron_model_to_cpu(models)
+
+
+RESIDENCIES = ["device", "offloaded", "native", "mixed"]
+CONFIGS = ["distrib_ep", "dense_float16"]  # MoE + expert-parallel buffers + chained; dense + frozen + Float16 optimizer
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("residency", RESIDENCIES)
+def test_offload_then_load_gives_the_same_values_and_zeroed_grads(config, residency):
+    ddp, opt = after_steps(config, 1)
+    models = [ddp]
+    truth = weights(models)
+    put(models, residency)
+    V.offload_megatron_model_to_cpu(models)  # offloading again in any residency is fine
+    assert all(b.param_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
+    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
+    with pytest.raises(OffloadedStateError):
+        ddp(_x(0))
+    V.load_megatron_model_to_gpu(models)
+    assert_same(weights(models), truth, residency)
+    assert all(torch.count_nonzero(b.grad_data) == 0 for b in bufs(ddp))
+    fake_train_step(ddp, opt, _x(3))  # trains on from there
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_load_without_grads_or_frozen_params_leaves_them_released(config):
+    ddp, _ = after_steps(config, 1)
+    models = [ddp]
+    truth = weights(models)
+    V.offload_megatron_model_to_cpu(models)
+    V.load_megatron_model_to_gpu(models, load_grad=False, load_frozen_params=False)
+    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
+    frozen = [p for p in ddp.module.parameters() if not p.requires_grad]
+    assert frozen and all(p.untyped_storage().nbytes() == 0 for p in frozen)
+    assert V.model_state(models).residency()["frozen"]["host"] == len(V.model_state(models).slots("frozen"))
+    V.load_megatron_model_to_gpu(models)
+    assert_same(weights(models), truth)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("at_copy", RESIDENCIES)
+@pytest.mark.parametrize("at_restore", RESIDENCIES)
+def test_copy_then_restore_in_every_residency(config, at_copy, at_restore):
+    ddp, opt = after_steps(config, 1)
+    models = [ddp]
+    put(models, at_copy)
+    V.load_megatron_model_to_gpu(models)
+    truth = weights(models)
+    put(models, at_copy)
+    handle = V.copy_megatron_model_to_cpu(models)
+    V.load_megatron_model_to_gpu(models)
+    fake_train_step(ddp, opt, _x(5))
+    trainable = next(f"0.{n}" for n, p in ddp.module.named_parameters() if p.requires_grad)
+    assert not torch.equal(weights(models)[trainable], truth[trainable])
+    put(models, at_restore)
+    V.restore_megatron_model_from_cpu(models, handle)
+    V.restore_megatron_model_from_cpu(models, handle)  # twice: the same values twice
+    V.load_megatron_model_to_gpu(models)
+    assert_same(weights(models), truth, f"{at_copy} -> {at_restore}")
+    if config == "distrib_ep":
+        assert any(k.endswith("expert_bias") for k in truth)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("model_offloaded", [False, True])
+def test_optimizer_and_master_offload_round_trip(config, model_offloaded):
+    ddp, opt = after_steps(config, 2)
+    models = [ddp]
+    truth = optim_values(opt)
+    if model_offloaded:
+        V.offload_megatron_model_to_cpu(models)
+    V.offload_megatron_copy_params(opt)
+    state = V.optimizer_state(opt)
+    masters = [s for s in state.slots("optim") if s.name.endswith(".main_param")]
+    assert masters and state.residency()["optim"]["host"] == len(masters)
+    V.offload_megatron_optimizer(opt)
+    assert state.residency()["optim"]["device"] == 0
+    V.load_megatron_copy_params(opt)
+    assert state.residency()["optim"]["device"] == len(masters)
+    V.load_megatron_optimizer(opt)
+    assert_same(optim_values(opt), truth)
+    V.load_megatron_model_to_gpu(models)
+    twin, twin_opt = after_steps(config, 2)
+    assert fake_train_step(ddp, opt, _x(9)) == fake_train_step(twin, twin_opt, _x(9))
+    assert_same(weights(models), weights([twin]))
+
+
+def test_restore_refuses_what_is_not_its_handle_and_changes_nothing():
+    ddp, opt = after_steps("distrib_ep", 1)
+    models = [ddp]
+    V.offload_megatron_model_to_cpu(models)
+    residency = V.model_state(models).residency()
+    other, _ = after_steps("distrib_ep", 1)
+    foreign = V.copy_megatron_model_to_cpu([other])
+    fsdp_kind = take(V.model_state(models), "fsdp2", ["params"])
+    released = V.copy_megatron_model_to_cpu(models)
+    released.release()
+    cases = [({"model_chunk_0": {"buffer_states": [], "is_ddp": True}}, "dict"), (foreign, "another model"),
+             (fsdp_kind, "fsdp2 handle"), (released, "released"), (None, "nothing")]
+    for bad, what in cases:
+        with pytest.raises(SnapshotHandleError) as err:
+            V.restore_megatron_model_from_cpu(models, bad)
+        assert err.value.function == "restore_megatron_model_from_cpu", what
+        assert isinstance(err.value, TypeError)
+    assert V.model_state(models).residency() == residency
+
+
+def test_a_rebuilt_model_gets_a_new_state_and_refuses_the_old_handles():
+    ddp, _ = after_steps("dense_float16", 1)
+    handle = V.copy_megatron_model_to_cpu([ddp])
+    old_state = V.model_state([ddp])
+    rebuilt, _ = after_steps("dense_float16", 1)
+    assert V.model_state([rebuilt]) is not old_state
+    assert V.model_state([ddp]) is old_state  # found again from the same objects
+    with pytest.raises(SnapshotHandleError, match="another model"):
+        V.restore_megatron_model_from_cpu([rebuilt], handle)
+
+
+def test_a_changed_layout_is_a_layout_error_naming_the_tensor():
+    model = FakeDenseModel(16, seed=0)
+    ddp = build_fake_ddp(model)
+    build_fake_optimizer(ddp, "float16")
+    handle = V.copy_megatron_model_to_cpu([ddp])
+    ddp.module.module.register_buffer("extra", torch.zeros(3))
+    with pytest.raises(LayoutMismatchError):
+        V.restore_megatron_model_from_cpu([ddp], handle)
+
+
+def test_a_dropped_handle_gives_its_memory_back():
+    ddp, _ = after_steps("distrib_ep", 1)
+    state = V.model_state([ddp])
+    saved = {n: V.copy_megatron_model_to_cpu([ddp]) for n in range(3)}
+    assert len(state.snapshots) == 3
+    del saved[1], saved[2]
+    gc.collect()
+    V.offload_megatron_model_to_cpu([ddp])  # any drop-in call releases what was dropped
+    assert len(state.snapshots) == 1
+
+
+# ------------------------------------------------------------------ verl's fully-async sequence
+
+def _run(config: str, fns, mix: str, n: int = 3, cycles: int = 2, kick: float = 0.0):
+    """The sequence on a fresh model; ``kick``: after each step, move the MoE ``expert_bias`` by that much
+    (a fast bias update rate, so that routing, and the old log-probs, depend on it)."""
+    ddp, opt = after_steps(config, 1)
+    models = [ddp]
+
+    def train(step):
+        fake_train_step(ddp, opt, _x(step))
+        for name, b in ddp.module.named_buffers():
+            if kick and name.endswith("expert_bias"):
+                b.add_(torch.randn(b.shape, generator=torch.Generator().manual_seed(step)) * kick)
+
+    def forward(step):
+        with torch.no_grad():
+            return ddp(_x(100 + step)).float().clone()
+
+    result = run_sequence(fns, models, opt, forward=forward, train=train, n=n,
+                          cycles=cycles, mix=mix, native_offload=megatron_native_offload)
+    return result, (weights(models) if result.error is None else None)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("mix", ["device", "offloaded", "native", "mixed"])
+def test_fully_async_sequence_equals_a_reference_that_never_moved(config, mix):
+    kick = 1.0 if config == "distrib_ep" else 0.0
+    ref, ref_final = _run(config, reference_fns(), "device", kick=kick)
+    assert ref.error is None and len(ref.old) == 6
+    got, final = _run(config, megatron_fns(V), mix, kick=kick)
+    report = compare(got, ref, final, ref_final)
+    assert report["error"] is None, report["where"]
+    assert report["mismatches"] == 0 and report["computed"] == 6, report
+    assert report["final_equal"], report
+    # pi_old really is old: the recomputes of a cycle differ from what the current weights would give
+    assert not all(torch.equal(a, b) for a, b in zip(got.old[:3], got.old[1:3]))
+
+
+def test_the_sequence_driver_sees_a_snapshot_that_misses_the_expert_bias():
+    """The comparison can fail: a copy without module buffers (verl 0.9.1 copies only ``param_data``)
+    recomputes old log-probs with the current ``expert_bias`` on the MoE model."""
+    ref, ref_final = _run("distrib_ep", reference_fns(), "device", kick=1.0)
+    params_only = reference_fns()
+    keep = params_only.copy
+    params_only.copy = lambda m: {k: v for k, v in keep(m).items() if "expert_bias" not in k and "local_tokens" not in k}
+    real_restore = params_only.restore
+
+    def restore(m, saved):
+        missing = {k: t for k, t in weights(m).items() if k not in saved}
+        real_restore(m, {**missing, **saved})
+
+    params_only.restore = restore
+    got, final = _run("distrib_ep", params_only, "device", kick=1.0)
+    report = compare(got, ref, final, ref_final)
+    assert report["mismatches"] > 0, report
+
+
+def test_import_brings_in_nothing_from_verl(tmp_path):
+    import subprocess
+
+    code = "import sys, stateshift.integrations.verl; assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules); print('ok')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
