@@ -1,0 +1,140 @@
+"""``install()`` / ``uninstall()`` on a stand-in ``verl`` package written to a temporary directory.
+
+The stand-in binds the names the way verl 0.9.1 does: its engines import them at module level
+(``from verl.utils.megatron_utils import (load_megatron_model_to_gpu, ...)``), the separate-async worker
+imports them inside a method at call time, and one module binds an unrelated function under one of
+the names (it must be left alone).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import textwrap
+
+import pytest
+
+import stateshift.integrations.verl as V
+from stateshift.integrations.verl.install import TARGETS
+
+MEGATRON = TARGETS["verl.utils.megatron_utils"]
+FSDP = TARGETS["verl.utils.fsdp_utils"]
+
+
+def _stub(names):
+    return "\n".join(f"def {n}(*args, **kwargs):\n    return ('verl', {n!r})\n" for n in names)
+
+
+@pytest.fixture
+def fake_verl(tmp_path, monkeypatch):
+    """Write the stand-in tree, put it first on sys.path, and drop it (and any installation) afterwards."""
+
+    def write(version: str = "0.9.1", fsdp_importable: bool = True):
+        files = {
+            "verl/__init__.py": f"__version__ = {version!r}\n",
+            "verl/utils/__init__.py": "",
+            "verl/utils/megatron_utils.py": _stub(MEGATRON) + "def unwrap_model(m):\n    return m\n",
+            "verl/utils/fsdp_utils.py": ("" if fsdp_importable else "import a_module_that_is_not_there\n") + _stub(FSDP),
+            "verl/workers/__init__.py": "",
+            "verl/workers/engine/__init__.py": "",
+            "verl/workers/engine/megatron_impl.py": textwrap.dedent("""
+                from verl.utils.megatron_utils import (
+                    load_megatron_model_to_gpu,
+                    load_megatron_optimizer,
+                    offload_megatron_model_to_cpu,
+                    offload_megatron_optimizer,
+                    unwrap_model,
+                )
+                from verl.utils import megatron_utils as mu
+
+                def to(device, module):
+                    return load_megatron_model_to_gpu(module) if device == "cuda" else offload_megatron_model_to_cpu(module)
+                """),
+            "verl/workers/separation.py": textwrap.dedent("""
+                def handlers():
+                    from verl.utils.megatron_utils import copy_megatron_model_to_cpu, restore_megatron_model_from_cpu
+                    return copy_megatron_model_to_cpu, restore_megatron_model_from_cpu
+                """),
+            "verl/unrelated.py": "def copy_megatron_model_to_cpu(models):\n    return 'mine'\n",
+        }
+        for rel, text in files.items():
+            path = tmp_path / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        importlib.invalidate_caches()
+        for mod in ("verl.workers.engine.megatron_impl", "verl.workers.separation", "verl.unrelated"):
+            importlib.import_module(mod)
+
+    yield write
+    V.uninstall()
+    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+        del sys.modules[name]
+
+
+def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_originals(fake_verl, caplog):
+    fake_verl()
+    mu, fu = sys.modules["verl.utils.megatron_utils"], importlib.import_module("verl.utils.fsdp_utils")
+    engine, sep, unrelated = (sys.modules[m] for m in ("verl.workers.engine.megatron_impl", "verl.workers.separation", "verl.unrelated"))
+    originals = {n: getattr(mu, n) for n in MEGATRON} | {n: getattr(fu, n) for n in FSDP}
+    engine_before = {n: getattr(engine, n) for n in vars(engine) if n in MEGATRON}
+    with caplog.at_level(logging.INFO, logger="stateshift.integrations.verl"):
+        inst = V.install()
+    assert inst.version == "0.9.1" and not inst.skipped
+    for n in MEGATRON:
+        assert getattr(mu, n) is getattr(V, n)
+    for n in FSDP:
+        assert getattr(fu, n) is getattr(V, n)
+    for n in engine_before:
+        assert getattr(engine, n) is getattr(V, n), n
+    assert engine.unwrap_model(3) == 3  # names that are not verl's offload functions are left alone
+    assert sep.handlers() == (V.copy_megatron_model_to_cpu, V.restore_megatron_model_from_cpu)  # imported at call time
+    assert unrelated.copy_megatron_model_to_cpu([]) == "mine"  # the same name bound to another function
+    replaced = {(r.module, r.name) for r in inst.replaced}
+    assert {("verl.workers.engine.megatron_impl", "offload_megatron_model_to_cpu"), ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu")} <= replaced
+    assert len(replaced) == len(MEGATRON) + len(FSDP) + len(engine_before)
+    assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in caplog.text
+    assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in str(inst)
+    assert V.install() is inst  # idempotent
+    with pytest.raises(ValueError, match="other settings"):
+        V.install(placement="device")
+    restored = V.uninstall()
+    assert len(restored) == len(inst.replaced)
+    for n, fn in originals.items():
+        assert getattr(mu if n in MEGATRON else fu, n) is fn
+    for n, fn in engine_before.items():
+        assert getattr(engine, n) is fn
+    assert sep.handlers() == (originals["copy_megatron_model_to_cpu"], originals["restore_megatron_model_from_cpu"])
+    assert V.uninstall() == [] and V.installed() is None
+
+
+def test_an_untested_version_warns_naming_it(fake_verl):
+    fake_verl(version="0.8.2")
+    with pytest.warns(UserWarning, match="not 0.8.2"):
+        inst = V.install()
+    assert inst.version == "0.8.2" and inst.replaced
+
+
+def test_a_module_that_cannot_be_imported_is_reported_not_skipped_silently(fake_verl):
+    fake_verl(fsdp_importable=False)
+    with pytest.warns(UserWarning, match="verl.utils.fsdp_utils left as is"):
+        inst = V.install()
+    assert "a_module_that_is_not_there" in inst.skipped["verl.utils.fsdp_utils"]
+    assert all(r.module != "verl.utils.fsdp_utils" for r in inst.replaced)
+    assert sys.modules["verl.utils.megatron_utils"].copy_megatron_model_to_cpu is V.copy_megatron_model_to_cpu
+
+
+def test_a_binding_changed_after_install_is_left_as_is_with_a_warning(fake_verl):
+    fake_verl()
+    V.install()
+    engine = sys.modules["verl.workers.engine.megatron_impl"]
+    engine.offload_megatron_model_to_cpu = mine = lambda models: None
+    with pytest.warns(UserWarning, match="no longer holds"):
+        V.uninstall()
+    assert engine.offload_megatron_model_to_cpu is mine
+
+
+def test_placement_is_checked():
+    with pytest.raises(ValueError, match="placement"):
+        V.install(placement="disk")
