@@ -63,7 +63,13 @@ def fsdp2_fns(mod: Any, device_id: Any) -> Fns:
 
 
 def _weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every param and buffer by name; FSDP2 modules resharded first (after a forward with
+    ``reshard_after_forward=False`` the root's parameters are the all-gathered copies, not the shards)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    for c in chunks:
+        for m in c.modules():
+            if callable(getattr(m, "reshard", None)) and hasattr(m, "unshard"):
+                m.reshard()
     out = []
     for i, c in enumerate(chunks):
         inner = getattr(c, "module", c) if isinstance(getattr(c, "buffers", None), list) else c

@@ -1,0 +1,140 @@
+"""The verl FSDP drop-ins on FSDP2 (``fully_shard``) over gloo ranks: round trips bit for bit in every
+residency, the handle errors, and verl's fully-async pi_old sequence against a reference that never moved.
+
+The rank bodies take ``device``: ``tests/gpu/test_verl_gpu.py`` runs them on CUDA (world size 1).
+The model, its training and the direct reads of local shards are ``tests/backends/test_fsdp2.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_TESTS = Path(__file__).resolve().parents[1]
+for _p in (_TESTS, _TESTS / "backends", _TESTS.parent / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import test_fsdp2 as F  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+from verl_sequence import compare, fsdp2_fns, reference_fns, run_sequence, weights  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _model_values(model, opt=None):
+    return F.direct(model, opt)
+
+
+def round_trips(rank, world, device="cpu"):
+    """offload/load of model and optimizer, save/load of pi_old at every pair of residencies."""
+    import stateshift.integrations.verl as V
+
+    F.setup_device(rank, device)
+    mesh = F.make_mesh(device, world)
+    model, opt = F.build(device, mesh)
+    F.train_step(model, opt, 0, device)
+    truth = _model_values(model, opt)
+    V.offload_fsdp_model_to_cpu(model)
+    V.offload_fsdp_optimizer(opt)
+    assert all(F._local(p).untyped_storage().nbytes() == 0 for p in model.parameters() if F._local(p).numel())
+    V.load_fsdp_model_to_gpu(model)
+    V.load_fsdp_optimizer(opt, device)
+    F.assert_same(_model_values(model, opt), truth, "offload/load")
+    for at_save in ("device", "offloaded"):
+        for at_load in ("device", "offloaded"):
+            want = {k: v for k, v in _model_values(model).items() if not k.endswith(".grad")}
+            if at_save == "offloaded":
+                V.offload_fsdp_model_to_cpu(model)
+            handle, spec = V.fsdp2_sharded_save_to_cpu(model)
+            V.load_fsdp_model_to_gpu(model)
+            for step in (1, 2):
+                F.train_step(model, opt, step, device)
+            if at_load == "offloaded":
+                V.offload_fsdp_model_to_cpu(model)
+            V.fsdp2_sharded_load_from_cpu(model, handle, spec)
+            V.fsdp2_sharded_load_from_cpu(model, handle, spec)  # twice: the same values twice
+            V.load_fsdp_model_to_gpu(model)
+            got = {k: v for k, v in _model_values(model).items() if k in want}
+            F.assert_same(got, want, f"{at_save} -> {at_load}")
+    return True
+
+
+def handle_errors(rank, world, device="cpu"):
+    import stateshift.integrations.verl as V
+    from stateshift import LayoutMismatchError, SnapshotHandleError
+
+    F.setup_device(rank, device)
+    mesh = F.make_mesh(device, world)
+    model, opt = F.build(device, mesh)
+    F.train_step(model, opt, 0, device)
+    before = _model_values(model, opt)
+    handle, spec = V.fsdp2_sharded_save_to_cpu(model)
+    verl_like = {n: (F._local(p).detach().cpu(), getattr(p, "_spec", None)) for n, p in model.named_parameters()}
+    errors = []
+    for bad in (verl_like, None, (handle, spec)):
+        try:
+            V.fsdp2_sharded_load_from_cpu(model, bad, spec)
+        except SnapshotHandleError as e:
+            errors.append(e.function)
+    other = F.make_mesh(device, world) if world == 1 else F.mesh_1d(device, world, names=("other",))
+    try:
+        V.fsdp2_sharded_load_from_cpu(model, handle, type("Spec", (), {"device_mesh": other})())
+    except LayoutMismatchError:
+        errors.append("mesh")
+    F.assert_same(_model_values(model, opt), before, "after refused loads")
+    return errors
+
+
+def sequence(rank, world, device="cpu", mixes=("device", "offloaded")):
+    """verl's fully-async non-bypass sequence: old log-probs and final weights equal the reference's."""
+    import stateshift.integrations.verl as V
+
+    F.setup_device(rank, device)
+    mesh = F.make_mesh(device, world)
+    out = {}
+    ref_model, ref_opt = F.build(device, mesh)
+
+    def run(model, opt, fns, mix):
+        return run_sequence(fns, model, opt, forward=lambda s: F.logits(model, device, 100 + s),
+                            train=lambda s: F.train_step(model, opt, s, device), n=3, cycles=2, mix=mix)
+
+    ref = run(ref_model, ref_opt, reference_fns(), "device")
+    ref_final = weights(ref_model)
+    for mix in mixes:
+        model, opt = F.build(device, mesh)
+        got = run(model, opt, fsdp2_fns(V, device), mix)
+        report = compare(got, ref, weights(model) if got.error is None else None, ref_final)
+        assert report["error"] is None, report["where"]
+        assert report["mismatches"] == 0 and report["computed"] == 6 and report["final_equal"], report
+        out[mix] = report["mismatches"]
+    return out
+
+
+def test_round_trips_in_every_residency_2_ranks():
+    assert run_distributed(round_trips, 2, timeout=120) == [True, True]
+
+
+def test_load_refuses_what_is_not_its_handle_2_ranks():
+    results = run_distributed(handle_errors, 2, timeout=120)
+    assert results == [["fsdp2_sharded_load_from_cpu"] * 3 + ["mesh"]] * 2  # verl's dict, nothing, the unsplit pair
+
+
+def test_fully_async_sequence_equals_a_reference_2_ranks():
+    assert run_distributed(sequence, 2, timeout=180) == [{"device": 0, "offloaded": 0}] * 2
+
+
+def test_fsdp1_without_install_is_a_backend_error():
+    import stateshift.integrations.verl as V
+    from stateshift import BackendError
+
+    class FullyShardedDataParallel(torch.nn.Module):  # recognised by class name, as verl's fsdp_version does by type
+        pass
+
+    with pytest.raises(BackendError, match="FSDP1"):
+        V.offload_fsdp_model_to_cpu(FullyShardedDataParallel())
+    assert os.environ.get("RANK") is None
