@@ -39,9 +39,30 @@ def _imports(path: Path) -> list[str]:
 def test_engine_imports_nothing_above_it(name):
     path = SRC / name
     assert path.exists(), name
-    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.cli")
+    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.cli", "stateshift.integrations")
     bad = [m for m in _imports(path) if m.startswith(above)]
     assert not bad, f"{name} imports {bad}"
+
+
+def test_nothing_outside_integrations_imports_them():
+    """Integrations are imported only on request: no module of the engine or the libraries imports one."""
+    bad = {
+        str(path.relative_to(SRC)): mods
+        for path in sorted(SRC.rglob("*.py"))
+        if "integrations" not in path.relative_to(SRC).parts
+        and (mods := [m for m in _imports(path) if m.startswith("stateshift.integrations")])
+    }
+    assert not bad, bad
+
+
+def test_integrations_import_no_framework_at_module_level():
+    """An integration imports its framework only inside a function (``install()``), never at import time."""
+    for path in sorted((SRC / "integrations").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom) and n.level == 0]
+        assert not [m for m in names if m.split(".")[0] in ("verl", "megatron", "transformers")], (path, names)
 
 
 def test_every_engine_module_is_listed():
