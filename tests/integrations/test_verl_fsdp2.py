@@ -81,7 +81,7 @@ def handle_errors(rank, world, device="cpu"):
             V.fsdp2_sharded_load_from_cpu(model, bad, spec)
         except SnapshotHandleError as e:
             errors.append(e.function)
-    other = F.make_mesh(device, world) if world == 1 else F.mesh_1d(device, world, names=("other",))
+    other = F.mesh_1d(device, world, names=("other",))
     try:
         V.fsdp2_sharded_load_from_cpu(model, handle, type("Spec", (), {"device_mesh": other})())
     except LayoutMismatchError:
