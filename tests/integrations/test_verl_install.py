@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import textwrap
 
@@ -138,3 +139,12 @@ def test_a_binding_changed_after_install_is_left_as_is_with_a_warning(fake_verl)
 def test_placement_is_checked():
     with pytest.raises(ValueError, match="placement"):
         V.install(placement="disk")
+
+
+def test_import_brings_in_nothing_from_verl():
+    import subprocess
+
+    code = "import sys, stateshift.integrations.verl; assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules); print('ok')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
