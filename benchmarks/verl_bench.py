@@ -88,6 +88,13 @@ def load_verl(whl: str) -> tuple[Any, Any, dict[str, Any]]:
     return out[0], out[1], {"verl_version": version, "verl_stubs": stubs, "verl_root": str(root)}
 
 
+def _placement(impl: str) -> None:
+    """``stateshift-device``: the drop-ins with ``install(placement="device")``'s setting; otherwise pinned host."""
+    from stateshift.integrations.verl import SETTINGS
+
+    SETTINGS.placement = "device" if impl == "stateshift-device" else "host"
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -122,6 +129,7 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
     rows = []
     for impl, mod in impls.items():
         for mix in args.mixes:
+            _placement(impl)
             res, final, _ = run(megatron_fns(mod), mix)
             rows.append(_row(f"megatron-{name}", impl, mix, res, ref, final, ref_final, nbytes))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
@@ -190,6 +198,7 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
     rows = []
     for impl, mod in impls.items():
         for mix in [m for m in args.mixes if m in ("device", "offloaded")]:
+            _placement(impl)
             res, final, _ = run(fsdp2_fns(mod, args.device), mix)
             rows.append(_row("fsdp2", impl, mix, res, ref, final, ref_final, nbytes))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
@@ -199,23 +208,38 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
 def _row(model: str, impl: str, mix: str, res: Any, ref: Any, final: Any, ref_final: Any, nbytes: int) -> dict[str, Any]:
     report = compare(res, ref, final, ref_final)
     med = {k: sorted(v)[len(v) // 2] for k, v in res.seconds.items()}
-    return {"model": model, "impl": impl, "mix": mix, "bytes": nbytes, **report,
+    # per cycle: its copies and restores (the time verl's worker spends on pi_old), over whole runs only
+    pi_old = (sum(res.seconds.get("copy", [])) + sum(res.seconds.get("restore", []))) / _CYCLES[0] if res.error is None else None
+    return {"model": model, "impl": impl, "mix": mix, "bytes": nbytes, **report, "pi_old_cycle_seconds": pi_old,
             "median_seconds": med, "gbps": {k: nbytes / s / 1e9 for k, s in med.items() if s > 0 and k in ("copy", "restore", "offload_model", "load_model")},
             "seconds": res.seconds}
+
+
+#: cycles per run (set by ``child``; ``_row`` divides by it)
+_CYCLES = [1]
 
 
 def child(args: argparse.Namespace) -> int:
     from stateshift.integrations import verl as ours
 
-    impls: dict[str, Any] = {"stateshift": ours}
+    _CYCLES[0] = args.cycles
+    impls: dict[str, Any] = {}
     info: dict[str, Any] = {}
-    if "verl" in args.impls:
-        mu, fu, info = load_verl(args.verl_whl)
-        impls["verl"] = mu if args.case != "fsdp2" else fu
-    if "stateshift" not in args.impls:
-        impls.pop("stateshift")
+    for impl in args.impls:
+        if impl == "verl":
+            mu, fu, info = load_verl(args.verl_whl)
+            impls["verl"] = mu if args.case != "fsdp2" else fu
+        elif impl in ("stateshift", "stateshift-device"):
+            impls[impl] = ours
+        else:
+            raise SystemExit(f"unknown impl {impl!r}: stateshift, stateshift-device or verl")
     rows = _fsdp2_case(args, impls) if args.case == "fsdp2" else _megatron_case(args.case, args, impls)
-    Path(args.part).write_text(json.dumps({"rows": rows, **info}))
+    nbytes = max((r["bytes"] for r in rows), default=0)
+    if nbytes:
+        from stateshift.bench import measure_ceilings
+
+        info["ceilings"] = measure_ceilings(nbytes, torch.device(args.device))
+    Path(args.part).write_text(json.dumps({"rows": rows, **{f"{args.case}_{k}" if k == "ceilings" else k: v for k, v in info.items()}}))
     return 0
 
 
@@ -226,12 +250,15 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r.get("median_seconds")]
-    ops = ["copy", "restore", "offload_model", "load_model"]
+    ops = ["copy", "restore", "offload_model", "load_model", "pi_old_cycle"]
+    for r in rows:
+        if r.get("pi_old_cycle_seconds"):
+            r["median_seconds"] = {**r["median_seconds"], "pi_old_cycle": r["pi_old_cycle_seconds"]}
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 4))
     for ax, op in zip(axes, ops):
         labels = [f"{r['model']}\n{r['mix']}\n{r['impl']}" for r in rows if op in r["median_seconds"]]
         vals = [r["median_seconds"][op] * 1e3 for r in rows if op in r["median_seconds"]]
-        ax.barh(labels, vals, color=["tab:blue" if "stateshift" in lab else "tab:red" for lab in labels])
+        ax.barh(labels, vals, color=["tab:red" if lab.endswith("verl") else "tab:blue" for lab in labels])
         ax.set_xscale("log")
         ax.set_title(f"{op} (ms, median)")
         ax.tick_params(labelsize=6)
@@ -244,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cases", default="dense,moe,fsdp2")
-    ap.add_argument("--impls", default="stateshift,verl")
+    ap.add_argument("--impls", default="stateshift,stateshift-device,verl", help="stateshift (pi_old on pinned host), stateshift-device, verl")
     ap.add_argument("--mixes", default="device,offloaded,native,mixed")
     ap.add_argument("--verl-whl", default=str(ROOT / ".whl-verl/verl-0.9.1-py3-none-any.whl"))
     ap.add_argument("--layers", type=int, default=8)
@@ -263,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from stateshift.bench import git_sha, host_facts
+
     result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                              "torch": torch.__version__, "host": socket.gethostname(), "args": vars(args), "rows": [], "failed_cases": {}}
+                              "torch": torch.__version__, "stateshift": git_sha(), "host": {"name": socket.gethostname(), **host_facts()},
+                              "args": vars(args), "rows": [], "failed_cases": {}}
     for case in args.cases.split(","):
         part = out / f".verl-part-{case}.json"
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--case", case, "--part", str(part)]
