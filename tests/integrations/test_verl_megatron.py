@@ -319,3 +319,47 @@ def test_random_sequences_of_every_function_against_a_twin_that_never_moves(seed
     check()
     assert len(V.model_state(models).snapshots) == len(handles)
 
+
+
+def test_two_threads_share_one_state_and_lose_nothing():
+    """A rollout-side thread copies and restores while the trainer thread offloads and loads the same model:
+    one state is built for it, and the weights come out as they went in."""
+    import threading
+
+    ddp, opt = after_steps("distrib_ep", 1)
+    models = [ddp]
+    truth = weights(models)
+    states, errors = [], []
+    start = threading.Barrier(2)
+
+    def snapshots():
+        start.wait()
+        for _ in range(6):
+            h = V.copy_megatron_model_to_cpu(models)
+            V.restore_megatron_model_from_cpu(models, h)
+            states.append(V.model_state(models))
+
+    def moves():
+        start.wait()
+        for _ in range(6):
+            V.offload_megatron_model_to_cpu(models)
+            V.offload_megatron_optimizer(opt)
+            V.load_megatron_model_to_gpu(models)
+            V.load_megatron_optimizer(opt)
+            states.append(V.model_state(models))
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(f,)) for f in (snapshots, moves)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len({id(s) for s in states}) == 1
+    V.load_megatron_model_to_gpu(models)
+    assert_same(weights(models), truth)
