@@ -9,7 +9,7 @@ fully-async non-bypass pi_old sequence (``verl_sequence.py``) with: plain clones
 device; offloaded by the offload function; for Megatron also Megatron's own ``offload_to_cpu``, and
 the two alternately). Each run records its old log-probs (compared bit for bit with the reference's),
 whether its final weights equal the reference's, the first exception as it happened, and the time of
-every call. Writes ``<out>/<date>-h200-verl.json`` and a PNG beside it.
+every call. Writes ``<out>/<date>-<card>-verl.json`` (``h200`` on the H200) and a PNG beside it.
 
 verl is loaded from its wheel (``--verl-whl``, default ``.whl-verl/verl-0.9.1-py3-none-any.whl``):
 only ``verl.utils.megatron_utils`` and ``verl.utils.fsdp_utils`` are imported, with verl's package
@@ -26,6 +26,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -85,6 +86,12 @@ def load_verl(whl: str) -> tuple[Any, Any, dict[str, Any]]:
                 if not exc.name or exc.name in sys.modules:
                     raise
                 sys.modules[exc.name], _ = _stub(exc.name), stubs.append(exc.name)
+            except ImportError as exc:  # "cannot import name X from Y": Y exists here, without X (another version)
+                missing = re.match(r"cannot import name '(\w+)' from '([\w.]+)'", str(exc))
+                if missing is None or missing.group(2) not in sys.modules:
+                    raise
+                setattr(sys.modules[missing.group(2)], missing.group(1), type(missing.group(1), (), {}))
+                stubs.append(f"{missing.group(2)}.{missing.group(1)}")
     return out[0], out[1], {"verl_version": version, "verl_stubs": stubs, "verl_root": str(root)}
 
 
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         part.unlink()
         result["rows"] += data.pop("rows")
         result.update(data)
-    stem = f"{datetime.date.today()}-h200-verl" if "H200" in result["machine"] else f"{datetime.date.today()}-{args.device}-verl"
+    card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
+    stem = f"{datetime.date.today()}-{card}-verl"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     try:
         _plot(result, out / f"{stem}.png")
