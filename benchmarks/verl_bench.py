@@ -159,16 +159,23 @@ class _Blocks(torch.nn.Module):
         return torch.log_softmax(self.head(x).float(), dim=-1)
 
 
-def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[str, Any]]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def init_dist(device: str) -> None:
+    """One process group of one rank (idempotent): NCCL on CUDA, gloo on the CPU."""
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-        torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    init_dist(args.device)
     mesh = init_device_mesh(args.device, (1,))
 
     def ids(step: int) -> torch.Tensor:

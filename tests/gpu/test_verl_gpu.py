@@ -78,6 +78,8 @@ def test_fsdp2_sequence_stateshift_exact_verl_recorded():
 
 def test_fsdp2_round_trips_on_cuda():
     import test_verl_fsdp2 as T
+    import verl_bench
 
+    verl_bench.init_dist("cuda")
     assert T.round_trips(0, 1, "cuda")
     assert T.handle_errors(0, 1, "cuda") == ["fsdp2_sharded_load_from_cpu"] * 3 + ["mesh"]

@@ -30,37 +30,48 @@ def _model_values(model, opt=None):
     return F.direct(model, opt)
 
 
-def round_trips(rank, world, device="cpu"):
-    """offload/load of model and optimizer, save/load of pi_old at every pair of residencies."""
+def _put(model, residency):
+    """``offloaded``: by the drop-in; ``mixed``: block 0's params only (through the model's state)."""
+    import stateshift.integrations.verl as V
+
+    if residency == "offloaded":
+        V.offload_fsdp_model_to_cpu(model)
+    elif residency == "mixed":
+        V.model_state(model).offload("params", only=F._block0)
+
+
+def round_trips(rank, world, device="cpu", policies=(False, True)):
+    """offload/load of model and optimizer, save/load of pi_old at every pair of residencies; with and without
+    ``CPUOffloadPolicy`` (shards already in host memory: a save must copy them, never alias them)."""
     import stateshift.integrations.verl as V
 
     F.setup_device(rank, device)
     mesh = F.make_mesh(device, world)
-    model, opt = F.build(device, mesh)
-    F.train_step(model, opt, 0, device)
-    truth = _model_values(model, opt)
-    V.offload_fsdp_model_to_cpu(model)
-    V.offload_fsdp_optimizer(opt)
-    assert all(F._local(p).untyped_storage().nbytes() == 0 for p in model.parameters() if F._local(p).numel())
-    V.load_fsdp_model_to_gpu(model)
-    V.load_fsdp_optimizer(opt, device)
-    F.assert_same(_model_values(model, opt), truth, "offload/load")
-    for at_save in ("device", "offloaded"):
-        for at_load in ("device", "offloaded"):
-            want = {k: v for k, v in _model_values(model).items() if not k.endswith(".grad")}
-            if at_save == "offloaded":
-                V.offload_fsdp_model_to_cpu(model)
-            handle, spec = V.fsdp2_sharded_save_to_cpu(model)
-            V.load_fsdp_model_to_gpu(model)
-            for step in (1, 2):
-                F.train_step(model, opt, step, device)
-            if at_load == "offloaded":
-                V.offload_fsdp_model_to_cpu(model)
-            V.fsdp2_sharded_load_from_cpu(model, handle, spec)
-            V.fsdp2_sharded_load_from_cpu(model, handle, spec)  # twice: the same values twice
-            V.load_fsdp_model_to_gpu(model)
-            got = {k: v for k, v in _model_values(model).items() if k in want}
-            F.assert_same(got, want, f"{at_save} -> {at_load}")
+    for policy in policies:
+        model, opt = F.build(device, mesh, offload=policy)
+        F.train_step(model, opt, 0, device)
+        truth = _model_values(model, opt)
+        V.offload_fsdp_model_to_cpu(model)
+        V.offload_fsdp_optimizer(opt)
+        if not policy:
+            assert all(F._local(p).untyped_storage().nbytes() == 0 for p in model.parameters() if F._local(p).numel())
+        V.load_fsdp_model_to_gpu(model)
+        V.load_fsdp_optimizer(opt, device)
+        F.assert_same(_model_values(model, opt), truth, f"policy={policy} offload/load")
+        for at_save in ("device", "offloaded", "mixed"):
+            for at_load in ("device", "offloaded", "mixed"):
+                want = {k: v for k, v in _model_values(model).items() if not k.endswith(".grad")}
+                _put(model, at_save)
+                handle, spec = V.fsdp2_sharded_save_to_cpu(model)
+                V.load_fsdp_model_to_gpu(model)
+                for step in (1, 2):
+                    F.train_step(model, opt, step, device)
+                _put(model, at_load)
+                V.fsdp2_sharded_load_from_cpu(model, handle, spec)
+                V.fsdp2_sharded_load_from_cpu(model, handle, spec)  # twice: the same values twice
+                V.load_fsdp_model_to_gpu(model)
+                got = {k: v for k, v in _model_values(model).items() if k in want}
+                F.assert_same(got, want, f"policy={policy} {at_save} -> {at_load}")
     return True
 
 
