@@ -81,7 +81,7 @@ def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_orig
     originals = {n: getattr(mu, n) for n in MEGATRON} | {n: getattr(fu, n) for n in FSDP}
     engine_before = {n: getattr(engine, n) for n in vars(engine) if n in MEGATRON}
     with caplog.at_level(logging.INFO, logger="stateshift.integrations.verl"):
-        inst = V.install()
+        inst = V.install(functions="all")
     assert inst.version == "0.9.1" and not inst.skipped
     for n in MEGATRON:
         assert getattr(mu, n) is getattr(V, n)
@@ -97,9 +97,10 @@ def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_orig
     assert len(replaced) == len(MEGATRON) + len(FSDP) + len(engine_before)
     assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in caplog.text
     assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in str(inst)
-    assert V.install() is inst  # idempotent
-    with pytest.raises(ValueError, match="other settings"):
-        V.install(placement="device")
+    assert V.install(functions="all") is inst  # idempotent
+    for other in ({"placement": "device", "functions": "all"}, {}):
+        with pytest.raises(ValueError, match="other settings"):
+            V.install(**other)
     restored = V.uninstall()
     assert len(restored) == len(inst.replaced)
     for n, fn in originals.items():
@@ -108,6 +109,29 @@ def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_orig
         assert getattr(engine, n) is fn
     assert sep.handlers() == (originals["copy_megatron_model_to_cpu"], originals["restore_megatron_model_from_cpu"])
     assert V.uninstall() == [] and V.installed() is None
+
+
+def test_by_default_only_the_safe_functions_are_replaced(fake_verl):
+    fake_verl()
+    mu, fu = sys.modules["verl.utils.megatron_utils"], importlib.import_module("verl.utils.fsdp_utils")
+    before = {n: getattr(mu if n in MEGATRON else fu, n) for n in MEGATRON + FSDP}
+    inst = V.install()
+    for n in MEGATRON + FSDP:
+        now = getattr(mu if n in MEGATRON else fu, n)
+        assert (now is getattr(V, n)) == (n in V.SAFE) and (now is before[n]) == (n not in V.SAFE), n
+    assert {"offload_megatron_optimizer", "offload_fsdp_model_to_cpu"} <= set(V.ON_REQUEST)
+    assert "left to verl" in str(inst) and "offload_megatron_optimizer" in str(inst)
+    assert inst.verl["offload_fsdp_model_to_cpu"] is before["offload_fsdp_model_to_cpu"]  # kept for FSDP1
+    V.uninstall()
+    V.install(functions=["offload_megatron_optimizer"])
+    assert mu.offload_megatron_optimizer is V.offload_megatron_optimizer
+    assert mu.copy_megatron_model_to_cpu is before["copy_megatron_model_to_cpu"]
+
+
+def test_an_unknown_function_name_is_refused_before_anything_is_imported():
+    with pytest.raises(ValueError, match="offload_everything"):
+        V.install(functions=["offload_everything"])
+    assert "verl" not in sys.modules and V.installed() is None
 
 
 def test_an_untested_version_warns_naming_it(fake_verl):

@@ -8,6 +8,7 @@ or put them in place of verl's, wherever verl's modules bound them::
 
     from stateshift.integrations import verl as ss_verl
     ss_verl.install()        # logs and returns what it replaced; warns for an untested verl version
+    ss_verl.install(functions="all")   # the optimizer and FSDP model offloads too (see docs/verl.md first)
     ...
     ss_verl.uninstall()      # verl's own functions back
 
@@ -28,7 +29,7 @@ from .fsdp import (
     offload_fsdp_model_to_cpu,
     offload_fsdp_optimizer,
 )
-from .install import TESTED_VERSIONS, Installation, Replacement, install, installed, uninstall
+from .install import ON_REQUEST, SAFE, TESTED_VERSIONS, Installation, Replacement, install, installed, uninstall
 from .megatron import (
     copy_megatron_model_to_cpu,
     load_megatron_copy_params,
@@ -45,6 +46,8 @@ __all__ = [
     "SETTINGS",
     "TESTED_VERSIONS",
     "Installation",
+    "ON_REQUEST",
+    "SAFE",
     "Replacement",
     "SnapshotHandle",
     "copy_megatron_model_to_cpu",

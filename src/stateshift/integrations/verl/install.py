@@ -2,7 +2,8 @@
 
 ``install()`` imports ``verl.utils.megatron_utils`` and ``verl.utils.fsdp_utils``
 (the first import of verl stateshift makes), keeps each original function,
-and replaces it wherever it is bound: in its own module (so a later
+and replaces the chosen ones (``SAFE`` by default; ``ON_REQUEST`` says why the
+others are not) wherever they are bound: in its own module (so a later
 ``from verl.utils.megatron_utils import ...``, e.g. inside a worker method,
 gets the drop-in) and in every module already in ``sys.modules`` that bound
 the same function object under the same name (``from ... import
@@ -23,6 +24,7 @@ import importlib.metadata
 import logging
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,21 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 _OURS = {"verl.utils.megatron_utils": megatron, "verl.utils.fsdp_utils": fsdp}
 
+#: replaced by default: no code path of verl 0.9.1 that we read touches what they leave offloaded
+#: without loading it first (docs/verl.md, "What install() leaves to verl")
+SAFE = (
+    "offload_megatron_model_to_cpu",
+    "load_megatron_model_to_gpu",
+    "copy_megatron_model_to_cpu",
+    "restore_megatron_model_from_cpu",
+    "fsdp2_sharded_save_to_cpu",
+    "fsdp2_sharded_load_from_cpu",
+)
+#: replaced only on request (``functions="all"`` or by name): verl 0.9.1 reads what they offload in place
+#: -- the optimizer state in ``save_checkpoint`` / ``load_checkpoint`` (only the model is loaded first), the
+#: FSDP2 params in ``FSDPEngine.get_per_tensor_param`` (non-LoRA, param offload: lazily, unloaded)
+ON_REQUEST = tuple(n for names in TARGETS.values() for n in names if n not in SAFE)
+
 
 @dataclass(frozen=True)
 class Replacement:
@@ -73,18 +90,21 @@ class Installation:
     """What ``install()`` did: the verl version, each replacement, and what it could not replace (and why)."""
 
     version: str | None
+    #: the names asked for (``install(functions=...)``); the others stay verl's
+    functions: frozenset[str] = frozenset()
     replaced: list[Replacement] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-
-    def originals(self) -> dict[str, Any]:
-        """verl's own function by name (from its defining module)."""
-        return {r.name: r.original for r in self.replaced if r.module in TARGETS}
+    #: verl's own function by name (from its defining module), replaced or not
+    verl: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         where = sorted({r.module for r in self.replaced})
         lines = [f"stateshift replaced {len(self.replaced)} bindings of verl {self.version or '(unknown version)'} in {len(where)} modules:"]
         lines += [f"  {r.module}.{r.name}" for r in self.replaced]
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
+        kept = sorted(set(SAFE + ON_REQUEST) - self.functions)
+        if kept:
+            lines.append(f"  left to verl (install(functions=...) to replace): {', '.join(kept)}")
         return "\n".join(lines)
 
 
@@ -93,7 +113,7 @@ _CURRENT: Installation | None = None
 
 def original(name: str) -> Any | None:
     """verl's own function ``name`` while installed, else ``None``."""
-    return None if _CURRENT is None else _CURRENT.originals().get(name)
+    return None if _CURRENT is None else _CURRENT.verl.get(name)
 
 
 def _verl_version() -> str | None:
@@ -141,30 +161,48 @@ def _bind_everywhere(inst: Installation, found: dict[str, tuple[str, Any, Any]])
                 _log.info("stateshift: %s.%s now runs stateshift.integrations.verl.%s", modname, name, name)
 
 
-def install(*, placement: Placement = "host", guard: bool = True) -> Installation:
+def _selected(functions: str | Iterable[str]) -> frozenset[str]:
+    if functions == "safe":
+        return frozenset(SAFE)
+    if functions == "all":
+        return frozenset(SAFE + ON_REQUEST)
+    names = frozenset([functions] if isinstance(functions, str) else functions)
+    unknown = sorted(names - set(SAFE + ON_REQUEST))
+    if unknown:
+        raise ValueError(f"not a function install() replaces: {unknown}; choose from {sorted(SAFE + ON_REQUEST)}")
+    return names
+
+
+def install(*, placement: Placement = "host", guard: bool = True, functions: str | Iterable[str] = "safe") -> Installation:
     """Replace verl's offload, load, copy and restore functions with stateshift's, wherever they are bound.
 
     Args:
         placement: where copies (pi_old snapshots) live: ``"host"`` (pinned memory, verl's choice) or
             ``"device"`` (GPU memory: no PCIe crossing, the params' bytes per live handle).
         guard: stateshift's guards (a forward on offloaded params raises ``OffloadedStateError``).
+        functions: ``"safe"`` (``SAFE``: the Megatron model functions and both pi_old pairs), ``"all"``
+            (the optimizer and FSDP model offloads too: ``ON_REQUEST`` says which verl paths then meet
+            released state), or names.
 
     Returns:
         The ``Installation`` (also logged): every module and name replaced, and what was skipped and why.
         Calling it again while installed returns the same one (settings must match).
 
     Raises:
-        ValueError: a bad ``placement``, or settings that differ from the current installation's.
+        ValueError: a bad ``placement`` or function name, or settings that differ from the current installation's.
     """
     global _CURRENT
     if placement not in ("host", "device"):
         raise ValueError(f"placement must be 'host' or 'device', not {placement!r}")
+    chosen = _selected(functions)
     if _CURRENT is not None:
-        if (SETTINGS.placement, SETTINGS.guard) != (placement, guard):
+        if (SETTINGS.placement, SETTINGS.guard, _CURRENT.functions) != (placement, guard, chosen):
             raise ValueError("already installed with other settings: uninstall() first")
         return _CURRENT
-    inst = Installation(version=None)
-    found = _originals(inst)
+    inst = Installation(version=None, functions=chosen)
+    every = _originals(inst)
+    inst.verl = {name: orig for name, (_, orig, _) in every.items()}
+    found = {name: hit for name, hit in every.items() if name in chosen}
     inst.version = _verl_version()
     if inst.version not in TESTED_VERSIONS:
         warnings.warn(f"stateshift.integrations.verl was tested with verl {', '.join(TESTED_VERSIONS)}, not {inst.version}", stacklevel=2)
