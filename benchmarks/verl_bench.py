@@ -5,7 +5,9 @@
 For each model -- a dense and an MoE (router ``expert_bias`` on) Megatron-core GPT (DDP + distributed
 optimizer, bf16) and an FSDP2 model (``fully_shard`` per block, world size 1) -- it runs verl's
 fully-async non-bypass pi_old sequence (``verl_sequence.py``) with: plain clones that never move
-(the reference), stateshift's drop-ins and verl's functions, in each residency mix (params on the
+(the reference), stateshift's drop-ins (pi_old in pinned host or device memory), what ``install()``
+gives by default (stateshift's ``SAFE`` functions beside verl's others) and verl's functions, in each
+residency mix (params on the
 device; offloaded by the offload function; for Megatron also Megatron's own ``offload_to_cpu``, and
 the two alternately). Each run records its old log-probs (compared bit for bit with the reference's),
 whether its final weights equal the reference's, the first exception as it happened, and the time of
@@ -239,14 +241,20 @@ def child(args: argparse.Namespace) -> int:
     _CYCLES[0] = args.cycles
     impls: dict[str, Any] = {}
     info: dict[str, Any] = {}
+    verl_mod = None
+    if "verl" in args.impls or "default-install" in args.impls:
+        mu, fu, info = load_verl(args.verl_whl)
+        verl_mod = mu if args.case != "fsdp2" else fu
     for impl in args.impls:
         if impl == "verl":
-            mu, fu, info = load_verl(args.verl_whl)
-            impls["verl"] = mu if args.case != "fsdp2" else fu
+            impls["verl"] = verl_mod
+        elif impl == "default-install":  # what install() gives by default: SAFE from stateshift, the rest verl's
+            impls[impl] = types.SimpleNamespace(**{n: getattr(ours if n in ours.SAFE else verl_mod, n)
+                                                   for n in ours.SAFE + ours.ON_REQUEST if hasattr(verl_mod, n)})
         elif impl in ("stateshift", "stateshift-device"):
             impls[impl] = ours
         else:
-            raise SystemExit(f"unknown impl {impl!r}: stateshift, stateshift-device or verl")
+            raise SystemExit(f"unknown impl {impl!r}: stateshift, stateshift-device, default-install or verl")
     rows = _fsdp2_case(args, impls) if args.case == "fsdp2" else _megatron_case(args.case, args, impls)
     nbytes = max((r["bytes"] for r in rows), default=0)
     if nbytes:
@@ -285,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cases", default="dense,moe,fsdp2")
-    ap.add_argument("--impls", default="stateshift,stateshift-device,verl", help="stateshift (pi_old on pinned host), stateshift-device, verl")
+    ap.add_argument("--impls", default="stateshift,stateshift-device,default-install,verl",
+                    help="stateshift (every function; pi_old on pinned host), stateshift-device, default-install "
+                         "(install()'s default: stateshift's SAFE functions, verl's others), verl")
     ap.add_argument("--mixes", default="device,offloaded,native,mixed")
     ap.add_argument("--verl-whl", default=str(ROOT / ".whl-verl/verl-0.9.1-py3-none-any.whl"))
     ap.add_argument("--layers", type=int, default=8)

@@ -3,7 +3,8 @@
     python3 -m pytest -m gpu tests/gpu/test_verl_gpu.py        # on the GPU machine (docs/verl.md)
 
 For a small dense and MoE Megatron GPT and an FSDP2 model, verl's fully-async pi_old sequence
-(``benchmarks/verl_sequence.py``) in every residency mix: stateshift's drop-ins must give 0
+(``benchmarks/verl_sequence.py``) in every residency mix: stateshift's drop-ins, and what
+``install()`` gives by default (stateshift's ``SAFE`` functions beside verl's others), must give 0
 mismatching old log-probs and final weights equal to a reference that never moved; verl's own
 functions (loaded from ``.whl-verl/``) run the same sequence and what they give -- an error where it
 happened, or a count of wrong values -- is printed, not asserted. The FSDP rank bodies of
@@ -45,17 +46,23 @@ def _impls(module: str) -> dict:
 
     impls = {"stateshift": ours}
     if WHEEL.exists():
+        import types
+
         import verl_bench
 
         mu, fu, _ = verl_bench.load_verl(str(WHEEL))
-        impls["verl"] = mu if module == "megatron" else fu
+        verl_mod = mu if module == "megatron" else fu
+        impls["verl"] = verl_mod
+        # install()'s default: stateshift's SAFE functions beside verl's own others
+        impls["default-install"] = types.SimpleNamespace(**{n: getattr(ours if n in ours.SAFE else verl_mod, n)
+                                                            for n in ours.SAFE + ours.ON_REQUEST if hasattr(verl_mod, n)})
     return impls
 
 
 def _check(rows) -> None:
     for r in rows:
         print(r["model"], r["impl"], r["mix"], "mismatches", r["mismatches"], "final_equal", r["final_equal"], "error", r["error"])
-    ours = [r for r in rows if r["impl"] == "stateshift"]
+    ours = [r for r in rows if r["impl"] in ("stateshift", "default-install")]
     assert ours
     for r in ours:
         assert r["error"] is None, (r["mix"], r["where"])
