@@ -149,3 +149,25 @@ def test_fsdp1_without_install_is_a_backend_error():
     with pytest.raises(BackendError, match="FSDP1"):
         V.offload_fsdp_model_to_cpu(FullyShardedDataParallel())
     assert os.environ.get("RANK") is None
+
+
+def test_plain_module_round_trip_and_the_ignored_device_id_is_said():
+    """verl sends modules that are not FSDP (``fsdp_version`` 0) down the same path; ``device_id`` names a device
+    the state did not come from: the state goes back where it lived, with a warning naming both."""
+    import stateshift.integrations.verl as V
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [v.clone() for st in opt.state.values() for v in st.values()]
+    V.offload_fsdp_model_to_cpu(model)
+    V.offload_fsdp_optimizer(opt)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    V.load_fsdp_model_to_gpu(model)
+    with pytest.warns(UserWarning, match="goes back to cpu, where it lived, not to cuda:0"):
+        V.load_fsdp_optimizer(opt, 0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip([v for st in opt.state.values() for v in st.values()], moments, strict=True))

@@ -21,6 +21,7 @@ afterwards on the current stream is ordered after them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -94,11 +95,17 @@ def load_fsdp_optimizer(optimizer: Any, device_id: Any) -> None:
 
     Args:
         optimizer: the optimizer.
-        device_id: accepted for verl's signature; the state goes back where it lived (its own device).
+        device_id: verl's target device; the state goes back where it lived (its own device), with a
+            warning if that is not ``device_id``.
     """
     if not optimizer.state:
         return
-    optimizer_state(optimizer).onload("optim")
+    state = optimizer_state(optimizer)
+    want = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    elsewhere = sorted({str(s.device) for s in state.slots("optim") if s.device.type != want.type or (want.index is not None and s.device.index not in (None, want.index))})
+    if elsewhere:
+        warnings.warn(f"load_fsdp_optimizer: the optimizer state goes back to {', '.join(elsewhere)}, where it lived, not to {want}", stacklevel=2)
+    state.onload("optim")
 
 
 def _first_dtensor_spec(model: Any, function: str) -> Any:
