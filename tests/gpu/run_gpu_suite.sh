@@ -3,6 +3,7 @@
 #   WHAT=tests bash tests/gpu/run_gpu_suite.sh     # every test (CPU ones too) on CUDA + the state machine on CUDA
 #   WHAT=bench bash tests/gpu/run_gpu_suite.sh     # torch, megatron, fsdp2, checkpoint benchmarks
 #   WHAT=tms bash tests/gpu/run_gpu_suite.sh       # address-stable mode vs torch_memory_saver (+ .gpu-extra/tms_probe.py if there)
+#   WHAT=verl bash tests/gpu/run_gpu_suite.sh      # verl 0.9.1's functions vs the drop-ins (.whl-verl/ carried; VERL_ARGS for the bench)
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
 # megatron-core and torch_memory_saver travel as wheels in .whl/ (see ../shared/GPU.md), installed into .site/.
 set -uo pipefail
@@ -56,6 +57,12 @@ if [[ $WHAT == *bench* ]]; then
       timeout $limit python3 benchmarks/${b}_bench.py --out "$RES" $args 2>&1 | tail -40 || status=1
     fi
   done
+fi
+if [[ $WHAT == *verl* ]]; then  # needs .whl-verl/verl-0.9.1-py3-none-any.whl carried (docs/verl.md)
+  step verl gpu test
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verl_gpu.py 2>&1 | tail -40 || status=1
+  step verl bench
+  timeout 330 python3 benchmarks/verl_bench.py --out "$RES" ${VERL_ARGS:-} 2>&1 | tail -60 || status=1
 fi
 } 2>&1 | tee "$OUT/run.log"
 tar -czf "$OUT/results.tgz" -C "$RES" .
