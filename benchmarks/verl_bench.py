@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(install()'s default: stateshift's SAFE functions, verl's others), verl")
     ap.add_argument("--mixes", default="device,offloaded,native,mixed")
     ap.add_argument("--verl-whl", default=str(ROOT / ".whl-verl/verl-0.9.1-py3-none-any.whl"))
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--n", type=int, default=4, help="mini-batches per pi_old cycle")
     ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--name", default="verl", help="the result is <out>/<date>-<card>-<name>.json (and .png)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += data.pop("rows")
         result.update(data)
     card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
-    stem = f"{datetime.date.today()}-{card}-verl"
+    stem = f"{datetime.date.today()}-{card}-{args.name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     try:
         _plot(result, out / f"{stem}.png")
