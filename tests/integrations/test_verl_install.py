@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,58 @@ from stateshift.integrations.verl.install import TARGETS
 
 MEGATRON = TARGETS["verl.utils.megatron_utils"]
 FSDP = TARGETS["verl.utils.fsdp_utils"]
+
+
+#: a stand-in for verl's separate-async worker and its engine: saved models by key, the strategy handlers
+#: imported at call time, the engine's offload functions imported at module level
+WORKER = textwrap.dedent("""
+    from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
+
+
+    class Worker:
+        def __init__(self, module, param_offload):
+            self.module, self.param_offload, self.cpu_saved_models = module, param_offload, {}
+
+        def handlers(self):
+            from verl.utils.megatron_utils import copy_megatron_model_to_cpu, restore_megatron_model_from_cpu
+            return copy_megatron_model_to_cpu, restore_megatron_model_from_cpu
+
+        def save_model_to_cpu(self, n):
+            self.cpu_saved_models[n] = self.handlers()[0](self.module)
+
+        def restore_model_from_cpu(self, n):
+            if n in self.cpu_saved_models:
+                self.handlers()[1](self.module, self.cpu_saved_models[n])
+
+        def clear_cpu_model(self, n):
+            if n in self.cpu_saved_models:
+                del self.cpu_saved_models[n]
+
+        def to(self, device, grad=True):
+            if not self.param_offload:
+                return
+            if device == "cuda":
+                load_megatron_model_to_gpu(self.module, load_grad=grad)
+            else:
+                offload_megatron_model_to_cpu(self.module)
+
+        def compute_log_prob(self, forward):
+            self.to("cuda", grad=False)
+            out = forward()
+            self.to("cpu")
+            return out
+
+        def compute_old_log_prob(self, k, forward):
+            if k == 1:
+                self.save_model_to_cpu(1)
+                return self.compute_log_prob(forward)
+            self.save_model_to_cpu(k)
+            self.restore_model_from_cpu(1)
+            out = self.compute_log_prob(forward)
+            self.restore_model_from_cpu(k)
+            self.clear_cpu_model(k)
+            return out
+    """)
 
 
 def _stub(names):
@@ -58,6 +111,7 @@ def fake_verl(tmp_path, monkeypatch):
                     return copy_megatron_model_to_cpu, restore_megatron_model_from_cpu
                 """),
             "verl/unrelated.py": "def copy_megatron_model_to_cpu(models):\n    return 'mine'\n",
+            "verl/workers/separation_worker.py": WORKER,
         }
         for rel, text in files.items():
             path = tmp_path / rel
@@ -172,3 +226,44 @@ def test_import_brings_in_nothing_from_verl():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_stand_in_worker_runs_verls_sequence_on_the_drop_ins_unchanged(fake_verl):
+    """After install(), a worker written against verl's functions (its stand-in above: nothing of it knows
+    stateshift) runs the fully-async pi_old sequence with param offload on the fake Megatron MoE model: old
+    log-probs and final weights equal a twin whose pi_old is a plain clone and which never moves."""
+    import torch
+    from fakes.mcore import fake_train_step
+    from fakes.mcore.setups import _x, after_steps
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from verl_sequence import reference_fns, weights
+
+    fake_verl()
+    V.install()
+    worker = importlib.import_module("verl.workers.separation_worker")
+    ddp, opt = after_steps("distrib_ep", 1)
+    twin, twin_opt = after_steps("distrib_ep", 1)
+    w, ref = worker.Worker([ddp], param_offload=True), reference_fns()
+    w.to("cpu")
+    pi_old, got, want = None, [], []
+    for step in range(6):
+        k = step % 3 + 1
+        got.append(w.compute_old_log_prob(k, lambda: ddp(_x(50 + step)).detach().clone()))
+        if k == 1:  # the current weights are pi_old: computed as they are (the forward's buffer updates stay)
+            pi_old = ref.copy([twin])
+            want.append(twin(_x(50 + step)).detach().clone())
+        else:
+            current = ref.copy([twin])
+            ref.restore([twin], pi_old)
+            want.append(twin(_x(50 + step)).detach().clone())
+            ref.restore([twin], current)
+        w.to("cuda")
+        loss = fake_train_step(ddp, opt, _x(step))
+        assert loss == fake_train_step(twin, twin_opt, _x(step))
+        w.to("cpu")
+    assert all(isinstance(h, V.SnapshotHandle) for h in w.cpu_saved_models.values()) and list(w.cpu_saved_models) == [1]
+    w.to("cuda")
+    assert [torch.equal(a, b) for a, b in zip(got, want, strict=True)] == [True] * 6
+    final, ref_final = weights([ddp]), weights([twin])
+    assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
