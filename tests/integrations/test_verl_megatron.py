@@ -363,3 +363,18 @@ def test_two_threads_share_one_state_and_lose_nothing():
     assert len({id(s) for s in states}) == 1
     V.load_megatron_model_to_gpu(models)
     assert_same(weights(models), truth)
+
+
+def test_the_same_first_chunk_with_other_chunks_closes_the_old_state_with_a_warning():
+    ddp, _ = after_steps("dense_float16", 1)
+    second, _ = after_steps("dense_float16", 1)
+    truth = weights([ddp])
+    handle = V.copy_megatron_model_to_cpu([ddp])
+    V.offload_megatron_model_to_cpu([ddp])
+    old = V.model_state([ddp])
+    with pytest.warns(UserWarning, match="chunks changed"):
+        new = V.model_state([ddp, second])
+    assert old.closed and new is not old
+    assert_same(weights([ddp]), truth)  # closing brought the offloaded values back
+    with pytest.raises(SnapshotHandleError, match="closed"):
+        V.restore_megatron_model_from_cpu([ddp, second], handle)
