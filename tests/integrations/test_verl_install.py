@@ -267,3 +267,36 @@ def test_a_stand_in_worker_runs_verls_sequence_on_the_drop_ins_unchanged(fake_ve
     assert [torch.equal(a, b) for a, b in zip(got, want, strict=True)] == [True] * 6
     final, ref_final = weights([ddp]), weights([twin])
     assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
+
+
+def test_autoinstall_through_verls_external_modules_hook(tmp_path):
+    """``VERL_USE_EXTERNAL_MODULES=stateshift.integrations.verl.autoinstall``: the stand-in ``verl/__init__.py``
+    imports the named modules at its end, as verl 0.9.1's does; an engine imported afterwards runs the drop-ins."""
+    import subprocess
+
+    init = textwrap.dedent("""
+        import importlib, os
+        __version__ = "0.9.1"
+        for name in filter(None, os.getenv("VERL_USE_EXTERNAL_MODULES", "").split(",")):
+            importlib.import_module(name)
+        """)
+    files = {"verl/__init__.py": init, "verl/utils/__init__.py": "", "verl/utils/megatron_utils.py": _stub(MEGATRON),
+             "verl/utils/fsdp_utils.py": _stub(FSDP), "verl/workers/__init__.py": "", "verl/workers/separation_worker.py": WORKER}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    code = textwrap.dedent("""
+        import verl.workers.separation_worker as w, verl.utils.fsdp_utils as fu
+        import stateshift.integrations.verl as V
+        from stateshift.integrations.verl.autoinstall import INSTALLATION
+        assert w.offload_megatron_model_to_cpu is V.offload_megatron_model_to_cpu
+        assert w.Worker(None, False).handlers() == (V.copy_megatron_model_to_cpu, V.restore_megatron_model_from_cpu)
+        assert fu.offload_fsdp_optimizer is V.offload_fsdp_optimizer  # STATESHIFT_VERL_FUNCTIONS=all
+        assert V.SETTINGS.placement == "device" and INSTALLATION is V.installed()
+        print("ok")
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)]),
+           "VERL_USE_EXTERNAL_MODULES": "stateshift.integrations.verl.autoinstall",
+           "STATESHIFT_VERL_FUNCTIONS": "all", "STATESHIFT_VERL_PLACEMENT": "device"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -12,6 +12,10 @@ or put them in place of verl's, wherever verl's modules bound them::
     ...
     ss_verl.uninstall()      # verl's own functions back
 
+or, in every verl process at once (its Ray workers too), through verl's own hook::
+
+    VERL_USE_EXTERNAL_MODULES=stateshift.integrations.verl.autoinstall python3 -m verl.trainer.main_ppo ...
+
 Each model (and each optimizer) verl passes in gets one ``ModelState``,
 found again from the object on every call (``registry.py``). What the copy
 functions return is an opaque ``SnapshotHandle``; the restore functions
