@@ -378,3 +378,24 @@ def test_the_same_first_chunk_with_other_chunks_closes_the_old_state_with_a_warn
     assert_same(weights([ddp]), truth)  # closing brought the offloaded values back
     with pytest.raises(SnapshotHandleError, match="closed"):
         V.restore_megatron_model_from_cpu([ddp, second], handle)
+
+
+def test_an_offload_that_cannot_get_host_memory_changes_nothing():
+    """The pool's budget is too small for the params: ``PoolBudgetError``, and the model (grads too) is as it was."""
+    from stateshift import PoolBudgetError
+
+    ddp, opt = after_steps("distrib_ep", 1)
+    models = [ddp]
+    state = V.model_state(models)
+    truth = weights(models)
+    grads = [b.grad_data.clone() for b in bufs(ddp)]
+    state.pool.budget_bytes = 16
+    with pytest.raises(PoolBudgetError):
+        V.offload_megatron_model_to_cpu(models)
+    assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
+    assert_same(weights(models), truth)
+    assert all(torch.equal(b.grad_data, g) for b, g in zip(bufs(ddp), grads, strict=True))
+    state.pool.budget_bytes = None
+    V.offload_megatron_model_to_cpu(models)
+    V.load_megatron_model_to_gpu(models)
+    assert_same(weights(models), truth)

@@ -40,13 +40,9 @@ from .registry import SnapshotHandle, check_handle, model_state, optimizer_state
 
 
 def _flat_grads(name: str) -> bool:
-    """The DDP flat grad buffers (and the ``main_grad`` views in them): released without values on offload."""
+    """The DDP flat grad buffers (and the ``main_grad`` views in them): released without values on offload;
+    the ``.grad`` of params outside the buffers (unwrapped chunks) is kept, as verl keeps it."""
     return name.endswith(".grad_data") or name.endswith(".main_grad")
-
-
-def _loose_grads(name: str) -> bool:
-    """``.grad`` of params outside the DDP buffers (unwrapped chunks): kept on offload, as verl keeps them."""
-    return name.endswith(".grad")
 
 
 def _is_master(name: str) -> bool:
@@ -90,8 +86,9 @@ def offload_megatron_model_to_cpu(models: Any) -> None:
         ForeignStateError: a storage released by someone else with no values anywhere.
     """
     state = model_state(models)
+    # one offload (it allocates: if it fails, nothing changed), then the release of the flat grads (it cannot fail)
+    state.offload(["params", "frozen", "buffers", "grads"], only=lambda name: not _flat_grads(name))
     state.drop("grads", only=_flat_grads)
-    state.offload(["params", "frozen", "buffers", "grads"])  # dropped grads stay dropped
     _clear_fp8_workspaces(models)
 
 
