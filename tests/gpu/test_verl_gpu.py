@@ -44,7 +44,7 @@ def _args(**kw) -> argparse.Namespace:
 def _impls(module: str) -> dict:
     from stateshift.integrations import verl as ours
 
-    impls = {"stateshift": ours}
+    impls = {"stateshift": ours, "stateshift-device": ours}  # pi_old in pinned host memory / in GPU memory
     if WHEEL.exists():
         import types
 
@@ -62,7 +62,7 @@ def _impls(module: str) -> dict:
 def _check(rows) -> None:
     for r in rows:
         print(r["model"], r["impl"], r["mix"], "mismatches", r["mismatches"], "final_equal", r["final_equal"], "error", r["error"])
-    ours = [r for r in rows if r["impl"] in ("stateshift", "default-install")]
+    ours = [r for r in rows if r["impl"] in ("stateshift", "stateshift-device", "default-install")]
     assert ours
     for r in ours:
         assert r["error"] is None, (r["mix"], r["where"])
