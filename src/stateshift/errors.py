@@ -228,3 +228,66 @@ class CheckpointMismatchError(CheckpointError, LayoutMismatchError):
         self.detail = self.reason = detail
         self.field = field
         Exception.__init__(self, f"tensor '{name}': {detail}")
+
+
+# --------------------------------------------------------------------------- weight sync (stateshift.rl.sync)
+
+
+class SyncError(StateShiftError, RuntimeError):
+    """Base class of every weight-sync error: weights published by one process to others."""
+
+
+class ReceiverLostError(SyncError):
+    """A receiver died, hung or lagged past the publisher's timeout; the publisher reclaimed what it held.
+
+    ``receiver`` is the receiver's name, ``version`` the version it held (``None`` if none), ``reason``
+    one of ``"died"`` or ``"timeout"``. The publisher records it (``WeightPublisher.lost``) and goes on.
+    """
+
+    def __init__(self, receiver: str, version: int | None, reason: str, detail: str = "") -> None:
+        self.receiver = receiver
+        self.version = version
+        self.reason = reason
+        held = f"holding version {version}" if version is not None else "holding no version"
+        super().__init__(f"weight receiver {receiver!r} {reason} ({held}){': ' + detail if detail else ''}")
+
+
+class VersionReclaimedError(SyncError):
+    """A receiver's version was reclaimed by the publisher while the receiver read it (it held it past
+    the timeout): what it read may mix versions and must be discarded. ``receiver`` and ``version`` name it."""
+
+    def __init__(self, receiver: str, version: int, detail: str = "") -> None:
+        self.receiver = receiver
+        self.version = version
+        super().__init__(f"version {version} held by weight receiver {receiver!r} was reclaimed by the publisher"
+                         f"{': ' + detail if detail else ''}; read it again")
+
+
+class SyncBudgetError(SyncError, MemoryError):
+    """Publishing would exceed the publisher's byte budget because receivers still hold older versions.
+    ``holders`` lists ``(receiver, version)``; nothing was published and nothing changed."""
+
+    def __init__(self, message: str, holders: tuple[tuple[str, int], ...] = ()) -> None:
+        self.holders = holders
+        super().__init__(message)
+
+
+class SyncTimeoutError(SyncError, TimeoutError):
+    """No version at least ``min_version`` became visible within the receiver's timeout
+    (``publisher_alive`` says whether the publisher still runs)."""
+
+    def __init__(self, message: str, min_version: int | None = None, publisher_alive: bool = True) -> None:
+        self.min_version = min_version
+        self.publisher_alive = publisher_alive
+        super().__init__(message)
+
+
+class MailboxError(SyncError, ValueError):
+    """A sync handle or the publisher's mailbox/manifest holds something a receiver refuses to act on
+    (bad JSON, a file name outside the sync directory, sizes past a file's end, an unknown dtype).
+    ``path`` names the file, ``field`` the offending entry. Nothing was read or mapped past the check."""
+
+    def __init__(self, path: str, field: str, reason: str) -> None:
+        self.path = path
+        self.field = field
+        super().__init__(f"sync mailbox {path!r}: {field}: {reason}")

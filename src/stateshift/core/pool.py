@@ -28,6 +28,14 @@ block is never rewritten while a copy still reads or writes it.
 
 On a machine without an accelerator (or with ``pin=False``) blocks are plain
 host memory; everything else behaves the same.
+
+Shared blocks (``HostPool(shared=True)``): each block is a file in ``shm_dir``
+(``/dev/shm``: memory, not disk) of exactly its size, mapped ``MAP_SHARED``
+and registered like any other block, so another process can map the same
+pages (``HostBlock.file``) and read a snapshot or a home without a copy
+(``stateshift.rl.sync``). The file is named after this process's id; it is
+removed when the block is freed, when the pool goes, at exit, and -- for a
+process that was killed -- by the next shared pool that starts on the machine.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import threading
 import warnings
 import weakref
@@ -60,6 +69,9 @@ MMAP_MIN_BYTES = 1 << 20
 #: two such parts up (module doc).
 TOUCH_MIN_BYTES = 64 << 20
 TOUCH_THREADS = 16
+#: Name of a shared block's file: ``stateshift-pool-<pid>-<pool>-<n>``.
+SHARED_PREFIX = "stateshift-pool-"
+_SHARED_NAME = re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+")
 
 
 @dataclass(eq=False)
@@ -77,6 +89,8 @@ class HostBlock:
     refs: int = 0
     pending: Transfer | None = None
     _mm: mmap.mmap | None = field(default=None, repr=False)
+    #: the file behind a shared block (``HostPool(shared=True)``), ``None`` otherwise
+    path: str | None = None
     _regions_layout: object = field(default=None, repr=False)
     _regions: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -90,6 +104,12 @@ class HostBlock:
     @property
     def shared(self) -> bool:
         return self.refs > 1
+
+    @property
+    def file(self) -> tuple[str, int, int] | None:
+        """``(path, offset, nbytes)`` of this block's bytes in a file another process can map
+        (a block of a shared pool), or ``None``. Safe to read there only after ``sync()`` here."""
+        return None if self.path is None else (self.path, 0, self.nbytes)
 
     def sync(self) -> None:
         """Block the host until the last transfer touching this block has completed."""
@@ -153,9 +173,19 @@ class HostPool:
         budget_bytes: the most bytes the pool may hold (in use plus idle).
             Idle blocks are freed to make room; past that ``acquire`` raises
             ``PoolBudgetError`` and changes nothing.
+        shared: back every block by a file in ``shm_dir`` that other processes
+            can map (``HostBlock.file``; module doc).
+        shm_dir: where shared blocks' files live.
     """
 
-    def __init__(self, *, pin: bool | Literal["auto"] = "auto", budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        pin: bool | Literal["auto"] = "auto",
+        budget_bytes: int | None = None,
+        shared: bool = False,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', not {pin!r}")
         if budget_bytes is not None and budget_bytes < 0:
@@ -167,6 +197,13 @@ class HostPool:
             )
         self.pinned: bool = cuda if pin == "auto" else bool(pin)
         self.budget_bytes = budget_bytes
+        self.shared = bool(shared)
+        self.shm_dir = shm_dir
+        if self.shared:
+            if not os.path.isdir(shm_dir):
+                raise ValueError(f"shm_dir {shm_dir!r} is not a directory")
+            remove_stale_files(shm_dir, _SHARED_NAME)
+        self._serial = 0
         self._lock = threading.Lock()
         self._idle: dict[int, list[HostBlock]] = {}
         self._in_use: set[int] = set()
@@ -283,9 +320,26 @@ class HostPool:
                 del self._idle[size]
         return freed
 
+    def _shared_map(self, nbytes: int) -> tuple[mmap.mmap, str]:
+        """A new file of exactly ``nbytes`` bytes in ``shm_dir``, mapped shared (private to this user)."""
+        self._serial += 1
+        path = os.path.join(self.shm_dir, f"{SHARED_PREFIX}{os.getpid()}-{id(self):x}-{self._serial}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), path
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
     def _allocate(self, nbytes: int) -> HostBlock:
-        mm = None
-        if nbytes >= MMAP_MIN_BYTES:
+        mm, path = None, None
+        if self.shared and nbytes > 0:
+            mm, path = self._shared_map(nbytes)
+            data = torch.frombuffer(mm, dtype=torch.uint8)
+        elif nbytes >= MMAP_MIN_BYTES:
             mm = mmap.mmap(-1, nbytes)
             data = torch.frombuffer(mm, dtype=torch.uint8)
         else:
@@ -299,7 +353,7 @@ class HostPool:
                 pinned = True
             except PinningUnavailableError as exc:
                 warnings.warn(f"{exc}; this block stays pageable (copies to and from it are slower)", stacklevel=3)
-        block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm)
+        block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm, path=path)
         self._blocks[id(block)] = block
         self._held += nbytes
         _log.debug("host pool: new %s block of %d bytes (%d held)", "pinned" if pinned else "pageable", nbytes, self._held)
@@ -318,13 +372,56 @@ class HostPool:
         if block._mm is not None:
             block._mm.close()
             block._mm = None
+        _unlink(block)
 
     @staticmethod
     def _free_all(blocks: dict[int, HostBlock]) -> None:
         for block in list(blocks.values()):
+            _unlink(block)
             if block.pinned and torch.cuda.is_available():
                 try:
                     block.sync()
                     _cuda_unregister(block.data.data_ptr())
                 except Exception:  # interpreter shutdown: best effort
                     pass
+
+
+def _unlink(block: HostBlock) -> None:
+    """Remove a shared block's file (processes that mapped it keep their mapping)."""
+    if block.path is not None:
+        try:
+            os.unlink(block.path)
+        except FileNotFoundError:
+            pass
+        block.path = None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (a zombie counts as alive until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_files(directory: str, pattern: re.Pattern[str]) -> int:
+    """Remove the files in ``directory`` whose whole name matches ``pattern`` (its group 1 a process id)
+    and whose process is gone: what a killed process left behind. Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed

@@ -1,0 +1,189 @@
+"""The control plane of one publisher on one machine: a small JSON mailbox in ``/dev/shm`` and flocks.
+
+Files, all named ``<prefix>...`` in the handle's directory (``<prefix>`` is
+``stateshift-sync-<publisher pid>-<token>``):
+
+- ``<prefix>.json``: the mailbox -- the versions visible now (the highest is
+  the latest), and one entry per receiver: the version it holds, since when,
+  and the version the publisher reclaimed from it (if any). Replaced whole by
+  an atomic ``rename``, so a reader never sees half of it.
+- ``<prefix>-v<version>.json``: a version's manifest (``manifest.py``), written
+  once before the version is listed, removed after it is unlisted.
+- ``<prefix>.lock``: ``flock``ed around every read-modify-write of the mailbox
+  (short critical sections; a lock dies with its process, so a crash never
+  leaves it held).
+- ``<prefix>.alive`` and ``<prefix>.r.<receiver>.alive``: each held under an
+  exclusive ``flock`` by its process for its whole life; whoever can take
+  the lock knows the holder is dead (immune to process-id reuse).
+
+Why a version is never torn: a version's bytes are written before it is
+listed and are not written again until it is unlisted; the publisher unlists
+a version only under the lock, only if no live receiver's entry holds it, and
+a receiver marks the version it reads in its entry under the same lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ...core.pool import remove_stale_files
+from ...errors import MailboxError
+from .handle import NAME
+from .manifest import Manifest
+
+MAGIC = "stateshift-sync/1"
+MAX_MAILBOX_BYTES = 4 << 20
+STALE = re.compile(r"stateshift-sync-(\d+)-[0-9a-f]+(\.json|\.lock|\.alive|\.r\..+\.alive|-v\d+\.json|.*\.tmp)")
+
+
+class Mailbox:
+    """One publisher's mailbox files (see the module doc); used by the publisher and its receivers."""
+
+    def __init__(self, directory: str, prefix: str) -> None:
+        self.directory = directory
+        self.prefix = prefix
+        self.path = os.path.join(directory, prefix + ".json")
+        self._lock_fd: int | None = None
+        self._threads = threading.Lock()  # a flock excludes other processes only, not this one's threads
+
+    # -- files ---------------------------------------------------------------------------------
+    def manifest_path(self, version: int) -> str:
+        return os.path.join(self.directory, f"{self.prefix}-v{version}.json")
+
+    def alive_path(self, receiver: str | None) -> str:
+        return os.path.join(self.directory, f"{self.prefix}.alive" if receiver is None else f"{self.prefix}.r.{receiver}.alive")
+
+    @staticmethod
+    def remove_stale(directory: str) -> int:
+        """Remove the mailbox files of publishers whose process is gone."""
+        return remove_stale_files(directory, STALE)
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+    def _read_file(self, path: str, limit: int) -> bytes:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise MailboxError(path, "file", f"cannot open: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise MailboxError(path, "size", f"{size} bytes, more than {limit}")
+            return os.read(fd, size + 1)[:limit + 1]
+        finally:
+            os.close(fd)
+
+    # -- the mailbox ------------------------------------------------------------------------------
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the mailbox lock (exclusive ``flock``, and a thread lock; keep the section short)."""
+        with self._threads:
+            if self._lock_fd is None:
+                self._lock_fd = os.open(os.path.join(self.directory, self.prefix + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def read(self) -> dict[str, Any]:
+        """The mailbox, checked field by field (``MailboxError``)."""
+        raw = self._read_file(self.path, MAX_MAILBOX_BYTES)
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MailboxError(self.path, "json", str(exc)) from None
+        return _checked(obj, self.path)
+
+    def write(self, state: dict[str, Any]) -> None:
+        self._write_atomic(self.path, json.dumps(state).encode())
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self._write_atomic(self.manifest_path(manifest.version), manifest.to_json())
+
+    def read_manifest(self, version: int) -> Manifest:
+        from .manifest import MAX_MANIFEST_BYTES
+
+        path = self.manifest_path(version)
+        m = Manifest.parse(self._read_file(path, MAX_MANIFEST_BYTES), path)
+        if m.version != version:
+            raise MailboxError(path, "version", f"says {m.version}, listed as {version}")
+        return m
+
+    # -- liveness -------------------------------------------------------------------------------
+    def hold_alive(self, receiver: str | None) -> int:
+        """Take the exclusive lock that says this process (the publisher, or ``receiver``) lives; returns
+        its descriptor (closing it, or dying, lets go). ``MailboxError`` if a live process holds it."""
+        fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise MailboxError(self.alive_path(receiver), "name", f"{receiver or 'the publisher'} is already running") from None
+        return fd
+
+    def is_alive(self, receiver: str | None) -> bool:
+        """Whether the process that holds ``receiver``'s (or the publisher's) alive lock still runs."""
+        try:
+            fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def remove(self, versions: list[int], receivers: list[str]) -> None:
+        """Remove the mailbox's files (the publisher's close)."""
+        paths = [self.path, self.alive_path(None), os.path.join(self.directory, self.prefix + ".lock")]
+        paths += [self.manifest_path(v) for v in versions] + [self.alive_path(r) for r in receivers]
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def new_state() -> dict[str, Any]:
+    return {"magic": MAGIC, "versions": [], "receivers": {}, "closed": False}
+
+
+def _checked(obj: object, path: str) -> dict[str, Any]:
+    if not isinstance(obj, dict) or obj.get("magic") != MAGIC:
+        raise MailboxError(path, "magic", "not a stateshift sync mailbox")
+    versions, receivers = obj.get("versions"), obj.get("receivers")
+    if not isinstance(versions, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+        raise MailboxError(path, "versions", f"{str(versions)[:80]!r} is not a list of integers")
+    if not isinstance(receivers, dict) or not isinstance(obj.get("closed"), bool):
+        raise MailboxError(path, "receivers", "not an object")
+    for name, entry in receivers.items():
+        ok = NAME.fullmatch(name) is not None and isinstance(entry, dict)
+        ok = ok and all(entry.get(k) is None or isinstance(entry.get(k), (int, float)) for k in ("holding", "since", "reclaimed"))
+        if not ok:
+            raise MailboxError(path, f"receiver {name[:64]!r}", "malformed entry")
+    return obj

@@ -1,0 +1,175 @@
+"""The manifest of one published version: which tensors, where their bytes are, checked before use.
+
+A manifest is plain JSON written by the publisher once, before the version
+becomes visible, and never changed. A receiver trusts nothing in it: every
+file name must be a bare name of the kind the transport uses (no path, no
+``..``), every dtype one torch knows, every tensor's extent inside its part's
+bytes; anything else is a ``MailboxError`` raised before any byte is mapped
+or read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.layout import dtype_of
+from ...core.snapshot import SnapshotPart
+from ...errors import MailboxError
+
+#: Bare names a shared_host part's file may have: a shared ``HostPool`` block.
+POOL_FILE = re.compile(r"stateshift-pool-\d{1,10}-[0-9a-f]{1,32}-\d{1,12}")
+#: Limits a receiver holds a manifest to before it believes it.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_NAME_CHARS = 4096
+MAX_DIMS = 64
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One named tensor: its dtype, shape, stride (elements) and byte offset inside its part."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def extent(self) -> int:
+        """Bytes from ``offset`` to one past the tensor's last element."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        last = sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=True))
+        return (last + 1) * dtype_of(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
+
+    def view(self, arena: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view of ``arena`` (the part's bytes, uint8)."""
+        dtype = dtype_of(self.dtype)
+        typed = arena.view(dtype) if arena.numel() % dtype.itemsize == 0 else arena[: arena.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        return typed.as_strided(self.shape, self.stride, self.offset // dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class PartEntry:
+    """One group's bytes: a file (``shared_host``), an IPC handle (``cuda_ipc``) or a span of a broadcast."""
+
+    group: str
+    size: int
+    tensors: tuple[TensorEntry, ...]
+    file: str | None = None
+    ipc: dict[str, Any] | None = None
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a receiver needs to find version ``version``'s tensors."""
+
+    version: int
+    transport: str
+    parts: tuple[PartEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.size for p in self.parts)
+
+    def names(self) -> list[str]:
+        return [t.name for p in self.parts for t in p.tensors]
+
+    def entries(self) -> Iterator[tuple[PartEntry, TensorEntry]]:
+        for p in self.parts:
+            for t in p.tensors:
+                yield p, t
+
+    def to_json(self) -> bytes:
+        parts = [{"group": p.group, "size": p.size, "file": p.file, "ipc": p.ipc, "offset": p.offset,
+                  "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset] for t in p.tensors]}
+                 for p in self.parts]
+        return json.dumps({"version": self.version, "transport": self.transport, "parts": parts}).encode()
+
+    @staticmethod
+    def parse(raw: bytes, where: str) -> Manifest:
+        """A manifest from its JSON, every field checked (``MailboxError`` naming ``where`` and the field)."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise MailboxError(where, "size", f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}")
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MailboxError(where, "json", str(exc)) from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("parts"), list):
+            raise MailboxError(where, "parts", "not a JSON object with a list of parts")
+        version, transport = obj.get("version"), obj.get("transport")
+        if not _is_int(version) or not isinstance(transport, str):
+            raise MailboxError(where, "version", f"version {version!r} / transport {transport!r}")
+        parts = tuple(_parse_part(p, where, i) for i, p in enumerate(obj["parts"]))
+        seen: set[str] = set()
+        for p in parts:
+            for t in p.tensors:
+                if t.name in seen:
+                    raise MailboxError(where, f"tensor {t.name!r}", "named twice")
+                seen.add(t.name)
+        return Manifest(version=version, transport=transport, parts=parts)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_part(p: object, where: str, i: int) -> PartEntry:
+    if not isinstance(p, dict):
+        raise MailboxError(where, f"part {i}", "not an object")
+    size, file, ipc, offset, group = p.get("size"), p.get("file"), p.get("ipc"), p.get("offset", 0), p.get("group")
+    if not _is_int(size) or size < 0 or not _is_int(offset) or offset < 0 or not isinstance(group, str):
+        raise MailboxError(where, f"part {i}", f"size {size!r}, offset {offset!r}, group {group!r}")
+    if file is not None and (not isinstance(file, str) or POOL_FILE.fullmatch(file) is None):
+        raise MailboxError(where, f"part {i} file", f"{file!r} is not the bare name of a shared pool block")
+    if ipc is not None and not isinstance(ipc, dict):
+        raise MailboxError(where, f"part {i} ipc", "not an object")
+    raw = p.get("tensors")
+    if not isinstance(raw, list):
+        raise MailboxError(where, f"part {i} tensors", "not a list")
+    tensors = tuple(_parse_tensor(t, where, size) for t in raw)
+    return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset)
+
+
+def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
+    if not isinstance(t, list) or len(t) != 5:
+        raise MailboxError(where, "tensor", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset]")
+    name, dtype, shape, stride, offset = t
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise MailboxError(where, "tensor name", f"{str(name)[:80]!r}")
+    try:
+        itemsize = dtype_of(dtype).itemsize if isinstance(dtype, str) else 0
+    except KeyError:
+        itemsize = 0
+    if itemsize == 0:
+        raise MailboxError(where, f"tensor {name!r} dtype", f"{str(dtype)[:40]!r} is not a torch dtype")
+    dims_ok = isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) <= MAX_DIMS
+    if not dims_ok or not all(_is_int(n) and 0 <= n < 1 << 48 for n in [*shape, *stride]):
+        raise MailboxError(where, f"tensor {name!r} shape", f"shape {str(shape)[:80]} stride {str(stride)[:80]}")
+    if not _is_int(offset) or offset < 0 or offset % itemsize:
+        raise MailboxError(where, f"tensor {name!r} offset", f"{offset!r} is not a non-negative multiple of {itemsize}")
+    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset)
+    if offset + entry.extent > size:
+        raise MailboxError(where, f"tensor {name!r}", f"bytes [{offset}, {offset + entry.extent}) past its part's {size}")
+    return entry
+
+
+def part_entry(part: SnapshotPart, *, file: str | None = None, ipc: dict[str, Any] | None = None, offset: int = 0) -> PartEntry:
+    """The manifest entry of one snapshot part: every member of every slot at its byte offset in the part."""
+    tensors = []
+    for slot, base in zip(part.layout.slots, part.layout.offsets, strict=True):
+        for m in slot.members:
+            tensors.append(TensorEntry(name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset))
+    return PartEntry(group=part.group, size=part.layout.total, tensors=tuple(tensors), file=file, ipc=ipc, offset=offset)

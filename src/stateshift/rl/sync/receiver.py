@@ -1,0 +1,350 @@
+"""``WeightReceiver``: the receiving side of weight sync, in any process on the publisher's machine
+(``shared_host``, ``cuda_ipc``) or on any machine (``broadcast``).
+
+A receiver holds one version at a time: ``receive()`` marks the latest listed
+version as held (under the mailbox lock), reads it, and lets it go; the
+publisher never rewrites or frees a held version (``mailbox.py``), unless the
+receiver holds a superseded version past the publisher's timeout -- then
+letting go raises ``VersionReclaimedError`` and what was read must be
+discarded (``load_into`` reads again by itself).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...backends.torch import named_buffers, named_parameters
+from ...errors import LayoutMismatchError, MailboxError, SyncError, SyncTimeoutError, VersionReclaimedError
+from ...core.layout import dtype_of
+from .handle import NAME, SyncHandle
+from .mailbox import Mailbox
+from .manifest import Manifest
+from .shared_host import HostMaps
+
+Target = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One version received.
+
+    ``wait_s``: seconds spent waiting for a version at least ``min_version`` to be listed;
+    ``pause_s``: seconds from holding the version to letting it go -- how long the reader was blocked
+    (for ``load_into``, the copy into the target; for ``receive``, the body of the ``with`` too);
+    ``gbps``: ``nbytes`` over ``pause_s``.
+    """
+
+    version: int
+    nbytes: int
+    transport: str
+    wait_s: float
+    pause_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.pause_s / 1e9 if self.pause_s > 0 else float("inf")
+
+
+class WeightReceiver:
+    """Receives the versions a ``WeightPublisher`` publishes.
+
+    Args:
+        handle: the publisher's ``SyncHandle`` (or its ``to_json()`` text); checked field by field.
+        name: this receiver's name (letters, digits, ``_.-``), unique among the publisher's receivers;
+            the publisher's errors about it name it.
+        device: where ``receive()`` yields tensors: ``None`` (default) yields views of the published
+            memory itself (host for ``shared_host``, the publisher's device memory for ``cuda_ipc``);
+            a device (``"cuda"``) stages each version there first and lets the published one go at once.
+        timeout_s: default seconds ``receive``/``load_into`` wait for a version.
+
+    Raises: ``MailboxError`` for a handle or mailbox that does not check out; ``SyncError`` if the
+    publisher is closed.
+    """
+
+    def __init__(self, handle: SyncHandle | str, *, name: str, device: str | torch.device | None = None, timeout_s: float = 60.0) -> None:
+        if NAME.fullmatch(name) is None:
+            raise ValueError(f"receiver name {name!r}: 1-64 letters, digits, '_', '.' or '-'")
+        self.handle = SyncHandle.from_json(handle) if isinstance(handle, (str, bytes)) else handle.checked()
+        self.name = name
+        self.device = None if device is None else torch.device(device)
+        self.timeout_s = timeout_s
+        self.transport = self.handle.transport
+        #: the last version received (``None`` before the first)
+        self.last_receipt: Receipt | None = None
+        self._staging: dict[int, torch.Tensor] = {}
+        self._closed = False
+        self._link: Any = None
+        self.mailbox: Mailbox | None = None
+        if self.transport == "broadcast":
+            from .broadcast import BroadcastLink
+
+            self._link = BroadcastLink(self.handle, self.device)
+            return
+        self.mailbox = Mailbox(self.handle.directory, self.handle.prefix)
+        self._maps = HostMaps(self.handle.directory, register=self.device is not None and self.device.type == "cuda")
+        self._alive_fd = self.mailbox.hold_alive(name)
+        with self.mailbox.locked():
+            state = self.mailbox.read()
+            if state["closed"]:
+                raise SyncError(f"publisher {self.handle.publisher!r} is closed")
+            state["receivers"][name] = {"holding": None, "since": None, "reclaimed": None}
+            self.mailbox.write(state)
+
+    # -- public -------------------------------------------------------------------------------------
+    def latest_version(self) -> int | None:
+        """The newest version listed now (``broadcast``: the newest received), ``None`` if none yet."""
+        if self._link is not None:
+            return self._link.version
+        assert self.mailbox is not None
+        return max(self.mailbox.read()["versions"], default=None)
+
+    def publisher_alive(self) -> bool:
+        """Whether the publisher's process still runs (``broadcast``: whether its group is still up)."""
+        if self._link is not None:
+            return self._link.alive
+        assert self.mailbox is not None
+        return self.mailbox.is_alive(None)
+
+    @contextmanager
+    def receive(self, min_version: int | None = None, timeout: float | None = None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
+        """Hold the latest version (at least ``min_version``) and yield ``(version, pairs)``.
+
+        ``pairs`` iterates ``(name, tensor)`` in the shape vLLM's ``model.load_weights`` takes. The tensors
+        are valid only inside the ``with`` block (the version is let go at its end): copy them, never
+        keep them. A version is whole: every tensor comes from the same ``publish()``.
+
+        Raises: ``SyncTimeoutError`` if no such version is listed within ``timeout`` (default
+        ``timeout_s``); ``VersionReclaimedError`` at the end of the block if the publisher reclaimed the
+        version meanwhile (held past its ``ack_timeout_s``): discard what was read.
+        """
+        t0 = time.perf_counter()
+        version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
+        t1 = time.perf_counter()
+        if self.device is not None and any(a.device != self.device for a in arenas):
+            arenas = self._stage(arenas, let_go)
+            let_go = _nothing
+        try:
+            yield version, _pairs(manifest, arenas)
+        except BaseException:
+            try:
+                let_go()
+            except VersionReclaimedError:
+                pass
+            raise
+        let_go()
+        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
+        del t0
+
+    def load_into(self, target: Target, *, min_version: int | None = None, timeout: float | None = None) -> int:
+        """Copy the latest version (at least ``min_version``) into ``target`` in place, by name; returns its version.
+
+        ``target``: a ``torch.nn.Module`` (its parameters and persistent buffers, by ``state_dict`` name),
+        a mapping or an iterable of ``(name, tensor)``. Coverage is strict: every published tensor must
+        have a target and every target a published tensor, of the same shape and dtype; the first that
+        does not is named by a ``LayoutMismatchError`` (``field``: ``missing``, ``extra``, ``shape`` or
+        ``dtype``) raised before any byte is copied. A version reclaimed mid-copy is read again (once).
+        The target is safe to use when this returns (device copies are synchronised).
+        """
+        targets = _targets(target)
+        for attempt in (0, 1):
+            try:
+                with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
+                    _check_cover(manifest, targets)
+                    _copy(manifest, arenas, targets)
+                return version
+            except VersionReclaimedError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Leave the publisher (it stops tracking this receiver) and unmap everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+            return
+        assert self.mailbox is not None
+        try:
+            with self.mailbox.locked():
+                state = self.mailbox.read()
+                state["receivers"].pop(self.name, None)
+                self.mailbox.write(state)
+        except MailboxError:  # the publisher is gone: nothing to leave
+            pass
+        os.close(self._alive_fd)
+        try:
+            os.unlink(self.mailbox.alive_path(self.name))
+        except FileNotFoundError:
+            pass
+        self.mailbox.close()
+        self._maps.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------------
+    @contextmanager
+    def _hold_for_copy(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
+        version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
+        t1 = time.perf_counter()
+        try:
+            yield version, manifest, arenas
+        except BaseException:
+            try:
+                let_go()
+            except VersionReclaimedError:
+                pass
+            raise
+        let_go()
+        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
+
+    def _take(self, min_version: int | None, timeout: float | None) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
+        if self._closed:
+            raise SyncError(f"receiver {self.name!r} is closed")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        if self._link is not None:
+            version, manifest, arenas = self._link.next(min_version, deadline)
+            return version, manifest, arenas, _nothing, time.perf_counter() - t0
+        version = self._hold(min_version, deadline)
+        wait_s = time.perf_counter() - t0
+        try:
+            assert self.mailbox is not None
+            manifest = self.mailbox.read_manifest(version)
+            if self.transport == "cuda_ipc":
+                from .cuda_ipc import open_shared
+
+                arenas = [open_shared(p.ipc or {}, self.mailbox.manifest_path(version)) if p.size else torch.empty(0, dtype=torch.uint8) for p in manifest.parts]
+            else:
+                self._maps.sweep()
+                arenas = [self._maps.arena(p, self.mailbox.manifest_path(version)) for p in manifest.parts]
+        except BaseException:
+            try:
+                self._let_go(version)
+            except VersionReclaimedError:
+                pass
+            raise
+        return version, manifest, arenas, lambda: self._let_go(version), wait_s
+
+    def _hold(self, min_version: int | None, deadline: float) -> int:
+        """Mark the latest listed version (at least ``min_version``) as held by this receiver; returns it."""
+        assert self.mailbox is not None
+        pause = 0.001
+        while True:
+            state = self.mailbox.read()  # unlocked look first (the mailbox is replaced whole)
+            latest = max(state["versions"], default=None)
+            if state["closed"]:
+                raise SyncError(f"publisher {self.handle.publisher!r} is closed")
+            if latest is not None and (min_version is None or latest >= min_version):
+                with self.mailbox.locked():
+                    state = self.mailbox.read()
+                    latest = max(state["versions"], default=None)
+                    if latest is not None and (min_version is None or latest >= min_version):
+                        entry = state["receivers"].setdefault(self.name, {})
+                        entry.update(holding=latest, since=time.time(), reclaimed=None)
+                        self.mailbox.write(state)
+                        return latest
+            if time.monotonic() > deadline:
+                alive = self.mailbox.is_alive(None)
+                raise SyncTimeoutError(f"receiver {self.name!r}: no version >= {min_version} listed (latest {latest}); "
+                                       f"the publisher is {'alive' if alive else 'gone'}", min_version, alive)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _let_go(self, version: int) -> None:
+        """Stop holding ``version``; ``VersionReclaimedError`` if the publisher reclaimed it meanwhile."""
+        assert self.mailbox is not None
+        with self.mailbox.locked():
+            try:
+                state = self.mailbox.read()
+            except MailboxError:
+                raise VersionReclaimedError(self.name, version, "the publisher closed") from None
+            entry = state["receivers"].get(self.name)
+            held = entry is not None and entry.get("holding") == version
+            if entry is not None:
+                entry.update(holding=None, since=None, reclaimed=None)
+                self.mailbox.write(state)
+        if not held:
+            raise VersionReclaimedError(self.name, version)
+
+    def _stage(self, arenas: list[torch.Tensor], let_go: Callable[[], None]) -> list[torch.Tensor]:
+        """Copy each part to ``device`` (one buffer per part, reused), then let the published version go."""
+        assert self.device is not None
+        out = []
+        for i, arena in enumerate(arenas):
+            buf = self._staging.get(i)
+            if buf is None or buf.numel() != arena.numel():
+                buf = self._staging[i] = torch.empty(arena.numel(), dtype=torch.uint8, device=self.device)
+            buf.copy_(arena, non_blocking=True)
+            out.append(buf)
+        _synchronize([self.device])
+        let_go()
+        return out
+
+
+def _nothing() -> None:
+    return None
+
+
+def _pairs(manifest: Manifest, arenas: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for part, arena in zip(manifest.parts, arenas, strict=True):
+        for t in part.tensors:
+            yield t.name, t.view(arena)
+
+
+def _targets(target: Target) -> dict[str, torch.Tensor]:
+    if isinstance(target, torch.nn.Module):
+        return {**dict(named_parameters(target)), **dict(named_buffers(target))}
+    pairs = list(target.items()) if isinstance(target, Mapping) else list(target)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in pairs:
+        if name in out:
+            raise LayoutMismatchError(name, "named twice in the target", "extra")
+        out[name] = t
+    return out
+
+
+def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
+    """``LayoutMismatchError`` naming the first published tensor that does not fit ``targets`` (or the first
+    target nothing was published for)."""
+    seen = set()
+    for _, t in manifest.entries():
+        have = targets.get(t.name)
+        seen.add(t.name)
+        if have is None:
+            raise LayoutMismatchError(t.name, "published, but the target has no tensor of that name", "extra")
+        if tuple(have.shape) != t.shape:
+            raise LayoutMismatchError(t.name, f"published {list(t.shape)}, the target's is {list(have.shape)}", "shape")
+        if have.dtype != dtype_of(t.dtype):
+            raise LayoutMismatchError(t.name, f"published {t.dtype}, the target's is {have.dtype}", "dtype")
+    for name in targets:
+        if name not in seen:
+            raise LayoutMismatchError(name, f"in the target, but version {manifest.version} has no tensor of that name", "missing")
+
+
+def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+    devices = set()
+    with torch.no_grad():
+        for name, view in _pairs(manifest, arenas):
+            dst = targets[name]
+            dst.copy_(view, non_blocking=True)
+            devices.add(dst.device)
+    _synchronize(devices)
+
+
+def _synchronize(devices: Iterable[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)

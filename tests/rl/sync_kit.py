@@ -1,0 +1,122 @@
+"""Helpers of the weight-sync tests: a model with every kind of tensor, and the bodies of child processes
+(started with the ``spawn`` method, so they import this module by name: keep them at module level)."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SPAWN = mp.get_context("spawn")
+STEP_S = 30.0  # the longest any one reply from a child may take (spawning imports torch: seconds on 2 cores)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    """Float32 and bfloat16 params, float and int64 buffers (BatchNorm), one tensor small, one not."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.BatchNorm1d(48), torch.nn.Linear(48, 512))
+    m[2].to(torch.bfloat16)
+    m[1].running_mean.uniform_(-1, 1)
+    m[1].num_batches_tracked.fill_(seed + 3)
+    return m
+
+
+def values(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def step(m: torch.nn.Module, k: int) -> None:
+    """Change every value (a stand-in for an optimizer step)."""
+    with torch.no_grad():
+        for t in m.state_dict().values():
+            t.add_(k) if t.dtype != torch.bool else None
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit (NaN-safe: compares the bytes)."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and
+                                        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+
+
+def receiver_main(handle: str, name: str, conn: Any, device: str | None = None) -> None:
+    """A receiver process driven by commands on ``conn``: ``("load", min_version)`` replies the version and
+    the values loaded into a fresh model; ``("hold", min_version)`` holds the version mid-read and replies,
+    then sleeps (to be killed); ``("stop",)`` closes and replies."""
+    torch.set_num_threads(1)
+    from stateshift.rl.sync import WeightReceiver
+
+    rx = WeightReceiver(handle, name=name, device=device, timeout_s=STEP_S)
+    target = model(seed=99)
+    conn.send(("ready", os.getpid()))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "load":
+            v = rx.load_into(target, min_version=cmd[1])
+            conn.send((v, values(target), rx.last_receipt))
+        elif cmd[0] == "hold":
+            with rx.receive(min_version=cmd[1]) as (v, pairs):
+                next(pairs)
+                conn.send(("holding", v))
+                time.sleep(3600)
+        else:
+            rx.close()
+            conn.send(("bye",))
+            return
+
+
+def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Any]:
+    """Start ``fn(*args, conn)`` in a spawned process; returns (process, parent end). Waits for its first message."""
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=fn, args=(*args, child), daemon=True)
+    proc.start()
+    first = ask(parent, None)
+    assert first[0] == "ready", first
+    return proc, parent
+
+
+def ask(conn: Any, cmd: tuple[Any, ...] | None, timeout: float = STEP_S) -> Any:
+    if cmd is not None:
+        conn.send(cmd)
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no reply to {cmd} in {timeout} s")
+    return conn.recv()
+
+
+def stop(procs: list[Any]) -> None:
+    """Kill what is still running (tests end their children this way whatever happened)."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+
+
+def shm_files(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/stateshift-*-{pid}-*")
+
+
+def publisher_main(conn: Any, delay_second_s: float) -> None:
+    """A publisher process: publishes version 1 of ``model(0)`` (through a shared pool), replies its
+    handle; on ``("publish2",)`` steps the model and publishes version 2 with the listing delayed by
+    ``delay_second_s`` (the test kills it meanwhile), replying once version 2 is enqueued."""
+    torch.set_num_threads(1)
+    from stateshift import ModelState
+    from stateshift.core.pool import HostPool
+    from stateshift.rl.sync import WeightPublisher
+
+    m = model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name="dying", ack_timeout_s=STEP_S)
+    pub.publish(1).wait(STEP_S)
+    conn.send(("ready", pub.handle().to_json()))
+    conn.recv()
+    step(m, 1)
+    os.environ["STATESHIFT_SYNC_TEST_DELAY_LISTING_S"] = str(delay_second_s)
+    pub.publish(2)
+    conn.send(("enqueued",))
+    time.sleep(3600)

@@ -1,0 +1,259 @@
+"""Weight sync in one process (publisher and receivers on threads of this one; the process boundary is
+tested in test_sync_processes.py): versions whole, coverage strict, hostile mailboxes refused, budgets,
+timeouts, zero-copy publishing of offloaded params, the shared pool's files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+from rl.sync_kit import model, same, step, values
+
+from stateshift import LayoutMismatchError, ModelState
+from stateshift.core.pool import HostPool, remove_stale_files
+from stateshift.rl.sync import (
+    MailboxError,
+    SyncBudgetError,
+    SyncHandle,
+    SyncTimeoutError,
+    VersionReclaimedError,
+    WeightPublisher,
+    WeightReceiver,
+)
+from stateshift.rl.sync.manifest import Manifest
+
+
+@pytest.fixture
+def trainer():
+    m = model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    yield m, state
+    state.close()
+    state.pool.trim()
+
+
+@pytest.fixture
+def pub(trainer):
+    p = WeightPublisher(trainer[1], name="t", ack_timeout_s=0.5, poll_s=0.01)
+    yield p
+    p.close()
+
+
+def test_receiver_gets_each_version_bit_for_bit(trainer, pub):
+    m, state = trainer
+    rx = WeightReceiver(pub.handle().to_json(), name="r")
+    target = model(5)
+    pub.publish(1).wait(5)
+    assert rx.load_into(target) == 1 and same(values(target), values(m))
+    step(m, 2)
+    pub.publish(2).wait(5)
+    with rx.receive(min_version=2) as (v, pairs):
+        got = {n: t.clone() for n, t in pairs}
+    assert v == 2 and same(got, values(m))
+    assert rx.last_receipt.version == 2 and rx.last_receipt.nbytes > 0
+    rx.close()
+
+
+def test_offloaded_params_publish_without_a_copy_and_resident_ones_with_one(trainer, pub):
+    m, state = trainer
+    want = values(m)
+    resident = pub.publish(1).wait(5)
+    assert resident.copied_bytes == resident.nbytes > 0
+    state.offload()
+    offloaded = pub.publish(2).wait(5)
+    assert offloaded.copied_bytes == 0 and offloaded.d2h_bytes == 0
+    state.onload(only=["0.weight"])  # mixed: params partly resident, buffers offloaded
+    mixed = pub.publish(3).wait(5)
+    assert 0 < mixed.copied_bytes
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = model(7)
+    assert rx.load_into(target) == 3 and same(values(target), want)
+    rx.close()
+
+
+def test_two_versions_faster_than_a_reader_give_it_the_latest_whole(trainer, pub):
+    m, state = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1)
+    step(m, 1)
+    pub.publish(2).wait(5)
+    target = model(3)
+    assert rx.load_into(target) == 2 and same(values(target), values(m))
+    assert rx.latest_version() == 2
+    rx.close()
+
+
+def test_a_held_version_survives_newer_ones_and_is_freed_after(trainer, pub):
+    m, state = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    want = values(m)
+    pub2 = WeightPublisher  # noqa: F841 - readability
+    with rx.receive() as (v, pairs):
+        step(m, 1)
+        state.offload()
+        state.onload()
+        pub.publish(2).wait(5)
+        pub.publish(3).wait(5)
+        got = {n: t.clone() for n, t in pairs}
+    assert v == 1 and same(got, want)
+    pub._scan()
+    assert sorted(pub._live) == [3] and not os.path.exists(pub.mailbox.manifest_path(1))
+    rx.close()
+
+
+def test_load_into_a_wrong_target_names_the_tensor_and_changes_nothing(trainer, pub):
+    pub.publish(1).wait(5)
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = model(9)
+    before = values(target)
+    wrong_shape = dict(target.state_dict(keep_vars=True))
+    wrong_shape["2.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    wrong_dtype = dict(wrong_shape, **{"2.weight": torch.zeros(512, 48)})
+    missing = {k: v for k, v in target.state_dict(keep_vars=True).items() if k != "1.running_var"}
+    extra = dict(target.state_dict(keep_vars=True), **{"3.weight": torch.zeros(1)})
+    for bad, field, name in [(wrong_shape, "shape", "2.weight"), (wrong_dtype, "dtype", "2.weight"),
+                             (missing, "extra", "1.running_var"), (extra, "missing", "3.weight")]:
+        with pytest.raises(LayoutMismatchError) as err:
+            rx.load_into(bad)
+        assert (err.value.field, err.value.tensor) == (field, name)
+        assert same(values(target), before)
+    assert rx.load_into(target) == 1  # the version was let go each time
+    rx.close()
+
+
+def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):
+    m, state = trainer
+    nbytes = sum(layout.total for layout in state.layouts(("params", "buffers")).values())
+    pub = WeightPublisher(state, name="b", budget_bytes=2 * nbytes, ack_timeout_s=0.3, poll_s=0.01)
+    rx = WeightReceiver(pub.handle(), name="stuck")
+    pub.publish(1).wait(5)
+    with pytest.raises(VersionReclaimedError) as reclaimed:
+        with rx.receive() as (v, pairs):
+            pub.publish(2).wait(5)
+            with pytest.raises(SyncBudgetError) as budget:
+                pub.publish(3)
+            assert budget.value.holders == (("stuck", 1),)
+            deadline = __import__("time").monotonic() + 5
+            while not pub.lost and __import__("time").monotonic() < deadline:
+                __import__("time").sleep(0.02)
+            pub.publish(3).wait(5)
+    assert (reclaimed.value.receiver, reclaimed.value.version) == ("stuck", 1)
+    lost = pub.lost[0]
+    assert (lost.receiver, lost.version, lost.reason) == ("stuck", 1, "timeout")
+    target = model(4)
+    assert rx.load_into(target) == 3 and same(values(target), values(m))
+    rx.close()
+    pub.close()
+
+
+def test_receive_times_out_typed_when_no_version_comes(pub):
+    rx = WeightReceiver(pub.handle(), name="r")
+    with pytest.raises(SyncTimeoutError) as err:
+        with rx.receive(timeout=0.05):
+            pass
+    assert err.value.publisher_alive
+    rx.close()
+
+
+def test_publish_refuses_a_version_not_above_the_last(pub):
+    pub.publish(4).wait(5)
+    for bad in (4, 3, "5", True):
+        with pytest.raises(ValueError):
+            pub.publish(bad)
+
+
+def _rewrite_manifest(pub, version, edit):
+    path = pub.mailbox.manifest_path(version)
+    obj = json.loads(open(path).read())
+    raw = edit(obj)
+    with open(path, "wb") as f:
+        f.write(raw if isinstance(raw, bytes) else json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda o: b"{not json", "json"),
+    (lambda o: (o["parts"][0].__setitem__("file", "../../etc/passwd"), o)[1], "part 0 file"),
+    (lambda o: (o["parts"][0].__setitem__("file", "stateshift-pool-1-ab-1/../x"), o)[1], "part 0 file"),
+    (lambda o: (o["parts"][0]["tensors"][0].__setitem__(2, [1 << 40, 1 << 40]), o)[1], "tensor '0.weight'"),
+    (lambda o: (o["parts"][0]["tensors"][0].__setitem__(1, "os.system"), o)[1], "tensor '0.weight' dtype"),
+    (lambda o: (o["parts"][0].__setitem__("size", 1 << 62), o)[1], "part 'params' file"),
+])
+def test_hostile_manifest_is_refused_typed_before_anything_is_mapped(pub, edit, field):
+    pub.publish(1).wait(5)
+    _rewrite_manifest(pub, 1, edit)
+    rx = WeightReceiver(pub.handle(), name="r")
+    with pytest.raises(MailboxError) as err:
+        rx.load_into(model(1))
+    assert err.value.field == field
+    assert rx._maps.mapped == 0
+    rx.close()
+
+
+def test_hostile_mailbox_and_handles_are_refused_typed(pub):
+    h = pub.handle()
+    for text in ["[]", "{", json.dumps(dict(json.loads(h.to_json()), prefix="../x")),
+                 json.dumps(dict(json.loads(h.to_json()), transport="pickle")),
+                 json.dumps(dict(json.loads(h.to_json()), pid=-1)), json.dumps(dict(json.loads(h.to_json()), extra=1))]:
+        with pytest.raises(MailboxError):
+            WeightReceiver(text, name="r")
+    with pytest.raises(ValueError):
+        WeightReceiver(h, name="../r")
+    with open(pub.mailbox.path, "w") as f:
+        f.write(json.dumps({"magic": "stateshift-sync/1", "versions": ["1"], "receivers": {}, "closed": False}))
+    with pytest.raises(MailboxError) as err:
+        WeightReceiver(h, name="r")
+    assert err.value.field == "versions"
+
+
+def test_handle_round_trips_as_json():
+    h = SyncHandle("shared_host", "/dev/shm", "stateshift-sync-12-0123456789abcdef", "p", 12)
+    assert SyncHandle.from_json(h.to_json()) == h
+
+
+def test_manifest_refuses_a_tensor_past_its_part():
+    raw = json.dumps({"version": 1, "transport": "shared_host", "parts": [
+        {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", [17], [1], 0]]}]})
+    with pytest.raises(MailboxError) as err:
+        Manifest.parse(raw.encode(), "m")
+    assert err.value.field == "tensor 'w'"
+
+
+def test_shared_pool_blocks_are_files_removed_when_freed(tmp_path):
+    pool = HostPool(shared=True, shm_dir=str(tmp_path), pin=False)
+    block = pool.acquire(3 << 20)
+    path, offset, nbytes = block.file
+    assert os.path.getsize(path) == nbytes == 3 << 20 and offset == 0
+    block.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert open(path, "rb").read(4) == bytes([1, 2, 3, 4])
+    pool.release(block)
+    assert pool.acquire(3 << 20) is block  # reused, same file
+    pool.release(block)
+    pool.trim()
+    assert not os.path.exists(path) and block.file is None
+
+
+def test_files_of_dead_processes_are_removed(tmp_path):
+    dead = tmp_path / "stateshift-pool-999999999-ab-1"
+    dead.write_bytes(b"x")
+    mine = tmp_path / f"stateshift-pool-{os.getpid()}-ab-1"
+    mine.write_bytes(b"x")
+    other = tmp_path / "stateshift-pool-1-ab-1"  # pid 1 lives
+    other.write_bytes(b"x")
+    assert remove_stale_files(str(tmp_path), re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+")) == 1
+    assert not dead.exists() and mine.exists() and other.exists()
+
+
+def test_close_removes_every_mailbox_file(trainer):
+    pub = WeightPublisher(trainer[1], name="c")
+    prefix = pub.handle().prefix
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    rx.load_into(model(2))
+    rx.close()
+    pub.close()
+    assert glob.glob(f"/dev/shm/{prefix}*") == []

@@ -1,0 +1,97 @@
+"""Weight sync across processes (``spawn``ed, with timeouts; every child killed and every /dev/shm file
+removed at the end): receivers in other processes read each version bit for bit; a receiver SIGKILLed
+while it reads is reclaimed and named while the others go on; a publisher SIGKILLed inside a publish
+leaves receivers on the last whole version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, shm_files, start, step, stop, values
+
+from stateshift import ModelState
+from stateshift.core.pool import HostPool
+from stateshift.rl.sync import SyncTimeoutError, WeightPublisher, WeightReceiver
+
+pytestmark = pytest.mark.slow
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_reclaimed():
+    m = model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name="p", ack_timeout_s=20, poll_s=0.02)
+    procs = []
+    try:
+        (p0, c0), (p1, c1) = start(receiver_main, pub.handle().to_json(), "r0"), start(receiver_main, pub.handle().to_json(), "r1")
+        procs += [p0, p1]
+        pub.publish(1).wait(10)
+        for c in (c0, c1):
+            version, got, receipt = ask(c, ("load", 1))
+            assert version == 1 and same(got, values(m)) and receipt.nbytes == pub._live[1].nbytes
+        assert ask(c1, ("hold", 1)) == ("holding", 1)
+        os.kill(p1.pid, signal.SIGKILL)  # mid-read: it holds version 1
+        step(m, 1)
+        state.offload()
+        pub.publish(2).wait(10)
+        _wait_for(lambda: pub.lost)
+        assert [(e.receiver, e.version, e.reason) for e in pub.lost] == [("r1", 1, "died")]
+        version, got, _ = ask(c0, ("load", 2))
+        state.onload()
+        assert version == 2 and same(got, values(m))
+        _wait_for(lambda: sorted(pub._live) == [2])  # version 1 is freed once nobody holds it
+        assert ask(c0, ("stop",)) == ("bye",)
+    finally:
+        stop(procs)
+        pub.close()
+        state.close()
+        state.pool.trim()
+    assert shm_files(os.getpid()) == []
+
+
+@pytest.fixture
+def dying_publisher():
+    """A publisher process that published version 1; yields (process, its handle, its pipe)."""
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=publisher_main, args=(child, 60.0), daemon=True)
+    proc.start()
+    try:
+        first = ask(parent, None)
+        assert first[0] == "ready"
+        yield proc, first[1], parent
+    finally:
+        stop([proc])
+        for f in shm_files(proc.pid):
+            os.unlink(f)
+
+
+def test_a_publisher_killed_inside_a_publish_leaves_receivers_on_the_last_whole_version(dying_publisher):
+    proc, handle, conn = dying_publisher
+    rx = WeightReceiver(handle, name="r", timeout_s=10)
+    try:
+        want = values(model(0))
+        target = model(3)
+        assert rx.load_into(target) == 1 and same(values(target), want)
+        assert ask(conn, ("publish2",)) == ("enqueued",)  # its bytes are written, its listing delayed 60 s
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert rx.latest_version() == 1 and not rx.publisher_alive()
+        target = model(4)
+        assert rx.load_into(target) == 1 and same(values(target), want)
+        with pytest.raises(SyncTimeoutError) as err:
+            rx.load_into(target, min_version=2, timeout=0.2)
+        assert not err.value.publisher_alive
+        assert same(values(target), want)
+    finally:
+        rx.close()
