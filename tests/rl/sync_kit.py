@@ -72,12 +72,24 @@ def receiver_main(handle: str, name: str, conn: Any, device: str | None = None) 
 
 def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     """Start ``fn(*args, conn)`` in a spawned process; returns (process, parent end). Waits for its first message."""
-    parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=fn, args=(*args, child), daemon=True)
-    proc.start()
-    first = ask(parent, None)
-    assert first[0] == "ready", first
-    return proc, parent
+    return start_many(fn, [args])[0]
+
+
+def start_many(fn: Callable[..., None], args: list[tuple[Any, ...]], ready: Callable[[], None] | None = None) -> list[tuple[Any, Any]]:
+    """Start ``fn(*a, conn)`` for each ``a`` at once (call ``ready()`` meanwhile, if given); then wait for each
+    one's first message (``"ready"``)."""
+    out = []
+    for a in args:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=fn, args=(*a, child), daemon=True)
+        proc.start()
+        out.append((proc, parent))
+    if ready is not None:
+        ready()
+    for proc, parent in out:
+        first = ask(parent, None)
+        assert first[0] == "ready", first
+    return out
 
 
 def ask(conn: Any, cmd: tuple[Any, ...] | None, timeout: float = STEP_S) -> Any:

@@ -257,3 +257,11 @@ def test_close_removes_every_mailbox_file(trainer):
     rx.close()
     pub.close()
     assert glob.glob(f"/dev/shm/{prefix}*") == []
+
+
+def test_a_receiver_refused_at_start_leaves_no_file(pub):
+    with open(pub.mailbox.path, "w") as f:
+        f.write("{garbage")
+    with pytest.raises(MailboxError):
+        WeightReceiver(pub.handle(), name="refused")
+    assert not os.path.exists(pub.mailbox.alive_path("refused"))

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, shm_files, start, step, stop, values
+from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, shm_files, start, start_many, step, stop, values
 
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
@@ -95,3 +95,33 @@ def test_a_publisher_killed_inside_a_publish_leaves_receivers_on_the_last_whole_
         assert same(values(target), want)
     finally:
         rx.close()
+
+
+def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
+    m = model(0)
+    state = ModelState(m)
+    pub = WeightPublisher(state, transport="broadcast", name="bc", broadcast_receivers=2, bucket_bytes=4096, ack_timeout_s=60)
+    procs = []
+    try:
+        started = start_many(receiver_main, [(pub.handle().to_json(), "b0"), (pub.handle().to_json(), "b1")])
+        procs += [p for p, _ in started]
+        first = pub.publish(1)
+        for _, c in started:  # a collective: every receiver reads at once
+            c.send(("load", 1))
+        for _, c in started:
+            version, got, receipt = ask(c, None)
+            assert version == 1 and same(got, values(m)) and receipt.transport == "broadcast"
+        assert first.wait(10).visible
+        step(m, 3)
+        want = values(m)
+        state.offload()  # from offloaded params this time
+        pub.publish(2)
+        for _, c in started:
+            c.send(("load", 2))
+        for _, c in started:
+            version, got, _ = ask(c, None)
+            assert version == 2 and same(got, want)
+    finally:
+        pub.close()
+        stop(procs)
+        state.close()

@@ -56,8 +56,10 @@ class TensorEntry:
     def view(self, arena: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of ``arena`` (the part's bytes, uint8)."""
         dtype = dtype_of(self.dtype)
-        typed = arena.view(dtype) if arena.numel() % dtype.itemsize == 0 else arena[: arena.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
-        return typed.as_strided(self.shape, self.stride, self.offset // dtype.itemsize)
+        if arena.storage_offset() % dtype.itemsize:
+            raise ValueError(f"tensor {self.name!r}: its part does not start at a multiple of {dtype.itemsize} bytes")
+        typed = arena[: arena.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        return typed.as_strided(self.shape, self.stride, typed.storage_offset() + self.offset // dtype.itemsize)
 
 
 @dataclass(frozen=True)

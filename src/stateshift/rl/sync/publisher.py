@@ -57,12 +57,14 @@ class Publication:
     copied_bytes: int
     visible_s: float | None = None
     error: BaseException | None = None
+    #: ``broadcast`` only: a newer version was published before this one was sent, so it never was
+    superseded: bool = False
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _t0: float = field(default=0.0, repr=False)
 
     @property
     def visible(self) -> bool:
-        return self._done.is_set() and self.error is None
+        return self._done.is_set() and self.error is None and not self.superseded
 
     def wait(self, timeout: float | None = None) -> Publication:
         """Block until the version is visible to receivers; re-raises what failed on the publisher's thread.
@@ -194,7 +196,8 @@ class WeightPublisher:
 
             if receivers < 1:
                 raise ValueError("transport 'broadcast' needs broadcast_receivers >= 1")
-            self._sender = BroadcastSender(self.state.engine.device or torch.device("cpu"), receivers, host, port, bucket_bytes)
+            self._sender = BroadcastSender(self.state.engine.device or torch.device("cpu"), receivers, host, port, bucket_bytes,
+                                           timeout_s=self.ack_timeout_s)
             self._handle = SyncHandle("broadcast", self.directory, prefix, self.name, os.getpid(), host=self._sender.host,
                                       port=self._sender.port, world_size=receivers + 1, backend=self._sender.backend)
             self.mailbox = None
@@ -284,6 +287,9 @@ class WeightPublisher:
 
     # -- the publisher's thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._sender is not None:
+            self._run_broadcast()
+            return
         while True:
             try:
                 item = self._queue.get(timeout=self.poll_s)
@@ -304,17 +310,53 @@ class WeightPublisher:
                     item[0].error = exc
                     item[0]._done.set()
 
+    def _run_broadcast(self) -> None:
+        """The thread of a ``broadcast`` publisher: join the group, then send the latest version enqueued
+        (older ones still queued are superseded: freed unsent), until ``close``."""
+        try:
+            self._sender.connect()
+        except BaseException as exc:  # noqa: BLE001
+            self._failure = exc
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get())
+            stop = items[-1] is None
+            todo = [i for i in items if i is not None]
+            for pub, live in todo[:-1]:
+                pub.superseded = True
+                self._retire(pub, live)
+            if todo:
+                self._broadcast(*todo[-1])
+            if stop:
+                return
+
+    def _broadcast(self, pub: Publication, live: _Live) -> None:
+        try:
+            if self._failure is not None:
+                raise SyncError(f"publisher {self.name!r}: the broadcast group is down: {self._failure!r}")
+            assert live.snapshot is not None
+            live.snapshot.wait()
+            self._sender.send(live.version, live.snapshot)
+        except BaseException as exc:  # noqa: BLE001 - a receiver died or the group broke: recorded, publish() raises
+            if self._failure is None:
+                self._lose(ReceiverLostError("broadcast group", live.version, "died", repr(exc)))
+                self._failure = exc
+            pub.error = exc
+        self._retire(pub, live)
+
+    def _retire(self, pub: Publication, live: _Live) -> None:
+        if pub.error is None and not pub.superseded:
+            pub.visible_s = time.perf_counter() - pub._t0
+        pub._done.set()
+        with self._lock:
+            self._live.pop(live.version, None)
+        self._free(live)
+
     def _list(self, pub: Publication, live: _Live) -> None:
         """Wait for the version's copies, write its manifest, then list it (the only place a version is listed)."""
         assert live.snapshot is not None
         live.snapshot.wait()
-        if self._sender is not None:
-            self._sender.send(live.version, live.snapshot)
-            self._finish(pub)
-            with self._lock:
-                self._live.pop(live.version, None)
-            self._free(live)
-            return
         live.manifest = self._manifest(pub, live)
         assert self.mailbox is not None
         self.mailbox.write_manifest(live.manifest)

@@ -85,17 +85,21 @@ class WeightReceiver:
         if self.transport == "broadcast":
             from .broadcast import BroadcastLink
 
-            self._link = BroadcastLink(self.handle, self.device)
+            self._link = BroadcastLink(self.handle, self.device, timeout_s=max(timeout_s, 600.0))
             return
         self.mailbox = Mailbox(self.handle.directory, self.handle.prefix)
         self._maps = HostMaps(self.handle.directory, register=self.device is not None and self.device.type == "cuda")
         self._alive_fd = self.mailbox.hold_alive(name)
-        with self.mailbox.locked():
-            state = self.mailbox.read()
-            if state["closed"]:
-                raise SyncError(f"publisher {self.handle.publisher!r} is closed")
-            state["receivers"][name] = {"holding": None, "since": None, "reclaimed": None}
-            self.mailbox.write(state)
+        try:
+            with self.mailbox.locked():
+                state = self.mailbox.read()
+                if state["closed"]:
+                    raise SyncError(f"publisher {self.handle.publisher!r} is closed")
+                state["receivers"][name] = {"holding": None, "since": None, "reclaimed": None}
+                self.mailbox.write(state)
+        except BaseException:
+            self._leave_files()
+            raise
 
     # -- public -------------------------------------------------------------------------------------
     def latest_version(self) -> int | None:
@@ -180,13 +184,17 @@ class WeightReceiver:
                 self.mailbox.write(state)
         except MailboxError:  # the publisher is gone: nothing to leave
             pass
+        self._leave_files()
+        self._maps.close()
+
+    def _leave_files(self) -> None:
+        assert self.mailbox is not None
         os.close(self._alive_fd)
         try:
             os.unlink(self.mailbox.alive_path(self.name))
         except FileNotFoundError:
             pass
         self.mailbox.close()
-        self._maps.close()
 
     def __enter__(self) -> WeightReceiver:
         return self
