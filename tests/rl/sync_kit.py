@@ -28,7 +28,8 @@ def model(seed: int = 0) -> torch.nn.Module:
 
 
 def values(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    """Host copies of every value (``state_dict`` order)."""
+    return {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
 
 
 def step(m: torch.nn.Module, k: int) -> None:
@@ -44,7 +45,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
                                         torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
 
 
-def receiver_main(handle: str, name: str, conn: Any, device: str | None = None) -> None:
+def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None:
     """A receiver process driven by commands on ``conn``: ``("load", min_version)`` replies the version and
     the values loaded into a fresh model; ``("hold", min_version)`` holds the version mid-read and replies,
     then sleeps (to be killed); ``("stop",)`` closes and replies."""
@@ -52,7 +53,7 @@ def receiver_main(handle: str, name: str, conn: Any, device: str | None = None) 
     from stateshift.rl.sync import WeightReceiver
 
     rx = WeightReceiver(handle, name=name, device=device, timeout_s=STEP_S)
-    target = model(seed=99)
+    target = model(seed=99).to(device or "cpu")
     conn.send(("ready", os.getpid()))
     while True:
         cmd = conn.recv()

@@ -33,7 +33,7 @@ def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_re
     pub = WeightPublisher(state, name="p", ack_timeout_s=20, poll_s=0.02)
     procs = []
     try:
-        (p0, c0), (p1, c1) = start(receiver_main, pub.handle().to_json(), "r0"), start(receiver_main, pub.handle().to_json(), "r1")
+        (p0, c0), (p1, c1) = start(receiver_main, pub.handle().to_json(), "r0", None), start(receiver_main, pub.handle().to_json(), "r1", None)
         procs += [p0, p1]
         pub.publish(1).wait(10)
         for c in (c0, c1):
@@ -103,7 +103,7 @@ def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
     pub = WeightPublisher(state, transport="broadcast", name="bc", broadcast_receivers=2, bucket_bytes=4096, ack_timeout_s=60)
     procs = []
     try:
-        started = start_many(receiver_main, [(pub.handle().to_json(), "b0"), (pub.handle().to_json(), "b1")])
+        started = start_many(receiver_main, [(pub.handle().to_json(), "b0", None), (pub.handle().to_json(), "b1", None)])
         procs += [p for p, _ in started]
         first = pub.publish(1)
         for _, c in started:  # a collective: every receiver reads at once

@@ -74,6 +74,10 @@ class WeightReceiver:
         self.handle = SyncHandle.from_json(handle) if isinstance(handle, (str, bytes)) else handle.checked()
         self.name = name
         self.device = None if device is None else torch.device(device)
+        if self.device is not None and self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         self.timeout_s = timeout_s
         self.transport = self.handle.transport
         #: the last version received (``None`` before the first)
