@@ -265,3 +265,13 @@ def test_a_receiver_refused_at_start_leaves_no_file(pub):
     with pytest.raises(MailboxError):
         WeightReceiver(pub.handle(), name="refused")
     assert not os.path.exists(pub.mailbox.alive_path("refused"))
+
+
+def test_a_shared_block_larger_than_the_shm_directory_is_a_budget_error(tmp_path, monkeypatch):
+    from stateshift import PoolBudgetError
+
+    pool = HostPool(shared=True, shm_dir=str(tmp_path), pin=False)
+    free = os.statvfs(str(tmp_path))
+    with pytest.raises(PoolBudgetError):
+        pool.acquire(free.f_bavail * free.f_frsize + (1 << 30))
+    assert os.listdir(tmp_path) == []

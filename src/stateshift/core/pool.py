@@ -322,6 +322,9 @@ class HostPool:
 
     def _shared_map(self, nbytes: int) -> tuple[mmap.mmap, str]:
         """A new file of exactly ``nbytes`` bytes in ``shm_dir``, mapped shared (private to this user)."""
+        vfs = os.statvfs(self.shm_dir)
+        if vfs.f_bavail * vfs.f_frsize < nbytes:  # a mapped page past a full tmpfs is a SIGBUS, not an error: ask first
+            raise PoolBudgetError(f"shared host block of {nbytes} bytes: {self.shm_dir} has {vfs.f_bavail * vfs.f_frsize} bytes free")
         self._serial += 1
         path = os.path.join(self.shm_dir, f"{SHARED_PREFIX}{os.getpid()}-{id(self):x}-{self._serial}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
