@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, shm_files, start, start_many, step, stop, values
 
 from stateshift import ModelState
@@ -125,3 +126,39 @@ def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
         pub.close()
         stop(procs)
         state.close()
+
+
+def _fsdp2_rank(rank: int, world: int) -> bool:
+    """Each rank publishes its FSDP2 shards and loads them into a second model sharded the same way."""
+    from backends.test_fsdp2 import Net
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = Net()
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+
+    src, dst = build(0), build(1)
+    state = ModelState(src, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name=f"fsdp2-{rank}")
+    rx = WeightReceiver(pub.handle(), name="self")
+    try:
+        pub.publish(1).wait(30)
+        assert rx.load_into(dst) == 1
+        pairs = zip([*src.parameters(), *src.buffers()], [*dst.parameters(), *dst.buffers()], strict=True)
+        return all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)) for a, b in pairs)
+    finally:
+        rx.close()
+        pub.close()
+        state.close()
+
+
+def test_fsdp2_shards_load_into_a_model_sharded_the_same_way():
+    from dist_harness import run_distributed
+
+    assert run_distributed(_fsdp2_rank, world_size=2, timeout=120) == [True, True]

@@ -152,9 +152,14 @@ class Mailbox:
 
     def remove(self, versions: list[int], receivers: list[str]) -> None:
         """Remove the mailbox's files (the publisher's close)."""
-        paths = [self.path, self.alive_path(None), os.path.join(self.directory, self.prefix + ".lock")]
-        paths += [self.manifest_path(v) for v in versions] + [self.alive_path(r) for r in receivers]
-        for p in paths:
+        paths = {self.path, self.alive_path(None), os.path.join(self.directory, self.prefix + ".lock")}
+        paths |= {self.manifest_path(v) for v in versions} | {self.alive_path(r) for r in receivers}
+        try:  # and whatever else carries the prefix: a receiver killed mid-write leaves its temporary file
+            paths |= {os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(self.prefix + ".")
+                      or n.startswith(self.prefix + "-v")}
+        except OSError:
+            pass
+        for p in sorted(paths):
             try:
                 os.unlink(p)
             except FileNotFoundError:

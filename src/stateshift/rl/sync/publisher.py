@@ -175,6 +175,7 @@ class WeightPublisher:
         self.transport = pick_transport(state, self.groups, broadcast_receivers) if transport == "auto" else transport
         self.name, self.budget_bytes, self.ack_timeout_s, self.poll_s = name, budget_bytes, ack_timeout_s, poll_s
         self.directory = directory
+        self._tag = f"stateshift-sync-{name}-{id(self):x}"  # two publishers of one state never share a snapshot key
         #: receivers reclaimed so far (died, hung or lagged), oldest first
         self.lost: list[ReceiverLostError] = []
         self._live: dict[int, _Live] = {}
@@ -241,7 +242,7 @@ class WeightPublisher:
         nbytes = sum(layout.total for layout in self.state.layouts(self.groups).values())
         self._check_budget(nbytes)
         placement = "device" if self.transport == "cuda_ipc" else "host"
-        snap = self.state.snapshot(self.groups, tag=f"stateshift-sync-{self.name}", version=version, placement=placement)
+        snap = self.state.snapshot(self.groups, tag=self._tag, version=version, placement=placement)
         d2h, copied = _moved(self.state, snap)
         live = _Live(version=version, nbytes=nbytes, snapshot=snap)
         with self._lock:
@@ -382,7 +383,8 @@ class WeightPublisher:
                 from .cuda_ipc import share
 
                 assert part.device is not None
-                parts.append(part_entry(part, ipc=share(part.device)))
+                with torch.cuda.device(part.device.device):  # this thread's current device must be the arena's
+                    parts.append(part_entry(part, ipc=share(part.device)))
                 continue
             block = part.host
             assert block is not None

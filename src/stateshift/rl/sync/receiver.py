@@ -318,10 +318,12 @@ def _pairs(manifest: Manifest, arenas: list[torch.Tensor]) -> Iterator[tuple[str
 
 def _targets(target: Target) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
-        return {**dict(named_parameters(target)), **dict(named_buffers(target))}
-    pairs = list(target.items()) if isinstance(target, Mapping) else list(target)
+        pairs = [*named_parameters(target), *named_buffers(target)]
+    else:
+        pairs = list(target.items()) if isinstance(target, Mapping) else list(target)
     out: dict[str, torch.Tensor] = {}
     for name, t in pairs:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): its local shard, as the publisher's state lists it
         if name in out:
             raise LayoutMismatchError(name, "named twice in the target", "extra")
         out[name] = t
