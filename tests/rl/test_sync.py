@@ -182,6 +182,9 @@ def _rewrite_manifest(pub, version, edit):
     (lambda o: (o["parts"][0]["tensors"][0].__setitem__(2, [1 << 40, 1 << 40]), o)[1], "tensor '0.weight'"),
     (lambda o: (o["parts"][0]["tensors"][0].__setitem__(1, "os.system"), o)[1], "tensor '0.weight' dtype"),
     (lambda o: (o["parts"][0].__setitem__("size", 1 << 62), o)[1], "part 'params' file"),
+    (lambda o: (o.__setitem__("base", 0), [p.__setitem__("changed", [10 ** 6]) for p in o["parts"]], o)[2], "part 0 changed"),
+    (lambda o: (o.__setitem__("base", 0), o)[1], "changed"),
+    (lambda o: (o.__setitem__("base", 5), [p.__setitem__("changed", []) for p in o["parts"]], o)[2], "version"),
 ])
 def test_hostile_manifest_is_refused_typed_before_anything_is_mapped(pub, edit, field):
     pub.publish(1).wait(5)
@@ -275,3 +278,28 @@ def test_a_shared_block_larger_than_the_shm_directory_is_a_budget_error(tmp_path
     with pytest.raises(PoolBudgetError):
         pool.acquire(free.f_bavail * free.f_frsize + (1 << 30))
     assert os.listdir(tmp_path) == []
+
+
+def test_delta_copies_only_what_changed_and_equals_a_full_load(trainer):
+    m, state = trainer
+    pub = WeightPublisher(state, name="d", delta=True, poll_s=0.01)
+    rx_delta, rx_full = WeightReceiver(pub.handle(), name="delta"), WeightReceiver(pub.handle(), name="full")
+    by_delta, by_full, stale = model(5), model(6), model(7)
+    pub.publish(1).wait(5)
+    rx_delta.load_into(by_delta, delta=True)
+    rx_full.load_into(by_full)
+    whole = sum(v.numel() * v.element_size() for v in values(m).values())
+    assert rx_delta.last_receipt.copied_bytes == whole  # nothing to start from: all of it
+    with torch.no_grad():
+        m[2].weight[3, 5] += 1  # one element of one tensor
+    second = pub.publish(2).wait(5)
+    assert second.delta_bytes == m[2].weight.numel() * 2  # bf16: that one tensor, whole
+    assert rx_delta.load_into(by_delta, delta=True) == 2
+    assert rx_delta.last_receipt.copied_bytes == second.delta_bytes
+    rx_full.load_into(by_full)
+    assert same(values(by_delta), values(by_full)) and same(values(by_delta), values(m))
+    assert rx_delta.load_into(stale, delta=True) == 2 and same(values(stale), values(m))  # another target: full
+    assert rx_delta.last_receipt.copied_bytes == whole
+    for r in (rx_delta, rx_full):
+        r.close()
+    pub.close()

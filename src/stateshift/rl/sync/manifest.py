@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,15 +72,28 @@ class PartEntry:
     file: str | None = None
     ipc: dict[str, Any] | None = None
     offset: int = 0
+    #: with the manifest's ``base``: the indices (in ``tensors``) of the tensors whose bytes differ from it
+    changed: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything a receiver needs to find version ``version``'s tensors."""
+    """Everything a receiver needs to find version ``version``'s tensors.
+
+    ``base``: a delta publisher's previous version (same names, shapes, dtypes and offsets); each part's
+    ``changed`` then lists the tensors whose bytes differ from it, compared byte for byte."""
 
     version: int
     transport: str
     parts: tuple[PartEntry, ...]
+    base: int | None = None
+
+    @property
+    def delta_bytes(self) -> int | None:
+        """Bytes of the tensors that changed since ``base`` (``None`` without a base)."""
+        if self.base is None:
+            return None
+        return sum(p.tensors[i].nbytes for p in self.parts for i in (p.changed or ()))
 
     @property
     def nbytes(self) -> int:
@@ -96,9 +109,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         parts = [{"group": p.group, "size": p.size, "file": p.file, "ipc": p.ipc, "offset": p.offset,
+                  "changed": None if p.changed is None else list(p.changed),
                   "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset] for t in p.tensors]}
                  for p in self.parts]
-        return json.dumps({"version": self.version, "transport": self.transport, "parts": parts}).encode()
+        return json.dumps({"version": self.version, "transport": self.transport, "base": self.base, "parts": parts}).encode()
 
     @staticmethod
     def parse(raw: bytes, where: str) -> Manifest:
@@ -111,17 +125,19 @@ class Manifest:
             raise MailboxError(where, "json", str(exc)) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("parts"), list):
             raise MailboxError(where, "parts", "not a JSON object with a list of parts")
-        version, transport = obj.get("version"), obj.get("transport")
-        if not _is_int(version) or not isinstance(transport, str):
-            raise MailboxError(where, "version", f"version {version!r} / transport {transport!r}")
+        version, transport, base = obj.get("version"), obj.get("transport"), obj.get("base")
+        if not _is_int(version) or not isinstance(transport, str) or not (base is None or _is_int(base) and base < version):
+            raise MailboxError(where, "version", f"version {version!r} / transport {transport!r} / base {base!r}")
         parts = tuple(_parse_part(p, where, i) for i, p in enumerate(obj["parts"]))
+        if (base is None) != all(p.changed is None for p in parts) or base is not None and any(p.changed is None for p in parts):
+            raise MailboxError(where, "changed", "a base needs the changed tensors of every part, and they need a base")
         seen: set[str] = set()
         for p in parts:
             for t in p.tensors:
                 if t.name in seen:
                     raise MailboxError(where, f"tensor {t.name!r}", "named twice")
                 seen.add(t.name)
-        return Manifest(version=version, transport=transport, parts=parts)
+        return Manifest(version=version, transport=transport, parts=parts, base=base)
 
 
 def _is_int(x: object) -> bool:
@@ -142,7 +158,11 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     if not isinstance(raw, list):
         raise MailboxError(where, f"part {i} tensors", "not a list")
     tensors = tuple(_parse_tensor(t, where, size) for t in raw)
-    return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset)
+    changed = p.get("changed")
+    if changed is not None and (not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)):
+        raise MailboxError(where, f"part {i} changed", "not a list of tensor indices")
+    return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset,
+                     changed=None if changed is None else tuple(changed))
 
 
 def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
@@ -175,3 +195,18 @@ def part_entry(part: SnapshotPart, *, file: str | None = None, ipc: dict[str, An
         for m in slot.members:
             tensors.append(TensorEntry(name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset))
     return PartEntry(group=part.group, size=part.layout.total, tensors=tuple(tensors), file=file, ipc=ipc, offset=offset)
+
+
+def diff(old: Manifest, old_arenas: list[torch.Tensor], new: Manifest, new_arenas: list[torch.Tensor]) -> Manifest | None:
+    """``new`` with ``base`` = ``old.version`` and, per part, the tensors whose bytes differ (compared exactly);
+    ``None`` if the two are not laid out alike (then receivers copy everything)."""
+    same = len(old.parts) == len(new.parts) and all(
+        (a.group, a.size, a.tensors) == (b.group, b.size, b.tensors) for a, b in zip(old.parts, new.parts, strict=True))
+    if not same:
+        return None
+    parts = []
+    for part, a, b in zip(new.parts, old_arenas, new_arenas, strict=True):
+        changed = tuple(i for i, t in enumerate(part.tensors)
+                        if not torch.equal(a[t.offset : t.offset + t.extent], b[t.offset : t.offset + t.extent]))
+        parts.append(replace(part, changed=changed))
+    return replace(new, parts=tuple(parts), base=old.version)

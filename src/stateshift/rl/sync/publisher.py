@@ -30,7 +30,7 @@ from ...core.state import ModelState
 from ...errors import MailboxError, ReceiverLostError, SyncBudgetError, SyncError
 from .handle import NAME, TRANSPORTS, SyncHandle
 from .mailbox import Mailbox, new_state
-from .manifest import Manifest, PartEntry, part_entry
+from .manifest import Manifest, PartEntry, diff, part_entry
 
 _log = logging.getLogger("stateshift")
 
@@ -46,7 +46,9 @@ class Publication:
     ``publish_s``: seconds ``publish()`` took (the trainer's whole cost: enqueueing one snapshot);
     ``d2h_bytes``: device-to-host bytes the snapshot enqueued (0 for offloaded params in a shared pool);
     ``copied_bytes``: every byte the publisher copied for it, any direction (0: zero-copy);
-    ``visible_s``: seconds from ``publish()`` until receivers could see it (``None`` until then).
+    ``visible_s``: seconds from ``publish()`` until receivers could see it (``None`` until then);
+    ``delta_bytes``: with ``delta=True``, bytes of the tensors that changed since the version before
+    (``None`` until visible, or when there is no comparable version before).
     """
 
     version: int
@@ -56,6 +58,7 @@ class Publication:
     d2h_bytes: int
     copied_bytes: int
     visible_s: float | None = None
+    delta_bytes: int | None = None
     error: BaseException | None = None
     #: ``broadcast`` only: a newer version was published before this one was sent, so it never was
     superseded: bool = False
@@ -86,6 +89,8 @@ class _Live:
     snapshot: Snapshot | None
     manifest: Manifest | None = None
     own: list[Any] = field(default_factory=list)
+    #: each part's bytes where receivers read them (set when the manifest is made)
+    arenas: list[Any] = field(default_factory=list)
 
 
 def pick_transport(state: ModelState, groups: tuple[str, ...], broadcast_receivers: int) -> str:
@@ -142,6 +147,10 @@ class WeightPublisher:
         broadcast_receivers: ``broadcast`` only: how many receivers join the group.
         host, port: ``broadcast`` only: the rendezvous address (port 0: a free one).
         bucket_bytes: ``broadcast`` only: bytes per bucket.
+        delta: ``shared_host`` and ``cuda_ipc``: compare each version with the one listed before it, byte for
+            byte per tensor, and list the tensors that changed, so a receiver that holds that version copies
+            only those (``WeightReceiver.load_into(..., delta=True)``). Costs the publisher's thread one read
+            of both versions before the new one is listed.
         poll_s: how often the publisher's thread looks at its receivers.
 
     Raises: ``ValueError`` for a bad setting; ``UnknownGroupError`` for a group the state lacks.
@@ -161,6 +170,7 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         port: int = 0,
         bucket_bytes: int = 64 << 20,
+        delta: bool = False,
         poll_s: float = 0.05,
     ) -> None:
         if NAME.fullmatch(name) is None:
@@ -173,8 +183,12 @@ class WeightPublisher:
         self.groups = tuple(groups) if groups is not None else tuple(g for g in ("params", "buffers") if g in state.groups)
         state.layouts(self.groups)  # UnknownGroupError now, not at the first publish
         self.transport = pick_transport(state, self.groups, broadcast_receivers) if transport == "auto" else transport
+        if delta and self.transport == "broadcast":
+            raise ValueError("delta=True works with shared_host and cuda_ipc (receivers that read the memory itself)")
         self.name, self.budget_bytes, self.ack_timeout_s, self.poll_s = name, budget_bytes, ack_timeout_s, poll_s
         self.directory = directory
+        self.delta = delta
+        self._listed: _Live | None = None  # the latest version listed (never unlisted while it is the latest)
         self._tag = f"stateshift-sync-{name}-{id(self):x}"  # two publishers of one state never share a snapshot key
         #: receivers reclaimed so far (died, hung or lagged), oldest first
         self.lost: list[ReceiverLostError] = []
@@ -359,6 +373,10 @@ class WeightPublisher:
         assert live.snapshot is not None
         live.snapshot.wait()
         live.manifest = self._manifest(pub, live)
+        prev = self._listed
+        if self.delta and prev is not None and prev.manifest is not None:
+            live.manifest = diff(prev.manifest, prev.arenas, live.manifest, live.arenas) or live.manifest
+            pub.delta_bytes = live.manifest.delta_bytes
         assert self.mailbox is not None
         self.mailbox.write_manifest(live.manifest)
         delay = float(os.environ.get(DELAY_ENV, "0") or 0)
@@ -368,6 +386,7 @@ class WeightPublisher:
             state = self._read_state()
             state["versions"].append(live.version)
             self.mailbox.write(state)
+        self._listed = live
         self._finish(pub)
 
     @staticmethod
@@ -385,6 +404,7 @@ class WeightPublisher:
                 assert part.device is not None
                 with torch.cuda.device(part.device.device):  # this thread's current device must be the arena's
                     parts.append(part_entry(part, ipc=share(part.device)))
+                live.arenas.append(part.device)
                 continue
             block = part.host
             assert block is not None
@@ -395,6 +415,7 @@ class WeightPublisher:
                 live.own.append(block)
                 pub.copied_bytes += block.nbytes
             parts.append(part_entry(part, file=None if block.file is None else os.path.basename(block.file[0])))
+            live.arenas.append(block.data)
         if live.own:  # the state's snapshot is no longer needed: its bytes are in our blocks
             self.state.release(live.snapshot)
             live.snapshot = None
@@ -450,6 +471,7 @@ class WeightPublisher:
             self._free(live)
 
     def _free(self, live: _Live) -> None:
+        live.arenas = []
         if live.snapshot is not None and not self.state.closed:
             self.state.release(live.snapshot)
         live.snapshot = None

@@ -46,6 +46,8 @@ class Receipt:
     transport: str
     wait_s: float
     pause_s: float
+    #: bytes copied into the target (``load_into``; fewer than ``nbytes`` for a delta); ``None`` for ``receive``
+    copied_bytes: int | None = None
 
     @property
     def gbps(self) -> float:
@@ -83,6 +85,10 @@ class WeightReceiver:
         #: the last version received (``None`` before the first)
         self.last_receipt: Receipt | None = None
         self._staging: dict[int, torch.Tensor] = {}
+        #: the target object ``load_into`` last filled whole, and the version it holds (a strong reference,
+        #: so its identity cannot be reused by another object)
+        self._last_target: tuple[object, int] | None = None
+        self._copied: int | None = None
         self._closed = False
         self._link: Any = None
         self.mailbox: Mailbox | None = None
@@ -150,7 +156,7 @@ class WeightReceiver:
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
         del t0
 
-    def load_into(self, target: Target, *, min_version: int | None = None, timeout: float | None = None) -> int:
+    def load_into(self, target: Target, *, min_version: int | None = None, timeout: float | None = None, delta: bool = False) -> int:
         """Copy the latest version (at least ``min_version``) into ``target`` in place, by name; returns its version.
 
         ``target``: a ``torch.nn.Module`` (its parameters and persistent buffers, by ``state_dict`` name),
@@ -159,13 +165,22 @@ class WeightReceiver:
         does not is named by a ``LayoutMismatchError`` (``field``: ``missing``, ``extra``, ``shape`` or
         ``dtype``) raised before any byte is copied. A version reclaimed mid-copy is read again (once).
         The target is safe to use when this returns (device copies are synchronised).
+
+        ``delta=True``: when the version is published with ``delta`` against the version this receiver
+        last loaded into this same ``target`` object, only the tensors that changed are copied (the
+        result is the same, byte for byte). It trusts that nobody wrote the target since that load;
+        otherwise, and for any other version, everything is copied.
         """
         targets = _targets(target)
         for attempt in (0, 1):
             try:
                 with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
                     _check_cover(manifest, targets)
-                    _copy(manifest, arenas, targets)
+                    last = self._last_target
+                    only = manifest.base is not None and delta and last is not None and last[0] is target and last[1] == manifest.base
+                    self._last_target = None  # a copy that fails half-way leaves the target at no version
+                    self._copied = _copy(manifest, arenas, targets, only)
+                    self._last_target = (target, version)
                 return version
             except VersionReclaimedError:
                 if attempt:
@@ -210,6 +225,7 @@ class WeightReceiver:
     @contextmanager
     def _hold_for_copy(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
+        self._copied = None
         t1 = time.perf_counter()
         try:
             yield version, manifest, arenas
@@ -220,7 +236,7 @@ class WeightReceiver:
                 pass
             raise
         let_go()
-        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
+        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied)
 
     def _take(self, min_version: int | None, timeout: float | None) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
         if self._closed:
@@ -348,14 +364,21 @@ def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
             raise LayoutMismatchError(name, f"in the target, but version {manifest.version} has no tensor of that name", "missing")
 
 
-def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
-    devices = set()
+def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor], only_changed: bool) -> int:
+    """Copy every tensor (or, ``only_changed``, those the manifest lists as changed since its base) into
+    ``targets``; returns the bytes copied, once the copies are done."""
+    devices, copied = set(), 0
     with torch.no_grad():
-        for name, view in _pairs(manifest, arenas):
-            dst = targets[name]
-            dst.copy_(view, non_blocking=True)
-            devices.add(dst.device)
+        for part, arena in zip(manifest.parts, arenas, strict=True):
+            picked = part.changed if only_changed and part.changed is not None else range(len(part.tensors))
+            for i in picked:
+                t = part.tensors[i]
+                dst = targets[t.name]
+                dst.copy_(t.view(arena), non_blocking=True)
+                devices.add(dst.device)
+                copied += t.nbytes
     _synchronize(devices)
+    return copied
 
 
 def _synchronize(devices: Iterable[torch.device]) -> None:
