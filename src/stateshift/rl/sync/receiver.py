@@ -138,7 +138,6 @@ class WeightReceiver:
         ``timeout_s``); ``VersionReclaimedError`` at the end of the block if the publisher reclaimed the
         version meanwhile (held past its ``ack_timeout_s``): discard what was read.
         """
-        t0 = time.perf_counter()
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         t1 = time.perf_counter()
         if self.device is not None and any(a.device != self.device for a in arenas):
@@ -154,7 +153,6 @@ class WeightReceiver:
             raise
         let_go()
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
-        del t0
 
     def load_into(self, target: Target, *, min_version: int | None = None, timeout: float | None = None, delta: bool = False) -> int:
         """Copy the latest version (at least ``min_version``) into ``target`` in place, by name; returns its version.
@@ -172,6 +170,8 @@ class WeightReceiver:
         otherwise, and for any other version, everything is copied.
         """
         targets = _targets(target)
+        if self.mailbox is not None and any(t.is_cuda for t in targets.values()):
+            self._maps.ensure_registered()
         for attempt in (0, 1):
             try:
                 with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
