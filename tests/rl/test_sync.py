@@ -303,3 +303,15 @@ def test_delta_copies_only_what_changed_and_equals_a_full_load(trainer):
     for r in (rx_delta, rx_full):
         r.close()
     pub.close()
+
+
+def test_auto_picks_shared_host_for_host_tensors_and_offloaded_params(trainer):
+    m, state = trainer
+    with WeightPublisher(state, name="a1") as p:
+        assert p.transport == "shared_host"  # CPU tensors: nothing for CUDA IPC
+    state.offload()
+    with WeightPublisher(state, name="a2") as p:
+        assert p.transport == "shared_host"
+    with pytest.raises(ValueError):
+        WeightPublisher(state, name="a3", transport="cuda_ipc")
+    assert glob.glob(f"/dev/shm/stateshift-sync-{os.getpid()}-*") == []

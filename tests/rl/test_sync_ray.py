@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import ray
 import torch
 from rl.sync_kit import model, same, values
 
+ray = pytest.importorskip("ray", reason="the Ray test needs ray (the test extra installs it)")
 pytestmark = pytest.mark.slow
 
 

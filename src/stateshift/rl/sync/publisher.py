@@ -10,6 +10,7 @@ holds any more (their memory goes back to the state's pool).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -99,10 +100,9 @@ def pick_transport(state: ModelState, groups: tuple[str, ...], broadcast_receive
     CUDA device; ``shared_host`` otherwise (offloaded or mixed params, or no CUDA)."""
     if broadcast_receivers > 0:
         return "broadcast"
-    if _on_cuda(state):
-        counts = state.residency()
-        if all(n == 0 for g in groups for r, n in counts[g].items() if r != Residency.DEVICE.value):
-            return "cuda_ipc"
+    slots = state.slots(groups)
+    if slots and all(s.residency is Residency.DEVICE and s.device.type == "cuda" for s in slots):
+        return "cuda_ipc"
     return "shared_host"
 
 
@@ -125,10 +125,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _on_cuda(state: ModelState) -> bool:
-    return state.engine.device is not None and state.engine.device.type == "cuda"
 
 
 class WeightPublisher:
@@ -203,6 +199,7 @@ class WeightPublisher:
         self._setup(broadcast_receivers, host, port, bucket_bytes)
         self._thread = threading.Thread(target=self._run, name=f"stateshift-sync-{name}", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # a publisher never closed still removes its files at exit
 
     def _setup(self, receivers: int, host: str, port: int, bucket_bytes: int) -> None:
         prefix = f"stateshift-sync-{os.getpid()}-{secrets.token_hex(8)}"
@@ -217,8 +214,8 @@ class WeightPublisher:
                                       port=self._sender.port, world_size=receivers + 1, backend=self._sender.backend)
             self.mailbox = None
             return
-        if self.transport == "cuda_ipc" and not _on_cuda(self.state):
-            raise ValueError("transport 'cuda_ipc' needs the state on a CUDA device")
+        if self.transport == "cuda_ipc" and not all(s.device.type == "cuda" for s in self.state.slots(self.groups)):
+            raise ValueError("transport 'cuda_ipc' needs every published tensor on a CUDA device")
         Mailbox.remove_stale(self.directory)
         self.mailbox = Mailbox(self.directory, prefix)
         self._alive_fd = self.mailbox.hold_alive(None)
@@ -273,6 +270,7 @@ class WeightPublisher:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._thread.join()
         if self._sender is not None:
