@@ -15,7 +15,7 @@ from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, 
 
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
-from stateshift.rl.sync import SyncTimeoutError, WeightPublisher, WeightReceiver
+from stateshift.rl.sync import ReceiverLostError, SyncError, SyncTimeoutError, WeightPublisher, WeightReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +122,13 @@ def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
         for _, c in started:
             version, got, _ = ask(c, None)
             assert version == 2 and same(got, want)
+        os.kill(started[1][0].pid, signal.SIGKILL)  # a receiver dies: the group breaks, the publisher says so
+        started[1][0].join(10)
+        with pytest.raises(ReceiverLostError):
+            pub.publish(3).wait(60)
+        assert [(e.receiver, e.version, e.reason) for e in pub.lost] == [("broadcast group", 3, "died")]
+        with pytest.raises(SyncError):
+            pub.publish(4)
     finally:
         pub.close()
         stop(procs)
@@ -156,9 +163,12 @@ def _fsdp2_rank(rank: int, world: int) -> bool:
         rx.close()
         pub.close()
         state.close()
+        state.pool.trim()  # ranks leave through os._exit: no finalizer would remove the pool's files
 
 
 def test_fsdp2_shards_load_into_a_model_sharded_the_same_way():
     from dist_harness import run_distributed
 
+    before = set(os.listdir("/dev/shm"))
     assert run_distributed(_fsdp2_rank, world_size=2, timeout=120) == [True, True]
+    assert [f for f in set(os.listdir("/dev/shm")) - before if f.startswith(("stateshift-pool-", "stateshift-sync-"))] == []

@@ -353,9 +353,11 @@ class WeightPublisher:
             self._sender.send(live.version, live.snapshot)
         except BaseException as exc:  # noqa: BLE001 - a receiver died or the group broke: recorded, publish() raises
             if self._failure is None:
-                self._lose(ReceiverLostError("broadcast group", live.version, "died", repr(exc)))
-                self._failure = exc
-            pub.error = exc
+                lost = ReceiverLostError("broadcast group", live.version, "died", repr(exc))
+                lost.__cause__ = exc
+                self._lose(lost)
+                self._failure = lost
+            pub.error = self._failure
         self._retire(pub, live)
 
     def _retire(self, pub: Publication, live: _Live) -> None:
