@@ -288,12 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    vfs = os.statvfs(args.shm_dir)
+    print(f"{args.shm_dir}: {vfs.f_bavail * vfs.f_frsize / 1e9:.1f} GB free", file=sys.stderr)
     ceilings = bench.measure_ceilings(16 << 20 if args.small else 1 << 31, device)
     rows = [row for fam in args.families for row in bench_family(fam, device, args, ceilings)]
     slug = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower())
     stem = f"{datetime.date.today().isoformat()}-{slug}-weight-sync{'-small' if args.small else ''}"
     result = {"machine": bench.machine_name(device), "host": bench.host_facts(), "torch": torch.__version__,
-              "stateshift": bench.git_sha(), "ceilings": ceilings, "small": args.small, "rows": rows}
+              "stateshift": bench.git_sha(), "ceilings": ceilings, "small": args.small,
+              "shm_free_bytes": vfs.f_bavail * vfs.f_frsize, "repeat": args.repeat, "warmup": args.warmup, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     labels = [f"{r['family']}\n{r['transport']}\n{r['residency']}" for r in rows]

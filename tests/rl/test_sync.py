@@ -315,3 +315,43 @@ def test_auto_picks_shared_host_for_host_tensors_and_offloaded_params(trainer):
     with pytest.raises(ValueError):
         WeightPublisher(state, name="a3", transport="cuda_ipc")
     assert glob.glob(f"/dev/shm/stateshift-sync-{os.getpid()}-*") == []
+
+
+def test_readers_on_threads_never_see_two_versions_mixed_while_versions_race_by(trainer):
+    """Every value of version v is v; two reader threads load as fast as they can while the publisher
+    lists 40 versions (blocks are reused as soon as nobody holds them): a torn read would mix two numbers."""
+    import threading
+
+    m, state = trainer
+    pub = WeightPublisher(state, name="race", poll_s=0.001)
+    readers = [WeightReceiver(pub.handle(), name=f"t{i}", timeout_s=10) for i in range(2)]
+    seen: list[int] = []
+    bad: list[str] = []
+    done = threading.Event()
+
+    def read(rx: WeightReceiver) -> None:
+        target = model(1)
+        while not done.is_set():
+            v = rx.load_into(target)
+            found = {x for t in values(target).values() for x in (float(t.float().min()), float(t.float().max()))}
+            if found != {float(v)}:
+                bad.append(f"version {v}: values {sorted(found)}")
+            seen.append(v)
+
+    threads = [threading.Thread(target=read, args=(rx,)) for rx in readers]
+    for v in range(1, 41):
+        with torch.no_grad():
+            for t in m.state_dict().values():
+                t.fill_(v)
+        last = pub.publish(v)
+        if v == 1:
+            for t in threads:
+                t.start()
+    last.wait(10)
+    done.set()
+    for t in threads:
+        t.join(30)
+    assert not bad and len(set(seen)) >= 2 and max(seen) <= 40
+    for rx in readers:
+        rx.close()
+    pub.close()
