@@ -355,3 +355,12 @@ def test_readers_on_threads_never_see_two_versions_mixed_while_versions_race_by(
     for rx in readers:
         rx.close()
     pub.close()
+
+
+def test_a_shared_pool_in_another_directory_than_the_publisher_is_refused_before_any_file(trainer, tmp_path):
+    m, _ = trainer
+    state = ModelState(model(3), pool=HostPool(shared=True, shm_dir=str(tmp_path), pin=False))
+    with pytest.raises(ValueError):
+        WeightPublisher(state, name="elsewhere")
+    assert glob.glob(f"/dev/shm/stateshift-sync-{os.getpid()}-*") == []
+    state.close()

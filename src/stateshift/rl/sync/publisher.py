@@ -216,6 +216,10 @@ class WeightPublisher:
             return
         if self.transport == "cuda_ipc" and not all(s.device.type == "cuda" for s in self.state.slots(self.groups)):
             raise ValueError("transport 'cuda_ipc' needs every published tensor on a CUDA device")
+        pool_dir = getattr(self.state.pool, "shm_dir", None) if getattr(self.state.pool, "shared", False) else None
+        if self.transport == "shared_host" and pool_dir is not None and os.path.realpath(pool_dir) != os.path.realpath(self.directory):
+            raise ValueError(f"the state's shared pool keeps its blocks in {pool_dir!r}, the publisher's directory is "
+                             f"{self.directory!r}: receivers look for both in one directory")
         Mailbox.remove_stale(self.directory)
         self.mailbox = Mailbox(self.directory, prefix)
         self._alive_fd = self.mailbox.hold_alive(None)
@@ -322,6 +326,9 @@ class WeightPublisher:
                 if item:
                     item[0].error = exc
                     item[0]._done.set()
+                    with self._lock:
+                        self._live.pop(item[1].version, None)
+                    self._free(item[1])
 
     def _run_broadcast(self) -> None:
         """The thread of a ``broadcast`` publisher: join the group, then send the latest version enqueued
