@@ -157,12 +157,37 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     raw = p.get("tensors")
     if not isinstance(raw, list):
         raise MailboxError(where, f"part {i} tensors", "not a list")
-    tensors = tuple(_parse_tensor(t, where, size) for t in raw)
+    tensors = tuple(_checked_tensor(t, where, size) for t in raw)
     changed = p.get("changed")
     if changed is not None and (not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)):
         raise MailboxError(where, f"part {i} changed", "not a list of tensor indices")
     return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset,
                      changed=None if changed is None else tuple(changed))
+
+
+#: entries already checked, by their exact fields and their part's size (versions of one model repeat
+#: the same entries: a receiver checks each once, not once per version)
+_CHECKED: dict[tuple[Any, ...], TensorEntry] = {}
+_CHECKED_MAX = 1 << 18
+
+
+def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
+    if isinstance(t, list) and len(t) == 5 and isinstance(t[2], list) and isinstance(t[3], list):
+        try:
+            key = (t[0], t[1], *t[2], -1, *t[3], -1, t[4], size)
+            hit = _CHECKED.get(key)
+        except TypeError:  # an unhashable field: the full check says what
+            key, hit = None, None
+        if hit is not None and all(type(x) is int for x in (*t[2], *t[3], t[4])) and type(t[0]) is str and type(t[1]) is str:
+            return hit
+    else:
+        key = None
+    entry = _parse_tensor(t, where, size)
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = entry
+    return entry
 
 
 def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:

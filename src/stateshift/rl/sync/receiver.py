@@ -48,6 +48,8 @@ class Receipt:
     pause_s: float
     #: bytes copied into the target (``load_into``; fewer than ``nbytes`` for a delta); ``None`` for ``receive``
     copied_bytes: int | None = None
+    #: ``load_into``: seconds of the copies alone (enqueued and synchronised), within ``pause_s``
+    copy_s: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -89,6 +91,7 @@ class WeightReceiver:
         #: so its identity cannot be reused by another object)
         self._last_target: tuple[object, int] | None = None
         self._copied: int | None = None
+        self._copy_s: float | None = None
         self._closed = False
         self._link: Any = None
         self.mailbox: Mailbox | None = None
@@ -179,7 +182,9 @@ class WeightReceiver:
                     last = self._last_target
                     only = manifest.base is not None and delta and last is not None and last[0] is target and last[1] == manifest.base
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
+                    t0 = time.perf_counter()
                     self._copied = _copy(manifest, arenas, targets, only)
+                    self._copy_s = time.perf_counter() - t0
                     self._last_target = (target, version)
                 return version
             except VersionReclaimedError:
@@ -225,7 +230,7 @@ class WeightReceiver:
     @contextmanager
     def _hold_for_copy(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
-        self._copied = None
+        self._copied, self._copy_s = None, None
         t1 = time.perf_counter()
         try:
             yield version, manifest, arenas
@@ -236,7 +241,7 @@ class WeightReceiver:
                 pass
             raise
         let_go()
-        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied)
+        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied, self._copy_s)
 
     def _take(self, min_version: int | None, timeout: float | None) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
         if self._closed:
