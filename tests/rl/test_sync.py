@@ -364,3 +364,14 @@ def test_a_shared_pool_in_another_directory_than_the_publisher_is_refused_before
         WeightPublisher(state, name="elsewhere")
     assert glob.glob(f"/dev/shm/stateshift-sync-{os.getpid()}-*") == []
     state.close()
+
+
+def test_an_entry_checked_before_does_not_let_a_lookalike_through():
+    def raw(shape):
+        return json.dumps({"version": 1, "transport": "shared_host", "parts": [
+            {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", shape, [1], 0]]}]}).encode()
+
+    assert Manifest.parse(raw([16]), "m").parts[0].tensors[0].shape == (16,)
+    for bad in ([16.0], [True]):  # equal to 16 / 1 as dictionary keys, not as entries
+        with pytest.raises(MailboxError):
+            Manifest.parse(raw(bad), "m")
