@@ -294,12 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     vfs = os.statvfs(args.shm_dir)
     print(f"{args.shm_dir}: {vfs.f_bavail * vfs.f_frsize / 1e9:.1f} GB free", file=sys.stderr)
     ceilings = bench.measure_ceilings(16 << 20 if args.small else 1 << 31, device)
-    rows = [row for fam in args.families for row in bench_family(fam, device, args, ceilings)]
+    rows, errors = [], {}
+    for fam in args.families:  # one family failing (a missing package, memory) still leaves the others' rows
+        try:
+            rows += bench_family(fam, device, args, ceilings)
+        except Exception as exc:  # noqa: BLE001 - recorded in the result file and printed
+            import traceback
+
+            traceback.print_exc()
+            errors[fam] = repr(exc)
     slug = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower())
     stem = f"{datetime.date.today().isoformat()}-{slug}-weight-sync{'-small' if args.small else ''}"
     result = {"machine": bench.machine_name(device), "host": bench.host_facts(), "torch": torch.__version__,
               "stateshift": bench.git_sha(), "ceilings": ceilings, "small": args.small,
-              "shm_free_bytes": vfs.f_bavail * vfs.f_frsize, "repeat": args.repeat, "warmup": args.warmup, "rows": rows}
+              "shm_free_bytes": vfs.f_bavail * vfs.f_frsize, "repeat": args.repeat, "warmup": args.warmup, "errors": errors,
+              "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     labels = [f"{r['family']}\n{r['transport']}\n{r['residency']}" for r in rows]
@@ -310,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
               f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} "
               f"{r['d2h_bytes'] / 1e9:>7.2f}")
-    print(f"wrote {args.out / stem}.json")
-    return 0
+    print(f"wrote {args.out / stem}.json" + (f"; failed: {errors}" if errors else ""))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
