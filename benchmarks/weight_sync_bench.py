@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             errors[fam] = repr(exc)
+            del exc
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     slug = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower())
     stem = f"{datetime.date.today().isoformat()}-{slug}-weight-sync{'-small' if args.small else ''}"
     result = {"machine": bench.machine_name(device), "host": bench.host_facts(), "torch": torch.__version__,
