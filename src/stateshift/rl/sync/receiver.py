@@ -274,7 +274,7 @@ class WeightReceiver:
     def _hold(self, min_version: int | None, deadline: float) -> int:
         """Mark the latest listed version (at least ``min_version``) as held by this receiver; returns it."""
         assert self.mailbox is not None
-        pause = 0.001
+        pause, look = 0.001, time.monotonic() + 0.5
         while True:
             state = self.mailbox.read()  # unlocked look first (the mailbox is replaced whole)
             latest = max(state["versions"], default=None)
@@ -289,8 +289,10 @@ class WeightReceiver:
                         entry.update(holding=latest, since=time.time(), reclaimed=None)
                         self.mailbox.write(state)
                         return latest
-            if time.monotonic() > deadline:
-                alive = self.mailbox.is_alive(None)
+            gone = time.monotonic() > look and not self.mailbox.is_alive(None)  # a dead publisher lists nothing more
+            look = time.monotonic() + 0.5 if time.monotonic() > look else look
+            if time.monotonic() > deadline or gone:
+                alive = not gone and self.mailbox.is_alive(None)
                 raise SyncTimeoutError(f"receiver {self.name!r}: no version >= {min_version} listed (latest {latest}); "
                                        f"the publisher is {'alive' if alive else 'gone'}", min_version, alive)
             time.sleep(pause)
