@@ -388,3 +388,15 @@ def test_versions_reuse_blocks_so_a_receiver_maps_each_file_once(trainer, pub):
         assert rx.load_into(target) == v and same(values(target), values(m))
     assert rx._maps.mapped <= 2 * len(state.layouts(pub.groups))  # two versions' blocks alternate, not six
     rx.close()
+
+
+def test_a_manifest_past_the_size_limit_is_refused_before_it_is_parsed(pub, monkeypatch):
+    import stateshift.rl.sync.manifest as manifest_module
+
+    pub.publish(1).wait(5)
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 100)
+    rx = WeightReceiver(pub.handle(), name="r")
+    with pytest.raises(MailboxError) as err:
+        rx.load_into(model(1))
+    assert err.value.field == "size"
+    rx.close()

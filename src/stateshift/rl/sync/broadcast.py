@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ...core.snapshot import Snapshot
 from ...errors import MailboxError, SyncError, SyncTimeoutError
 from .handle import SyncHandle
-from .manifest import Manifest, part_entry
+from .manifest import MAX_MANIFEST_BYTES, Manifest, part_entry
 
 _VERSION = 1
 
@@ -159,7 +159,7 @@ class BroadcastLink:
         kind, version, mlen, total, bucket = (int(x) for x in header.tolist())
         if kind != _VERSION:
             raise MailboxError("<broadcast>", "header", f"kind {kind}")
-        if not 0 < mlen <= 256 << 20 or total < 0 or bucket < 1:
+        if not 0 < mlen <= MAX_MANIFEST_BYTES or total < 0 or bucket < 1:
             raise MailboxError("<broadcast>", "header", f"manifest {mlen} bytes, payload {total}")
         raw = torch.empty(mlen, dtype=torch.uint8, device=self.device)
         self.pg.broadcast(raw, 0).wait()

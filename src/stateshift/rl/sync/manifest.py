@@ -26,7 +26,7 @@ from ...errors import MailboxError
 #: Bare names a shared_host part's file may have: a shared ``HostPool`` block.
 POOL_FILE = re.compile(r"stateshift-pool-\d{1,10}-[0-9a-f]{1,32}-\d{1,12}")
 #: Limits a receiver holds a manifest to before it believes it.
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # 100,000 tensors take about 15 MB; parsing 64 MB takes about a second
 MAX_NAME_CHARS = 4096
 MAX_DIMS = 64
 
