@@ -138,6 +138,7 @@ class WeightPublisher:
             at most one per receiver plus the latest are ever alive).
         ack_timeout_s: a receiver holding a superseded version longer than this is reclaimed
             (``ReceiverLostError`` in ``lost``); so is a receiver whose process died, at once.
+            ``broadcast``: the group's timeout (joining it, and each send a receiver does not read).
         name: the publisher's name (letters, digits, ``_.-``), unique per process.
         directory: where the mailbox and shared blocks live (``/dev/shm``: memory).
         broadcast_receivers: ``broadcast`` only: how many receivers join the group.
@@ -150,6 +151,9 @@ class WeightPublisher:
         poll_s: how often the publisher's thread looks at its receivers.
 
     Raises: ``ValueError`` for a bad setting; ``UnknownGroupError`` for a group the state lacks.
+
+    Threads: call ``publish`` from one thread (the trainer's). Close the publisher before its state:
+    ``ModelState.close()`` releases every snapshot, published ones included.
     """
 
     def __init__(
