@@ -400,3 +400,19 @@ def test_a_manifest_past_the_size_limit_is_refused_before_it_is_parsed(pub, monk
         rx.load_into(model(1))
     assert err.value.field == "size"
     rx.close()
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_publisher_and_files_alone(trainer, pub):
+    pub.publish(1).wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child exits as a normal exit would: atexit handlers and finalizers run there
+        import atexit
+
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    rx = WeightReceiver(pub.handle(), name="after-fork")
+    assert rx.load_into(model(2)) == 1 and os.path.exists(pub.mailbox.path)
+    rx.close()

@@ -215,7 +215,7 @@ class HostPool:
         self._allocations = 0
         self._reuses = 0
         self._frees = 0
-        weakref.finalize(self, HostPool._free_all, self._blocks)
+        weakref.finalize(self, HostPool._free_all, self._blocks, os.getpid())
 
     # -- public ---------------------------------------------------------------------------
     def acquire(self, nbytes: int) -> HostBlock:
@@ -378,7 +378,9 @@ class HostPool:
         _unlink(block)
 
     @staticmethod
-    def _free_all(blocks: dict[int, HostBlock]) -> None:
+    def _free_all(blocks: dict[int, HostBlock], pid: int) -> None:
+        if os.getpid() != pid:  # a forked child exiting: the files and registrations are its parent's
+            return
         for block in list(blocks.values()):
             _unlink(block)
             if block.pinned and torch.cuda.is_available():

@@ -198,6 +198,7 @@ class WeightPublisher:
         self._queue: queue.Queue[tuple[Publication, _Live] | None] = queue.Queue()
         self._failure: BaseException | None = None
         self._closed = False
+        self._pid = os.getpid()
         self._own_pool: HostPool | None = None
         self._sender: Any = None
         self._setup(broadcast_receivers, host, port, bucket_bytes)
@@ -275,7 +276,7 @@ class WeightPublisher:
     def close(self) -> None:
         """Stop the thread (versions enqueued are listed first), unlist everything, free the memory and
         remove the mailbox files. Receivers reading a version now get ``VersionReclaimedError``. Idempotent."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # a forked child: the publisher and its files are its parent's
             return
         self._closed = True
         atexit.unregister(self.close)
