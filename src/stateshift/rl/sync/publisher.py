@@ -338,6 +338,8 @@ class WeightPublisher:
     def _run_broadcast(self) -> None:
         """The thread of a ``broadcast`` publisher: join the group, then send the latest version enqueued
         (older ones still queued are superseded: freed unsent), until ``close``."""
+        if self._sender.device.type == "cuda":
+            torch.cuda.set_device(self._sender.device)  # NCCL works on this thread's current device
         try:
             self._sender.connect()
         except BaseException as exc:  # noqa: BLE001
