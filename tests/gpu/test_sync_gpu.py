@@ -67,6 +67,8 @@ def test_shared_host_from_offloaded_params_moves_no_device_byte_and_loads_on_the
         assert resident.d2h_bytes > 0
         version, got, _ = ask(conn, ("load", 2))
         assert version == 2 and same(got, values(m))
+        version, pairs, devices = ask(conn, ("pairs", 2))  # receive(): staged on the receiver's GPU
+        assert version == 2 and devices == ["cuda:0"] and same(pairs, values(m))
     finally:
         stop(procs)
         pub.close()

@@ -47,7 +47,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None:
     """A receiver process driven by commands on ``conn``: ``("load", min_version)`` replies the version and
-    the values loaded into a fresh model; ``("hold", min_version)`` holds the version mid-read and replies,
+    the values loaded into a fresh model; ``("pairs", min_version)`` the version, the pairs ``receive``
+    yields (host copies) and the devices they were on; ``("hold", min_version)`` holds the version mid-read and replies,
     then sleeps (to be killed); ``("stop",)`` closes and replies."""
     torch.set_num_threads(1)
     from stateshift.rl.sync import WeightReceiver
@@ -60,6 +61,10 @@ def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None
         if cmd[0] == "load":
             v = rx.load_into(target, min_version=cmd[1])
             conn.send((v, values(target), rx.last_receipt))
+        elif cmd[0] == "pairs":
+            with rx.receive(min_version=cmd[1]) as (v, pairs):
+                got = {n: (t.detach().cpu().clone(), str(t.device)) for n, t in pairs}
+            conn.send((v, {n: t for n, (t, _) in got.items()}, sorted({d for _, d in got.values()})))
         elif cmd[0] == "hold":
             with rx.receive(min_version=cmd[1]) as (v, pairs):
                 next(pairs)

@@ -50,6 +50,8 @@ def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_re
         version, got, _ = ask(c0, ("load", 2))
         state.onload()
         assert version == 2 and same(got, values(m))
+        version, pairs, devices = ask(c0, ("pairs", 2))  # receive(): views of the shared memory itself
+        assert version == 2 and devices == ["cpu"] and same(pairs, values(m))
         _wait_for(lambda: sorted(pub._live) == [2])  # version 1 is freed once nobody holds it
         assert ask(c0, ("stop",)) == ("bye",)
     finally:
