@@ -9,7 +9,8 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
 - ``publish_s``: what ``publish()`` cost the trainer (enqueueing one snapshot);
   ``visible_s``: until receivers could see the version;
 - ``pause_s``: the receiver's ``load_into`` (how long its reader is blocked);
-  ``receive_gbps`` = ``bytes / pause_s``;
+  ``receive_gbps`` = ``received_bytes / pause_s`` (the bytes copied into its tensors; ``bytes`` is
+  what was published, alignment padding and a Megatron flat buffer's padding included);
 - ``ratio``: ``receive_gbps`` over the ceiling measured in this run (``copy_ratio``: the same for
   the copies alone, ``copy_s``, without the hold, the manifest and the let-go): a
   device-to-device copy of the same bytes (bytes copied per second) for
@@ -80,7 +81,8 @@ def receiver_main(handle: str, device: str, conn: Any) -> None:
                     targets = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in pairs}
             t0 = time.perf_counter()
             version = rx.load_into(targets, min_version=cmd[1])
-            conn.send((version, time.perf_counter() - t0, rx.last_receipt.pause_s, rx.last_receipt.copy_s))
+            r = rx.last_receipt
+            conn.send((version, time.perf_counter() - t0, r.pause_s, r.copy_s, r.copied_bytes))
         elif cmd[0] == "naive":
             t0 = time.perf_counter()
             sd = torch.load(cmd[1], map_location=device, weights_only=False)
@@ -208,16 +210,16 @@ def run_case(state: ModelState, transport: str, device: torch.device, args: argp
         for i in range(args.warmup + args.repeat):
             version[0] += 1
             p = pub.publish(version[0]).wait(REPLY_S)
-            got, load_s, pause_s, copy_s = rx.ask(("load", version[0]))
+            got, load_s, pause_s, copy_s, received = rx.ask(("load", version[0]))
             assert got == version[0], (got, version[0])
             if i >= args.warmup:
-                rows.append((p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s))
+                rows.append((p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received))
     finally:
         rx.close()
         pub.close()
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     return {"publish_s": med(0), "visible_s": med(1), "pause_s": med(2), "copy_s": med(6), "d2h_bytes": rows[-1][3],
-            "copied_bytes": rows[-1][4], "bytes": rows[-1][5], "naive_s": naive}
+            "copied_bytes": rows[-1][4], "bytes": rows[-1][5], "received_bytes": rows[-1][7], "naive_s": naive}
 
 
 def bench_family(family: str, device: torch.device, args: argparse.Namespace, ceilings: dict[str, float]) -> list[dict[str, Any]]:
@@ -254,10 +256,10 @@ def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s
         ceiling, bound = ceilings["d2d_gbps"] / 2, "d2d_copy"  # bytes copied per second (bench counts read + write)
     else:
         ceiling, bound = ceilings["h2d_gbps"], "pinned_h2d"
-    gbps = r["bytes"] / r["pause_s"] / 1e9  # the whole pause: hold, manifest, copies, let go
-    copy_gbps = r["bytes"] / r["copy_s"] / 1e9  # the copies alone
+    gbps = r["received_bytes"] / r["pause_s"] / 1e9  # bytes copied into the target over the whole pause
+    copy_gbps = r["received_bytes"] / r["copy_s"] / 1e9  # the copies alone
     ours = r["visible_s"] + r["pause_s"]
-    return {"transport": transport, "family": family, "residency": residency, "bytes": r["bytes"],
+    return {"transport": transport, "family": family, "residency": residency, "bytes": r["bytes"], "received_bytes": r["received_bytes"],
             "publish_s": round(r["publish_s"], 6), "visible_s": round(r["visible_s"], 6),
             "publish_gbps": round(r["bytes"] / r["visible_s"] / 1e9, 2), "pause_s": round(r["pause_s"], 6),
             "receive_gbps": round(gbps, 2), "ceiling_gbps": round(ceiling, 2), "bound": bound, "ratio": round(gbps / ceiling, 3),

@@ -220,7 +220,7 @@ def test_handle_round_trips_as_json():
 
 def test_manifest_refuses_a_tensor_past_its_part():
     raw = json.dumps({"version": 1, "transport": "shared_host", "parts": [
-        {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", [17], [1], 0]]}]})
+        {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", [17], [1], 0, 0]]}]})
     with pytest.raises(MailboxError) as err:
         Manifest.parse(raw.encode(), "m")
     assert err.value.field == "tensor 'w'"
@@ -369,7 +369,7 @@ def test_a_shared_pool_in_another_directory_than_the_publisher_is_refused_before
 def test_an_entry_checked_before_does_not_let_a_lookalike_through():
     def raw(shape):
         return json.dumps({"version": 1, "transport": "shared_host", "parts": [
-            {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", shape, [1], 0]]}]}).encode()
+            {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", shape, [1], 0, 0]]}]}).encode()
 
     assert Manifest.parse(raw([16]), "m").parts[0].tensors[0].shape == (16,)
     for bad in ([16.0], [True]):  # equal to 16 / 1 as dictionary keys, not as entries
@@ -416,3 +416,29 @@ def test_a_forked_child_that_exits_leaves_its_parents_publisher_and_files_alone(
     rx = WeightReceiver(pub.handle(), name="after-fork")
     assert rx.load_into(model(2)) == 1 and os.path.exists(pub.mailbox.path)
     rx.close()
+
+
+def test_a_megatron_flat_buffer_is_an_aggregate_its_parameters_arrive_one_by_one():
+    from fakes.mcore.setups import build
+
+    ddp, _ = build("dense_float16")
+    state = ModelState(ddp, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name="mcore")  # default groups: what the forward reads (params, frozen, buffers)
+    rx = WeightReceiver(pub.handle(), name="r")
+    try:
+        pub.publish(1).wait(5)
+        listed = {t.name: t.aggregate for p in pub._live[1].manifest.parts for t in p.tensors}
+        assert listed["buffers.0.param_data"] and not listed["l1.weight"]
+        with rx.receive() as (_, pairs):
+            names = [n for n, _ in pairs]
+        assert "buffers.0.param_data" not in names and "l1.weight" in names
+        other, _ = build("dense_float16", seed=1)
+        target = other.module.module  # Float16Module and DDP stripped, as the backend names them
+        assert rx.load_into(target) == 1
+        assert all(torch.equal(a, b) for a, b in zip(ddp.module.parameters(), other.module.parameters(), strict=True))
+        assert rx.last_receipt.copied_bytes == sum(p.numel() * p.element_size() for p in target.parameters())
+    finally:
+        rx.close()
+        pub.close()
+        state.close()
+        state.pool.trim()

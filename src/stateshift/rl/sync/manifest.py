@@ -33,13 +33,17 @@ MAX_DIMS = 64
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One named tensor: its dtype, shape, stride (elements) and byte offset inside its part."""
+    """One named tensor: its dtype, shape, stride (elements) and byte offset inside its part.
+
+    ``aggregate``: a tensor whose bytes hold other listed tensors (a Megatron flat ``param_data`` beside
+    the parameters inside it). Receivers skip aggregates: their bytes arrive through their members."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    aggregate: bool = False
 
     @property
     def extent(self) -> int:
@@ -93,24 +97,27 @@ class Manifest:
         """Bytes of the tensors that changed since ``base`` (``None`` without a base)."""
         if self.base is None:
             return None
-        return sum(p.tensors[i].nbytes for p in self.parts for i in (p.changed or ()))
+        return sum(p.tensors[i].nbytes for p in self.parts for i in (p.changed or ()) if not p.tensors[i].aggregate)
 
     @property
     def nbytes(self) -> int:
         return sum(p.size for p in self.parts)
 
     def names(self) -> list[str]:
-        return [t.name for p in self.parts for t in p.tensors]
+        """The tensors a receiver gets (aggregates left out)."""
+        return [t.name for _, t in self.entries()]
 
     def entries(self) -> Iterator[tuple[PartEntry, TensorEntry]]:
+        """``(part, tensor)`` for every tensor a receiver gets (aggregates left out)."""
         for p in self.parts:
             for t in p.tensors:
-                yield p, t
+                if not t.aggregate:
+                    yield p, t
 
     def to_json(self) -> bytes:
         parts = [{"group": p.group, "size": p.size, "file": p.file, "ipc": p.ipc, "offset": p.offset,
                   "changed": None if p.changed is None else list(p.changed),
-                  "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset] for t in p.tensors]}
+                  "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset, int(t.aggregate)] for t in p.tensors]}
                  for p in self.parts]
         return json.dumps({"version": self.version, "transport": self.transport, "base": self.base, "parts": parts}).encode()
 
@@ -172,13 +179,13 @@ _CHECKED_MAX = 1 << 18
 
 
 def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
-    if isinstance(t, list) and len(t) == 5 and isinstance(t[2], list) and isinstance(t[3], list):
+    if isinstance(t, list) and len(t) == 6 and isinstance(t[2], list) and isinstance(t[3], list):
         try:
-            key = (t[0], t[1], *t[2], -1, *t[3], -1, t[4], size)
+            key = (t[0], t[1], *t[2], -1, *t[3], -1, t[4], t[5], size)
             hit = _CHECKED.get(key)
         except TypeError:  # an unhashable field: the full check says what
             key, hit = None, None
-        if hit is not None and all(type(x) is int for x in (*t[2], *t[3], t[4])) and type(t[0]) is str and type(t[1]) is str:
+        if hit is not None and all(type(x) is int for x in (*t[2], *t[3], t[4], t[5])) and type(t[0]) is str and type(t[1]) is str:
             return hit
     else:
         key = None
@@ -191,9 +198,9 @@ def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
 
 
 def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
-    if not isinstance(t, list) or len(t) != 5:
-        raise MailboxError(where, "tensor", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset]")
-    name, dtype, shape, stride, offset = t
+    if not isinstance(t, list) or len(t) != 6 or t[5] not in (0, 1) or type(t[5]) is not int:
+        raise MailboxError(where, "tensor", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset, aggregate]")
+    name, dtype, shape, stride, offset, aggregate = t
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise MailboxError(where, "tensor name", f"{str(name)[:80]!r}")
     try:
@@ -207,7 +214,7 @@ def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
         raise MailboxError(where, f"tensor {name!r} shape", f"shape {str(shape)[:80]} stride {str(stride)[:80]}")
     if not _is_int(offset) or offset < 0 or offset % itemsize:
         raise MailboxError(where, f"tensor {name!r} offset", f"{offset!r} is not a non-negative multiple of {itemsize}")
-    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset)
+    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset, aggregate=bool(aggregate))
     if offset + entry.extent > size:
         raise MailboxError(where, f"tensor {name!r}", f"bytes [{offset}, {offset + entry.extent}) past its part's {size}")
     return entry
@@ -215,10 +222,14 @@ def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
 
 def part_entry(part: SnapshotPart, *, file: str | None = None, ipc: dict[str, Any] | None = None, offset: int = 0) -> PartEntry:
     """The manifest entry of one snapshot part: every member of every slot at its byte offset in the part."""
-    tensors = []
+    tensors: list[TensorEntry] = []
     for slot, base in zip(part.layout.slots, part.layout.offsets, strict=True):
-        for m in slot.members:
-            tensors.append(TensorEntry(name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset))
+        members = [TensorEntry(name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset)
+                   for m in slot.members]
+        spans = [(t.offset, t.offset + t.extent) for t in members]
+        for t, (a, b) in zip(members, spans, strict=True):  # holds another member and is larger than it: an aggregate
+            holds = any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)  # (an empty member is held by nothing)
+            tensors.append(replace(t, aggregate=True) if holds else t)
     return PartEntry(group=part.group, size=part.layout.total, tensors=tuple(tensors), file=file, ipc=ipc, offset=offset)
 
 

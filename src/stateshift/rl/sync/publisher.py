@@ -133,7 +133,8 @@ class WeightPublisher:
     Args:
         state: the trainer's state (any backend, params in any residency).
         transport: ``"auto"`` (``pick_transport``), ``"shared_host"``, ``"cuda_ipc"`` or ``"broadcast"``.
-        groups: the groups to publish (default: those of ``("params", "buffers")`` the state has).
+        groups: the groups to publish (default: ``state.forward_groups``, what a forward pass reads:
+            ``params`` and ``buffers``, and Megatron's ``frozen``).
         budget_bytes: the most bytes of published versions kept alive at once (``None``: no limit;
             at most one per receiver plus the latest are ever alive).
         ack_timeout_s: a receiver holding a superseded version longer than this is reclaimed
@@ -180,7 +181,7 @@ class WeightPublisher:
         if budget_bytes is not None and budget_bytes < 0 or ack_timeout_s <= 0 or bucket_bytes < 1:
             raise ValueError(f"budget_bytes {budget_bytes}, ack_timeout_s {ack_timeout_s}, bucket_bytes {bucket_bytes}")
         self.state = state
-        self.groups = tuple(groups) if groups is not None else tuple(g for g in ("params", "buffers") if g in state.groups)
+        self.groups = tuple(groups) if groups is not None else tuple(state.forward_groups)
         state.layouts(self.groups)  # UnknownGroupError now, not at the first publish
         self.transport = pick_transport(state, self.groups, broadcast_receivers) if transport == "auto" else transport
         if delta and self.transport == "broadcast":

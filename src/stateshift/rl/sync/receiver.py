@@ -336,7 +336,8 @@ def _nothing() -> None:
 def _pairs(manifest: Manifest, arenas: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     for part, arena in zip(manifest.parts, arenas, strict=True):
         for t in part.tensors:
-            yield t.name, t.view(arena)
+            if not t.aggregate:
+                yield t.name, t.view(arena)
 
 
 def _targets(target: Target) -> dict[str, torch.Tensor]:
@@ -380,6 +381,8 @@ def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, tor
             picked = part.changed if only_changed and part.changed is not None else range(len(part.tensors))
             for i in picked:
                 t = part.tensors[i]
+                if t.aggregate:
+                    continue
                 dst = targets[t.name]
                 dst.copy_(t.view(arena), non_blocking=True)
                 devices.add(dst.device)
