@@ -226,7 +226,7 @@ def bench_family(family: str, device: torch.device, args: argparse.Namespace, ce
     t0 = time.perf_counter()
     model = FAMILIES[family](device, args.small)
     state = ModelState(model, pool=HostPool(shared=True, shm_dir=args.shm_dir))
-    groups = tuple(g for g in ("params", "buffers") if g in state.groups)
+    groups = tuple(state.forward_groups)  # what the publisher publishes by default
     print(f"{family}: {state.nbytes(groups) / 1e9:.3f} GB published ({', '.join(groups)}), built in {time.perf_counter() - t0:.0f}s",
           file=sys.stderr)
     transports = ("cuda_ipc", "shared_host") if device.type == "cuda" else ("shared_host",)
