@@ -52,6 +52,7 @@ if [[ $WHAT == *bench* ]]; then
       case $b in
         megatron) args=""; limit=230 ;;
         checkpoint) args="--hidden 1024 --layers 8 --repeat 3"; limit=200 ;;
+        weight_sync) args=""; limit=560 ;;  # not in the default list: BENCHES=weight_sync
         *) args=""; limit=110 ;;
       esac
       timeout $limit python3 benchmarks/${b}_bench.py --out "$RES" $args 2>&1 | tail -40 || status=1
