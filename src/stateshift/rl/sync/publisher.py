@@ -136,7 +136,8 @@ class WeightPublisher:
         groups: the groups to publish (default: ``state.forward_groups``, what a forward pass reads:
             ``params`` and ``buffers``, and Megatron's ``frozen``).
         budget_bytes: the most bytes of published versions kept alive at once (``None``: no limit;
-            at most one per receiver plus the latest are ever alive).
+            at most one per receiver plus the latest are ever alive). Give room for two versions at
+            least: the one listed stays alive while the next is taken.
         ack_timeout_s: a receiver holding a superseded version longer than this is reclaimed
             (``ReceiverLostError`` in ``lost``); so is a receiver whose process died, at once.
             ``broadcast``: the group's timeout (joining it, and each send a receiver does not read).
