@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -92,7 +93,6 @@ def test_a_held_version_survives_newer_ones_and_is_freed_after(trainer, pub):
     rx = WeightReceiver(pub.handle(), name="r")
     pub.publish(1).wait(5)
     want = values(m)
-    pub2 = WeightPublisher  # noqa: F841 - readability
     with rx.receive() as (v, pairs):
         step(m, 1)
         state.offload()
@@ -138,9 +138,9 @@ def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(tra
             with pytest.raises(SyncBudgetError) as budget:
                 pub.publish(3)
             assert budget.value.holders == (("stuck", 1),)
-            deadline = __import__("time").monotonic() + 5
-            while not pub.lost and __import__("time").monotonic() < deadline:
-                __import__("time").sleep(0.02)
+            deadline = time.monotonic() + 5
+            while not pub.lost and time.monotonic() < deadline:
+                time.sleep(0.02)
             pub.publish(3).wait(5)
     assert (reclaimed.value.receiver, reclaimed.value.version) == ("stuck", 1)
     lost = pub.lost[0]
@@ -381,10 +381,13 @@ def test_versions_reuse_blocks_so_a_receiver_maps_each_file_once(trainer, pub):
     m, state = trainer
     rx = WeightReceiver(pub.handle(), name="r")
     target = model(2)
+    one = sum(layout.total for layout in state.layouts(pub.groups).values())
     for v in range(1, 7):
         step(m, 1)
         pub.publish(v).wait(5)
-        pub._scan()  # the version before is freed now (nobody holds it), so the next snapshot reuses its blocks
+        deadline = time.monotonic() + 5
+        while state.pool.stats.in_use_bytes > one and time.monotonic() < deadline:  # the version before: freed
+            time.sleep(0.005)
         assert rx.load_into(target) == v and same(values(target), values(m))
     assert rx._maps.mapped <= 2 * len(state.layouts(pub.groups))  # two versions' blocks alternate, not six
     rx.close()
