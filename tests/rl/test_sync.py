@@ -19,6 +19,7 @@ from stateshift.core.pool import HostPool, remove_stale_files
 from stateshift.rl.sync import (
     MailboxError,
     SyncBudgetError,
+    SyncError,
     SyncHandle,
     SyncTimeoutError,
     VersionReclaimedError,
@@ -445,3 +446,27 @@ def test_a_megatron_flat_buffer_is_an_aggregate_its_parameters_arrive_one_by_one
         pub.close()
         state.close()
         state.pool.trim()
+
+
+def test_one_receiver_serves_one_read_at_a_time(trainer, pub):
+    import threading
+
+    m, state = trainer
+    pub.publish(1).wait(5)
+    rx = WeightReceiver(pub.handle(), name="r")
+    with rx.receive() as (v, _):
+        with pytest.raises(SyncError):  # inside another read on the same thread: refused, the outer one intact
+            rx.load_into(model(2))
+        other = threading.Thread(target=rx.load_into, args=(model(3),))
+        other.start()
+        other.join(0.2)
+        assert other.is_alive()  # another thread waits for this read to end
+        state.offload()
+        state.onload()
+        step(m, 1)
+        pub.publish(2).wait(5)
+        pub._scan()
+        assert 1 in pub._live  # still held by the outer read
+    other.join(10)
+    assert not other.is_alive()
+    rx.close()

@@ -12,6 +12,7 @@ discarded (``load_into`` reads again by itself).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -70,6 +71,9 @@ class WeightReceiver:
 
     Raises: ``MailboxError`` for a handle or mailbox that does not check out; ``SyncError`` if the
     publisher is closed.
+
+    Threads: a receiver serves one ``receive``/``load_into`` at a time (others wait); one called inside
+    another on the same thread is a ``SyncError``.
     """
 
     def __init__(self, handle: SyncHandle | str, *, name: str, device: str | torch.device | None = None, timeout_s: float = 60.0) -> None:
@@ -92,6 +96,8 @@ class WeightReceiver:
         self._last_target: tuple[object, int] | None = None
         self._copied: int | None = None
         self._copy_s: float | None = None
+        self._serial = threading.Lock()
+        self._owner: int | None = None
         self._closed = False
         self._link: Any = None
         self.mailbox: Mailbox | None = None
@@ -141,6 +147,11 @@ class WeightReceiver:
         ``timeout_s``); ``VersionReclaimedError`` at the end of the block if the publisher reclaimed the
         version meanwhile (held past its ``ack_timeout_s``): discard what was read.
         """
+        with self._one_at_a_time(), self._receive(min_version, timeout) as got:
+            yield got
+
+    @contextmanager
+    def _receive(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         t1 = time.perf_counter()
         if self.device is not None and any(a.device != self.device for a in arenas):
@@ -172,6 +183,10 @@ class WeightReceiver:
         result is the same, byte for byte). It trusts that nobody wrote the target since that load;
         otherwise, and for any other version, everything is copied.
         """
+        with self._one_at_a_time():
+            return self._load_into(target, min_version, timeout, delta)
+
+    def _load_into(self, target: Target, min_version: int | None, timeout: float | None, delta: bool) -> int:
         targets = _targets(target)
         if self.mailbox is not None and any(t.is_cuda for t in targets.values()):
             self._maps.ensure_registered()
@@ -227,6 +242,20 @@ class WeightReceiver:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------------
+    @contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """Serialise ``receive`` and ``load_into`` across threads (a receiver holds one version at a time:
+        two reads at once would let go of each other's version); a call inside another on the same thread
+        is a ``SyncError``."""
+        if self._owner == threading.get_ident():
+            raise SyncError(f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread")
+        with self._serial:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
     @contextmanager
     def _hold_for_copy(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
