@@ -279,6 +279,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shm-dir", default="/dev/shm")
     args = p.parse_args(argv)
     default = "torch,megatron,fsdp2" if args.device == "cuda" else "torch,fsdp2"
+    args.partial = args.families is not None and args.families != default
     args.families = [f for f in (args.families or default).split(",") if f]
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     slug = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower())
     stem = f"{datetime.date.today().isoformat()}-{slug}-weight-sync{'-small' if args.small else ''}"
+    if args.partial:  # runs of some families each get a file of their own
+        stem += "-" + "-".join(args.families)
     result = {"machine": bench.machine_name(device), "host": bench.host_facts(), "torch": torch.__version__,
               "stateshift": bench.git_sha(), "ceilings": ceilings, "small": args.small,
               "shm_free_bytes": vfs.f_bavail * vfs.f_frsize, "repeat": args.repeat, "warmup": args.warmup, "errors": errors,
