@@ -497,9 +497,11 @@ def _outside(m: MemberInfo, nbytes: int) -> str | None:
     to its element size; ``None`` if it does. (A load would refuse it against the model's layout anyway;
     ``verify`` and ``inspect`` have no model to compare with.)"""
     itemsize = dtype_of(m.dtype).itemsize
+    if 0 in m.shape:  # (no bytes: nothing of the slot is read for it)
+        return None
     if m.offset % itemsize:
         return f"offset {m.offset} is not a multiple of its element size ({itemsize})"
-    end = m.offset if 0 in m.shape else m.offset + (sum((n - 1) * st for n, st in zip(m.shape, m.stride)) + 1) * itemsize
+    end = m.offset + (sum((n - 1) * st for n, st in zip(m.shape, m.stride)) + 1) * itemsize
     if end > nbytes:
         return f"its bytes [{m.offset}, {end}) lie outside its slot of {nbytes} bytes"
     return None
