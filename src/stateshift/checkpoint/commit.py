@@ -136,7 +136,10 @@ def create_locked(parent: Path, prefix: str, directory: bool) -> tuple[Path, int
         path = parent / f"{prefix}{secrets.token_hex(6)}"
         if directory:
             os.mkdir(path, 0o755)
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed by a clean-up before we could open it
+                continue
         else:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         if _try_lock(fd) is not False and _is(fd, path):
