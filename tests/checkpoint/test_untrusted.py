@@ -325,3 +325,113 @@ def test_inspect_does_not_call_an_empty_directory_or_an_hf_export_incomplete(tmp
     assert rc == 1 and "Hugging Face" in text and "never finished" not in text
     with pytest.raises(CheckpointError, match="Hugging Face"):
         load(_state(1), tmp_path / "hf")
+
+
+# --------------------------------------------------------------------------- hostile shapes: bounded work, typed errors
+#
+# Anyone can reseal a manifest (the seal is a crc32), so its shapes are as hostile as its author wants:
+# every check below must cost time linear in the manifest's size, raise a typed error and print one line.
+
+_HUGE = 1 << 61
+
+
+def _typed_slot(d):
+    return next(s for s in d["layout"]["ranks"][0]["groups"]["params"]["slots"] if s["typed"])
+
+
+def _dims(where: str, n: int, value: int = _HUGE):
+    """Give the tensor (or member) at ``where`` ``n`` dimensions of ``value`` (its strides to match in rank)."""
+
+    def mutate(d):
+        if where == "tensor":
+            d["files"]["params.safetensors"]["tensors"][0]["shape"] = [value] * n
+        else:
+            m = _slot(d)["members"][1] if where == "raw member" else _typed_slot(d)["members"][0]
+            m.update(shape=[value] * n, stride=[1] * n)
+
+    return mutate
+
+
+def _refused_everywhere(root: Path, capsys, error=CheckpointCorruptError) -> str:
+    """``load`` and ``verify`` raise ``error``; ``inspect`` (verifying or not) exits 1 with one line on stderr."""
+    with pytest.raises(error) as ei:
+        load(_state(1), root)
+    with pytest.raises(error):
+        verify(root)
+    for argv in ((str(root),), ("--no-verify", str(root))):
+        assert cli(["inspect", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 2000, err[:3000]
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("where", ["tensor", "raw member", "typed member"])
+def test_shape_of_300_dims_of_2_61_is_a_typed_error(ckpt, where, capsys):
+    _rewrite(ckpt, _dims(where, 300))
+    text = _refused_everywhere(ckpt, capsys)
+    assert len(text) < 2000
+
+
+@pytest.mark.parametrize("where", ["tensor", "raw member", "typed member"])
+def test_manifest_with_a_million_dims_is_refused_in_under_a_second(ckpt, where, capsys):
+    import time
+
+    _rewrite(ckpt, _dims(where, 1_000_000))  # (a 21 MB manifest)
+    state = _state(1)
+    for fn in (verify, lambda root: load(state, root)):
+        t0 = time.perf_counter()
+        with pytest.raises(CheckpointCorruptError, match="dimensions"):
+            fn(ckpt)
+        assert time.perf_counter() - t0 < 1.0
+
+
+def test_dimension_of_2_48_is_refused(ckpt, capsys):
+    _rewrite(ckpt, _dims("raw member", 1, 1 << 48))
+    assert "dimension" in _refused_everywhere(ckpt, capsys)
+
+
+def test_dcp_tensor_of_300_dims_of_2_61_is_a_typed_error(tmp_path, capsys):
+    model, opt = make("cpu")
+    warm(model, opt)
+    root = tmp_path / "dcp"
+    save_dcp(root, model, opt)
+    _rewrite(root, lambda d: next(iter(d["dcp_tensors"].values())).update(shape=[_HUGE] * 300))
+    with pytest.raises(CheckpointCorruptError):
+        verify(root)
+    for argv in ((str(root),), ("--no-verify", "--json", str(root))):
+        assert cli(["inspect", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err[:3000]
+
+
+def test_safetensors_header_with_a_million_dims_is_refused_in_under_a_second(ckpt):
+    """A header whose crc32 the (resealed) manifest records is parsed: its shapes are capped as well."""
+    import time
+
+    f = ckpt / "buffers.safetensors"
+    raw = f.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = header[name]["shape"] + [1] * 1_000_000 + [_HUGE] * 1000
+    blob = json.dumps(header).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)
+    head = struct.pack("<Q", len(blob)) + blob
+    f.write_bytes(head + raw[8 + hlen :])
+
+    def fix(d):
+        e = d["files"]["buffers.safetensors"]
+        e.update(bytes=f.stat().st_size, checksum=_crc(f))
+        e["header"].update(bytes=len(head), checksum=f"crc32:{zlib.crc32(head):08x}")
+
+    _rewrite(ckpt, fix)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointCorruptError, match="dimensions"):
+        verify(ckpt)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("offset", [(1 << 62) - 1, 8192 - 4, 2], ids=["2**62-1", "past the end", "misaligned"])
+def test_raw_slot_member_outside_its_slot_is_refused_by_verify_inspect_and_load(ckpt, offset, capsys):
+    _rewrite(ckpt, lambda d: _slot(d)["members"][1].update(offset=offset))
+    assert "outside" in _refused_everywhere(ckpt, capsys) or offset == 2

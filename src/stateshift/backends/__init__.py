@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
+from torch import nn  # (not ``import torch``: importing the submodule ``backends.torch`` rebinds that name here)
 
 from ..core.source import set_detector
 from ..errors import BackendError
@@ -50,7 +50,7 @@ def detect_backends(model: Any, optimizer: Any = None) -> list[Backend]:
                     "(a torch.optim.Optimizer or a Megatron optimizer is expected)"
                 )
     kind = "a list of modules" if isinstance(model, (list, tuple)) else f"a model of type {_describe(model)}"
-    hint = "" if isinstance(model, torch.nn.Module) else " (an nn.Module, Megatron chunks or an FSDP2 model is expected)"
+    hint = "" if isinstance(model, nn.Module) else " (an nn.Module, Megatron chunks or an FSDP2 model is expected)"
     raise BackendError(f"no backend knows {kind}{hint}")
 
 

@@ -3,19 +3,31 @@
 Checkpoints are immutable: a save creates a new directory and never writes into an existing
 checkpoint. ``commit``, for one process or every rank: (1) rank 0 refuses a path that exists
 (anything but an empty directory), removes what a crashed write to the same path left
-(``.<name>.tmp-*``) and creates ``.<name>.tmp-<random>`` beside it; (2) every rank writes and
-fsyncs its files there; (3) rank 0 writes ``manifest.json`` (temporary name, fsync, rename),
-fsyncs the directory, renames it to ``<name>`` in one atomic step and fsyncs the parent; only then
-does ``latest`` move (temporary file, fsync, rename, fsync), so it never names a checkpoint that is
-not complete and durable. A crash or a full disk at any point leaves no ``<name>`` or the complete
-one, and touches nothing that existed before: the previous checkpoint and ``latest`` survive.
+(``.<name>.tmp-*``, and ``.latest.tmp-*``: see below) and creates ``.<name>.tmp-<random>`` beside it,
+holding an ``flock`` on it; (2) every rank writes and fsyncs its files there; (3) rank 0 writes
+``manifest.json`` (temporary name, fsync, rename), fsyncs the directory, renames it to ``<name>`` in
+one atomic step and fsyncs the parent; only then does ``latest`` move (temporary file, fsync,
+rename, fsync), so it never names a checkpoint that is not complete and durable. A crash or a full
+disk at any point leaves no ``<name>`` or the complete one, and touches nothing that existed before:
+the previous checkpoint and ``latest`` survive.
+
+Several writers at once (two ranks both saving with ``distributed=False``, a restarted job racing
+the old one): each writer holds an exclusive ``flock`` on its temporary directory (and on the
+temporary file of a pointer it replaces) from the moment it is created until it is renamed, and a
+leftover is removed only by a writer that takes that lock itself -- which no live writer's lock lets
+it, while a dead writer's lock died with its process. The final rename never replaces a checkpoint
+(a directory is renamed over an empty directory only), so of writers racing to one path exactly one
+succeeds; the others fail with ``CheckpointWriteError`` (or ``FileExistsError``, if the path was
+complete when they began), and none touches the winner's checkpoint. Where the file system has no
+``flock`` (NFS without lock support), leftovers are never removed automatically: nothing can tell a
+live writer's from a dead one's.
 
 Dropped, and why: replacing a checkpoint in place needed an atomic directory swap
 (``renameat2(RENAME_EXCHANGE)`` through ctypes) or two renames with a window in which the path is
 missing -- hence readers picking the newest complete sibling, recovery renaming it back, and
 pid-liveness checks telling a crashed writer's leftovers from a live one's. With fresh directories
-there is no such window, and none of it is needed. Still assumed: one writer per checkpoint path
-at a time (a second one fails; it never corrupts the first's checkpoint).
+there is no such window, and none of it is needed (a lock held by the live writer tells its leftovers
+apart instead: pids are reused, and mean nothing across hosts).
 
 Reading ``latest``: it holds one plain name, of a real directory beside it (a symbolic link, or a
 name leaving the directory, is refused).
@@ -24,7 +36,9 @@ name leaving the directory, is refused).
 from __future__ import annotations
 
 import errno as errno_mod
+import fcntl
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
@@ -38,6 +52,8 @@ from .format import TransferError, open_regular, write_all
 from .manifest import MANIFEST_NAME
 
 LATEST = "latest"
+_HEX_TAIL = re.compile(r"[0-9a-f]+")
+_MAX_TRIES = 100
 
 _SPACE = {
     errno_mod.ENOSPC: "no space left on device (ENOSPC)",
@@ -90,14 +106,94 @@ def replacing(path: Path) -> Iterator[Path]:
     fsync_path(path.parent)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` atomically and durably (see ``replacing``)."""
-    with replacing(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+def _try_lock(fd: int) -> bool | None:
+    """An exclusive ``flock`` on ``fd``, without waiting: True if taken, False if another open file holds it,
+    None where the file system has no ``flock`` (then nobody can tell a live writer's file from a dead one's)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _is(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def create_locked(parent: Path, prefix: str, directory: bool) -> tuple[Path, int]:
+    """A new ``<parent>/<prefix><random hex>`` (a directory, or an empty file) and an open descriptor holding
+    its ``flock``: while that descriptor is open, ``clear_dead`` leaves it alone. (A clean-up may take the lock
+    in the instant between the creation and ours; then the name is given up and another one made.)"""
+    for _ in range(_MAX_TRIES):
+        path = parent / f"{prefix}{secrets.token_hex(6)}"
+        if directory:
+            os.mkdir(path, 0o755)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed by a clean-up before we could open it
+                continue
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if _try_lock(fd) is not False and _is(fd, path):
+            return path, fd
+        os.close(fd)
+    raise OSError(errno_mod.EAGAIN, f"could not create a temporary {'directory' if directory else 'file'} "
+                  f"'{parent / prefix}*' that stays: {_MAX_TRIES} were removed as soon as they were made")
+
+
+def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
+    """Remove every ``<prefix><hex>`` in ``parent`` (directories, or regular files) that its writer left when it
+    died: one whose ``flock`` this call can take. A live writer's (it holds the lock) is left, and so is
+    everything where the file system has no ``flock``. Errors removing one are ignored (the next save retries)."""
+    for entry in os.scandir(parent):
+        if not (entry.name.startswith(prefix) and _HEX_TAIL.fullmatch(entry.name, len(prefix))):
+            continue
+        if not (entry.is_dir(follow_symlinks=False) if directory else entry.is_file(follow_symlinks=False)):
+            continue
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_DIRECTORY if directory else 0)
         try:
-            write_all(fd, data, str(tmp))
+            fd = os.open(entry.path, flags)
+        except OSError:  # gone meanwhile (another writer's clean-up), or not ours to open
+            continue
+        try:
+            if _try_lock(fd) and _is(fd, Path(entry.path)):  # dead: its lock died with its writer
+                if directory:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        except OSError:
+            pass
         finally:
             os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` atomically and durably (as ``replacing`` does), through a temporary sibling
+    ``.<name>.tmp-<hex>`` that this writer holds locked until it is renamed: temporary siblings that dead
+    writers left (a kill between creating and renaming one) are removed first (``clear_dead``)."""
+    clear_dead(path.parent, f".{path.name}.tmp-", directory=False)
+    tmp, fd = create_locked(path.parent, f".{path.name}.tmp-", directory=False)
+    try:
+        write_all(fd, data, str(tmp))
+        os.fsync(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+    fsync_path(path.parent)
 
 
 def make_parents(directory: Path) -> None:
@@ -149,8 +245,9 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
 # --------------------------------------------------------------------------- the commit protocol
 
 
-def _begin(final: Path) -> str:
-    """Rank 0, step 1: check the path, clear a crashed write's leftovers, create the temporary directory."""
+def _begin(final: Path) -> tuple[str, int]:
+    """Rank 0, step 1: check the path, clear dead writers' leftovers, create the temporary directory; returns it
+    and the descriptor holding its lock (``create_locked``), to be closed once the directory is renamed or removed."""
     if not final.parent.is_dir():
         raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
     if final.is_symlink() or (os.path.lexists(final) and (not final.is_dir() or any(os.scandir(final)))):
@@ -158,13 +255,11 @@ def _begin(final: Path) -> str:
                               "(e.g. step-N) and move latest (update_latest=True), or remove it first")
     prefix = f".{final.name}.tmp-"
 
-    def make() -> str:
-        for leftover in os.scandir(final.parent):
-            if leftover.name.startswith(prefix) and leftover.is_dir(follow_symlinks=False):
-                shutil.rmtree(leftover.path, ignore_errors=True)
-        tmp = final.parent / f"{prefix}{secrets.token_hex(6)}"
-        os.mkdir(tmp, 0o755)
-        return str(tmp)
+    def make() -> tuple[str, int]:
+        clear_dead(final.parent, prefix, directory=True)
+        clear_dead(final.parent, f".{LATEST}.tmp-", directory=False)
+        tmp, fd = create_locked(final.parent, prefix, directory=True)
+        return str(tmp), fd
 
     return _step(final, "creating its temporary directory", 0, make)
 
@@ -177,7 +272,17 @@ def _check_space(final: Path, nbytes: int) -> None:
 
 
 def _rename(tmp: Path, final: Path) -> None:
-    os.rename(tmp, final)
+    """``tmp`` to ``final``, durably. Never over a checkpoint: a directory is renamed over an empty one only, so
+    a writer that finds ``final`` completed by another (after its ``_begin`` found it free) fails here."""
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if e.errno not in (errno_mod.ENOTEMPTY, errno_mod.EEXIST, errno_mod.ENOTDIR, errno_mod.EISDIR):
+            raise
+        raise CheckpointWriteError(final, f"another writer created '{final.name}' while this one wrote it; checkpoints "
+                                   "are never overwritten: this write was discarded (its temporary directory removed) and "
+                                   "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
+                                   "distributed=True on every rank)", e.errno) from e
     fsync_path(final.parent)
 
 
@@ -199,6 +304,7 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
     others), after the temporary directory was removed.
     """
     tmp: list[Path] = []
+    lock: list[int] = []  # rank 0: the descriptor holding the temporary directory's lock
 
     def failed(rank: int, text: str) -> BaseException:
         return CheckpointWriteError(final, f"rank {rank} failed ({text})")
@@ -206,6 +312,13 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
     def cleanup() -> None:
         if comm.rank == 0 and tmp:
             shutil.rmtree(tmp[0], ignore_errors=True)
+
+    def begin() -> str | None:
+        if comm.rank != 0:
+            return None
+        path, fd = _begin(final)
+        lock.append(fd)
+        return path
 
     def write_mine() -> Any:
         _step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
@@ -222,6 +335,10 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
             set_latest(final)
         return data
 
-    tmp.append(Path(comm.run(lambda: _begin(final) if comm.rank == 0 else None, what="preparing", error=failed)[0]))
-    reports = comm.run(write_mine, what="writing its files", error=failed, cleanup=cleanup)
-    return comm.run(install, what="installing the checkpoint", error=failed, cleanup=cleanup)[0]
+    try:
+        tmp.append(Path(comm.run(begin, what="preparing", error=failed)[0]))
+        reports = comm.run(write_mine, what="writing its files", error=failed, cleanup=cleanup)
+        return comm.run(install, what="installing the checkpoint", error=failed, cleanup=cleanup)[0]
+    finally:
+        for fd in lock:  # (after the rename or the removal: the temporary name is gone)
+            os.close(fd)

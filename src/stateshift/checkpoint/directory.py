@@ -40,8 +40,9 @@ def _not_a_checkpoint(p: Path) -> Exception:
     """Why the directory ``p`` (no manifest, no ``latest``) is not a checkpoint."""
     names = sorted(os.listdir(p))
     if re.match(r"^\..+\.tmp-[0-9a-f]+$", p.name):
-        return CheckpointIncompleteError(p, "the temporary directory of a write that never finished (the manifest is "
-                                            "written last); the next write to the same path removes it")
+        return CheckpointIncompleteError(p, "the temporary directory of a write that never finished, or is still "
+                                            "under way (the manifest is written last); the next write to the same "
+                                            "path removes it once its writer is gone")
     if not names:
         return CheckpointNotFoundError(p, "an empty directory")
     if any(_HF_FILES.match(n) for n in names):

@@ -22,7 +22,10 @@ would bound a load on a machine with few cores), and ``zlib_ng.crc32_combine`` j
 
 Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
 ``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
-that are not symbolic links, without blocking on a FIFO (``open_regular``).
+that are not symbolic links, without blocking on a FIFO (``open_regular``). A shape read from a
+file (or a manifest) is checked by ``shape_bytes`` before any product of it: at most ``MAX_RANK``
+dimensions, each below ``MAX_DIM``, its bytes within what the file can hold; error messages are
+built from ``bounded`` values only (never the digits of a huge integer or a long list).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ WORKERS = max(2, min(16, os.cpu_count() or 1))
 """Threads moving and hashing bytes (one file at a time)."""
 MAX_HEADER_BYTES = 100_000_000
 """Largest safetensors header accepted (the safetensors library's own limit)."""
+MAX_RANK = 64
+"""Most dimensions a stored tensor may have (what torch supports): a shape with more is refused unread."""
+MAX_DIM = 1 << 48
+"""Every dimension of a stored shape is below this (2**48 elements: 256 TiB of bytes)."""
 _IOV_MAX = 1024
 
 ProgressFn = Callable[[int], None]
@@ -95,6 +102,45 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def bounded(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` for an error message, at most ``limit`` characters and cheap whatever ``v`` is: an integer
+    of more than 64 bits is described by its size (its digits would cost quadratic time, or raise past
+    4300 digits), a list or tuple of more than 8 values by its length."""
+    if type(v) is int and v.bit_length() > 64:
+        return f"<an integer of {v.bit_length()} bits>"
+    if isinstance(v, (list, tuple)):
+        if len(v) > 8:
+            return f"<a list of {len(v)} values>"
+        return ("[" + ", ".join(bounded(x, limit) for x in v) + "]")[:limit]
+    if isinstance(v, str) and len(v) > limit:
+        v = v[:limit]
+    return repr(v)[:limit] if isinstance(v, (str, int, float, bool, type(None))) else f"<a {type(v).__name__}>"
+
+
+class ShapeError(ValueError):
+    """A stored shape that is not one (``shape_bytes``); its message is built from bounded values."""
+
+
+def shape_bytes(shape: Sequence[Any], itemsize: int, limit: int) -> int:
+    """The bytes of a tensor of ``shape`` (``itemsize`` bytes per element), checked in time linear in
+    ``MAX_RANK`` whatever ``shape`` holds: at most ``MAX_RANK`` dimensions (checked first), each an int in
+    ``[0, MAX_DIM)``, and at most ``limit`` bytes (the product computed once, stopping as soon as it passes
+    ``limit``). Raises ``ShapeError`` otherwise."""
+    if len(shape) > MAX_RANK:
+        raise ShapeError(f"shape has {len(shape)} dimensions (at most {MAX_RANK})")
+    for i, d in enumerate(shape):
+        if type(d) is not int or not 0 <= d < MAX_DIM:
+            raise ShapeError(f"dimension {i} of the shape is {bounded(d)}, not an integer in [0, 2**48)")
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > limit:
+            raise ShapeError(f"shape {bounded(list(shape))} holds more than the {limit} bytes it can have here")
+    return n
 
 
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -439,13 +485,16 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
     header.pop("__metadata__", None)
     found = []
     for name, ent in header.items():
+        why = ""
         try:
             dtype, shape, (b, e) = _DTYPES[ent["dtype"]], tuple(ent["shape"]), ent["data_offsets"]
-            ok = all(type(x) is int and x >= 0 for x in (*shape, b, e)) and e - b == math.prod(shape) * dtype.itemsize
+            ok = all(type(x) is int and x >= 0 for x in (b, e)) and e - b == shape_bytes(shape, dtype.itemsize, file_size)
+        except ShapeError as err:
+            ok, why = False, f": {err}"
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise CheckpointCorruptError(path, f"bad header entry for tensor {name!r}", name)
+            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}{why}", name)
         found.append(TensorEntry(name, dtype, shape, b, e - b, 0))
     found.sort(key=lambda t: (t.start, t.nbytes))
     bad = extent_error(found, len(raw), file_size)

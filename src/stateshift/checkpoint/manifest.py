@@ -27,7 +27,13 @@ Schema (``format_version`` 2)::
 Consistency is part of the schema: ``world_size`` ranks, every rank holding every group, each
 group's file a safetensors file of the checkpoint, each slot's record stored there with the
 slot's dtype and shape (``typed``) or as its raw bytes (``U8 [nbytes]``), tensors laid out without
-gaps up to the file's size. ``meta`` is JSON nested at most ``MAX_META_DEPTH`` deep.
+gaps up to the file's size, every member of a slot inside the slot's bytes (aligned to its element size).
+``meta`` is JSON nested at most ``MAX_META_DEPTH`` deep.
+
+Bounded work: a manifest may have been written (and resealed: the seal is a crc32) by anyone, so every
+shape is checked -- at most ``MAX_RANK`` dimensions, each below ``MAX_DIM`` -- before any product of it,
+a tensor's bytes within its file's and a member's within its slot's, and every error message is built
+from bounded values (``format.bounded``): decoding costs time linear in the manifest's size.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ import torch
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from .format import (MAX_HEADER_BYTES, FileEntry, TensorEntry, dtype_from_name, dtype_name, extent_error, is_utf8,
-                     load_json, open_regular, without_gc)
+from .format import (MAX_DIM, MAX_HEADER_BYTES, MAX_RANK, FileEntry, ShapeError, TensorEntry, bounded, dtype_from_name,
+                     dtype_name, extent_error, is_utf8, load_json, open_regular, shape_bytes, without_gc)
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2
@@ -65,6 +71,10 @@ _MAX_INT = 1 << 62
 
 class _Bad(ValueError):
     """A schema violation at a field (turned into ``CheckpointCorruptError`` once, in ``loads``)."""
+
+
+class _TooLarge(_Bad):
+    """A list over a cap (``MAX_RANK``): refused before the seal is computed, whose cost grows with the input."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +310,7 @@ def _check(v: Any, kind: str, where: str) -> Any:
     else:
         ok = isinstance(v, {"bool": bool, "list": list, "dict": dict}[kind])
     if not ok:
-        raise _Bad(f"{where} is not {'a' if kind != 'int' else 'a non-negative'} {kind}: {repr(v)[:60]}")
+        raise _Bad(f"{where} is not {'a' if kind != 'int' else 'a non-negative'} {kind}: {bounded(v)}")
     return v
 
 
@@ -321,9 +331,20 @@ def _get(d: Any, key: str, kind: str, where: str, *, optional: bool = False) -> 
     return _check(v, kind, f"{where}.{key}")
 
 
-def _all_ints(v: list[Any]) -> bool:
-    """Every value a non-negative int below the limit, checked in C."""
-    return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < _MAX_INT)
+def _all_ints(v: list[Any], top: int = _MAX_INT) -> bool:
+    """Every value a non-negative int below ``top``, checked in C."""
+    return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < top)
+
+
+def _shape(d: Any, key: str, where: str, top: int = MAX_DIM) -> tuple[int, ...]:
+    """A shape (or strides): at most ``MAX_RANK`` values (checked before any other), each an int in ``[0, top)``."""
+    v = _get(d, key, "list", where)
+    if len(v) > MAX_RANK:
+        raise _TooLarge(f"{where}.{key} has {len(v)} dimensions (at most {MAX_RANK})")
+    if _all_ints(v, top):
+        return tuple(v)
+    i, x = next((i, x) for i, x in enumerate(v) if type(x) is not int or not 0 <= x < top)
+    raise _Bad(f"dimension {i} of {where}.{key} is {bounded(x)}, not an integer in [0, 2**{top.bit_length() - 1})")
 
 
 def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
@@ -365,30 +386,33 @@ def check_file_name(name: Any, where: str = "file name") -> str:
     return name
 
 
-def _tensor(d: Any, where: str, i: int) -> TensorEntry:
+def _tensor(d: Any, where: str, i: int, size: int) -> TensorEntry:
     """A tensor entry; the common, valid case without a Python call per field (``_tensor_checked`` says
     what is wrong with any other, or decodes it the same way)."""
     try:
         name, dname, shape, offsets, crc = d["name"], d["dtype"], d["shape"], d["data_offsets"], d["checksum"]
         dtype = dtype_from_name(dname)
     except (KeyError, TypeError):
-        return _tensor_checked(d, f"{where}.tensors[{i}]")
+        return _tensor_checked(d, f"{where}.tensors[{i}]", size)
     if (type(name) is str and name.isascii() and type(shape) is list and type(offsets) is list and len(offsets) == 2
             and type(crc) is str and len(crc) == 14 and crc.startswith("crc32:") and _HEX.issuperset(crc[6:])
-            and _all_ints(shape) and _all_ints(offsets)):
-        nbytes = math.prod(shape) * dtype.itemsize
+            and len(shape) <= MAX_RANK and _all_ints(shape, MAX_DIM) and _all_ints(offsets)):
+        nbytes = math.prod(shape) * dtype.itemsize  # (bounded: MAX_RANK dimensions below MAX_DIM)
         if offsets[1] - offsets[0] == nbytes:
             return TensorEntry(name, dtype, tuple(shape), offsets[0], nbytes, int(crc[6:], 16))
-    return _tensor_checked(d, f"{where}.tensors[{i}]")
+    return _tensor_checked(d, f"{where}.tensors[{i}]", size)
 
 
-def _tensor_checked(d: Any, where: str) -> TensorEntry:
+def _tensor_checked(d: Any, where: str, size: int) -> TensorEntry:
     try:
         dtype = dtype_from_name(_get(d, "dtype", "str", where))
     except KeyError:
         raise _Bad(f"{where}.dtype is not a safetensors dtype") from None
-    shape, offsets = _ints(d, "shape", where), _ints(d, "data_offsets", where)
-    nbytes = math.prod(shape) * dtype.itemsize
+    shape, offsets = _shape(d, "shape", where), _ints(d, "data_offsets", where)
+    try:
+        nbytes = shape_bytes(shape, dtype.itemsize, size)
+    except ShapeError as e:
+        raise _Bad(f"{where}: {e} (a file of {size} bytes)") from None
     if len(offsets) != 2 or offsets[1] - offsets[0] != nbytes:
         raise _Bad(f"{where}.data_offsets do not hold {nbytes} bytes")
     return TensorEntry(_get(d, "name", "str", where), dtype, shape, offsets[0], nbytes, _crc(d, where))
@@ -400,7 +424,7 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
         return FileEntry(size, crc)
     header = _get(d, "header", "dict", where)
     hsize, hcrc = _get(header, "bytes", "int", f"{where}.header"), _crc(header, f"{where}.header")
-    tensors = tuple(_tensor(t, where, i) for i, t in enumerate(_get(d, "tensors", "list", where)))
+    tensors = tuple(_tensor(t, where, i, size) for i, t in enumerate(_get(d, "tensors", "list", where)))
     bad = extent_error(tensors, hsize, size)
     if bad is not None:
         raise _Bad(f"{where}: {bad[0]}")
@@ -427,15 +451,15 @@ def _member(d: Any, where: str, k: int) -> MemberInfo:
     except (KeyError, TypeError):
         return _member_checked(d, f"{where}.members[{k}]")
     if (type(name) is str and name.isascii() and type(offset) is int and 0 <= offset < _MAX_INT and meta == []
-            and type(shape) is list and type(stride) is list and len(stride) == len(shape)
-            and _all_ints(shape) and _all_ints(stride)):
+            and type(shape) is list and type(stride) is list and len(stride) == len(shape) <= MAX_RANK
+            and _all_ints(shape, MAX_DIM) and _all_ints(stride)):
         return MemberInfo(name, tuple(shape), dtype, tuple(stride), offset, ())
     return _member_checked(d, f"{where}.members[{k}]")
 
 
 def _member_checked(d: Any, where: str) -> MemberInfo:
     dtype = _torch_dtype(d, where)
-    shape, stride = _ints(d, "shape", where), _ints(d, "stride", where)
+    shape, stride = _shape(d, "shape", where), _shape(d, "stride", where, _MAX_INT)
     if len(stride) != len(shape):
         raise _Bad(f"{where}: stride and shape differ in length")
     meta = _meta(_get(d, "meta", "list", where), f"{where}.meta")
@@ -459,8 +483,28 @@ def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> 
     want = (dtype_of(members[0].dtype), members[0].shape) if typed else (torch.uint8, (info.nbytes,))
     t = stored.get(record)
     if t is None or (t.dtype, t.shape) != want or (typed and not info.covers_storage):
-        raise _Bad(f"{where}: its record {record!r} is not stored in the group's file as {want[0]} {list(want[1])}")
+        raise _Bad(f"{where}: its record {bounded(record)} is not stored in the group's file as {want[0]} "
+                   f"{bounded(list(want[1]))}")
+    if not typed:  # (a typed slot's one member covers it exactly)
+        for k, m in enumerate(members):
+            if (bad := _outside(m, info.nbytes)) is not None:
+                raise _Bad(f"{where}.members[{k}] ({bounded(m.name)}): {bad}")
     return StoredSlot(info, record, typed)
+
+
+def _outside(m: MemberInfo, nbytes: int) -> str | None:
+    """Why member ``m`` (its values bounded by ``_member``) does not lie inside a slot of ``nbytes`` bytes, aligned
+    to its element size; ``None`` if it does. (A load would refuse it against the model's layout anyway;
+    ``verify`` and ``inspect`` have no model to compare with.)"""
+    itemsize = dtype_of(m.dtype).itemsize
+    if 0 in m.shape:  # (no bytes: nothing of the slot is read for it)
+        return None
+    if m.offset % itemsize:
+        return f"offset {m.offset} is not a multiple of its element size ({itemsize})"
+    end = m.offset + (sum((n - 1) * st for n, st in zip(m.shape, m.stride)) + 1) * itemsize
+    if end > nbytes:
+        return f"its bytes [{m.offset}, {end}) lie outside its slot of {nbytes} bytes"
+    return None
 
 
 def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, StoredGroup], ...]:
@@ -494,9 +538,14 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
 def _dcp(d: Mapping[str, Any]) -> dict[str, DcpTensor]:
     out = {}
     for name, t in _get(d, "dcp_tensors", "dict", "manifest").items():
-        where = f"dcp_tensors[{name!r}]"
+        where = f"dcp_tensors[{bounded(name)}]"
         _check(name, "str", where)
-        out[name] = DcpTensor(_ints(t, "shape", where), _torch_dtype(t, where))
+        shape, dtype = _shape(t, "shape", where), _torch_dtype(t, where)
+        try:
+            shape_bytes(shape, dtype_of(dtype).itemsize, _MAX_INT)
+        except ShapeError as e:
+            raise _Bad(f"{where}: {e}") from None
+        out[name] = DcpTensor(shape, dtype)
     return out
 
 
@@ -536,17 +585,22 @@ def loads(raw: bytes, path: str) -> Manifest:
     d = load_json(raw, path, "manifest")
     if not isinstance(d, dict):
         raise CheckpointCorruptError(path, "manifest is not a JSON object")
+    bad: _Bad | None = None
+    try:  # decoded first: a field over a cap is refused at once, without the seal's pass over everything
+        manifest = _decode(d)
+        manifest.__dict__["ranks"] = manifest._ranks()  # (the cached property's value, checked now)
+    except _TooLarge as e:
+        raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
+    except _Bad as e:
+        bad = e
     try:
         expected = _seal_of(d)
     except (RecursionError, ValueError):
         raise CheckpointCorruptError(path, "manifest is nested too deeply (or holds NaN)") from None
-    if d.pop("seal", None) != expected:
+    if d.get("seal") != expected:  # (damage is said as damage, before what it broke)
         raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
-    try:
-        manifest = _decode(d)
-        manifest.__dict__["ranks"] = manifest._ranks()  # (the cached property's value, checked now)
-    except _Bad as e:
-        raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
+    if bad is not None:
+        raise CheckpointCorruptError(path, f"malformed manifest: {bad}") from None
     return manifest
 
 
