@@ -97,6 +97,7 @@ class TaskConfig:
         _check("task.heldout_size", self.heldout_size > 0, "must be > 0")
         _check("task.min_terms", self.min_terms >= 1, "must be >= 1")
         _check("task.max_terms", self.max_terms >= self.min_terms, "must be >= task.min_terms")
+        _check("task.max_terms", self.max_terms <= 101, "must be <= 101 (partial sums of 4 digits)")
         _check("task.warmup_max_terms", self.min_terms <= self.warmup_max_terms <= self.max_terms,
                "must be in [task.min_terms, task.max_terms]")
 

@@ -97,6 +97,11 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
             from .executors.ray import run_on_ray
 
             return run_on_ray(cfg, out, resume is not None, return_params)
+        if cfg.rollout.batching == "continuous":
+            from .continuous import ContinuousInProcessRollouts
+
+            return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params,
+                              ContinuousInProcessRollouts)
         return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, InProcessRollouts)
     finally:
         lock.close()
