@@ -72,8 +72,9 @@ class TaskConfig:
 
     name: Literal["addition", "longtail"] = "addition"
     """'addition': procedural 3-digit addition, answer least-significant digit first (responses of 5 tokens);
-    'longtail': running sums of k two-digit numbers, k log-uniform in [min_terms, max_terms], every partial sum
-    written out (responses of 5k tokens: 10 to 320 at the defaults; needs rollout.max_new_tokens >= 5 * max_terms)"""
+    'longtail': running sums of k two-digit numbers, k log-uniform in [min_terms, max_terms], each term copied and
+    each partial sum written out (responses of 7k tokens: 14 to 448 at the defaults; needs rollout.max_new_tokens
+    >= 7 * max_terms)"""
     digit_credit: float = 0.05
     """addition: reward per correct answer digit in place, on top of 1 for an exact answer"""
     stop_credit: float = 0.1
@@ -161,7 +162,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """nucleus sampling: draw only from the smallest set of tokens holding this probability"""
     max_new_tokens: int = 5
-    """longest response (the addition task needs 5: four digits and the stop token; longtail 5 * task.max_terms)"""
+    """longest response (the addition task needs 5: four digits and the stop token; longtail 7 * task.max_terms)"""
     batching: Literal["wave", "continuous"] = "wave"
     """'wave': a batch of max_concurrent_prompts prompts starts together and ends with its longest response;
     'continuous': max_concurrent_prompts * n row slots, a finished row replaced by a row of a new prompt at once
@@ -402,8 +403,8 @@ class TrainConfig:
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
         _check("rollout.max_new_tokens", self.task.name != "addition" or self.rollout.max_new_tokens <= 8,
                "must be <= 8 for the addition task (its answers are 5 tokens)")
-        _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 5 * self.task.max_terms,
-               f"must be >= 5 * task.max_terms ({5 * self.task.max_terms}) for the longtail task")
+        _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
+               f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
         _check("rollout.batching", self.rollout.batching == "wave" or (self.executor == "inprocess"
                and self.model.family == "builtin" and self.run.checkpoint_every == 0),
                "continuous needs executor=inprocess, model.family=builtin and run.checkpoint_every=0 in this version")

@@ -1,8 +1,8 @@
 """A built-in long-tail task: running sums of k two-digit numbers, every partial sum written out.
 
-The response length is set by the prompt: ``5k`` tokens for ``k`` terms, with
-``k`` log-uniform in ``[min_terms, max_terms]`` (2 and 64 by default: 10 to
-320 tokens, most responses short, a long tail of long ones). It is the task
+The response length is set by the prompt: ``7k`` tokens for ``k`` terms, with
+``k`` log-uniform in ``[min_terms, max_terms]`` (2 and 64 by default: 14 to
+448 tokens, most responses short, a long tail of long ones). It is the task
 on which a fully-asynchronous trainer can show what it buys: a synchronous
 step waits for its longest response.
 
@@ -12,16 +12,19 @@ token), ``.`` (padding) and ``_`` (an empty term slot). A prompt has
 first) and ``+`` (``=`` after the last term); the slots after the last term
 are ``___``. Every prompt is thus ``3 * max_terms`` tokens long and term
 ``i`` always sits at the same positions, which a model with learned
-absolute positions can find. The answer is, for each ``i = 1..k``, the
-partial sum ``a_1 + .. + a_i`` as four digits **least-significant first**
-(each digit then depends only on the term, the previous partial sum and a
-carry), followed by ``,`` (``$`` after the last one)::
+absolute positions can find. The answer is, for each ``i = 1..k``, the term
+``a_i`` copied (two digits, least-significant first), then the partial sum
+``a_1 + .. + a_i`` as four digits least-significant first, then ``,`` (``$``
+after the last one). Copying the term first keeps every input of a sum digit
+a few tokens back at a fixed offset (the term's digit, the previous partial
+sum's digit, the carry out of the digit just written), as in the addition
+task; only the copy reaches into the prompt::
 
-    prompt   12+07+99=___...___        (k = 3, max_terms slots)
-    answer   2100,9100,8110$           (12, 19, 118 read backwards)
+    prompt   12+07+99=___...___              (k = 3, max_terms slots)
+    answer   212100,709100,998110$           (21|2100, 70|9100, 99|8110: 12, 19, 118 read backwards)
 
-Reward: 1 for the exact answer (every partial sum right, ending with ``$``),
-plus ``partial_credit`` times the fraction of partial sums right in place,
+Reward: 1 for the exact answer (every copy and partial sum right, ending with
+``$``), plus ``partial_credit`` times the fraction of partial sums right in place,
 plus ``stop_credit`` for a response ending with the stop token. Accuracy
 counts exact answers only.
 
@@ -44,8 +47,10 @@ SEP = VOCAB.index(",")
 EMPTY = VOCAB.index("_")
 #: digits of each partial sum (99 * 101 < 10**4)
 SUM_DIGITS = 4
-#: tokens per partial sum in the answer: its digits and the separator (or the stop token)
-PER_TERM = SUM_DIGITS + 1
+#: digits of a term
+TERM_DIGITS = 2
+#: tokens per term in the answer: the term copied, the partial sum's digits, the separator (or the stop token)
+PER_TERM = TERM_DIGITS + SUM_DIGITS + 1
 #: tokens per term slot in the prompt
 SLOT = 3
 MAX_TERMS_LIMIT = 101
@@ -94,7 +99,7 @@ class Sums:
 
     @property
     def answer(self) -> list[int]:
-        parts = [f"{s:0{SUM_DIGITS}d}"[::-1] for s in self.partials]
+        parts = [f"{t:02d}"[::-1] + f"{s:0{SUM_DIGITS}d}"[::-1] for t, s in zip(self.terms, self.partials, strict=True)]
         return encode(",".join(parts) + "$")
 
 
@@ -104,7 +109,7 @@ def score(problem: Sums, response: Sequence[int], partial_credit: float, stop_cr
     exact = list(response[: len(want)]) == want and len(response) >= len(want)
     right = 0
     for i in range(len(problem.terms)):
-        at = i * PER_TERM
+        at = i * PER_TERM + TERM_DIGITS
         right += list(response[at : at + SUM_DIGITS]) == want[at : at + SUM_DIGITS]
     stopped = len(response) > 0 and response[-1] == STOP
     return (1.0 if exact else 0.0) + partial_credit * right / len(problem.terms) + stop_credit * stopped, exact
