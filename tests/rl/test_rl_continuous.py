@@ -24,10 +24,8 @@ TASK = LongTailTask(max_terms=6, warmup_max_terms=3, heldout_size=20)
 
 
 def _model(seed: int = 0) -> BuiltinLM:
-    m = build_gpt(GPTConfig(vocab=TASK.vocab_size, width=32, heads=2, max_len=TASK.max_prompt_len + 42), seed=seed)
-    with torch.no_grad():
-        m.head.weight[STOP] *= 6  # the stop token wins often, at positions that depend on the context: varied lengths
-    return BuiltinLM(m)
+    return BuiltinLM(build_gpt(GPTConfig(vocab=TASK.vocab_size, width=32, heads=2, max_len=TASK.max_prompt_len + 42),
+                               seed=seed))
 
 
 def _sampling(temperature: float) -> Sampling:
@@ -57,16 +55,13 @@ def test_greedy_continuous_equals_greedy_waves_and_keeps_slots_busy():
     wave = Wave.start(list(range(6)), items, [TASK.prompt(i) for i in items], 2, _sampling(0.0))
     with torch.no_grad():
         assert KVRollouter(lm, _sampling(0.0), seed=0).generate(wave)
-    lengths = set()
     for g, wg in zip(groups, wave.groups(TASK.score), strict=True):
         for r in range(2):
             want = wg.tokens[r][wg.mask[r]]
-            lengths.add(len(want))
             assert g.tokens[r][g.mask[r]].tolist() == want.tolist()
             assert torch.allclose(g.logprobs[r][g.mask[r]], wg.logprobs[r][wg.mask[r]], atol=1e-5)
         assert torch.equal(g.rewards, wg.rewards)
-    assert len(lengths) >= 2  # the comparison covers rows of different lengths
-    assert eng.occupancy > 0.6 and steps < 3 * 42  # waves of 2 prompts would take 3 x the longest
+    assert eng.occupancy > 0.6
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -80,6 +75,28 @@ def test_sampled_behaviour_logprobs_equal_a_full_forward(temperature):
         full, _ = sequence_logprobs(lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, temperature)
     assert torch.allclose(full[batch.mask], batch.l_b[batch.mask], atol=1e-5)
     assert (batch.versions[batch.mask] == 0).all() and not batch.mask[:, -1].all()
+
+
+def test_sampled_lengths_follow_the_waves_distribution_with_every_slot_busy():
+    """Sampling (temperature 1, a random model: lengths spread from 1 to the cap): the same length distribution as
+    waves, and fewer decode steps -- the slots follow the mean length, waves the max."""
+    lm = _model(2)
+    rng = random.Random(2)
+    items = [TASK.sample(rng) for _ in range(24)]
+    groups, steps, eng = _continuous(lm, items, 1.0, slots=8, n=4, seed=3)
+    cont = torch.cat([g.mask.sum(1) for g in groups]).float()
+    wave_lengths, wave_steps = [], 0
+    for start in range(0, 24, 2):  # waves of 8 rows, as many as the slots
+        chunk = items[start : start + 2]
+        wave = Wave.start(list(range(2)), chunk, [TASK.prompt(i) for i in chunk], 4, _sampling(1.0))
+        with torch.no_grad():
+            assert KVRollouter(lm, _sampling(1.0), seed=start).generate(wave)
+        wave_lengths.append((wave.versions >= 0).sum(1))
+        wave_steps += wave.step
+    waves = torch.cat(wave_lengths).float()
+    assert cont.std() > 3 and waves.std() > 3  # varied lengths
+    assert abs(cont.mean() - waves.mean()) < 3 * (waves.std() + cont.std()) / 96**0.5
+    assert steps < 0.8 * wave_steps and eng.occupancy > 0.8
 
 
 def test_run_with_continuous_batching_on_the_longtail_task(tmp_path):
@@ -97,7 +114,8 @@ def test_run_with_continuous_batching_on_the_longtail_task(tmp_path):
 
 def test_longtail_generator_prompt_answer_and_reward():
     p = Sums((12, 7, 99), 4)
-    assert decode(p.prompt) == "12+07+99=___" and decode(p.answer) == "212100,709100,998110$"
+    assert decode(p.prompt) == "21+____70+____99=___________" and decode(p.answer) == "212100,709100,998110$"
+    assert all(p.prompt[i] == p.answer[i] for i in range(0, 21, 7))  # a copied digit is max_terms * 7 back
     assert TASK.score(Sums((12, 7, 99), 6), p.answer) == (pytest.approx(1.3), True)
     wrong_last = encode("212100,709100,998111$")
     r, exact = TASK.score(Sums((12, 7, 99), 6), wrong_last)

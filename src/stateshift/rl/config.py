@@ -258,8 +258,17 @@ class TrainerConfig:
     weight_hi: float = 2.0
     """mask: highest behaviour weight kept"""
     entropy_coef: float = 0.0
-    """coefficient of an entropy bonus in the loss (verl entropy_coeff, default 0 as there: 0.15 collapsed the
-    stop-token rate, docs/rl.md)"""
+    """fixed coefficient of an entropy bonus in the loss (verl entropy_coeff, default 0 as there: a fixed 0.15
+    collapsed the stop-token rate on the GPU, docs/rl.md); the adaptive part below comes on top"""
+    entropy_target: float | None = 0.4
+    """adaptive entropy bonus: its coefficient (from 0) rises while the mean per-token entropy of the update's
+    tokens is below this many nats and falls (to 0 at least) while above, by entropy_adapt_rate * (target -
+    entropy) per update, capped at entropy_coef_max: off while the policy explores, on when it collapses.
+    null: off (then only entropy_coef). Per token: long responses want a lower target"""
+    entropy_adapt_rate: float = 0.02
+    """adaptive entropy bonus: coefficient change per update and nat of distance to entropy_target"""
+    entropy_coef_max: float = 0.1
+    """adaptive entropy bonus: the largest coefficient it reaches"""
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
     param_offload: bool = True
@@ -276,7 +285,9 @@ class TrainerConfig:
         _check("trainer.lr_min_ratio", 0 <= self.lr_min_ratio <= 1, "must be in [0, 1]")
         for name in ("lr", "weight_cap", "weight_lo", "weight_hi", "clip_c"):
             _check(f"trainer.{name}", getattr(self, name) > 0, "must be > 0")
-        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef"):
+        _check("trainer.entropy_target", self.entropy_target is None or self.entropy_target > 0, "must be > 0 or null")
+        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef", "entropy_adapt_rate",
+                     "entropy_coef_max"):
             _check(f"trainer.{name}", getattr(self, name) >= 0, "must be >= 0")
         _check("trainer.clip_low", self.clip_low < 1, "must be < 1")
         _check("trainer.clip_c", self.clip_c > 1, "must be > 1 (dual clip)")
@@ -405,6 +416,8 @@ class TrainConfig:
                "must be <= 8 for the addition task (its answers are 5 tokens)")
         _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
                f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
+        _check("run.checkpoint_every", self.task.name != "longtail" or self.run.checkpoint_every == 0,
+               "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)")
         _check("rollout.batching", self.rollout.batching == "wave" or (self.executor == "inprocess"
                and self.model.family == "builtin" and self.run.checkpoint_every == 0),
                "continuous needs executor=inprocess, model.family=builtin and run.checkpoint_every=0 in this version")

@@ -162,6 +162,7 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
               file=stream, flush=True)
     else:
         held_start = float(resumed.extra["heldout_accuracy_start"])
+        trainer.entropy_coef = float(resumed.extra.get("entropy_coef", 0.0))  # the adaptive bonus goes on where it was
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
     start.phase = "starting the rollout side"
     return AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start, rollouts)
@@ -363,7 +364,8 @@ class AsyncLoop:
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
         save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
-                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
+                        {"heldout_accuracy_start": self.held_start, "entropy_coef": self.trainer.entropy_coef},
+                        self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():

@@ -146,6 +146,8 @@ class Trainer:
         #: trainer steps between two syncs, and updates in the whole run (set by the loop; defaults for tests)
         self.trigger = 1
         self.total_updates = max(cfg.steps, 1)
+        #: the adaptive entropy coefficient (``trainer.entropy_target``), updated after each update
+        self.entropy_coef = 0.0
 
     # -- residency --------------------------------------------------------------------------
     def _verb(self, verb: str, group: str) -> None:
@@ -298,8 +300,9 @@ class Trainer:
                                     cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
         loss, ls = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                  clip_c=cfg.clip_c)
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * algo.masked_mean(entropy, batch.mask)
+        coef = cfg.entropy_coef + self.entropy_coef
+        if coef > 0:
+            loss = loss - coef * algo.masked_mean(entropy, batch.mask)
         kl_ref = 0.0
         if l_ref is not None:
             kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)
@@ -310,8 +313,12 @@ class Trainer:
         lr = self._set_lr()
         grad_norm = self.policy.step(loss)
         mask = batch.mask
+        ent = float(algo.masked_mean(entropy.detach(), mask))
+        if cfg.entropy_target is not None:
+            self.entropy_coef = min(max(self.entropy_coef + cfg.entropy_adapt_rate * (cfg.entropy_target - ent), 0.0),
+                                    cfg.entropy_coef_max)
         return self._pi_old_check(batch, l_p) | {
-            "loss": float(loss.detach()), "lr": lr, "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),
+            "loss": float(loss.detach()), "lr": lr, "entropy_coef": coef, "entropy": ent, "grad_norm": float(grad_norm),
             "clip_fraction": ls.clip_fraction, "dual_clip_fraction": ls.dual_clip_fraction,
             "kl_current_proximal": ls.kl_current_proximal, "kl_ref": kl_ref,
             "kl_proximal_behaviour": float(algo.masked_mean(-algo.safe_log_ratio(l_p, batch.l_b, mask), mask)),

@@ -7,21 +7,21 @@ on which a fully-asynchronous trainer can show what it buys: a synchronous
 step waits for its longest response.
 
 Vocabulary of 16 characters: the digits, ``+``, ``=``, ``,``, ``$`` (the stop
-token), ``.`` (padding) and ``_`` (an empty term slot). A prompt has
-``max_terms`` slots of 3 tokens: a term's two digits (most significant
-first) and ``+`` (``=`` after the last term); the slots after the last term
-are ``___``. Every prompt is thus ``3 * max_terms`` tokens long and term
-``i`` always sits at the same positions, which a model with learned
-absolute positions can find. The answer is, for each ``i = 1..k``, the term
-``a_i`` copied (two digits, least-significant first), then the partial sum
-``a_1 + .. + a_i`` as four digits least-significant first, then ``,`` (``$``
-after the last one). Copying the term first keeps every input of a sum digit
-a few tokens back at a fixed offset (the term's digit, the previous partial
-sum's digit, the carry out of the digit just written), as in the addition
-task; only the copy reaches into the prompt::
+token), ``.`` (padding) and ``_`` (filler). Numbers are written
+least-significant digit first throughout. A prompt has ``max_terms`` slots of
+7 tokens, as many as the answer spends per term: a term's two digits, ``+``
+(``=`` after the last term) and four ``_``; the slots after the last term
+are all ``_``. Every prompt is thus ``7 * max_terms`` tokens long. The answer
+is, for each ``i = 1..k``, the term ``a_i`` copied, then the partial sum
+``a_1 + .. + a_i`` as four digits, then ``,`` (``$`` after the last one).
+The copy of a term digit sits exactly ``7 * max_terms`` positions after the
+digit in the prompt (one constant offset, which learned absolute positions
+find), and every input of a sum digit is a fixed few tokens back (the copied
+term's digit, the previous partial sum's digit 7 back, the carry out of the
+digit just written), as in the addition task::
 
-    prompt   12+07+99=___...___              (k = 3, max_terms slots)
-    answer   212100,709100,998110$           (21|2100, 70|9100, 99|8110: 12, 19, 118 read backwards)
+    prompt   21+____70+____99=____ _______...      (12, 07, 99: k = 3 of max_terms slots)
+    answer   212100,709100,998110$                 (21|2100, 70|9100, 99|8110: 12, 19, 118)
 
 Reward: 1 for the exact answer (every copy and partial sum right, ending with
 ``$``), plus ``partial_credit`` times the fraction of partial sums right in place,
@@ -51,8 +51,6 @@ SUM_DIGITS = 4
 TERM_DIGITS = 2
 #: tokens per term in the answer: the term copied, the partial sum's digits, the separator (or the stop token)
 PER_TERM = TERM_DIGITS + SUM_DIGITS + 1
-#: tokens per term slot in the prompt
-SLOT = 3
 MAX_TERMS_LIMIT = 101
 
 
@@ -86,8 +84,9 @@ class Sums:
 
     @property
     def prompt(self) -> list[int]:
-        parts = [f"{t:02d}+" for t in self.terms[:-1]] + [f"{self.terms[-1]:02d}="]
-        return encode("".join(parts) + "_" * (SLOT * (self.slots - len(self.terms))))
+        fill = "_" * (PER_TERM - TERM_DIGITS - 1)
+        parts = [f"{t:02d}"[::-1] + "+" + fill for t in self.terms[:-1]] + [f"{self.terms[-1]:02d}"[::-1] + "=" + fill]
+        return encode("".join(parts) + "_" * (PER_TERM * (self.slots - len(self.terms))))
 
     @property
     def partials(self) -> list[int]:
@@ -132,7 +131,7 @@ class LongTailTask:
 
     @property
     def max_prompt_len(self) -> int:
-        return SLOT * self.max_terms
+        return PER_TERM * self.max_terms
 
     @property
     def max_response_len(self) -> int:
