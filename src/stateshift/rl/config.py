@@ -221,8 +221,8 @@ class TrainerConfig:
     """trainer steps of RL"""
     batch_prompts: int = 32
     """groups per mini-batch (verl: ppo_mini_batch_size)"""
-    lr: float = 1e-3
-    """peak Adam learning rate (after lr_warmup_steps; the optimizer state starts fresh for RL in every family)"""
+    lr: float = 2e-3
+    """peak Adam learning rate (of the built-in ~100K-parameter model: bigger models want less, e.g. 1e-4 to 5e-4) (after lr_warmup_steps; the optimizer state starts fresh for RL in every family)"""
     lr_warmup_steps: int = 10
     """optimizer updates of linear learning-rate warm-up from lr / lr_warmup_steps to lr (0: none)"""
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
@@ -260,14 +260,14 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     """fixed coefficient of an entropy bonus in the loss (verl entropy_coeff, default 0 as there: a fixed 0.15
     collapsed the stop-token rate on the GPU, docs/rl.md); the adaptive part below comes on top"""
-    entropy_target: float | None = 0.4
+    entropy_target: float | None = 0.7
     """adaptive entropy bonus: its coefficient (from 0) rises while the mean per-token entropy of the update's
     tokens is below this many nats and falls (to 0 at least) while above, by entropy_adapt_rate * (target -
     entropy) per update, capped at entropy_coef_max: off while the policy explores, on when it collapses.
     null: off (then only entropy_coef). Per token: long responses want a lower target"""
     entropy_adapt_rate: float = 0.02
     """adaptive entropy bonus: coefficient change per update and nat of distance to entropy_target"""
-    entropy_coef_max: float = 0.1
+    entropy_coef_max: float = 0.15
     """adaptive entropy bonus: the largest coefficient it reaches"""
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
