@@ -202,7 +202,7 @@ def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
     assert len(str(info.value)) < 400
     with pytest.raises(ConfigError) as info:
         resolve(None, ["trainer." + "k" * 100_000 + "=1"])
-    assert len(str(info.value)) < 400
+    assert len(str(info.value)) < 600  # the bounded key, and the section's known keys (bounded by the schema)
     with pytest.raises(ConfigError) as info:
         resolve(None, ["trainer.old_logprob=" + "x" * 100_000])
     assert len(str(info.value)) < 400
