@@ -272,16 +272,17 @@ class ContinuousWorker(RolloutWorker):
         update = self.channel.take()
         if update is not None and (r.paused or not eng.busy):  # partial rollout: now; else once drained
             self._take_weights()
-        if eng.version != r.version:
-            eng.refresh(r.version)
         if update is None:
             self._admit()
         if not eng.busy:
             return
         self.control.doing["rollout"] = f"{len(eng.slots) - eng.free} rows busy at v{r.version}"
         t0 = time.perf_counter()
-        eng.fill()
-        done = eng.step(r.version)
+        with r._on_stream():  # the rollouter's own CUDA stream (KVRollouter): its kernels overlap the trainer's
+            if eng.version != r.version:
+                eng.refresh(r.version)
+            eng.fill()
+            done = eng.step(r.version)  # its .tolist() waits for the stream: nothing it wrote is read early
         self.report.busy_s += time.perf_counter() - t0
         if done:
             groups = [to_group(g, self.task, r.sampling.pad_token) for g in done]
