@@ -118,9 +118,14 @@ def test_proximal_logprobs_are_computed_once_per_step_and_the_clip_binds(tmp_pat
     assert trainer.steps == 1 and trainer.updates == 2
 
 
-def test_sync_mode_equals_async_at_staleness_zero(tmp_path):
+LONGTAIL_CONTINUOUS = ["task.name=longtail", "task.max_terms=4", "task.warmup_max_terms=2", "rollout.max_new_tokens=28",
+                      "rollout.batching=continuous"]
+
+
+@pytest.mark.parametrize("extra", [[], LONGTAIL_CONTINUOUS], ids=["waves", "continuous"])
+def test_sync_mode_equals_async_at_staleness_zero(tmp_path, extra):
     common = ["trainer.steps=4", "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-              "trainer.lr_warmup_steps=1"]
+              "trainer.lr_warmup_steps=1", *extra]
     a = run(tiny(tmp_path / "a", *common), return_params=True)
     s = run(tiny(tmp_path / "s", *common, "async_training.mode=sync"), return_params=True)
     s_stale = run(tiny(tmp_path / "t", *common, "async_training.mode=sync", "async_training.staleness_threshold=0.5"),
