@@ -416,6 +416,9 @@ class TrainConfig:
                "must be <= 8 for the addition task (its answers are 5 tokens)")
         _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
                f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
+        _check("task.name", self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
+               "longtail runs on model.family builtin or hf in this version (megatron and fsdp2 size their positions "
+               "for the addition task)")
         _check("run.checkpoint_every", self.task.name != "longtail" or self.run.checkpoint_every == 0,
                "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)")
         _check("rollout.batching", self.rollout.batching == "wave" or (self.executor == "inprocess"
