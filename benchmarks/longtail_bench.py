@@ -55,7 +55,8 @@ COMMON = ["task.name=longtail", "rollout.batching=continuous", "trainer.old_logp
 GPU = ["run.device=cuda", "run.torch_threads=0", "model.width=128", "model.layers=4", "model.heads=4",
        "task.max_terms=64", "task.warmup_max_terms=16", "rollout.max_new_tokens=448", "task.heldout_size=128",
        "rollout.n=8", "rollout.max_concurrent_prompts=32", "trainer.batch_prompts=16", "trainer.lr=1e-3",
-       "trainer.steps=400", "warmup.steps=1500", "trainer.entropy_target=0.05", "warmup.lr=1e-3", "warmup.batch_size=64", "warmup.label_smoothing=0.1"]
+       "trainer.steps=400", "warmup.steps=1500", "trainer.entropy_target=0.05", "warmup.lr=1e-3", "warmup.batch_size=64",
+       "warmup.label_smoothing=0.1"]
 SMALL = ["run.device=cpu", "run.torch_threads=1", "model.width=32", "model.heads=2", "task.max_terms=6",
          "task.warmup_max_terms=3", "rollout.max_new_tokens=42", "task.heldout_size=32", "rollout.n=4",
          "rollout.max_concurrent_prompts=4", "trainer.batch_prompts=4", "trainer.steps=40", "warmup.steps=30",
