@@ -105,6 +105,23 @@ def check_rollout_copy_alone(tmp: Path, family: str) -> None:
     KVRollouter(build_rollout_lm(cfg, task), sampling_of(cfg, task), seed=1).update_weights(weights.items(), 1)
 
 
+def check_fresh_optimizer(tmp: Path, family: str) -> int:
+    """After the warm-up, ``fresh_optimizer_state`` leaves every optimizer state tensor zero (Megatron's warm-up steps
+    its RL optimizer, so there are moments to clear); returns how many it zeroed."""
+    from stateshift.rl.warmup import _inner_optimizers, fresh_optimizer_state, supervised_warmup
+
+    cfg = tiny(tmp, f"model.family={family}")
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    supervised_warmup(policy.lm, task, cfg.warmup, seed=0, stepper=policy.warmup_stepper(cfg.warmup.lr))
+    zeroed = fresh_optimizer_state(policy.optimizer)
+    states = [t for o in _inner_optimizers(policy.optimizer) for st in o.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor)]
+    assert len(states) == zeroed and all(int(t.count_nonzero()) == 0 for t in states)
+    assert zeroed > 0 or family != "megatron"
+    return zeroed
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -127,6 +144,8 @@ def main(family: str, tmp: Path) -> None:
     print("ok sync_equal", flush=True)
     check_rollout_copy_alone(tmp / "d", family)
     print("ok rollout_copy_alone", flush=True)
+    check_fresh_optimizer(tmp / "e", family)
+    print("ok fresh_optimizer", flush=True)
 
 
 if __name__ == "__main__":

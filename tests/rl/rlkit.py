@@ -43,7 +43,11 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
     prompts = random.Random(cfg.run.seed + 2)
     opt = torch.optim.Adam(lm.module.parameters(), lr=t.lr)
     losses = []
-    for _ in range(t.steps):
+    adaptive = 0.0
+    for step in range(t.steps):
+        for group in opt.param_groups:  # the trainer's schedule: warm-up, then decay over the run's updates
+            group["lr"] = algo.lr_at(step, base=t.lr, warmup=t.lr_warmup_steps, total=t.steps, schedule=t.lr_schedule,
+                                     min_ratio=t.lr_min_ratio)
         items = [task.sample(prompts) for _ in range(t.batch_prompts)]
         wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], r.n, sampling)
         assert sampler.generate(wave)
@@ -57,7 +61,12 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
                                          with_entropy=True)
         loss, _ = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=t.clip_low, clip_high=t.clip_high,
                                 clip_c=t.clip_c)
-        loss = loss - t.entropy_coef * algo.masked_mean(entropy, batch.mask)
+        coef = t.entropy_coef + adaptive
+        if coef > 0:
+            loss = loss - coef * algo.masked_mean(entropy, batch.mask)
+        if t.entropy_target is not None:  # the adaptive coefficient, as the trainer moves it
+            ent = float(algo.masked_mean(entropy.detach(), batch.mask))
+            adaptive = min(max(adaptive + t.entropy_adapt_rate * (t.entropy_target - ent), 0.0), t.entropy_coef_max)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lm.module.parameters(), t.grad_clip)

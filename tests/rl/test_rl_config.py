@@ -40,6 +40,22 @@ def test_bad_values_name_the_key(override, key):
     assert info.value.key == key, str(info.value)
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.weight_level=sequence"], "trainer.weight_level"),  # the old ambiguous name: product or geomean?
+    (["task.name=longtail"], "rollout.max_new_tokens"),  # 5 tokens cannot hold 7 per term
+    (["task.name=longtail", "rollout.max_new_tokens=448", "model.family=fsdp2"], "task.name"),
+    (["task.name=longtail", "rollout.max_new_tokens=448", "run.checkpoint_every=4"], "run.checkpoint_every"),
+    (["rollout.batching=continuous", "run.checkpoint_every=4"], "rollout.batching"),
+    (["async_training.mode=sync", "async_training.max_queue_size=100"], "async_training.max_queue_size"),
+    (["trainer.lr_min_ratio=2"], "trainer.lr_min_ratio"),
+    (["task.warmup_max_terms=100"], "task.warmup_max_terms"),
+])
+def test_bad_combinations_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        resolve(None, overrides)
+    assert info.value.key == key, str(info.value)
+
+
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("trainer:\n  lr: 0.002\n  old_logprob: proximal\nrollout:\n  n: 4\n")
@@ -202,7 +218,7 @@ def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
     assert len(str(info.value)) < 400
     with pytest.raises(ConfigError) as info:
         resolve(None, ["trainer." + "k" * 100_000 + "=1"])
-    assert len(str(info.value)) < 400
+    assert len(str(info.value)) < 600  # the bounded key, and the section's known keys (bounded by the schema)
     with pytest.raises(ConfigError) as info:
         resolve(None, ["trainer.old_logprob=" + "x" * 100_000])
     assert len(str(info.value)) < 400

@@ -86,7 +86,8 @@ def _records(out_dir):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["trainer.old_logprob=bypass", "trainer.weight_level=sequence"],
+    ["trainer.old_logprob=bypass", "trainer.weight_level=sequence_product"],
+    ["trainer.old_logprob=loglinear", "trainer.weight_level=sequence_geomean", "async_training.require_batches=2"],
     ["trainer.old_logprob=proximal", "trainer.behaviour_weight=mask", "trainer.kl_coef=0.1",
      "async_training.max_head_offpolicyness=1", "async_training.max_lag=2", "async_training.partial_rollout=false"],
 ])

@@ -102,4 +102,4 @@ def test_megatron_policy_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal", "ok",
-                                     "rollout_copy_alone"], proc.stdout
+                                     "rollout_copy_alone", "ok", "fresh_optimizer"], proc.stdout

@@ -88,8 +88,10 @@ def test_behaviour_weights_truncate_mask_sequence():
     assert torch.allclose(t.weight, torch.tensor([[2.0, 1.0], [0.25, 1.0]])) and t.adjusted_fraction == 0.25
     m = algo.behaviour_weights(l_p, l_b, mask, kind="mask", lo=0.5, hi=2.0)
     assert m.mask.tolist() == [[False, True], [False, True]]
-    s = algo.behaviour_weights(l_p, l_b, mask, kind="truncate", level="sequence", cap=10.0)
+    s = algo.behaviour_weights(l_p, l_b, mask, kind="truncate", level="sequence_geomean", cap=10.0)
     assert torch.allclose(s.weight[0], torch.full((2,), 3.0**0.5)) and torch.allclose(s.weight[1], torch.full((2,), 0.5))
+    prod = algo.behaviour_weights(l_p, l_b, mask, kind="truncate", level="sequence_product", cap=10.0)
+    assert torch.allclose(prod.weight[0], torch.full((2,), 3.0)) and torch.allclose(prod.weight[1], torch.full((2,), 0.25))
     on = algo.behaviour_weights(l_b, l_b, mask)
     assert on.ess == 1.0 and on.raw_max == 1.0
 

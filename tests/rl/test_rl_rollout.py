@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stateshift.rl.rollout import KVRollouter, Rollouter, Wave, WeightSyncError
-from stateshift.rl.sampler import BuiltinLM, HFCausalLM, Sampling, sequence_logprobs
+from stateshift.rl.sampler import BuiltinLM, HFCausalLM, Sampling, behaviour_logp, positions_of, sequence_logprobs
 from stateshift.rl.tasks.addition import PAD, STOP
 from stateshift.rl.tasks.gpt import GPTConfig, build_gpt
 
@@ -18,10 +18,18 @@ def _sampling(**kw) -> Sampling:
     return Sampling(**{"temperature": 1.0, "max_new_tokens": 6, "stop_token": STOP, "pad_token": PAD, **kw})
 
 
-def _check_logprobs(lm, wave: Wave, temperature: float, rows_versions: dict[int, object] | None = None) -> None:
+def _check_logprobs(lm, wave: Wave, temperature: float, rows_versions: dict[int, object] | None = None,
+                    top_p: float = 1.0) -> None:
+    """The recorded l_b equal a full forward's: untruncated at top_p 1, else those of the truncated distribution."""
     full, _ = sequence_logprobs(lm, wave.prompt_ids, wave.prompt_mask, wave.tokens, temperature)
     mask = wave.versions >= 0
     assert mask.any()
+    if top_p < 1.0:
+        ids = torch.cat([wave.prompt_ids, wave.tokens], 1)
+        key = torch.cat([wave.prompt_mask, torch.ones_like(wave.tokens, dtype=torch.bool)], 1)
+        logits = lm(ids, positions_of(key), key, None)[:, wave.prompt_ids.shape[1] - 1 : -1]
+        trunc = behaviour_logp(logits, _sampling(temperature=temperature, top_p=top_p))
+        full = trunc.gather(-1, wave.tokens[..., None])[..., 0]
     assert torch.allclose(full[mask], wave.logprobs[mask], atol=1e-5)
 
 
@@ -33,7 +41,7 @@ def test_kv_cache_sampler_matches_full_forward(temperature, top_p):
     assert isinstance(r, Rollouter)
     wave = Wave.start([0, 1, 2], [None] * 3, PROMPTS, 4, sampling)
     assert r.generate(wave)
-    _check_logprobs(lm, wave, temperature)
+    _check_logprobs(lm, wave, temperature, top_p=top_p)
     assert (wave.versions[wave.versions >= 0] == 0).all()
 
 

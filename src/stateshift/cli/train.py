@@ -22,13 +22,15 @@ def _epilog() -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
-        help="fully-async RL (GRPO, pi_old while offloaded) on the built-in 3-digit-addition task, CPU or GPU",
+        help="fully-async RL (GRPO, pi_old while offloaded) on a built-in task (3-digit addition, long-tail sums), CPU or GPU",
         description=textwrap.fill(
             "Supervised warm-up on easy (no-carry) problems, then fully-asynchronous GRPO: a rollouter samples "
             "with the weights it was last sent while the trainer updates; every trigger_parameter_sync_step steps "
             "the weights go to the rollouter from a host snapshot and a new pi_old cycle starts. Prints held-out "
             "accuracy before and after RL; writes config.yaml, metrics.jsonl, summary.json and curves.png to "
-            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on). "
+            "run.out_dir. With no arguments: the built-in default (pi_old mode, param offload on). task.name=longtail: "
+            "responses of 14 to 448 tokens set by the prompt, best with rollout.batching=continuous and "
+            "rollout.max_new_tokens=448; async_training.mode=sync: the same algorithm without overlap (the baseline). "
             "executor=inprocess (default): the rollouter is a thread of this process. executor=ray (pip install "
             "'stateshift[ray]'): trainer, rollouter and queue are Ray actors in one placement group (CPU bundles, "
             "GPU bundles where the cluster has GPUs; the ray.* keys); the weights go to the rollouter by object "

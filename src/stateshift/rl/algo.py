@@ -3,10 +3,16 @@
 Notation (``docs/rl.md``): ``l_b`` behaviour (the rollout's), ``l_p``
 proximal (pi_old, or ``l_b`` in bypass mode), ``l_t`` current. Ratio
 ``r = exp(l_t - l_p)``; behaviour weight ``w = exp(l_p - l_b)`` (no gradient),
-truncated at ``cap`` or masked outside ``[lo, hi]``, per token or per
-sequence (geometric mean over the sequence's tokens). Every function takes a
+truncated at ``cap`` or masked outside ``[lo, hi]``, per token
+(``token``), or per sequence: the product over its tokens
+(``sequence_product``, verl's ``sequence``) or their geometric mean
+(``sequence_geomean``, verl's ``geometric``). Every function takes a
 ``mask`` (batch, tokens) of the response tokens that count and returns
 plain tensors; statistics are computed without gradient.
+
+Log-ratios are masked before ``exp`` and clamped to ``+-LOG_RATIO_CLAMP``
+(verl clamps at 20): a padded position or an overflowing ratio never makes
+``inf * 0 = NaN``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,16 @@ from typing import Literal
 import torch
 
 WeightKind = Literal["truncate", "mask"]
-WeightLevel = Literal["token", "sequence"]
+WeightLevel = Literal["token", "sequence_product", "sequence_geomean"]
+
+#: log-ratios are clamped to +-this before ``exp`` (verl's ``compute_policy_loss`` clamps at 20)
+LOG_RATIO_CLAMP = 20.0
+
+
+def safe_log_ratio(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``a - b`` on ``mask``, 0 elsewhere, clamped to ``+-LOG_RATIO_CLAMP``: its ``exp`` is finite everywhere,
+    and positions outside ``mask`` get no gradient (``torch.where``, not a multiplication by 0)."""
+    return torch.where(mask, a - b, torch.zeros_like(a)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def grpo_advantages(rewards: torch.Tensor, *, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -58,15 +73,23 @@ def behaviour_weights(
 ) -> BehaviourWeights:
     """``w = exp(l_p - l_b)``: truncated (``min(w, cap)``) or tokens outside ``[lo, hi]`` masked.
 
-    ``level="sequence"`` uses each sequence's geometric mean ``exp(mean(l_p - l_b))``
-    for all its tokens. ``ess`` is the effective sample size ``(sum w)^2 / (N sum w^2)``
-    of the raw weights (1 when on-policy).
+    ``level``: ``"token"`` one weight per token; ``"sequence_product"`` each sequence's product
+    ``exp(sum(l_p - l_b))`` for all its tokens (verl's ``sequence``); ``"sequence_geomean"`` its geometric
+    mean ``exp(mean(l_p - l_b))`` (verl's ``geometric``). Log-weights are masked and clamped before ``exp``
+    (``safe_log_ratio``). ``ess`` is the effective sample size ``(sum w)^2 / (N sum w^2)`` of the raw
+    weights (1 when on-policy).
+
+    Raises:
+        ValueError: an unknown ``level``.
     """
     with torch.no_grad():
-        log_w = (l_p - l_b).masked_fill(~mask, 0.0)
-        if level == "sequence":
-            per_seq = log_w.sum(1) / mask.sum(1).clamp(min=1)
-            log_w = per_seq[:, None].expand_as(log_w)
+        log_w = safe_log_ratio(l_p, l_b, mask)
+        if level == "sequence_product":
+            log_w = log_w.sum(1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(log_w)
+        elif level == "sequence_geomean":
+            log_w = (log_w.sum(1) / mask.sum(1).clamp(min=1))[:, None].expand_as(log_w)
+        elif level != "token":
+            raise ValueError(f"weight level {level!r}: one of token, sequence_product, sequence_geomean")
         raw = log_w.exp()
         if kind == "truncate":
             weight = raw.clamp(max=cap)
@@ -108,10 +131,13 @@ def ppo_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """Token-mean of ``w * max(-A r, -A clip(r, 1-clip_low, 1+clip_high))``, dual-clipped at ``clip_c |A|`` for ``A < 0``.
 
-    ``advantages`` is per sequence (batch,) or per token (batch, tokens).
+    ``advantages`` is per sequence (batch,) or per token (batch, tokens). The log-ratio is masked, then
+    clamped to ``+-LOG_RATIO_CLAMP`` before ``exp`` (verl's ``compute_policy_loss``); ``weight`` must be
+    finite (``behaviour_weights`` gives finite ones). The loss is verl's ``vanilla`` policy loss with
+    ``loss_agg_mode="token-mean"`` times ``weight`` (``tests/rl/test_rl_loss.py`` pins it to verl's formulas).
     """
     adv = advantages[:, None].expand_as(l_t) if advantages.dim() == 1 else advantages
-    ratio = torch.exp(l_t - l_p)
+    ratio = torch.exp(safe_log_ratio(l_t, l_p, mask))
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(loss1, loss2)
@@ -122,7 +148,7 @@ def ppo_loss(
         stats = LossStats(
             clip_fraction=float(masked_mean((loss2 > loss1).float(), mask)),
             dual_clip_fraction=float(masked_mean(((adv < 0) & (clipped > clip_c * adv.abs())).float(), mask)),
-            kl_current_proximal=float(masked_mean(l_p - l_t, mask)),
+            kl_current_proximal=float(masked_mean(-safe_log_ratio(l_t, l_p, mask), mask)),
             ratio_mean=float(masked_mean(ratio, mask)),
         )
     return loss, stats
@@ -132,3 +158,47 @@ def kl_k3(l_t: torch.Tensor, l_ref: torch.Tensor) -> torch.Tensor:
     """Per-token KL(current || reference) estimate ``exp(l_ref - l_t) - (l_ref - l_t) - 1`` (>= 0, unbiased)."""
     d = l_ref - l_t
     return d.exp() - d - 1.0
+
+
+def loglinear_proximal(l_b: torch.Tensor, l_t: torch.Tensor, behaviour_step: torch.Tensor, step: int,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """AReaL's ``prox_logp_method=loglinear``: ``l_p ~ l_b + a (l_t - l_b)`` without a forward of its own.
+
+    ``a = (v_prox - v_b) / (v_theta - v_b)`` per token, in trainer steps: ``v_prox = step`` (the weights at the
+    start of this trainer step), ``v_theta = step + 1`` (the policy this step optimises), ``v_b =
+    behaviour_step`` (the step whose weights drew the token, <= ``step``). A token drawn by the proximal
+    weights themselves gets ``a = 0`` (``l_p = l_b``, exact); an older one leans toward ``l_t``. ``l_t`` is
+    detached. Positions outside ``mask`` get ``l_b``.
+
+    Returns:
+        ``l_p`` (batch, tokens), without gradient.
+    """
+    with torch.no_grad():
+        v_b = behaviour_step.to(l_t.dtype).clamp(max=step)
+        alpha = (step - v_b) / (step + 1 - v_b)
+        return torch.where(mask, l_b + alpha * (l_t.detach() - l_b), l_b)
+
+
+def lr_at(update: int, *, base: float, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of optimizer update ``update`` (0-based): linear warm-up over ``warmup`` updates from
+    ``base / warmup`` to ``base``, then ``schedule`` (``constant``; ``cosine`` or ``linear`` decay to
+    ``min_ratio * base`` at update ``total``, flat after it).
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    import math
+
+    if update < warmup:
+        return base * (update + 1) / warmup
+    if schedule == "constant":
+        return base
+    span = max(total - warmup, 1)
+    frac = min(max(update - warmup, 0) / span, 1.0)
+    if schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * frac))
+    elif schedule == "linear":
+        shape = 1.0 - frac
+    else:
+        raise ValueError(f"lr schedule {schedule!r}: one of constant, cosine, linear")
+    return base * (min_ratio + (1.0 - min_ratio) * shape)

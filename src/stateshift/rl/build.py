@@ -10,12 +10,29 @@ from .policies import Policy, build_policy
 from .sampler import CausalLM
 from .tasks.addition import AdditionTask
 from .tasks.base import Task
+from .tasks.longtail import LongTailTask
 
-__all__ = ["build_policy", "build_task", "load_hf", "rollout_copy"]
+__all__ = ["TASKS", "build_policy", "build_task", "load_hf", "rollout_copy"]
+
+
+def _addition(cfg: TrainConfig) -> Task:
+    t = cfg.task
+    return AdditionTask(digit_credit=t.digit_credit, heldout_size=t.heldout_size, stop_credit=t.stop_credit)
+
+
+def _longtail(cfg: TrainConfig) -> Task:
+    t = cfg.task
+    return LongTailTask(min_terms=t.min_terms, max_terms=t.max_terms, warmup_max_terms=t.warmup_max_terms,
+                        partial_credit=t.partial_credit, stop_credit=t.stop_credit, heldout_size=t.heldout_size)
+
+
+#: ``task.name`` -> how the task is built from the config
+TASKS = {"addition": _addition, "longtail": _longtail}
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    return AdditionTask(digit_credit=cfg.task.digit_credit, heldout_size=cfg.task.heldout_size)
+    """The task ``cfg.task.name`` names (``TASKS``)."""
+    return TASKS[cfg.task.name](cfg)
 
 
 def load_hf(path: str, vocab_size: int, *, seed: int):  # noqa: ANN201 - a transformers PreTrainedModel

@@ -68,18 +68,39 @@ def _check(key: str, ok: bool, reason: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
-    """The built-in task (``rl/tasks/addition.py``)."""
+    """The task: a built-in one (``rl/tasks/addition.py``, ``rl/tasks/longtail.py``)."""
 
-    name: Literal["addition"] = "addition"
-    """the task: procedural 3-digit addition, answer least-significant digit first"""
+    name: Literal["addition", "longtail"] = "addition"
+    """'addition': procedural 3-digit addition, answer least-significant digit first (responses of 5 tokens);
+    'longtail': running sums of k two-digit numbers, k log-uniform in [min_terms, max_terms], each term copied and
+    each partial sum written out (responses of 7k tokens: 14 to 448 at the defaults; needs rollout.max_new_tokens
+    >= 7 * max_terms)"""
     digit_credit: float = 0.05
-    """reward per correct answer digit in place, on top of 1 for an exact answer"""
+    """addition: reward per correct answer digit in place, on top of 1 for an exact answer"""
+    stop_credit: float = 0.1
+    """reward for a response that ends with the stop token (within rollout.max_new_tokens), on top of the rest:
+    keeps the stop-token rate from collapsing"""
     heldout_size: int = 500
     """held-out problems evaluated (greedy) for the held-out accuracy; never trained on"""
+    min_terms: int = 2
+    """longtail: fewest terms k of a problem"""
+    max_terms: int = 64
+    """longtail: most terms k of a problem (k is log-uniform in [min_terms, max_terms])"""
+    warmup_max_terms: int = 8
+    """longtail: the supervised warm-up's easy cases have at most this many terms"""
+    partial_credit: float = 0.2
+    """longtail: reward for correct partial sums in place, this times their fraction, on top of 1 for the exact
+    final sum followed by the stop token"""
 
     def __post_init__(self) -> None:
-        _check("task.digit_credit", 0 <= self.digit_credit <= 1, "must be in [0, 1]")
+        for name in ("digit_credit", "stop_credit", "partial_credit"):
+            _check(f"task.{name}", 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         _check("task.heldout_size", self.heldout_size > 0, "must be > 0")
+        _check("task.min_terms", self.min_terms >= 1, "must be >= 1")
+        _check("task.max_terms", self.max_terms >= self.min_terms, "must be >= task.min_terms")
+        _check("task.max_terms", self.max_terms <= 101, "must be <= 101 (partial sums of 4 digits)")
+        _check("task.warmup_max_terms", self.min_terms <= self.warmup_max_terms <= self.max_terms,
+               "must be in [task.min_terms, task.max_terms]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,7 +162,12 @@ class RolloutConfig:
     top_p: float = 1.0
     """nucleus sampling: draw only from the smallest set of tokens holding this probability"""
     max_new_tokens: int = 5
-    """longest response (the addition task needs 5: four digits and the stop token)"""
+    """longest response (the addition task needs 5: four digits and the stop token; longtail 7 * task.max_terms)"""
+    batching: Literal["wave", "continuous"] = "wave"
+    """'wave': a batch of max_concurrent_prompts prompts starts together and ends with its longest response;
+    'continuous': max_concurrent_prompts * n row slots, a finished row replaced by a row of a new prompt at once
+    and each group queued as soon as its n rows are done, over a static KV cache (follows the mean response
+    length, not the max; rl/continuous.py; built-in model, executor=inprocess, no checkpoints in this version)"""
 
     def __post_init__(self) -> None:
         _check("rollout.n", self.n >= 2, "must be >= 2 (GRPO needs a group)")
@@ -155,6 +181,11 @@ class RolloutConfig:
 class AsyncConfig:
     """Staleness control between rollouter and trainer (verl fully-async names and defaults)."""
 
+    mode: Literal["async", "sync"] = "async"
+    """'async': the rollouter generates the next samples while the trainer trains (the rules below); 'sync': the
+    same algorithm without overlap: each version's samples are generated first (staleness 0: exactly
+    trigger_parameter_sync_step * require_batches mini-batches, whatever staleness_threshold says), then trained
+    on with the same updates per version as async (the baseline of a fair comparison)"""
     staleness_threshold: float = 0.1
     """verl: the rollouter pauses once the groups admitted since the last sync reach
     required * (1 + staleness_threshold) * trigger_parameter_sync_step (0: on-policy per sync)"""
@@ -191,12 +222,22 @@ class TrainerConfig:
     batch_prompts: int = 32
     """groups per mini-batch (verl: ppo_mini_batch_size)"""
     lr: float = 2e-3
-    """Adam learning rate"""
+    """peak Adam learning rate (of the built-in ~100K-parameter model: bigger models want less, e.g. 1e-4 to 5e-4) (after lr_warmup_steps; the optimizer state starts fresh for RL in every family)"""
+    lr_warmup_steps: int = 10
+    """optimizer updates of linear learning-rate warm-up from lr / lr_warmup_steps to lr (0: none)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """after the warm-up: 'constant' lr, or 'cosine' / 'linear' decay to lr * lr_min_ratio at the last update
+    (trainer.steps * async_training.require_batches updates)"""
+    lr_min_ratio: float = 0.1
+    """the decayed learning rate at the end, as a fraction of lr"""
     grad_clip: float = 1.0
     """clip the gradient norm at this (0: off)"""
-    old_logprob: Literal["bypass", "pi_old", "proximal"] = "pi_old"
+    old_logprob: Literal["bypass", "pi_old", "proximal", "loglinear"] = "pi_old"
     """l_p: 'bypass' the rollout's l_b; 'pi_old' recomputed under the weights of the last sync (a snapshot,
-    PiOldCycle); 'proximal' recomputed under the weights just before each update (AReaL decoupled PPO)"""
+    PiOldCycle) before each update; 'proximal' computed ONCE per trainer step, under the weights at its start, for
+    all its require_batches mini-batch updates (AReaL decoupled PPO: the clip binds from the second on);
+    'loglinear' AReaL's approximation of 'proximal' without its forward, l_b + a (l_t - l_b) with a from the
+    versions"""
     norm_adv_std: bool = True
     """divide GRPO advantages by the group's reward std"""
     clip_low: float = 0.2
@@ -207,16 +248,27 @@ class TrainerConfig:
     """dual clip for negative advantages: loss <= clip_c * |A| (verl clip_ratio_c)"""
     behaviour_weight: Literal["truncate", "mask"] = "truncate"
     """w = exp(l_p - l_b): 'truncate' min(w, weight_cap) (TIS), 'mask' drop tokens outside [weight_lo, weight_hi]"""
-    weight_level: Literal["token", "sequence"] = "token"
-    """behaviour weight per token, or per sequence (geometric mean over its tokens)"""
+    weight_level: Literal["token", "sequence_product", "sequence_geomean"] = "token"
+    """behaviour weight per token; or per sequence, the product of its tokens' weights ('sequence_product',
+    verl's 'sequence') or their geometric mean ('sequence_geomean', verl's 'geometric')"""
     weight_cap: float = 2.0
     """truncation cap C of the behaviour weight"""
     weight_lo: float = 0.5
     """mask: lowest behaviour weight kept"""
     weight_hi: float = 2.0
     """mask: highest behaviour weight kept"""
-    entropy_coef: float = 0.15
-    """coefficient of an entropy bonus in the loss (verl entropy_coeff): keeps exploring after the first gains"""
+    entropy_coef: float = 0.0
+    """fixed coefficient of an entropy bonus in the loss (verl entropy_coeff, default 0 as there: a fixed 0.15
+    collapsed the stop-token rate on the GPU, docs/rl.md); the adaptive part below comes on top"""
+    entropy_target: float | None = 0.7
+    """adaptive entropy bonus: its coefficient (from 0) rises while the mean per-token entropy of the update's
+    tokens is below this many nats and falls (to 0 at least) while above, by entropy_adapt_rate * (target -
+    entropy) per update, capped at entropy_coef_max: off while the policy explores, on when it collapses.
+    null: off (then only entropy_coef). Per token: long responses want a lower target"""
+    entropy_adapt_rate: float = 0.02
+    """adaptive entropy bonus: coefficient change per update and nat of distance to entropy_target"""
+    entropy_coef_max: float = 0.15
+    """adaptive entropy bonus: the largest coefficient it reaches"""
     kl_coef: float = 0.0
     """coefficient of KL(current || reference) in the loss; the reference is a snapshot of the weights at RL start"""
     param_offload: bool = True
@@ -229,9 +281,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check("trainer.steps", self.steps >= 0, "must be >= 0")
         _check("trainer.batch_prompts", self.batch_prompts >= 1, "must be >= 1")
+        _check("trainer.lr_warmup_steps", self.lr_warmup_steps >= 0, "must be >= 0")
+        _check("trainer.lr_min_ratio", 0 <= self.lr_min_ratio <= 1, "must be in [0, 1]")
         for name in ("lr", "weight_cap", "weight_lo", "weight_hi", "clip_c"):
             _check(f"trainer.{name}", getattr(self, name) > 0, "must be > 0")
-        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef"):
+        _check("trainer.entropy_target", self.entropy_target is None or self.entropy_target > 0, "must be > 0 or null")
+        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef", "entropy_adapt_rate",
+                     "entropy_coef_max"):
             _check(f"trainer.{name}", getattr(self, name) >= 0, "must be >= 0")
         _check("trainer.clip_low", self.clip_low < 1, "must be < 1")
         _check("trainer.clip_c", self.clip_c > 1, "must be > 1 (dual clip)")
@@ -356,8 +412,21 @@ class TrainConfig:
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
         _check("run.checkpoint_every", every % trigger == 0,
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
-        _check("rollout.max_new_tokens", self.model.family != "builtin" or self.rollout.max_new_tokens <= 8,
-               "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+        _check("rollout.max_new_tokens", self.task.name != "addition" or self.rollout.max_new_tokens <= 8,
+               "must be <= 8 for the addition task (its answers are 5 tokens)")
+        _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
+               f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
+        _check("task.name", self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
+               "longtail runs on model.family builtin or hf in this version (megatron and fsdp2 size their positions "
+               "for the addition task)")
+        _check("run.checkpoint_every", self.task.name != "longtail" or self.run.checkpoint_every == 0,
+               "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)")
+        _check("rollout.batching", self.rollout.batching == "wave" or (self.executor == "inprocess"
+               and self.model.family == "builtin" and self.run.checkpoint_every == 0),
+               "continuous needs executor=inprocess, model.family=builtin and run.checkpoint_every=0 in this version")
+        a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
+        _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
+               f"must hold a version's groups in sync mode ({per_version}) or be null")
         _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
                "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
         _check("executor", self.executor != "ray" or (self.run.device == "cpu" and self.model.family in ("builtin", "hf")),

@@ -53,7 +53,7 @@ from .metrics import MetricsLog, Progress, plot_curves, read_records
 from .report import step_metrics, summarize
 from .rollout import Group
 from .trainer import Batch, Trainer
-from .warmup import heldout_accuracy, supervised_warmup
+from .warmup import fresh_optimizer_state, heldout_accuracy, supervised_warmup
 
 
 @dataclass
@@ -97,6 +97,11 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
             from .executors.ray import run_on_ray
 
             return run_on_ray(cfg, out, resume is not None, return_params)
+        if cfg.rollout.batching == "continuous":
+            from .continuous import ContinuousInProcessRollouts
+
+            return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params,
+                              ContinuousInProcessRollouts)
         return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, InProcessRollouts)
     finally:
         lock.close()
@@ -149,12 +154,15 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
         start.phase = "warm-up"
         warm = supervised_warmup(policy.lm, task, cfg.warmup, seed=cfg.run.seed,
                                  stepper=policy.warmup_stepper(cfg.warmup.lr))
+        if cfg.warmup.steps:
+            fresh_optimizer_state(policy.optimizer)  # RL starts with fresh moments in every family (Megatron's leak)
         start.phase = "held-out evaluation"
         held_start = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
         print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
               file=stream, flush=True)
     else:
         held_start = float(resumed.extra["heldout_accuracy_start"])
+        trainer.entropy_coef = float(resumed.extra.get("entropy_coef", 0.0))  # the adaptive bonus goes on where it was
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
     start.phase = "starting the rollout side"
     return AsyncLoop(cfg, task, trainer, out, stream, resumed, held_start, rollouts)
@@ -238,6 +246,12 @@ class AsyncLoop:
         self.status = "running"
         #: why the run ends before trainer.steps ('' while it need not)
         self.stop_early = ""
+        a = cfg.async_training
+        trainer.trigger = a.trigger_parameter_sync_step
+        trainer.steps, trainer.updates = self.step, self.step * a.require_batches
+        trainer.total_updates = max(cfg.trainer.steps * a.require_batches, 1)
+        #: sync mode: the groups of the current version's steps, taken all at once when the version begins
+        self.cycle_groups: list[Group] = []
         trainer.take_reference()
         trainer.begin_cycle()
         trainer.park()
@@ -303,12 +317,24 @@ class AsyncLoop:
         self._add_time("wait", time.perf_counter() - t0 - parking[0])
         return got
 
+    def step_groups(self, count: int) -> list[Group]:
+        """``count`` groups for this step. ``async_training.mode=sync``: at a version's first step, every group of the
+        version's steps is taken first (the trainer waits for the whole version's generation, as a synchronous
+        trainer waits for its longest response), then handed out step by step."""
+        a = self.cfg.async_training
+        if a.mode == "async":
+            return self.next_groups(count)
+        if not self.cycle_groups:
+            self.cycle_groups = self.next_groups(count * a.require_batches * a.trigger_parameter_sync_step)
+        out, self.cycle_groups = self.cycle_groups[:count], self.cycle_groups[count:]
+        return out
+
     def train_step(self) -> dict[str, Any]:
-        """``require_batches`` mini-batches, one update each; returns the step's metrics."""
-        batches = [Batch.of(self.next_groups(self.cfg.trainer.batch_prompts), self.task.pad_token)
+        """``require_batches`` mini-batches, one update each (``Trainer.train_step``); returns the step's metrics."""
+        batches = [Batch.of(self.step_groups(self.cfg.trainer.batch_prompts), self.task.pad_token)
                    for _ in range(self.cfg.async_training.require_batches)]
         version = self.trainer.version
-        stats = [self.trainer.update(b, self.timer) for b in batches]
+        stats = self.trainer.train_step(batches, self.timer)
         depth = self.rollouts.trained(sum(len(b.groups) for b in batches))
         self.losses += [s["loss"] for s in stats]
         self.trained_uids += [g.uid for b in batches for g in b.groups]
@@ -338,7 +364,8 @@ class AsyncLoop:
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
         save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
-                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
+                        {"heldout_accuracy_start": self.held_start, "entropy_coef": self.trainer.entropy_coef},
+                        self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():

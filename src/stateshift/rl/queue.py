@@ -78,7 +78,8 @@ class SampleQueue:
     def __init__(self, cfg: AsyncConfig, required: int) -> None:
         self.cfg = cfg
         self.required = required
-        self.max_required = int(required * (1 + cfg.staleness_threshold) * cfg.trigger_parameter_sync_step)
+        staleness = 0.0 if cfg.mode == "sync" else cfg.staleness_threshold  # sync: each version generates its steps' worth
+        self.max_required = int(required * (1 + staleness) * cfg.trigger_parameter_sync_step)
         self.capacity = cfg.max_queue_size if cfg.max_queue_size is not None else self.max_required
         if self.capacity < required:
             raise ValueError(f"async_training.max_queue_size ({self.capacity}) must hold one trainer step ({required} groups)")

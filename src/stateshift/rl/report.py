@@ -28,6 +28,30 @@ def staleness_counts(batches: list[Batch], version: int) -> Counter[int]:
     return out
 
 
+def length_bucket(length: int) -> str:
+    """The response-length bucket of ``length`` tokens: powers of two, ``"1-1"``, ``"2-3"``, ``"4-7"``, ..."""
+    lo = 1 << (max(int(length), 1).bit_length() - 1)
+    return f"{lo}-{2 * lo - 1}"
+
+
+def by_length(batches: list[Batch], version: int) -> dict[str, dict[str, float]]:
+    """Per response-length bucket (``length_bucket``): rows, exact-answer accuracy and mean per-token staleness."""
+    acc: dict[str, list[float]] = {}
+    stale: dict[str, list[float]] = {}
+    for b in batches:
+        exact = torch.cat([g.exact for g in b.groups]).float().tolist()
+        lengths = b.mask.sum(1).tolist()
+        lag = ((version - b.versions) * b.mask).sum(1) / b.mask.sum(1).clamp(min=1)
+        for e, n, s in zip(exact, lengths, lag.tolist(), strict=True):
+            key = length_bucket(n)
+            acc.setdefault(key, []).append(e)
+            stale.setdefault(key, []).append(s)
+    order = sorted(acc, key=lambda k: int(k.split("-")[0]))
+    return {"rows_by_length": {k: float(len(acc[k])) for k in order},
+            "accuracy_by_length": {k: _mean(acc[k]) for k in order},
+            "staleness_by_length": {k: _mean(stale[k]) for k in order}}
+
+
 def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict[str, float]], depth: int,
                  loop: AsyncLoop) -> dict[str, Any]:
     """Task, policy, off-policy and system metrics of one step (cumulative seconds and bytes where named ``_total``)."""
@@ -47,6 +71,7 @@ def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict
         "staleness_mean": sum(k * v for k, v in stale.items()) / n_tok, "staleness_max": max(stale, default=0),
         "version_span_mean": float(spans.mean()), "version_span_max": float(spans.max()),
         "staleness_tokens": {str(k): v for k, v in sorted(stale.items())},
+        **by_length(batches, version),
     }
     for key in stats[0]:
         values = [s[key] for s in stats]
@@ -68,7 +93,7 @@ def system_metrics(loop: AsyncLoop, side: RolloutStats) -> dict[str, Any]:
         "pi_old_bytes_total": cycle.pcie_bytes + cycle.device_bytes + cycle.host_bytes,
         "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(side.busy_s / wall, 1.0),
         "samples_per_s": side.generated * loop.cfg.rollout.n / wall, "rollout_restarts": len(side.restarts),
-    }
+    } | ({"rollout_row_occupancy": loop.rollouts.occupancy()} if hasattr(loop.rollouts, "occupancy") else {})
 
 
 def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:

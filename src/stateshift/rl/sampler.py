@@ -13,9 +13,12 @@ tokens and ``positions`` count real tokens, so padding changes nothing.
 Log-probs are of the temperature-scaled distribution ``softmax(logits / T)``,
 the same on both sides: the sampler records them as the behaviour log-prob
 ``l_b``, the trainer recomputes ``l_p``/``l_t`` with ``sequence_logprobs``.
-Top-p only decides which tokens may be drawn; the recorded log-prob is that
-of the untruncated distribution (what vLLM returns by default), so ``l_b``
-and the trainer's log-probs are comparable.
+Under top-p the recorded ``l_b`` is the log-prob of the distribution the
+token was really drawn from: the truncated one, renormalised over the nucleus
+(``log p - log sum(nucleus p)``). The trainer's ``l_p``/``l_t`` are of the
+untruncated policy it optimises, so the behaviour weight ``exp(l_p - l_b)``
+corrects for the truncation (with the untruncated ``l_b``, what vLLM reports
+by default, the weight would aim at a policy that drew nothing).
 """
 
 from __future__ import annotations
@@ -115,20 +118,32 @@ def positions_of(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def behaviour_logp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Log-probs (batch, vocab) of the distribution tokens are drawn from: ``softmax(logits / T)``, under
+    ``top_p < 1`` truncated to the nucleus (the smallest set of most likely tokens holding ``top_p``; the most
+    likely token is always in it) and renormalised; ``-inf`` outside the nucleus."""
+    logp = F.log_softmax(logits.float() / sampling.temperature, -1)
+    if sampling.top_p >= 1.0:
+        return logp
+    sorted_lp, order = logp.sort(-1, descending=True)
+    sorted_p = sorted_lp.exp()
+    outside_sorted = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p  # the first token is always kept
+    outside = torch.zeros_like(outside_sorted).scatter_(-1, order, outside_sorted)
+    kept = logp.masked_fill(outside, float("-inf"))
+    return kept - torch.logsumexp(kept, -1, keepdim=True)
+
+
 def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, log-probs) for the last-position ``logits`` (batch, vocab); temperature 0 is greedy."""
+    """(tokens, behaviour log-probs) for the last-position ``logits`` (batch, vocab); temperature 0 is greedy.
+
+    The log-prob is that of the distribution the token was drawn from (``behaviour_logp``: truncated and
+    renormalised under ``top_p``)."""
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    logp = F.log_softmax(logits / sampling.temperature, -1)
-    probs = logp.exp()
-    if sampling.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p  # the first token is always kept
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    logp = behaviour_logp(logits, sampling)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 

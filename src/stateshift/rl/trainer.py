@@ -1,4 +1,4 @@
-"""One trainer update: old log-probs (bypass / pi_old / proximal), the loss, the step, offload between phases.
+"""Trainer steps and updates: old log-probs (bypass / pi_old / proximal / loglinear), the loss, offload between phases.
 
 The trainer owns its model, optimizer and ``ModelState``; only the trainer
 thread calls verbs on that state (the rollouter has its own model and reads
@@ -23,8 +23,18 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
    Every verb's bytes and seconds go to ``OffloadMeter``.
 
 ``pi_old`` is the snapshot taken at each sync (``begin_cycle``): the weights
-the rollouter was sent. ``proximal`` recomputes under the weights just
-before each update; ``bypass`` uses the rollout's own log-probs.
+the rollouter was sent, recomputed before each update. ``proximal`` (AReaL's
+decoupled PPO) computes ``l_p`` ONCE per trainer step (``train_step``), under
+the weights at its start, for all its ``require_batches`` mini-batch updates:
+the first update's ratio is 1, later ones are clipped against it. (Recomputed
+before every update it would always be 1 and the clip would never bind.)
+``loglinear`` approximates ``proximal`` from ``l_b`` and ``l_t`` with no
+forward of its own (``algo.loglinear_proximal``); ``bypass`` uses the
+rollout's own log-probs.
+
+Every update sets the learning rate of the schedule (``algo.lr_at``: linear
+warm-up, then constant / cosine / linear decay) on the policy and its
+optimizer before stepping.
 
 The model family (built-in, Hugging Face, Megatron-core, FSDP2) is hidden
 behind ``policies.Policy``: this module calls ``policy.zero_grad()``,
@@ -68,11 +78,19 @@ class Batch:
 
     @staticmethod
     def of(groups: list[Group], pad: int) -> Batch:
+        """The rows of ``groups``; responses of different widths (continuous batching) are right-padded to the
+        widest (``pad`` tokens, outside the mask, version -1)."""
         ids, mask = left_pad([list(g.prompt) for g in groups for _ in range(g.n)], pad)
+        width = max(g.tokens.shape[1] for g in groups)
+
+        def cat(name: str, fill: float | int | bool) -> torch.Tensor:
+            parts = [getattr(g, name) for g in groups]
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+                              if t.shape[1] < width else t for t in parts])
+
         return Batch(
             groups=tuple(groups), prompt_ids=ids, prompt_mask=mask,
-            tokens=torch.cat([g.tokens for g in groups]), mask=torch.cat([g.mask for g in groups]),
-            l_b=torch.cat([g.logprobs for g in groups]), versions=torch.cat([g.versions for g in groups]),
+            tokens=cat("tokens", pad), mask=cat("mask", False), l_b=cat("logprobs", 0.0), versions=cat("versions", -1),
             rewards=torch.stack([g.rewards for g in groups]),
         )
 
@@ -122,6 +140,14 @@ class Trainer:
         self.meter = OffloadMeter()
         self.ref: Snapshot | None = None
         self.parked: set[str] = set()
+        #: optimizer updates and trainer steps so far (the learning-rate schedule and loglinear read them)
+        self.updates = 0
+        self.steps = 0
+        #: trainer steps between two syncs, and updates in the whole run (set by the loop; defaults for tests)
+        self.trigger = 1
+        self.total_updates = max(cfg.steps, 1)
+        #: the adaptive entropy coefficient (``trainer.entropy_target``), updated after each update
+        self.entropy_coef = 0.0
 
     # -- residency --------------------------------------------------------------------------
     def _verb(self, verb: str, group: str) -> None:
@@ -185,11 +211,15 @@ class Trainer:
                                  with_entropy=with_entropy)
 
     @torch.no_grad()
-    def old_logprobs(self, batch: Batch) -> torch.Tensor:
-        """``l_p`` for ``batch`` in the configured mode (see the module docstring)."""
+    def old_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """``l_p`` for ``batch`` in the configured mode (see the module docstring); ``None`` in ``loglinear`` mode
+        (computed in the loss from ``l_t``). ``proximal``: under the current weights (``train_step`` calls it for
+        every mini-batch of a step before the first update)."""
         mode = self.cfg.old_logprob
         if mode == "bypass":
             return batch.l_b
+        if mode == "loglinear":
+            return None
         if mode == "pi_old" and self.updates_in_cycle > 0:
             t0 = time.perf_counter()
             with self.cycle.old_policy():  # works whether the params are offloaded or not
@@ -211,31 +241,68 @@ class Trainer:
         with self.state.swapped(self.ref):
             return self._logprobs(batch)[0]
 
-    # -- the update --------------------------------------------------------------------------------
-    def update(self, batch: Batch, timer: Callable[[str], Any]) -> dict[str, float]:
-        """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase."""
+    # -- the step and its updates -------------------------------------------------------------------
+    def train_step(self, batches: list[Batch], timer: Callable[[str], Any]) -> list[dict[str, float]]:
+        """One trainer step: one update per mini-batch of ``batches``; returns each update's statistics.
+
+        ``proximal`` mode computes every mini-batch's ``l_p`` first, under the weights at the start of the step
+        (one forward each, no gradient), so all the step's updates share that proximal policy (AReaL).
+        """
+        batches = [b.to(self.device) for b in batches]
+        prox: list[torch.Tensor | None] = [None] * len(batches)
+        if self.cfg.old_logprob == "proximal":
+            with timer("old_logprob"):
+                self.unpark("params")
+                prox = [self._logprobs(b)[0].detach() for b in batches]
+        stats = [self.update(b, timer, l_p=lp) for b, lp in zip(batches, prox, strict=True)]
+        self.steps += 1
+        return stats
+
+    def update(self, batch: Batch, timer: Callable[[str], Any], *, l_p: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer update on ``batch``; returns its statistics. ``timer(name)`` times a phase.
+
+        ``l_p``: the proximal log-probs computed by ``train_step`` (else computed here, ``old_logprobs``).
+        """
         batch = batch.to(self.device)
         with timer("old_logprob"):
-            l_p = self.old_logprobs(batch)
+            if l_p is None:
+                l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
         with timer("offload"):
             self.unpark("params", "optim", "grads")
         with timer("update"):
             stats = self._step(batch, l_p, l_ref)
         self.updates_in_cycle += 1  # parked later, only if the trainer then waits (AsyncLoop.next_groups)
+        self.updates += 1
         return stats
 
-    def _step(self, batch: Batch, l_p: torch.Tensor, l_ref: torch.Tensor | None) -> dict[str, float]:
+    def lr_now(self) -> float:
+        """The learning rate of the next update (``algo.lr_at`` of the config's schedule)."""
+        c = self.cfg
+        return algo.lr_at(self.updates, base=c.lr, warmup=c.lr_warmup_steps, total=self.total_updates,
+                          schedule=c.lr_schedule, min_ratio=c.lr_min_ratio)
+
+    def _set_lr(self) -> float:
+        lr = self.lr_now()
+        self.policy.lr = lr  # type: ignore[attr-defined]  # Megatron's step sets its groups' lr from it
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _step(self, batch: Batch, l_p: torch.Tensor | None, l_ref: torch.Tensor | None) -> dict[str, float]:
         cfg = self.cfg
         adv = algo.grpo_advantages(batch.rewards, norm_std=cfg.norm_adv_std).reshape(-1)
-        bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=cfg.behaviour_weight, level=cfg.weight_level,
-                                    cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
         l_t, entropy = self._logprobs(batch, with_entropy=True)
         assert entropy is not None
+        if l_p is None:  # loglinear: behaviour versions -> trainer steps (version v was sent after v * trigger steps)
+            l_p = algo.loglinear_proximal(batch.l_b, l_t, batch.versions * self.trigger, self.steps, batch.mask)
+        bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=cfg.behaviour_weight, level=cfg.weight_level,
+                                    cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
         loss, ls = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                  clip_c=cfg.clip_c)
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * algo.masked_mean(entropy, batch.mask)
+        coef = cfg.entropy_coef + self.entropy_coef
+        if coef > 0:
+            loss = loss - coef * algo.masked_mean(entropy, batch.mask)
         kl_ref = 0.0
         if l_ref is not None:
             kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)
@@ -243,13 +310,18 @@ class Trainer:
             kl_ref = float(kl.detach())
         if "grads" not in self.parked:
             self.policy.zero_grad()
+        lr = self._set_lr()
         grad_norm = self.policy.step(loss)
         mask = batch.mask
+        ent = float(algo.masked_mean(entropy.detach(), mask))
+        if cfg.entropy_target is not None:
+            self.entropy_coef = min(max(self.entropy_coef + cfg.entropy_adapt_rate * (cfg.entropy_target - ent), 0.0),
+                                    cfg.entropy_coef_max)
         return self._pi_old_check(batch, l_p) | {
-            "loss": float(loss.detach()), "entropy": float(algo.masked_mean(entropy.detach(), mask)), "grad_norm": float(grad_norm),
+            "loss": float(loss.detach()), "lr": lr, "entropy_coef": coef, "entropy": ent, "grad_norm": float(grad_norm),
             "clip_fraction": ls.clip_fraction, "dual_clip_fraction": ls.dual_clip_fraction,
             "kl_current_proximal": ls.kl_current_proximal, "kl_ref": kl_ref,
-            "kl_proximal_behaviour": float(algo.masked_mean(batch.l_b - l_p, mask)),
+            "kl_proximal_behaviour": float(algo.masked_mean(-algo.safe_log_ratio(l_p, batch.l_b, mask), mask)),
             "behaviour_weight_mean": bw.raw_mean, "behaviour_weight_max": bw.raw_max,
             "behaviour_adjusted_fraction": bw.adjusted_fraction, "ess": bw.ess,
             "zero_advantage_groups": float((batch.rewards.std(1) == 0).float().mean()),

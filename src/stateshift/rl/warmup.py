@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,38 @@ def adam_stepper(params: Iterable[torch.Tensor], lr: float) -> Stepper:
         opt.step()
 
     return step
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers holding the state: Megatron's ``ChainedOptimizer`` -> its ``chained_optimizers``, a
+    Megatron ``DistributedOptimizer`` / ``MixedPrecisionOptimizer`` -> its ``optimizer``, a torch one itself."""
+    out: list[Any] = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        out.append(inner if isinstance(inner, torch.optim.Optimizer) else opt)
+    return out
+
+
+@torch.no_grad()
+def fresh_optimizer_state(optimizer: Any) -> int:
+    """Adam as if it had never stepped: every state tensor (moments, step counters) zeroed IN PLACE, every plain
+    number step set to 0. Returns how many tensors it zeroed.
+
+    For a family whose warm-up steps the RL optimizer itself (Megatron: its fp32 masters must follow the params),
+    so that the warm-up's moments do not leak into RL. In place, so the tensors a ``ModelState`` registered stay
+    the registered ones (call it while they are resident: before the trainer first parks). The next step of a
+    torch Adam equals a new Adam's first step (``tests/rl/test_rl_loss.py``).
+    """
+    zeroed = 0
+    for opt in _inner_optimizers(optimizer):
+        for state in getattr(opt, "state", {}).values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                    zeroed += 1
+                elif key == "step" and isinstance(value, (int, float)):
+                    state[key] = type(value)(0)
+    return zeroed
 
 
 def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int,

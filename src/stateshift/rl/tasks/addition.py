@@ -10,7 +10,8 @@ carry, which a 2-layer model can learn.
 
 Reward: 1 for an exact answer, plus a small credit (``digit_credit``, 0.05)
 per correct digit in place, so a group whose members differ in a single
-digit still has a signal. Accuracy counts exact answers only.
+digit still has a signal, plus ``stop_credit`` (0.1) for a response that
+ends with the stop token. Accuracy counts exact answers only.
 
 Held-out prompts: the problems ``(a, b)`` whose hash falls in the held-out
 tenth of the space. Training prompts are drawn from the other nine tenths
@@ -85,12 +86,14 @@ def heldout_set(size: int, seed: int = 12345) -> list[Problem]:
     return out
 
 
-def score(problem: Problem, response: Sequence[int], digit_credit: float = 0.05) -> tuple[float, bool]:
+def score(problem: Problem, response: Sequence[int], digit_credit: float = 0.05,
+          stop_credit: float = 0.0) -> tuple[float, bool]:
     """(reward, exact) of one response (generated tokens, the stop token included if produced)."""
     want = problem.answer
     exact = list(response[: len(want)]) == want
     digits = sum(1 for i in range(min(len(response), ANSWER_DIGITS)) if response[i] == want[i])
-    return (1.0 if exact else 0.0) + digit_credit * digits, exact
+    stopped = len(response) > 0 and response[-1] == STOP
+    return (1.0 if exact else 0.0) + digit_credit * digits + stop_credit * stopped, exact
 
 
 class AdditionTask:
@@ -100,8 +103,13 @@ class AdditionTask:
     stop_token = STOP
     pad_token = PAD
 
-    def __init__(self, *, digit_credit: float = 0.05, heldout_size: int = 500) -> None:
+    #: prompt tokens and the longest answer (the model's positions follow from them)
+    max_prompt_len = PROMPT_LEN
+    max_response_len = RESPONSE_LEN
+
+    def __init__(self, *, digit_credit: float = 0.05, heldout_size: int = 500, stop_credit: float = 0.0) -> None:
         self.digit_credit = digit_credit
+        self.stop_credit = stop_credit
         self.heldout_size = heldout_size
 
     def sample(self, rng: random.Random) -> Problem:
@@ -111,7 +119,7 @@ class AdditionTask:
         return item.prompt
 
     def score(self, item: Problem, response: Sequence[int]) -> tuple[float, bool]:
-        return score(item, response, self.digit_credit)
+        return score(item, response, self.digit_credit, self.stop_credit)
 
     def heldout(self) -> list[Problem]:
         return heldout_set(self.heldout_size)

@@ -13,6 +13,13 @@ buffers, so its whole state is the ``params`` group (and its optimizer's).
 ``key_mask`` (batch, keys) marks real tokens (left padding is masked out);
 ``positions`` are each token's index among the real tokens of its row, so a
 left-padded row computes what an unpadded one would.
+
+A third use, continuous batching (``rl/continuous.py``): ``cache=SlotCache``,
+a static cache of ``rows`` slots of ``max_len`` positions, in which row
+``r``'s token at position ``p`` keeps its keys at index ``p``. A call names
+the slots it feeds (``rows``) and each token's position; a query at position
+``p`` attends to indices ``0..p`` of its slot. Rows may thus be at different
+lengths, and a slot is reused by writing a new prompt from position 0.
 """
 
 from __future__ import annotations
@@ -58,6 +65,34 @@ class KVCache:
         return self.keys[0].shape[2] if self.keys else 0
 
 
+@dataclass(slots=True)
+class SlotCache:
+    """Static KV cache for continuous batching: per layer (rows, heads, max_len, head dim), index = position."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @staticmethod
+    def empty(cfg: GPTConfig, rows: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SlotCache:
+        shape = (rows, cfg.heads, cfg.max_len, cfg.width // cfg.heads)
+        return SlotCache([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)],
+                         [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Write ``k``/``v`` (batch, heads, new, dim) at ``positions`` (batch, new) of slots ``rows`` (``None``: all,
+        in order), then attend each query to indices ``0..its position`` of its slot."""
+        keys, values = self.keys[layer], self.values[layer]
+        slot = torch.arange(keys.shape[0], device=keys.device) if rows is None else rows
+        keys[slot[:, None], :, positions] = k.transpose(1, 2)
+        values[slot[:, None], :, positions] = v.transpose(1, 2)
+        if rows is not None:
+            keys, values = keys[rows], values[rows]
+        index = torch.arange(keys.shape[2], device=keys.device)
+        mask = (index[None, None, :] <= positions[:, :, None])[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -69,9 +104,15 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(cfg.width, 4 * cfg.width)
         self.fc2 = nn.Linear(4 * cfg.width, cfg.width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | SlotCache | None, layer: int,
+                slots: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
         b, t, w = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        if isinstance(cache, SlotCache):
+            assert slots is not None
+            att = cache.attend(layer, q, k, v, *slots)
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, w))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
         if cache is not None:
             if layer < len(cache.keys):
                 k = torch.cat([cache.keys[layer], k], dim=2)
@@ -102,10 +143,23 @@ class TinyGPT(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SlotCache | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``ids`` (batch, new); ``key_mask`` (batch, cached + new) bool; ``positions`` (batch, new)."""
+        """``ids`` (batch, new); ``key_mask`` (batch, cached + new) bool; ``positions`` (batch, new).
+
+        With a ``SlotCache``: ``rows`` (batch,) the slots fed (``None``: every slot, in order), ``positions``
+        required, ``key_mask`` ignored (a slot's indices up to a query's position are its keys).
+        """
         b, t = ids.shape
+        if isinstance(cache, SlotCache):
+            assert positions is not None, "a SlotCache needs positions"
+            if int(positions.max()) >= self.cfg.max_len:
+                raise ValueError(f"position {int(positions.max())} is past model.max_len={self.cfg.max_len}")
+            x = self.tok(ids) + self.pos(positions)
+            for i, block in enumerate(self.blocks):
+                x = block(x, None, cache, i, (rows, positions))
+            return self.head(self.ln_f(x))
         past = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + t, device=ids.device).expand(b, t)

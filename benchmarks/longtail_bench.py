@@ -1,0 +1,259 @@
+"""Synchronous vs fully-async on the long-tail task, paired seeds, time to fixed held-out accuracy thresholds.
+
+    python3 benchmarks/longtail_bench.py                 # one H200: the committed result
+    python3 benchmarks/longtail_bench.py --small --out /tmp/lt   # a toy size on the CPU (checks the path)
+
+Arms (``ARMS``), the same algorithm and hyperparameters in each (``COMMON``: pi_old mode, 4 steps per sync,
+continuous batching, the lr schedule and defaults of ``stateshift train``); only ``async_training`` differs:
+
+- ``sync``: ``async_training.mode=sync`` -- each version's 4 steps of groups are generated first (staleness 0),
+  then trained on with the same 4 clipped updates per version as async;
+- ``async-0.25`` / ``async-0.5``: fully-async, staleness 0.25 / 0.5, partial rollout on.
+
+Per seed the supervised warm-up runs once and every arm starts RL from that same checkpoint (``warmup.steps=0``
+with the warmed-up weights loaded into the built policy). Wall time counts from the start of RL; evaluation is
+out of band: every ``--snap-s`` seconds of RL the trainer's weights are copied to host (the copy's time is not
+counted), and the copies are evaluated on the held-out set after the run. ``THRESHOLDS`` are fixed here, before
+any run: per arm and seed the wall time and the samples trained to first reach each (``null``: censored, the run
+ended first -- reported, not dropped), and the medians. ``"comparison"``: the highest threshold every sync seed
+reached, with the sync and async-0.5 median times and their ratio (a censored async run counts as the budget).
+
+Writes ``benchmarks/results/<date>-h200-train-longtail.json`` and ``.png`` (``--out`` elsewhere; ``--small``
+writes ``<date>-cpu-small-train-longtail`` there). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
+15 runs x 15 s of RL, 15 x 7 held-out evaluations of 128 problems, about 6 minutes in all; ``--seeds`` and
+``--budget-s`` scale it. The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against
+the addition task's default 0.4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from stateshift.rl import loop as loop_mod  # noqa: E402
+from stateshift.rl.build import build_policy, build_task  # noqa: E402
+from stateshift.rl.config import resolve  # noqa: E402
+from stateshift.rl.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
+
+#: held-out accuracy thresholds, fixed before the runs
+THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6)
+COMMON = ["task.name=longtail", "rollout.batching=continuous", "trainer.old_logprob=pi_old",
+          "async_training.trigger_parameter_sync_step=4", "async_training.partial_rollout=true",
+          "run.eval_every=1000000", "run.progress=none", "run.tensorboard=false", "run.plot=false"]
+GPU = ["run.device=cuda", "run.torch_threads=0", "model.width=128", "model.layers=4", "model.heads=4",
+       "task.max_terms=64", "task.warmup_max_terms=16", "rollout.max_new_tokens=448", "task.heldout_size=128",
+       "rollout.n=8", "rollout.max_concurrent_prompts=32", "trainer.batch_prompts=16", "trainer.lr=1e-3",
+       "trainer.steps=400", "warmup.steps=1500", "trainer.entropy_target=0.05", "warmup.lr=1e-3", "warmup.batch_size=64",
+       "warmup.label_smoothing=0.1"]
+SMALL = ["run.device=cpu", "run.torch_threads=1", "model.width=32", "model.heads=2", "task.max_terms=6",
+         "task.warmup_max_terms=3", "rollout.max_new_tokens=42", "task.heldout_size=32", "rollout.n=4",
+         "rollout.max_concurrent_prompts=4", "trainer.batch_prompts=4", "trainer.steps=40", "warmup.steps=30",
+         "warmup.batch_size=16", "trainer.entropy_target=0.05"]
+ARMS: dict[str, list[str]] = {
+    "sync": ["async_training.mode=sync", "async_training.staleness_threshold=0"],
+    "async-0.25": ["async_training.staleness_threshold=0.25"],
+    "async-0.5": ["async_training.staleness_threshold=0.5"],
+}
+
+
+def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tensor], float, float]:
+    """The seed's supervised warm-up, once: (weights on the host, its seconds, held-out accuracy after it)."""
+    cfg = resolve(None, [*overrides, f"run.seed={seed}"])
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    t0 = time.perf_counter()
+    supervised_warmup(policy.lm, task, cfg.warmup, seed=seed, stepper=policy.warmup_stepper(cfg.warmup.lr))
+    secs = time.perf_counter() - t0
+    acc = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
+    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, secs, acc
+
+
+class Snapshots:
+    """Patches ``AsyncLoop.train_step``: after a step that ends ``every_s`` past the last copy, the trainer's weights
+    go to host with the RL wall time and samples trained so far; the copy's own time is moved out of the clock."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self.taken, self.last = every_s, [], 0.0
+        self.original = loop_mod.AsyncLoop.train_step
+
+    def __enter__(self) -> Snapshots:
+        snaps = self
+
+        def train_step(loop: Any) -> dict[str, Any]:
+            rec = snaps.original(loop)
+            wall = time.perf_counter() - loop.t_start
+            if wall - snaps.last >= snaps.every_s or not snaps.taken:
+                t0 = time.perf_counter()
+                snap = loop.trainer.sync_snapshot()
+                weights = {k: v.clone() for k, v in snap.tensors().items()}
+                loop.trainer.release(snap)
+                samples = (loop.step + 1) * loop.cfg.trainer.batch_prompts * loop.cfg.async_training.require_batches
+                snaps.taken.append((wall, samples * loop.cfg.rollout.n, weights))
+                snaps.last = wall
+                loop.t_start += time.perf_counter() - t0  # the copy is not RL time
+            return rec
+
+        loop_mod.AsyncLoop.train_step = train_step  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop_mod.AsyncLoop.train_step = self.original  # type: ignore[method-assign]
+
+
+def run_arm(overrides: list[str], seed: int, weights: dict[str, torch.Tensor], budget_s: float, snap_s: float,
+            out: Path) -> dict[str, Any]:
+    """One RL run from ``weights``; its curve of (wall s, samples, held-out accuracy), evaluated after the run."""
+    cfg = resolve(None, [*overrides, f"run.seed={seed}", "warmup.steps=0", f"run.max_wall_s={budget_s}",
+                         f"run.out_dir={out}"])
+
+    def policy_from_warmup(c: Any, task: Any) -> Any:
+        policy = build_policy(c, task)
+        policy.model.load_state_dict(weights)
+        return policy
+
+    original = loop_mod.build_policy
+    loop_mod.build_policy = policy_from_warmup
+    try:
+        with Snapshots(snap_s) as snaps:
+            result = loop_mod.run(cfg)
+    finally:
+        loop_mod.build_policy = original
+    task = build_task(cfg)
+    lm = build_policy(cfg, task).lm
+    curve = [(0.0, 0, result.heldout_accuracy_start)]
+    for wall, samples, w in snaps.taken:
+        lm.module.load_state_dict(w)
+        curve.append((wall, samples, heldout_accuracy(lm, task, cfg.rollout.max_new_tokens)))
+    s = result.summary
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    last = recs[-1] if recs else {}
+    return {"seed": seed, "curve": curve, "steps": result.steps, "rl_wall_s": last.get("wall_s", 0.0),
+            "trainer_idle_ratio": last.get("trainer_idle_ratio"), "rollout_idle_ratio": last.get("rollout_idle_ratio"),
+            "rollout_row_occupancy": last.get("rollout_row_occupancy"), "staleness_tokens": s["staleness_tokens"],
+            "response_length_mean": statistics.fmean(r["response_length"] for r in recs) if recs else None,
+            "heldout_accuracy_start": result.heldout_accuracy_start, "status": s["status"]}
+
+
+def to_thresholds(run: dict[str, Any]) -> dict[str, Any]:
+    """Per threshold: the first (wall s, samples) whose evaluation reached it, or ``None`` (censored)."""
+    out = {}
+    for th in THRESHOLDS:
+        hit = next(((w, n) for w, n, acc in run["curve"] if acc >= th), None)
+        out[str(th)] = {"time_s": hit[0] if hit else None, "samples": hit[1] if hit else None}
+    return out
+
+
+def medians(runs: list[dict[str, Any]], budget_s: float) -> dict[str, Any]:
+    """Median time and samples per threshold over seeds (a censored run counts as the budget; ``censored`` says how
+    many were)."""
+    out = {}
+    for th in THRESHOLDS:
+        hits = [r["to_threshold"][str(th)] for r in runs]
+        times = [h["time_s"] if h["time_s"] is not None else budget_s for h in hits]
+        samples = [h["samples"] for h in hits if h["samples"] is not None]
+        out[str(th)] = {"median_time_s": statistics.median(times), "censored": sum(h["time_s"] is None for h in hits),
+                        "median_samples_reached": statistics.median(samples) if samples else None}
+    return out
+
+
+def comparison(arms: dict[str, list[dict[str, Any]]], budget_s: float, fast: str = "async-0.5") -> dict[str, Any]:
+    """The highest threshold every sync seed reached; the sync and ``fast`` median times to it and their ratio."""
+    reached = [th for th in THRESHOLDS if all(r["to_threshold"][str(th)]["time_s"] is not None for r in arms["sync"])]
+    if not reached:
+        return {"threshold": None, "seeds": len(arms["sync"]), "sync_median_s": None, "async_median_s": None,
+                "speedup_median": None, "note": "no threshold was reached by every sync seed"}
+    th = max(reached)
+    sync = medians(arms["sync"], budget_s)[str(th)]["median_time_s"]
+    fast_m = medians(arms[fast], budget_s)[str(th)]
+    return {"threshold": th, "seeds": len(arms["sync"]), "arm": fast, "sync_median_s": sync,
+            "async_median_s": fast_m["median_time_s"], "async_censored": fast_m["censored"],
+            "speedup_median": sync / fast_m["median_time_s"] if fast_m["median_time_s"] else None}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = {"sync": "tab:blue", "async-0.25": "tab:orange", "async-0.5": "tab:green"}
+    for arm, runs in result["arms"].items():
+        for i, r in enumerate(runs):
+            w, _, acc = zip(*r["curve"], strict=True)
+            ax[0].plot(w, acc, color=colors.get(arm), alpha=0.6, label=arm if i == 0 else None)
+        m = result["medians"][arm]
+        ax[1].plot(THRESHOLDS, [m[str(t)]["median_time_s"] for t in THRESHOLDS], marker="o", color=colors.get(arm),
+                   label=arm)
+        stale: dict[int, int] = {}
+        for r in runs:
+            for k, v in r["staleness_tokens"].items():
+                stale[int(k)] = stale.get(int(k), 0) + v
+        ax[2].bar([k + 0.25 * list(colors).index(arm) for k in stale], list(stale.values()), width=0.25,
+                  color=colors.get(arm), label=arm)
+    ax[0].set(xlabel="RL wall s (evaluation out of band)", ylabel="held-out accuracy", title="per seed")
+    ax[1].set(xlabel="threshold", ylabel="median s to reach (censored = budget)", title="time to threshold")
+    ax[2].set(xlabel="versions behind", ylabel="tokens trained", title="staleness")
+    for a in ax:
+        a.legend()
+    fig.suptitle(f"long-tail task, {result['device']}: {json.dumps(result['comparison'])[:120]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="a toy size on the CPU")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=None, help="RL wall seconds per run (default 15 GPU, 20 small)")
+    ap.add_argument("--snap-s", type=float, default=None, help="seconds between weight copies (default budget / 6)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run")
+    args = ap.parse_args()
+    base = [*COMMON, *(SMALL if args.small else GPU), *args.overrides]
+    budget = args.budget_s or (20.0 if args.small else 15.0)
+    snap = args.snap_s or budget / 6
+    device = "cpu (toy size)" if args.small else torch.cuda.get_device_name(0)
+    name = f"{datetime.date.today().isoformat()}-{'cpu-small' if args.small else 'h200'}-train-longtail"
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
+    warm: list[dict[str, Any]] = []
+    work = Path(f"/tmp/longtail_bench_{int(time.time())}")
+    for seed in range(args.seeds):
+        weights, warm_s, warm_acc = warm_weights(base, seed)
+        warm.append({"seed": seed, "warmup_s": warm_s, "heldout_accuracy": warm_acc})
+        for arm, extra in ARMS.items():
+            r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
+            r["to_threshold"] = to_thresholds(r)
+            arms[arm].append(r)
+            print(f"seed {seed} {arm}: {r['steps']} steps, accuracy {r['curve'][0][2]:.3f} -> "
+                  f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}", flush=True)
+    result = {"benchmark": "longtail_bench", "device": device, "date": datetime.date.today().isoformat(),
+              "thresholds": list(THRESHOLDS), "budget_s": budget, "snapshot_every_s": snap, "overrides": base,
+              "arms_overrides": ARMS, "warmup": warm, "arms": arms,
+              "medians": {a: medians(rs, budget) for a, rs in arms.items()},
+              "comparison": comparison(arms, budget), "total_s": time.perf_counter() - t_all}
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{name}.png")
+    print(json.dumps(result["comparison"], indent=1))
+    print(f"wrote {args.out / name}.json/.png in {result['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
