@@ -154,6 +154,9 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
         print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
               file=stream, flush=True)
     else:
+        check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
+        if check is not None:
+            check(resumed.data_position)
         held_start = float(resumed.extra["heldout_accuracy_start"])
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
     start.phase = "starting the rollout side"
@@ -337,8 +340,10 @@ class AsyncLoop:
         Taken after the step's record is in ``metrics.jsonl``: a run killed at any moment and resumed from
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
+        position = getattr(self.task, "position", None)  # a task reading files: where it is in them
         save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
-                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints)
+                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints,
+                        data_position=position(captured.next_uid) if position is not None else None)
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():

@@ -99,6 +99,7 @@ class AdditionTask:
     vocab_size = len(VOCAB)
     stop_token = STOP
     pad_token = PAD
+    max_prompt_len = PROMPT_LEN
 
     def __init__(self, *, digit_credit: float = 0.05, heldout_size: int = 500) -> None:
         self.digit_credit = digit_credit
