@@ -14,7 +14,7 @@ The run is the two lines a user types for their own files::
     stateshift train task.name=file task.train_path=train.jsonl task.heldout_path=heldout.jsonl \\
         model.family=hf model.hf_path=model reward.fn=exact_match
 
-Run it: ``python examples/train_on_files.py [out_dir]``; ``run()`` returns the ``RunResult``.
+Run it: ``python examples/train_on_files.py [out_dir [seed]]``; ``run()`` returns the ``RunResult``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ TEMPLATES = ("what is {a} + {b} ?", "{a} + {b} = ?")
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
-#: the run's settings beyond the files (small enough for a CPU test; see docs/train-on-files.md)
+#: the run's settings beyond the files: small enough for a CPU test (seconds per seed). A short supervised
+#: warm-up on the training answers leaves held-out accuracy low; RL raises it. staleness_threshold=0 makes the
+#: schedule, and so the result for a seed, the same on every run (docs/train-on-files.md)
 SETTINGS = [
     "model.family=hf", "reward.fn=exact_match", "rollout.max_new_tokens=3", "rollout.n=8",
-    "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=5e-4", "trainer.entropy_coef=0.0",
-    "warmup.steps=100", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
-    "run.torch_threads=1", "run.progress=none", "run.tensorboard=false",
+    "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=1e-3", "trainer.entropy_coef=0.0",
+    "warmup.steps=60", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
+    "async_training.staleness_threshold=0", "run.torch_threads=1", "run.progress=none", "run.tensorboard=false",
 ]
 
 
@@ -77,7 +79,7 @@ def make_data(root: Path, *, heldout_every: int = 5) -> tuple[Path, Path]:
     return paths
 
 
-def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, extra: tuple[str, ...] = ()):  # noqa: ANN201
+def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 100, extra: tuple[str, ...] = ()):  # noqa: ANN201
     """Make the model and the data under ``out_dir`` (a temporary directory if ``None``) and train; the ``RunResult``."""
     from stateshift.rl import resolve, run as train
 
@@ -85,12 +87,12 @@ def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, e
     root.mkdir(parents=True, exist_ok=True)
     model = make_model(root)
     train_path, heldout_path = make_data(root)
-    cfg = resolve(None, [f"task.name=file", f"task.train_path={train_path}", f"task.heldout_path={heldout_path}",
+    cfg = resolve(None, ["task.name=file", f"task.train_path={train_path}", f"task.heldout_path={heldout_path}",
                          f"model.hf_path={model}", *SETTINGS, f"trainer.steps={steps}", f"run.seed={seed}",
                          f"run.eval_every={max(steps // 4, 1)}", f"run.out_dir={root / 'run'}", *extra])
     return train(cfg)
 
 
 if __name__ == "__main__":
-    result = run(sys.argv[1] if len(sys.argv) > 1 else None)
+    result = run(sys.argv[1] if len(sys.argv) > 1 else None, seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     print(f"held-out accuracy {result.heldout_accuracy_start:.3f} -> {result.heldout_accuracy_end:.3f}")

@@ -248,3 +248,120 @@ def test_task_warmup_pairs_need_answers(assets, tmp_path):
     with pytest.raises(DataFileError, match="needs an answer") as err:
         task.warmup_batch(random.Random(0), 2)
     assert err.value.line == 1 and err.value.key == "answer"
+
+
+# -- runs: end to end, resume -------------------------------------------------------------------------------
+
+RUN = ["warmup.steps=5", "trainer.batch_prompts=4", "rollout.n=4", "rollout.max_concurrent_prompts=4",
+       "async_training.staleness_threshold=0", "run.checkpoint_every=4", "run.eval_every=1000", "run.plot=false",
+       "task.heldout_size=8"]
+
+
+def small_train(assets, tmp_path) -> Path:
+    """12 training rows: a run of 8 steps x 4 prompts goes through more than two epochs of them."""
+    lines = Path(assets["train"]).read_text().splitlines()[:12]
+    return write_jsonl(tmp_path / "small.jsonl", lines)
+
+
+def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeypatch):
+    import torch
+
+    from stateshift.rl import run
+    from stateshift.rl.checkpointing import latest_checkpoint
+    from stateshift.rl.trainer import Trainer
+
+    trained: list[tuple[int, tuple[int, ...]]] = []  # (row, prompt) of every group trained, in order
+    update = Trainer.update
+    monkeypatch.setattr(Trainer, "update", lambda self, batch, timer: (
+        trained.extend((g.item, g.prompt) for g in batch.groups), update(self, batch, timer))[1])
+    train = small_train(assets, tmp_path)
+    run(file_cfg(assets, tmp_path / "a", f"task.train_path={train}", "trainer.steps=8", *RUN))
+    whole, trained[:] = list(trained), []
+    first = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=4", *RUN))
+    sidecar = torch.load(latest_checkpoint(first.out_dir / "checkpoints") / "rl_state.pt", weights_only=False)
+    pos = sidecar["data_position"]
+    assert pos["samples"] == sidecar["capture"].next_uid and 0 < pos["offset"] < 12 and pos["epoch"] >= 1
+    assert set(pos) == {"samples", "epoch", "offset", "train_sha256"}
+    assert all(isinstance(v, (int, str)) for v in pos.values())
+    resumed = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=8", *RUN),
+                  resume=first.out_dir)
+    assert trained == whole and len(whole) == 32  # the same rows, in the same order, across the resume
+    rows = [row for row, _ in whole]
+    assert sorted(rows[:12]) == sorted(rows[12:24]) == list(range(12)) and rows[:12] != rows[12:24]
+    assert resumed.summary["status"] == "finished"
+    record = json.loads((first.out_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["time_reward_s_total"] > 0 and record["reward_zeroed_total"] == 0
+
+
+def test_resume_refuses_a_training_file_that_changed(assets, tmp_path):
+    from stateshift.rl import run
+
+    train = small_train(assets, tmp_path)
+    first = run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=4", *RUN))
+    train.write_text(train.read_text() + json.dumps({"prompt": "what is 1 + 1 ?", "answer": "2"}) + "\n")
+    with pytest.raises(DataFileError, match="changed since the checkpoint") as err:
+        run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=8", *RUN), resume=first.out_dir)
+    assert err.value.key == "task.train_path"
+
+
+# -- the model directory --------------------------------------------------------------------------------------
+
+
+def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(assets, tmp_path):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stateshift.rl.build import load_hf
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(assets["model"], sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(assets["model"], local_files_only=True).save_pretrained(
+        sharded, max_shard_size="20KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    whole = load_hf(str(assets["model"]), 1, seed=0).state_dict()
+    parts = load_hf(str(sharded), 1, seed=1).state_dict()  # another seed: the weights come from the files
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+    shards[1].unlink()
+    with pytest.raises(ModelDirError, match="listed in model.safetensors.index.json but missing") as err:
+        load_hf(str(sharded), 1, seed=0)
+    assert err.value.file == shards[1].name
+    (sharded / "config.json").unlink()
+    with pytest.raises(ModelDirError) as err:
+        load_hf(str(sharded), 1, seed=0)
+    assert err.value.file == "config.json"
+
+
+def test_too_few_positions_is_a_config_error(assets, tmp_path):
+    from stateshift.rl.build import build_policy
+
+    cfg = file_cfg(assets, tmp_path, "task.max_prompt_len=40")
+    with pytest.raises(ConfigError, match="max_position_embeddings 32 < 43") as err:
+        build_policy(cfg, build_task(cfg))
+    assert err.value.key == "model.hf_path"
+
+
+@pytest.mark.parametrize("family", ["fsdp2", "builtin"])
+def test_other_families_train_on_files(assets, tmp_path, family):
+    """fsdp2 starts from the directory's weights (sharded); builtin: the built-in GPT at the tokenizer's vocabulary."""
+    import torch
+
+    from stateshift.rl import run
+    from stateshift.rl.build import build_policy, load_hf
+    from stateshift.rl.policies.plain import full_state_dict
+
+    cfg = file_cfg(assets, tmp_path, f"model.family={family}", "trainer.steps=2", *RUN)
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    if family == "fsdp2":
+        want = load_hf(str(assets["model"]), 1, seed=5).state_dict()
+        got = full_state_dict(policy.model)
+        assert got.keys() == want.keys() and all(torch.equal(got[k].cpu(), want[k]) for k in want)
+    else:
+        assert policy.model.cfg.vocab == task.vocab_size and policy.model.cfg.max_len == 16 + 3
+    del policy
+    result = run(cfg)
+    assert result.summary["status"] == "finished" and result.steps == 2
