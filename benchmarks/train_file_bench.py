@@ -95,7 +95,7 @@ def main() -> None:
         "machine": f"CPU ({platform.processor() or platform.machine()}), 1 torch thread per side, "
                    "2 cores shared with other work", "stateshift": _git_sha(),
         "command": "python examples/train_on_files.py <dir> <seed>", "settings": example.SETTINGS,
-        "data": {"operands": example.OPERANDS, "templates": list(example.TEMPLATES), "heldout": "1 pair in 5, both forms"},
+        "data": {"operands": example.OPERANDS, "template": example.TEMPLATE, "heldout": "1 pair in 5"},
         "seeds": seeds, "rises": rises, "smallest_rise": min(rises), "spread_of_final": max(ends) - min(ends),
         "rise_exceeds_twice_spread": min(rises) > 2 * (max(ends) - min(ends)),
     }

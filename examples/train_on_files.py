@@ -28,20 +28,23 @@ from pathlib import Path
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<user>", "<assistant>"]
 #: operands are 0 .. OPERANDS - 1
 OPERANDS = 10
-WORDS = ["what", "is", "+", "=", "?"] + [str(i) for i in range(2 * OPERANDS - 1)]
-#: each question is asked in both forms; a held-out pair is held out in both
-TEMPLATES = ("what is {a} + {b} ?", "{a} + {b} = ?")
+WORDS = ["what", "is", "+", "?"] + [str(i) for i in range(2 * OPERANDS - 1)]
+TEMPLATE = "{a} + {b} ?"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 #: the run's settings beyond the files: small enough for a CPU test (seconds per seed). A short supervised
 #: warm-up on the training answers leaves held-out accuracy low; RL raises it. staleness_threshold=0 makes the
-#: schedule, and so the result for a seed, the same on every run (docs/train-on-files.md)
+#: schedule, and so the result for a seed, the same on every run. The tokenizer has a chat template (the tests
+#: render with it); the example encodes the text as it is (task.chat_template=false): shorter prompts, which
+#: this tiny model learns faster
+
 SETTINGS = [
     "model.family=hf", "reward.fn=exact_match", "rollout.max_new_tokens=3", "rollout.n=8",
     "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=1e-3", "trainer.entropy_coef=0.0",
-    "warmup.steps=60", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
-    "async_training.staleness_threshold=0", "run.torch_threads=1", "run.progress=none", "run.tensorboard=false",
+    "warmup.steps=100", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
+    "async_training.staleness_threshold=0", "task.chat_template=false", "run.torch_threads=1", "run.progress=none",
+    "run.tensorboard=false",
 ]
 
 
@@ -67,19 +70,19 @@ def make_model(root: Path, *, seed: int = 0) -> Path:
 
 
 def make_data(root: Path, *, heldout_every: int = 5) -> tuple[Path, Path]:
-    """``train.jsonl`` and ``heldout.jsonl``: every ``a + b`` with a, b < ``OPERANDS``, one in ``heldout_every`` held out."""
+    """``train.jsonl`` and ``heldout.jsonl``: every ``a + b`` with a, b < ``OPERANDS``; one pair in ``heldout_every``
+    is held out (never trained on: the held-out score measures what carries over to sums not seen in training)."""
     pairs = [(a, b) for a in range(OPERANDS) for b in range(OPERANDS)]
     random.Random(1234).shuffle(pairs)
     paths = root / "train.jsonl", root / "heldout.jsonl"
     with paths[0].open("w") as train, paths[1].open("w") as held:
         for i, (a, b) in enumerate(pairs):
-            for prompt in TEMPLATES:
-                line = json.dumps({"prompt": prompt.format(a=a, b=b), "answer": str(a + b)})
-                (held if i % heldout_every == 0 else train).write(line + "\n")
+            line = json.dumps({"prompt": TEMPLATE.format(a=a, b=b), "answer": str(a + b)})
+            (held if i % heldout_every == 0 else train).write(line + "\n")
     return paths
 
 
-def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 100, extra: tuple[str, ...] = ()):  # noqa: ANN201
+def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, extra: tuple[str, ...] = ()):  # noqa: ANN201
     """Make the model and the data under ``out_dir`` (a temporary directory if ``None``) and train; the ``RunResult``."""
     from stateshift.rl import resolve, run as train
 

@@ -32,7 +32,7 @@ def assets(tmp_path_factory):
 def file_cfg(assets, tmp_path, *overrides):
     return resolve(None, ["task.name=file", f"task.train_path={assets['train']}", f"task.heldout_path={assets['heldout']}",
                           f"model.hf_path={assets['model']}", "model.family=hf", *example.SETTINGS,
-                          f"run.out_dir={tmp_path / 'run'}", *overrides])
+                          "task.chat_template=true", f"run.out_dir={tmp_path / 'run'}", *overrides])
 
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
