@@ -38,7 +38,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {%
 #: schedule, and so the result for a seed, the same on every run. The tokenizer has a chat template (the tests
 #: render with it); the example encodes the text as it is (task.chat_template=false): shorter prompts, which
 #: this tiny model learns faster
-
 SETTINGS = [
     "model.family=hf", "reward.fn=exact_match", "rollout.max_new_tokens=3", "rollout.n=8",
     "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=1e-3", "trainer.entropy_coef=0.0",
