@@ -279,9 +279,9 @@ def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeyp
     whole, trained[:] = list(trained), []
     first = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=4", *RUN))
     sidecar = torch.load(latest_checkpoint(first.out_dir / "checkpoints") / "rl_state.pt", weights_only=False)
-    pos = sidecar["data_position"]
-    assert pos["samples"] == sidecar["capture"].next_uid and 0 < pos["offset"] < 12 and pos["epoch"] >= 1
-    assert set(pos) == {"samples", "epoch", "offset", "train_sha256"}
+    pos = {k: v for k, v in sidecar["extra"].items() if k.startswith("data_")}
+    assert set(pos) == {"data_samples", "data_epoch", "data_offset", "data_train_sha256"}
+    assert pos["data_samples"] == sidecar["capture"].next_uid and 0 < pos["data_offset"] < 12 and pos["data_epoch"] >= 1
     assert all(isinstance(v, (int, str)) for v in pos.values())
     resumed = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=8", *RUN),
                   resume=first.out_dir)

@@ -156,7 +156,7 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
     else:
         check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
         if check is not None:
-            check(resumed.data_position)
+            check({k[5:]: v for k, v in resumed.extra.items() if k.startswith("data_")})
         held_start = float(resumed.extra["heldout_accuracy_start"])
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
     start.phase = "starting the rollout side"
@@ -340,10 +340,12 @@ class AsyncLoop:
         Taken after the step's record is in ``metrics.jsonl``: a run killed at any moment and resumed from
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
+        extra: dict[str, Any] = {"heldout_accuracy_start": self.held_start}
         position = getattr(self.task, "position", None)  # a task reading files: where it is in them
-        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
-                        {"heldout_accuracy_start": self.held_start}, self.cfg.run.keep_checkpoints,
-                        data_position=position(captured.next_uid) if position is not None else None)
+        if position is not None:  # plain ints and strings: data_samples, data_epoch, data_offset, data_train_sha256
+            extra.update({f"data_{k}": v for k, v in position(captured.next_uid).items()})
+        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured, extra,
+                        self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():
