@@ -264,10 +264,9 @@ def small_train(assets, tmp_path) -> Path:
 
 
 def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeypatch):
-    import torch
-
     from stateshift.rl import run
     from stateshift.rl.checkpointing import latest_checkpoint
+    from stateshift.rl.sidecar import read_sidecar
     from stateshift.rl.trainer import Trainer
 
     trained: list[tuple[int, tuple[int, ...]]] = []  # (row, prompt) of every group trained, in order
@@ -278,10 +277,10 @@ def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeyp
     run(file_cfg(assets, tmp_path / "a", f"task.train_path={train}", "trainer.steps=8", *RUN))
     whole, trained[:] = list(trained), []
     first = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=4", *RUN))
-    sidecar = torch.load(latest_checkpoint(first.out_dir / "checkpoints") / "rl_state.pt", weights_only=False)
-    pos = {k: v for k, v in sidecar["extra"].items() if k.startswith("data_")}
+    side = read_sidecar(latest_checkpoint(first.out_dir / "checkpoints"))
+    pos = {k: v for k, v in side.extra.items() if k.startswith("data_")}
     assert set(pos) == {"data_samples", "data_epoch", "data_offset", "data_train_sha256"}
-    assert pos["data_samples"] == sidecar["capture"].next_uid and 0 < pos["data_offset"] < 12 and pos["data_epoch"] >= 1
+    assert pos["data_samples"] == side.capture.next_uid and 0 < pos["data_offset"] < 12 and pos["data_epoch"] >= 1
     assert all(isinstance(v, (int, str)) for v in pos.values())
     resumed = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=8", *RUN),
                   resume=first.out_dir)
