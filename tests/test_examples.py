@@ -34,6 +34,7 @@ def test_every_example_exposes_run():
         assert "\ndef run(" in path.read_text(), path.name
 
 
+@pytest.mark.slow
 def test_train_on_files_runs_end_to_end(tmp_path):
     got = run_example("train_on_files", f"run({str(tmp_path / 'out')!r}, steps=4)", tmp_path)
     assert got["status"] == "finished" and got["steps"] == 4

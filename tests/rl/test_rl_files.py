@@ -135,6 +135,27 @@ def test_bad_training_file_names_file_line_and_field(assets, tmp_path, lines, ma
     assert str(bad) in str(err.value)
 
 
+def test_binary_or_bom_jsonl(assets, tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "what is 1 + 2 ?", "answer": "3"}).encode() + b"\n")
+    assert build_task(file_cfg(assets, tmp_path, f"task.train_path={bom}")).n_train == 1
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"prompt": "what is 1 + 2 ?"}\n\x89PNG\xff\xfe\n')
+    with pytest.raises(DataFileError, match="not UTF-8") as err:
+        build_task(file_cfg(assets, tmp_path, f"task.train_path={binary}"))
+    assert err.value.line == 2
+
+
+def test_the_task_survives_pickling_as_a_ray_actor_receives_it(assets, tmp_path):
+    import pickle
+
+    task = build_task(file_cfg(assets, tmp_path))
+    copy = pickle.loads(pickle.dumps(task))
+    answer = task.tokenizer.encode(str(task.rows[3].answer), add_special_tokens=False)
+    assert copy.score(3, [*answer, copy.stop_token]) == task.score(3, [*answer, task.stop_token]) == (1.0, True)
+    assert [copy.sample_at(p) for p in range(50)] == [task.sample_at(p) for p in range(50)]
+
+
 def test_missing_file_and_unknown_extension_are_named(assets, tmp_path):
     with pytest.raises(DataFileError, match="no such file"):
         build_task(file_cfg(assets, tmp_path, f"task.heldout_path={tmp_path / 'nope.jsonl'}"))

@@ -60,11 +60,12 @@ class FileSpec:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One usable record: where it is (``'<file>:<line>'``), its prompt tokens, its fields for the reward."""
+    """One usable record: where it is (``'<file>:<line>'``), its prompt tokens, its fields for the reward (a plain
+    dict, so the task pickles -- a Ray queue actor receives it; the reward sees a read-only view)."""
 
     source: str
     prompt: tuple[int, ...]
-    fields: Mapping[str, Any]
+    fields: dict[str, Any]
 
     @property
     def answer(self) -> Any:
@@ -94,8 +95,12 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _jsonl(p: Path) -> Any:
-    with p.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with p.open("rb") as fh:  # bytes: a line that is not UTF-8 is named by its number, like any other bad line
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataFileError(p, f"not UTF-8 text ({exc.reason} at byte {exc.start})", line=number) from None
             if not line.strip():
                 continue
             try:
@@ -189,7 +194,7 @@ def load_rows(path: str | Path, render: PromptRenderer, answer_key: str) -> tupl
             continue
         fields = dict(rec)
         fields["ground_truth"] = lookup(rec, answer_key)[1]
-        rows.append(Row(source=f"{p}:{line}", prompt=tuple(ids), fields=types.MappingProxyType(fields)))
+        rows.append(Row(source=f"{p}:{line}", prompt=tuple(ids), fields=fields))
     if skipped:
         warnings.warn(f"{p}: skipped {len(skipped)} prompt(s) longer than task.max_prompt_len={limit} tokens "
                       f"(first: {skipped[0]}); they are not truncated", stacklevel=2)
@@ -237,7 +242,7 @@ class FileTask:
         """(reward, correct) of ``response`` (token ids, the stop token included if produced), decoded."""
         row = self.rows[item]
         text = self.tokenizer.decode([t for t in response if t != self.stop_token], skip_special_tokens=True)
-        return self.reward(text, row.fields, row.source)
+        return self.reward(text, types.MappingProxyType(row.fields), row.source)  # read-only for the user's function
 
     def heldout(self) -> list[int]:
         return list(range(self.n_train, self.n_train + self.n_heldout))
