@@ -291,3 +291,57 @@ class MailboxError(SyncError, ValueError):
         self.path = path
         self.field = field
         super().__init__(f"sync mailbox {path!r}: {field}: {reason}")
+
+
+# --------------------------------------------------------------------------- stateshift train on one's own files
+
+
+class DataFileError(StateShiftError, ValueError):
+    """A prompt file of ``task.name=file`` that cannot be read as the config says.
+
+    ``path`` names the file, ``line`` the 1-based line (JSONL) or row (Parquet) at fault (``None``: the whole
+    file), ``key`` the config key or record field involved (``None`` if none), ``reason`` what is wrong.
+    Raised while the task is built, before any model is built or anything trained.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], reason: str, *, line: int | None = None,
+                 key: str | None = None) -> None:
+        self.path = os.fspath(path)
+        self.line = line
+        self.key = key
+        self.reason = reason
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {reason}" + (f" (field {key!r})" if key else ""))
+
+
+class RewardError(StateShiftError, RuntimeError):
+    """A reward function could not be loaded, raised, or returned something that is not a finite score.
+
+    ``fn`` is the ``reward.fn`` value, ``sample`` the sample's id in its file (``'<file>:<line>'``; ``None``
+    when loading), ``reason`` what went wrong. Raised on the rollout side; it stops the run (unless
+    ``reward.on_error=zero``, which counts a zero reward instead).
+    """
+
+    def __init__(self, fn: str, reason: str, *, sample: str | None = None) -> None:
+        self.fn = fn
+        self.sample = sample
+        self.reason = reason
+        at = f" on sample {sample}" if sample else ""
+        super().__init__(f"reward.fn={fn!r}{at}: {reason}")
+
+
+class ModelDirError(StateShiftError, FileNotFoundError):
+    """A local model directory (``model.hf_path``) lacks a file the run needs, or its tokenizer lacks a token.
+
+    ``path`` is the directory, ``file`` the missing file (or the tokenizer's file, for a missing special
+    token), ``reason`` what is missing. Nothing is downloaded: every file must be in the directory.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], file: str, reason: str) -> None:
+        self.path = os.fspath(path)
+        self.file = file
+        self.reason = reason
+        super().__init__(f"model directory {self.path!r}: {file}: {reason}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -3,9 +3,11 @@ Megatron-core, FSDP2), the rollouter's copy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from .config import ConfigError, TrainConfig
+from .hf_dir import load_tokenizer, weight_files
 from .policies import Policy, build_policy
 from .sampler import CausalLM
 from .tasks.addition import AdditionTask
@@ -26,31 +28,51 @@ def _longtail(cfg: TrainConfig) -> Task:
                         partial_credit=t.partial_credit, stop_credit=t.stop_credit, heldout_size=t.heldout_size)
 
 
-#: ``task.name`` -> how the task is built from the config
-TASKS = {"addition": _addition, "longtail": _longtail}
+def _file(cfg: TrainConfig) -> Task:
+    """``task.name=file``: the tokenizer of ``task.tokenizer_path`` (or ``model.hf_path``), the files, ``reward.fn``."""
+    from .reward import Reward
+    from .tasks.files import FileSpec, FileTask
+
+    t, r = cfg.task, cfg.reward
+    tokenizer = load_tokenizer(t.tokenizer_path or cfg.model.hf_path)
+    spec = FileSpec(prompt_key=t.prompt_key, messages_key=t.messages_key, answer_key=t.answer_key,
+                    max_prompt_len=t.max_prompt_len, chat_template=t.chat_template)
+    reward = Reward(r.fn, on_error=r.on_error, correct_at=r.correct_at)
+    return FileTask(t.train_path, t.heldout_path, tokenizer, reward, spec=spec, seed=cfg.run.seed, shuffle=t.shuffle,
+                    heldout_size=t.heldout_size)
+
+
+#: ``task.name`` -> how the task is built from the config (every name of ``TaskConfig.name``'s ``Literal``)
+TASKS: dict[str, Callable[[TrainConfig], Task]] = {"addition": _addition, "longtail": _longtail, "file": _file}
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    """The task ``cfg.task.name`` names (``TASKS``)."""
+    """The task ``cfg.task.name`` names (``TASKS``); for ``file``, errors name the file, line or key at fault."""
     return TASKS[cfg.task.name](cfg)
 
 
-def load_hf(path: str, vocab_size: int, *, seed: int):  # noqa: ANN201 - a transformers PreTrainedModel
+def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # noqa: ANN201 - a PreTrainedModel
     """``AutoModelForCausalLM`` from a local directory: its weights if it has any, else initialised from config.json.
 
-    Nothing is downloaded (``local_files_only``). The model's vocabulary must
-    hold the task's tokens.
+    Nothing is downloaded (``local_files_only``). Weights: ``model.safetensors``, or the shards of
+    ``model.safetensors.index.json`` (each checked to exist first), or ``pytorch_model.bin``. The model's
+    vocabulary must hold the task's tokens and, if its config says, ``positions`` positions (prompt + response).
+
+    Raises:
+        ModelDirError: ``config.json`` or a listed shard is missing (named).
+        ConfigError: ``model.hf_path``: the vocabulary or the positions are too small.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = Path(path)
-    if not (root / "config.json").is_file():
-        raise ConfigError("model.hf_path", f"{path!r} has no config.json")
+    has_weights = bool(weight_files(root))
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         raise ConfigError("model.hf_path", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens")
-    has_weights = any(root.glob("*.safetensors")) or any(root.glob("*.bin"))
+    if getattr(config, "max_position_embeddings", positions) < positions:
+        raise ConfigError("model.hf_path", f"max_position_embeddings {config.max_position_embeddings} < "
+                                           f"{positions} (task.max_prompt_len + rollout.max_new_tokens)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if has_weights:

@@ -68,20 +68,23 @@ def _check(key: str, ok: bool, reason: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
-    """The task: a built-in one (``rl/tasks/addition.py``, ``rl/tasks/longtail.py``)."""
+    """The task: a built-in one (``rl/tasks/addition.py``, ``rl/tasks/longtail.py``) or the user's own files
+    (``rl/tasks/files.py``)."""
 
-    name: Literal["addition", "longtail"] = "addition"
+    name: Literal["addition", "longtail", "file"] = "addition"
     """'addition': procedural 3-digit addition, answer least-significant digit first (responses of 5 tokens);
     'longtail': running sums of k two-digit numbers, k log-uniform in [min_terms, max_terms], each term copied and
     each partial sum written out (responses of 7k tokens: 14 to 448 at the defaults; needs rollout.max_new_tokens
-    >= 7 * max_terms)"""
+    >= 7 * max_terms); 'file': prompts from task.train_path / task.heldout_path, tokenized by the
+    tokenizer of model.hf_path (or task.tokenizer_path), scored by reward.fn"""
     digit_credit: float = 0.05
     """addition: reward per correct answer digit in place, on top of 1 for an exact answer"""
     stop_credit: float = 0.1
     """reward for a response that ends with the stop token (within rollout.max_new_tokens), on top of the rest:
     keeps the stop-token rate from collapsing"""
     heldout_size: int = 500
-    """held-out problems evaluated (greedy) for the held-out accuracy; never trained on"""
+    """held-out prompts evaluated (greedy) for the held-out accuracy; never trained on (file: the first this many
+    of task.heldout_path)"""
     min_terms: int = 2
     """longtail: fewest terms k of a problem"""
     max_terms: int = 64
@@ -91,6 +94,28 @@ class TaskConfig:
     partial_credit: float = 0.2
     """longtail: reward for correct partial sums in place, this times their fraction, on top of 1 for the exact
     final sum followed by the stop token"""
+    train_path: str = ""
+    """file: the training prompts, a .jsonl (one JSON object per line) or .parquet file"""
+    heldout_path: str = ""
+    """file: the held-out prompts (same format and fields), evaluated, never trained on"""
+    prompt_key: str = "prompt"
+    """file: the record field holding the prompt: text, or a list of chat messages ({role, content}); dotted
+    names reach into nested objects (a.b)"""
+    messages_key: str = ""
+    """file: a record field of chat messages to use instead of prompt_key ('': none)"""
+    answer_key: str = "answer"
+    """file: the record field holding the answer / ground truth, handed to the reward as sample['ground_truth']
+    and the target of the supervised warm-up (dotted names reach into nested objects, e.g. reward_model.ground_truth)"""
+    max_prompt_len: int = 128
+    """file: longest prompt in tokens (after the chat template); longer ones are skipped with a warning and
+    counted, never truncated"""
+    chat_template: bool = True
+    """file: render prompts with the tokenizer's chat template when it has one (a text prompt becomes one user
+    message); false: encode the text as it is"""
+    shuffle: bool = True
+    """file: visit the training rows in a new order each epoch, fixed by run.seed (false: the file's order)"""
+    tokenizer_path: str = ""
+    """file: local directory of the Hugging Face tokenizer ('': model.hf_path); nothing is downloaded"""
 
     def __post_init__(self) -> None:
         for name in ("digit_credit", "stop_credit", "partial_credit"):
@@ -101,6 +126,26 @@ class TaskConfig:
         _check("task.max_terms", self.max_terms <= 101, "must be <= 101 (partial sums of 4 digits)")
         _check("task.warmup_max_terms", self.min_terms <= self.warmup_max_terms <= self.max_terms,
                "must be in [task.min_terms, task.max_terms]")
+        _check("task.max_prompt_len", self.max_prompt_len > 0, "must be > 0")
+        if self.name == "file":
+            for key in ("train_path", "heldout_path", "prompt_key"):
+                _check(f"task.{key}", bool(getattr(self, key)), "is required when task.name=file")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """The reward of task.name=file (``rl/reward.py``); the addition task has its own."""
+
+    fn: str = "exact_match"
+    """'exact_match' (response == ground truth, stripped), 'numeric' (the last \\boxed{} or last number equals
+    the ground truth as a number), or 'package.module:function', called as fn(response: str, sample: mapping of the
+    record's fields plus ground_truth) -> float or {'score': float, 'acc': bool (optional)}; imported once"""
+    on_error: Literal["raise", "zero"] = "raise"
+    """a reward that raises or returns a non-finite score: 'raise' stops the run with RewardError naming the
+    sample; 'zero' scores it 0 and counts it (reward_zeroed_total in the metrics)"""
+    correct_at: float = 1.0
+    """a response counts as correct (accuracy, held-out accuracy) when its score is at least this, unless the
+    function returns an 'acc'"""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,7 +165,9 @@ class ModelConfig:
     heads: int = 4
     """builtin, megatron, fsdp2: attention heads (must divide width)"""
     hf_path: str = ""
-    """hf: a local directory with config.json (and weights, if any: without them the model is initialised from the config)"""
+    """hf: a local directory with config.json and weights (model.safetensors, sharded ones with their index, or
+    none: initialised from the config); fsdp2: if set, the initial weights and architecture instead of the built
+    Qwen2; task.name=file: its tokenizer too. Never downloaded: a missing file is an error naming it"""
 
     def __post_init__(self) -> None:
         for name in ("width", "layers", "heads"):
@@ -393,6 +440,8 @@ class TrainConfig:
     rollouter and the queue as Ray actors in a placement group (the ray section; pip install 'stateshift[ray]')"""
     task: TaskConfig = field(default_factory=TaskConfig)
     """the task"""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """the reward of task.name=file"""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the policy model"""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -412,8 +461,6 @@ class TrainConfig:
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
         _check("run.checkpoint_every", every % trigger == 0,
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
-        _check("rollout.max_new_tokens", self.task.name != "addition" or self.rollout.max_new_tokens <= 8,
-               "must be <= 8 for the addition task (its answers are 5 tokens)")
         _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
                f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
         _check("task.name", self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
@@ -427,6 +474,14 @@ class TrainConfig:
         a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
         _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
                f"must hold a version's groups in sync mode ({per_version}) or be null")
+        _check("rollout.max_new_tokens", self.model.family != "builtin" or self.task.name != "addition"
+               or self.rollout.max_new_tokens <= 8,
+               "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+        if self.task.name == "file":
+            _check("task.tokenizer_path", bool(self.task.tokenizer_path or self.model.hf_path),
+                   "task.name=file needs a tokenizer: set model.hf_path or task.tokenizer_path")
+            _check("model.family", self.model.family != "megatron",
+                   "task.name=file runs the builtin, hf and fsdp2 families (no Hugging Face to Megatron conversion)")
         _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
                "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
         _check("executor", self.executor != "ray" or (self.run.device == "cpu" and self.model.family in ("builtin", "hf")),

@@ -161,6 +161,9 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
         print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
               file=stream, flush=True)
     else:
+        check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
+        if check is not None:
+            check({k[5:]: v for k, v in resumed.extra.items() if k.startswith("data_")})
         held_start = float(resumed.extra["heldout_accuracy_start"])
         trainer.entropy_coef = float(resumed.extra.get("entropy_coef", 0.0))  # the adaptive bonus goes on where it was
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
@@ -363,8 +366,12 @@ class AsyncLoop:
         Taken after the step's record is in ``metrics.jsonl``: a run killed at any moment and resumed from
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
-        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured,
-                        {"heldout_accuracy_start": self.held_start, "entropy_coef": self.trainer.entropy_coef},
+        extra: dict[str, Any] = {"heldout_accuracy_start": self.held_start,
+                                 "entropy_coef": self.trainer.entropy_coef}
+        position = getattr(self.task, "position", None)  # a task reading files: where it is in them
+        if position is not None:  # plain ints and strings: data_samples, data_epoch, data_offset, data_train_sha256
+            extra.update({f"data_{k}": v for k, v in position(captured.next_uid).items()})
+        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured, extra,
                         self.cfg.run.keep_checkpoints)
 
     def evaluate(self) -> float:

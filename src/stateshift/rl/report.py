@@ -89,6 +89,7 @@ def system_metrics(loop: AsyncLoop, side: RolloutStats) -> dict[str, Any]:
         "time_generate_s_total": side.busy_s, "time_old_logprob_s_total": t.get("old_logprob", 0.0),
         "time_update_s_total": t.get("update", 0.0), "time_sync_s_total": t.get("sync", 0.0),
         "time_offload_s_total": t.get("offload", 0.0), "time_wait_s_total": t.get("wait", 0.0),
+        "time_reward_s_total": side.reward_s, "reward_zeroed_total": side.reward_zeroed,
         "offload_bytes_total": meter.total_bytes(), "offload_verb_s_total": meter.total_seconds(),
         "pi_old_bytes_total": cycle.pcie_bytes + cycle.device_bytes + cycle.host_bytes,
         "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(side.busy_s / wall, 1.0),

@@ -69,10 +69,13 @@ class WorkerReport:
     copy_bytes: int = 0
     tokens: int = 0
     version: int = 0
+    #: seconds spent scoring finished groups (the reward, on the rollout side), and rewards zeroed after an error
+    reward_s: float = 0.0
+    reward_zeroed: int = 0
 
 
 #: the ``WorkerReport`` fields that add up over rollouters
-SUMMED = ("busy_s", "copy_s", "copy_bytes", "tokens")
+SUMMED = ("busy_s", "copy_s", "copy_bytes", "tokens", "reward_s", "reward_zeroed")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any
 from ..config import AsyncConfig
 from ..queue import Ledger, SampleQueue
 from ..rollout import Group
-from ..tasks.base import Task
+from ..tasks.base import Task, training_item
 from .base import SUMMED, RolloutCapture, RolloutStats, WorkerReport
 
 
@@ -84,7 +84,7 @@ class QueueHub:
         if count == 0:
             return []
         self.queue.admit(count)
-        out = [(self.next_uid + i, self.task.sample(self.prompt_rng)) for i in range(count)]
+        out = [(uid, training_item(self.task, self.prompt_rng, uid)) for uid in range(self.next_uid, self.next_uid + count)]
         self.next_uid += count
         for uid, item in out:
             self.inflight[uid] = (item, owner)

@@ -101,7 +101,11 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 finished = self.rollouter.generate(self.wave)
                 if finished:
+                    t_score = time.perf_counter()
                     groups = self.wave.groups(self.task.score)
+                    self.report.reward_s += time.perf_counter() - t_score
+                    reward = getattr(self.task, "reward", None)  # a task scoring with a user's reward counts errors
+                    self.report.reward_zeroed = getattr(reward, "zeroed", 0)
                     self.report.tokens += int(sum(int(g.mask.sum()) for g in groups))
                     self.report.busy_s += time.perf_counter() - t0
                     self.port.put(self.owner, groups, self.report)

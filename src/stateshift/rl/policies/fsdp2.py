@@ -1,4 +1,5 @@
-"""``model.family=fsdp2``: a Hugging Face ``Qwen2ForCausalLM`` built from a config, sharded with FSDP2.
+"""``model.family=fsdp2``: a Hugging Face ``Qwen2ForCausalLM`` built from a config (or the causal LM of
+``model.hf_path``, its weights as the initial ones), sharded with FSDP2.
 
 World size 1 (``gloo`` on the CPU, ``nccl`` on a GPU; a process group that
 already exists is used as it is). ``fully_shard`` on every decoder layer,
@@ -30,7 +31,6 @@ from torch import nn
 
 from ..config import ConfigError, TrainConfig
 from ..sampler import CausalLM, HFCausalLM
-from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from .plain import TorchPolicy, rollout_lm_of
 
@@ -57,16 +57,25 @@ def qwen2_config(cfg: TrainConfig, task: Task):  # noqa: ANN201 - a transformers
     m = cfg.model
     return Qwen2Config(vocab_size=task.vocab_size, hidden_size=m.width, intermediate_size=4 * m.width,
                        num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.heads,
-                       max_position_embeddings=PROMPT_LEN + cfg.rollout.max_new_tokens, tie_word_embeddings=False,
+                       max_position_embeddings=task.max_prompt_len + cfg.rollout.max_new_tokens, tie_word_embeddings=False,
                        attention_dropout=0.0, pad_token_id=task.pad_token)
 
 
 def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], nn.Module]:
-    """How an unsharded, seeded ``Qwen2ForCausalLM`` of ``cfg.model``'s shape is built on ``device``."""
+    """How an unsharded, seeded model is built on ``device``: ``model.hf_path``'s (architecture and weights, via
+    ``load_hf``) when set, else a ``Qwen2ForCausalLM`` of ``cfg.model``'s shape."""
     try:
         from transformers import Qwen2ForCausalLM
     except ImportError as exc:
         raise ConfigError("model.family", f"fsdp2 needs transformers ({exc})") from None
+    if cfg.model.hf_path:
+        from ..build import load_hf
+
+        def from_dir() -> nn.Module:
+            return load_hf(cfg.model.hf_path, task.vocab_size, seed=cfg.run.seed,
+                           positions=task.max_prompt_len + cfg.rollout.max_new_tokens).to(device)
+
+        return from_dir
     config = qwen2_config(cfg, task)
 
     def fresh() -> nn.Module:
@@ -78,13 +87,20 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], n
     return fresh
 
 
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers to shard one by one (``model.model.layers`` of Llama/Qwen-like models; none found: [])."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None) or getattr(getattr(model, "transformer", None), "h", None)
+    return list(layers) if layers is not None else []
+
+
 def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
     from torch.distributed.fsdp import fully_shard
 
     fresh = _fresh(cfg, task, device)
     init_world_of_one(device)
     model = fresh()
-    for layer in model.model.layers:
+    for layer in _layers(model):
         fully_shard(layer)
     fully_shard(model)
     return TorchPolicy(family="fsdp2", device=device, module=model, make_lm=HFCausalLM, fresh=fresh,

@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, TrainConfig
-from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from ..warmup import Stepper
 from . import load_rollout_weights
@@ -209,7 +208,7 @@ def _gpt(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Any, Any]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
             gpt = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=task.vocab_size,
-                           max_sequence_length=PROMPT_LEN + cfg.rollout.max_new_tokens)
+                           max_sequence_length=task.max_prompt_len + cfg.rollout.max_new_tokens)
         return gpt.to(device)
 
     return config, make_gpt

@@ -17,7 +17,6 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..sampler import BuiltinLM, CausalLM, HFCausalLM
-from ..tasks.addition import PROMPT_LEN
 from ..tasks.base import Task
 from ..tasks.gpt import GPTConfig, build_gpt
 from ..warmup import Stepper, adam_stepper
@@ -95,7 +94,7 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable
     m = cfg.model
     if m.family == "builtin":
         gpt = GPTConfig(vocab=task.vocab_size, width=m.width, layers=m.layers, heads=m.heads,
-                        max_len=getattr(task, "max_prompt_len", PROMPT_LEN) + cfg.rollout.max_new_tokens)
+                        max_len=task.max_prompt_len + cfg.rollout.max_new_tokens)
 
         def fresh() -> nn.Module:
             return build_gpt(gpt, seed=cfg.run.seed).to(device)
@@ -103,7 +102,8 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable
         return fresh, BuiltinLM  # type: ignore[return-value]
 
     def fresh_hf() -> nn.Module:
-        return load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed).to(device)
+        return load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed,
+                       positions=task.max_prompt_len + cfg.rollout.max_new_tokens).to(device)
 
     return fresh_hf, HFCausalLM  # type: ignore[return-value]
 

@@ -15,6 +15,8 @@ class Task(Protocol):
     vocab_size: int
     stop_token: int
     pad_token: int
+    #: longest prompt in tokens: a policy sizes its positions as this plus ``rollout.max_new_tokens``
+    max_prompt_len: int
 
     def sample(self, rng: random.Random) -> Any:
         """A training item (never a held-out one)."""
@@ -29,3 +31,11 @@ class Task(Protocol):
 
     def heldout(self) -> list[Any]:
         ...
+
+
+def training_item(task: Task, rng: random.Random, position: int) -> Any:
+    """Training item number ``position`` of a run: ``task.sample_at(position)`` for a task that reads its prompts
+    in a fixed order (``task.name=file``: the position is then all a checkpoint needs to continue at the same
+    sample), else ``task.sample(rng)``."""
+    at = getattr(task, "sample_at", None)
+    return at(position) if at is not None else task.sample(rng)
