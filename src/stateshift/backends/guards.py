@@ -17,6 +17,12 @@ they run (a replaced parameter is seen), and ``cover()`` is called again by
 the backend's ``prepare()`` before every verb, which hooks modules and
 parameters created since (a LoRA adapter, a resized embedding). A tensor can
 only be released by a verb, and that verb's ``prepare()`` has hooked it.
+
+No weak reference to a parameter is kept (``torch.utils.swap_tensors``, which
+``model.to(...)`` uses for DTensor params, refuses a tensor that has one). A
+swap takes a parameter's gradient hook with its old ``TensorImpl``; the next
+``cover()`` hooks it again (``_Hooked``), but the module tree does not change
+in a swap, so until then a backward into that parameter is not checked.
 """
 
 from __future__ import annotations
