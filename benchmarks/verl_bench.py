@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cases", default="dense,moe,fsdp2")
+    ap.add_argument("--cases", default="fsdp2,dense,moe")
     ap.add_argument("--impls", default="stateshift,stateshift-device,default-install,verl",
                     help="stateshift (every function; pi_old on pinned host), stateshift-device, default-install "
                          "(install()'s default: stateshift's SAFE functions, verl's others), verl")
@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                               "torch": torch.__version__, "stateshift": git_sha(), "host": {"name": socket.gethostname(), **host_facts()},
                               "args": vars(args), "rows": [], "failed_cases": {}}
     t0 = time.perf_counter()
+    card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
+    stem = f"{datetime.date.today()}-{card}-{args.name}"
     for case in args.cases.split(","):
         print(f"[verl_bench {time.perf_counter() - t0:6.1f} s] case {case}: a child process", flush=True)
         part = out / f".verl-part-{case}.json"
@@ -378,14 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, capture_output=False)
         if proc.returncode != 0 or not part.exists():
             result["failed_cases"][case] = f"child exited {proc.returncode}"
-            continue
-        data = json.loads(part.read_text())
-        part.unlink()
-        result["rows"] += data.pop("rows")
-        result.update(data)
-    card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
-    stem = f"{datetime.date.today()}-{card}-{args.name}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        else:
+            data = json.loads(part.read_text())
+            part.unlink()
+            result["rows"] += data.pop("rows")
+            result.update(data)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every case: a timeout keeps the rest
     try:
         _plot(result, out / f"{stem}.png")
     except Exception as exc:  # a plot failure must not lose the numbers
