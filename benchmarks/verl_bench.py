@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -115,6 +116,48 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _release_megatron(ddp: Any, opt: Any) -> None:
+    """Free one run's Megatron model and optimizer by hand: megatron-core's DDP is never collected (its
+    grad-accumulation hooks hold its params through C++), so each run would keep its model, optimizer
+    state and stateshift's states -- the MoE case ran out of memory on an 80 GB card. Closes the run's
+    stateshift states (their snapshots and homes), then releases every storage left."""
+    from stateshift.integrations.verl import registry
+
+    registry.drain()
+    entry = registry._MODELS.get(ddp)
+    states = [entry.state() if entry is not None else None, *(r() for o in _leaves(opt) if (r := registry._OPTIMIZERS.get(o)))]
+    for st in states:
+        if st is not None and not st.closed:
+            try:
+                st.close()
+            except Exception as exc:  # a run that crashed (verl's functions) may leave what no close can mend
+                print(f"  (closing a state of a failed run: {type(exc).__name__})", flush=True)
+    tensors = [*torch.nn.Module.parameters(ddp), *torch.nn.Module.buffers(ddp)]
+    for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers):
+        tensors += [t for t in (getattr(b, "param_data", None), getattr(b, "grad_data", None)) if t is not None]
+    for leaf in _leaves(opt):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is not None:
+            tensors += [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+            tensors += [q for g in inner.param_groups for q in g["params"]]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+
+
+def _leaves(opt: Any) -> list[Any]:
+    """The leaf optimizers of a (chained) Megatron optimizer, and the optimizer itself."""
+    return [opt, *getattr(opt, "chained_optimizers", [])]
+
+
+def _progress(t0: float, what: str) -> None:
+    peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+    print(f"[verl_bench {time.perf_counter() - t0:6.1f} s] {what}{peak}", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[str, Any]]:
     import megatron_bench as mb
 
@@ -130,11 +173,14 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
                            train=lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device)), n=args.n,
                            cycles=args.cycles, mix=mix, native_offload=megatron_native_offload, sync=_sync)
         final = weights([ddp]) if res.error is None else None
+        _release_megatron(ddp, opt)
         del ddp, opt
         _free()
         return res, final, nbytes
 
+    t0 = time.perf_counter()
     ref, ref_final, nbytes = run(reference_fns(), "device")
+    _progress(t0, f"megatron-{name} reference ({nbytes / 2**20:.0f} MiB of params)")
     rows = []
     for impl, mod in impls.items():
         for mix in args.mixes:
@@ -142,6 +188,7 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
             res, final, _ = run(megatron_fns(mod), mix)
             rows.append(_row(f"megatron-{name}", impl, mix, res, ref, final, ref_final, nbytes))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
+            _progress(t0, f"megatron-{name} {impl} {mix}: {'error' if res.error else 'ok'}")
     return rows
 
 
@@ -210,7 +257,9 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
         _free()
         return res, final, nbytes
 
+    t0 = time.perf_counter()
     ref, ref_final, nbytes = run(reference_fns(), "device")
+    _progress(t0, f"fsdp2 reference ({nbytes / 2**20:.0f} MiB of params)")
     rows = []
     for impl, mod in impls.items():
         for mix in [m for m in args.mixes if m in ("device", "offloaded")]:
@@ -218,6 +267,7 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
             res, final, _ = run(fsdp2_fns(mod, args.device), mix)
             rows.append(_row("fsdp2", impl, mix, res, ref, final, ref_final, nbytes))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
+            _progress(t0, f"fsdp2 {impl} {mix}: {'error' if res.error else 'ok'}")
     return rows
 
 
@@ -292,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cases", default="dense,moe,fsdp2")
+    ap.add_argument("--cases", default="fsdp2,dense,moe")
     ap.add_argument("--impls", default="stateshift,stateshift-device,default-install,verl",
                     help="stateshift (every function; pi_old on pinned host), stateshift-device, default-install "
                          "(install()'s default: stateshift's SAFE functions, verl's others), verl")
     ap.add_argument("--mixes", default="device,offloaded,native,mixed")
     ap.add_argument("--verl-whl", default=str(ROOT / ".whl-verl/verl-0.9.1-py3-none-any.whl"))
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -320,20 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                               "torch": torch.__version__, "stateshift": git_sha(), "host": {"name": socket.gethostname(), **host_facts()},
                               "args": vars(args), "rows": [], "failed_cases": {}}
+    t0 = time.perf_counter()
+    card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
+    stem = f"{datetime.date.today()}-{card}-{args.name}"
     for case in args.cases.split(","):
+        print(f"[verl_bench {time.perf_counter() - t0:6.1f} s] case {case}: a child process", flush=True)
         part = out / f".verl-part-{case}.json"
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--case", case, "--part", str(part)]
         proc = subprocess.run(cmd, capture_output=False)
         if proc.returncode != 0 or not part.exists():
             result["failed_cases"][case] = f"child exited {proc.returncode}"
-            continue
-        data = json.loads(part.read_text())
-        part.unlink()
-        result["rows"] += data.pop("rows")
-        result.update(data)
-    card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
-    stem = f"{datetime.date.today()}-{card}-{args.name}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        else:
+            data = json.loads(part.read_text())
+            part.unlink()
+            result["rows"] += data.pop("rows")
+            result.update(data)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every case: a timeout keeps the rest
     try:
         _plot(result, out / f"{stem}.png")
     except Exception as exc:  # a plot failure must not lose the numbers

@@ -450,3 +450,25 @@ def test_module_moved_into_an_empty_child_slot_is_listed_under_its_new_name():
     state.onload()
     m.b, m.a = m.a, None
     assert set(state.snapshot().tensors()) == set(m.state_dict()) == {"b.weight", "b.bias"}
+
+
+def test_swap_tensors_conversion_works_while_a_state_and_a_snapshot_exist():
+    """``model.to(...)`` with torch's swap-on-conversion (what FSDP2's DTensor params always get) swaps a new
+    tensor into each ``Parameter`` object and refuses any param with a weak reference: the state's guards
+    hold none. The snapshot restores exactly into the swapped-in storages, and a backward still works."""
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    want = capture(state)
+    snap = state.snapshot(["params", "buffers", "grads", "optim"])
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        old = [p.untyped_storage()._cdata for p in model.parameters()]
+        model._apply(lambda t: t.clone().add_(1) if t.is_floating_point() else t.clone())  # a move: new storages
+        assert all(p.untyped_storage()._cdata != o for p, o in zip(model.parameters(), old))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    state.restore(snap)
+    assert_same(capture(state), want)
+    warm(model, opt)

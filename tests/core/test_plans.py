@@ -285,3 +285,36 @@ def test_larger_small_slots_are_scattered_through_views_and_no_run_mixes_devices
     sizes = [64] * 4
     p = plan([0, 64, 128, 192], sizes, [False] * 4, lambda i: torch.empty(64, dtype=torch.uint8), devices=["a", "a", "b", "b"])
     assert [r.items for r in p.runs] == [(0, 1), (2, 3)]
+
+
+def _released_slots_with_old_views(n_bytes: list[int]):
+    """Slots (storage + byte view cached the way ``Slot.bytes`` caches it) whose storage was then released
+    by someone else (as Megatron's ``offload_to_cpu`` does: ``storage().resize_(0)``)."""
+    storages = [torch.arange(n, dtype=torch.uint8).untyped_storage() for n in n_bytes]
+    views = [torch.empty(0, dtype=torch.uint8).set_(s, 0, (n,), (1,)) for s, n in zip(storages, n_bytes)]
+    for s in storages:
+        s.resize_(0)
+    return storages, views
+
+
+def test_an_onload_resolves_each_run_only_after_its_storage_came_back():
+    """Copies into storages released outside stateshift, through a plan first used there, with byte views
+    made while they were held (the onload after Megatron's own ``offload_to_cpu``): run k's views are made
+    after ``before(run k)`` re-grew its storage, never those of later runs (a chunk sliced out of a
+    released storage's view fails: ``setStorage ... out of bounds for storage of size 0``)."""
+    from stateshift.core.transfer import CopyEngine
+
+    sizes = [64, 48]  # both larger than `small`, so each slot moves in chunks
+    storages, views = _released_slots_with_old_views(sizes)
+    engine = CopyEngine(None, small_bytes=8, chunk_bytes=16)
+    p = engine.plan([0, 64], sizes, [True, True], views.__getitem__)
+    assert len(p.runs) == 4 + 3 and all(r.sizes is None for r in p.runs)
+    arena = torch.arange(112, dtype=torch.uint8) + 1
+
+    def before(run):
+        for i in run.items:
+            if storages[i].nbytes() != sizes[i]:
+                storages[i].resize_(sizes[i])
+
+    engine._host_runs(p, list(range(len(p.runs))), arena, False, before)  # the chunked runs, as the PCIe path moves them
+    assert torch.equal(views[0], arena[:64]) and torch.equal(views[1], arena[64:])

@@ -61,9 +61,10 @@ if [[ $WHAT == *bench* ]]; then
 fi
 if [[ $WHAT == *verl* ]]; then  # needs .whl-verl/verl-0.9.1-py3-none-any.whl carried (docs/verl.md)
   step verl gpu test
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verl_gpu.py 2>&1 | tail -40 || status=1
+  # whole logs go into results.tgz; run.log gets their tails
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verl_gpu.py 2>&1 | tee "$RES/verl-gpu-test.log" | tail -40 || status=1
   step verl bench
-  timeout 330 python3 benchmarks/verl_bench.py --out "$RES" ${VERL_ARGS:-} 2>&1 | tail -60 || status=1
+  timeout 300 python3 benchmarks/verl_bench.py --out "$RES" ${VERL_ARGS:-} 2>&1 | tee "$RES/verl-bench.log" | grep -v '^{' | tail -60 || status=1
 fi
 } 2>&1 | tee "$OUT/run.log"
 tar -czf "$OUT/results.tgz" -C "$RES" .

@@ -77,6 +77,19 @@ def test_megatron_sequence_stateshift_exact_verl_recorded(case):
     _check(verl_bench._megatron_case(case, _args(), _impls("megatron")))
 
 
+@pytest.mark.skipif(not _HAVE_MCORE, reason="needs megatron-core 0.16.1")
+def test_megatron_native_offload_of_flat_buffers_over_one_copy_chunk():
+    """Megatron's own ``offload_to_cpu`` between phases, with a flat ``param_data`` over 64 MiB (so it crosses
+    PCIe in chunks): every load after it must give the values back (it once raised ``setStorage ... out of
+    bounds for storage of size 0``)."""
+    import verl_bench
+
+    from stateshift.integrations import verl as ours
+
+    args = _args(layers=2, hidden=1024, heads=8, vocab=32000, seq=32, n=2, cycles=2, mixes=["native", "mixed"])
+    _check(verl_bench._megatron_case("dense", args, {"stateshift": ours, "stateshift-device": ours}))
+
+
 def test_fsdp2_sequence_stateshift_exact_verl_recorded():
     import verl_bench
 

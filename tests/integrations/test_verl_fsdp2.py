@@ -126,6 +126,56 @@ def sequence(rank, world, device="cpu", mixes=("device", "offloaded")):
     return out
 
 
+def _verl_like_fns(V, device, model):
+    """What ``install()`` gives by default on FSDP2: our pi_old pair beside verl's own offload functions, which
+    move the model with ``model.to(...)`` (FSDP2's ``_apply``: every param is a DTensor, so torch swaps the new
+    tensor into the same ``Parameter`` object: ``torch.utils.swap_tensors``, which refuses a tensor that has a
+    weak reference) and replace each optimizer state tensor with ``value.to(...)``. On the CPU a move to the
+    same device returns the tensor itself; a clone stands for the copy a real move makes (new storage)."""
+
+    def move(t):
+        return t.clone() if device == "cpu" else t.to(device if t.device.type == "cpu" else "cpu", non_blocking=True)
+
+    def move_model(m):
+        m._apply(move)
+
+    def move_opt(o):
+        for st in o.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    st[k] = move(v)
+
+    ours = fsdp2_fns(V, device)
+    return type(ours)(ours.copy, ours.restore, move_model, move_model, move_opt, move_opt)
+
+
+def default_install_sequence(rank, world, device="cpu"):
+    """verl's sequence with install()'s default functions (the pi_old pair ours, the offload verl's)."""
+    import stateshift.integrations.verl as V
+
+    F.setup_device(rank, device)
+    mesh = F.make_mesh(device, world)
+    ref_model, ref_opt = F.build(device, mesh)
+
+    def run(model, opt, fns, mix):
+        return run_sequence(fns, model, opt, forward=lambda s: F.logits(model, device, 100 + s),
+                            train=lambda s: F.train_step(model, opt, s, device), n=3, cycles=2, mix=mix)
+
+    ref = run(ref_model, ref_opt, reference_fns(), "device")
+    model, opt = F.build(device, mesh)
+    got = run(model, opt, _verl_like_fns(V, device, model), "offloaded")
+    report = compare(got, ref, weights(model) if got.error is None else None, weights(ref_model))
+    assert report["error"] is None, report["where"]
+    assert report["mismatches"] == 0 and report["computed"] == 6 and report["final_equal"], report
+    return True
+
+
+def test_default_install_beside_verls_model_to_offload_2_ranks():
+    """Our pi_old snapshot alive while verl's offload moves the model with ``model.to`` (swap_tensors on
+    every DTensor param): no ``Cannot swap t1 because it has weakref associated with it``, values exact."""
+    assert run_distributed(default_install_sequence, 2, timeout=120) == [True, True]
+
+
 def test_round_trips_in_every_residency_2_ranks():
     assert run_distributed(round_trips, 2, timeout=120) == [True, True]
 

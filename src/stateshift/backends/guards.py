@@ -17,6 +17,12 @@ they run (a replaced parameter is seen), and ``cover()`` is called again by
 the backend's ``prepare()`` before every verb, which hooks modules and
 parameters created since (a LoRA adapter, a resized embedding). A tensor can
 only be released by a verb, and that verb's ``prepare()`` has hooked it.
+
+No weak reference to a parameter is kept (``torch.utils.swap_tensors``, which
+``model.to(...)`` uses for DTensor params, refuses a tensor that has one). A
+swap takes a parameter's gradient hook with its old ``TensorImpl``; the next
+``cover()`` hooks it again (``_Hooked``), but the module tree does not change
+in a swap, so until then a backward into that parameter is not checked.
 """
 
 from __future__ import annotations
@@ -56,6 +62,23 @@ def _seen(index: dict[int, weakref.ref[Any]], obj: Any) -> bool:
 
 
 @dataclass(eq=False)
+class _Hooked:
+    """A parameter the guards hooked, held strongly, never through a weak reference: ``torch.utils.
+    swap_tensors`` (``model.to(...)`` on FSDP2's DTensor params, or with torch's swap-on-conversion
+    future) refuses any tensor that has one. ``impl``: its ``TensorImpl`` when hooked -- a swap keeps the
+    ``Parameter`` object and gives it another ``TensorImpl``, and the hook stays with the old one, so a
+    param whose ``impl`` changed is hooked again."""
+
+    param: nn.Parameter
+    impl: int
+
+
+def _hooked(index: dict[int, _Hooked], p: nn.Parameter) -> bool:
+    held = index.get(id(p))
+    return held is not None and held.param is p and held.impl == p._cdata
+
+
+@dataclass(eq=False)
 class ModuleGuards:
     """The hooks of one backend (see the module docstring); ``remove()`` takes them all off."""
 
@@ -64,7 +87,8 @@ class ModuleGuards:
     grad_of: GradOf = plain_grad
     handles: list[Any] = field(default_factory=list)
     _modules: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
-    _params: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
+    #: hooked params by id (strong references, like ``TreeWatch``'s: see ``_Hooked``)
+    _params: dict[int, _Hooked] = field(default_factory=dict, repr=False)
 
     def cover(self, modules: Iterable[tuple[str, nn.Module]], params: Iterable[tuple[str, nn.Parameter]]) -> None:
         """Hook every module that owns tensors, and every trainable parameter, not hooked yet."""
@@ -77,8 +101,9 @@ class ModuleGuards:
                     m.register_load_state_dict_pre_hook(self._module_hook(f"load_state_dict() into module {label!r}"))
                 )
         for name, p in params:
-            if p.requires_grad and not _seen(self._params, p):
-                self.handles.append(p.register_hook(self._grad_hook(p, name)))
+            if p.requires_grad and not _hooked(self._params, p):
+                held = self._params[id(p)] = _Hooked(p, p._cdata)
+                self.handles.append(p.register_hook(self._grad_hook(held, name)))
 
     def cover_tree(self, root: nn.Module, label: str) -> None:
         """A forward pre-hook on ``root`` (run first) that checks every tensor of its tree.
@@ -106,12 +131,15 @@ class ModuleGuards:
 
         return pre_hook
 
-    def _grad_hook(self, p: nn.Parameter, name: str) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, held: _Hooked, name: str) -> Callable[[torch.Tensor], None]:
+        """The hook lives in the param's ``TensorImpl``: it reaches the param through a weak reference to
+        ``held`` (which the guards own), never to the param (``_Hooked``) nor strongly (a cycle through C++)."""
         check, local, grad_of = self.check, self.local, self.grad_of
-        ref = weakref.ref(p)
+        ref = weakref.ref(held)
 
         def grad_hook(grad: torch.Tensor) -> None:
-            param = ref()
+            h = ref()
+            param = h.param if h is not None else None
             target, leaf = grad_of(param) if param is not None else (None, "grad")
             if isinstance(target, torch.Tensor):
                 check((local(target),), f"backward accumulating into {name}.{leaf}")

@@ -198,33 +198,44 @@ class Run:
 class Plan:
     """Runs over one arena layout and one set of slots.
 
-    ``devs[k]``: run k's slot side -- the chunk's byte view, or the staged
-    slots' byte views in run order -- resolved on first use (through
-    ``view_of``), which must come when those slots hold their storage: making
-    a byte view of a released storage would re-grow it. Byte views follow
-    their storage through release and re-growth, so a plan stays valid until
-    the layout changes.
+    ``dev(k)``: run k's slot side -- the chunk's byte view, or the staged
+    slots' byte views in run order -- resolved on first use of that run
+    (through ``view_of``), which must come when those slots hold their
+    storage: a slot's byte view made earlier follows its storage through
+    release (slicing a chunk out of it then fails: the storage is empty), and
+    one made of a released storage would re-grow it. So every copy resolves
+    run k only after ``before(run k)`` gave its storage back, and never the
+    runs after it (an onload of storages released elsewhere, e.g. by
+    Megatron's own ``offload_to_cpu``, meets a plan first used there).
+    Byte views follow their storage through release and re-growth, so a
+    resolved run stays valid until the layout changes.
     """
 
     runs: tuple[Run, ...]
     host: tuple[bool, ...]  #: per run: the slots' own storage is host memory (a CPU model)
     nbytes: int
     view_of: Callable[[int], torch.Tensor] = field(repr=False)
-    _devs: tuple[Sequence[torch.Tensor], ...] | None = field(default=None, repr=False)
+    _devs: list[Sequence[torch.Tensor] | None] | None = field(default=None, repr=False)
 
     _whole: Plan | None = field(default=None, repr=False)
 
-    @property
-    def devs(self) -> tuple[Sequence[torch.Tensor], ...]:
-        if self._devs is None:
-            self._devs = tuple(_run_views(r, self.view_of) for r in self.runs)
-        return self._devs
+    def dev(self, k: int) -> Sequence[torch.Tensor]:
+        """Run ``k``'s slot side, resolved now if not yet (its slots must hold their storage: class docstring)."""
+        devs = self._devs
+        if devs is None:
+            devs = self._devs = [None] * len(self.runs)
+        got = devs[k]
+        if got is None:
+            got = devs[k] = _run_views(self.runs[k], self.view_of)
+        return got
 
     def window(self, ks: Sequence[int], lo: int) -> Plan:
-        """Runs ``ks`` only, their arena offsets shifted by ``-lo`` (a window of the arena, e.g. a staging buffer)."""
+        """Runs ``ks`` only, their arena offsets shifted by ``-lo`` (a window of the arena, e.g. a staging buffer);
+        the runs already resolved are shared, the others resolve on first use."""
         runs = tuple(replace(self.runs[k], start=self.runs[k].start - lo, end=self.runs[k].end - lo) for k in ks)
-        devs = self.devs
-        return Plan(runs, tuple(self.host[k] for k in ks), sum(r.nbytes for r in runs), self.view_of, tuple(devs[k] for k in ks))
+        devs = self._devs
+        return Plan(runs, tuple(self.host[k] for k in ks), sum(r.nbytes for r in runs), self.view_of,
+                    None if devs is None else [devs[k] for k in ks])
 
     def whole(self) -> Plan:
         """The same copies with each large slot in one piece: chunks only pay off across PCIe (a pipeline);
@@ -421,7 +432,7 @@ class CopyEngine:
         for k in ks:
             if before is not None:
                 before(p.runs[k])
-            moved += self._local_run(p.runs[k], p.devs[k], arena, out)
+            moved += self._local_run(p.runs[k], p.dev(k), arena, out)
         return Transfer(nbytes={"h2h": moved}, host_seconds=time.perf_counter() - t0)
 
     @staticmethod
@@ -463,11 +474,11 @@ class CopyEngine:
             if p.host[k]:
                 span = arena[run.start : run.end]
                 regions = (span,) if run.sizes is None else run.views(span)
-                pairs += list(zip(regions, p.devs[k], strict=True)) if out else list(zip(p.devs[k], regions, strict=True))
+                pairs += list(zip(regions, p.dev(k), strict=True)) if out else list(zip(p.dev(k), regions, strict=True))
                 continue
             lane = load.index(min(load))  # the stream with the fewest bytes queued so far
             with _On(lanes[lane], current):
-                moved += self._local_run(run, p.devs[k], arena, out)
+                moved += self._local_run(run, p.dev(k), arena, out)
             load[lane] += run.nbytes
         events = [s.record_event() for s in lanes]
         for e in events[1:]:
@@ -505,10 +516,10 @@ class CopyEngine:
         in_ring = _Ring(self.device, biggest) if inp is not None and biggest else None
         nbytes = {"d2h": 0, "h2d": 0}
         for k in ks:
-            run, devs = p.runs[k], p.devs[k]
+            run = p.runs[k]  # (its slot views resolve after ``before``: ``Plan``)
             if out is not None:
                 assert ring is not None
-                nbytes["d2h"] += self._out(run, devs, out[run.start : run.end], ring, current, d2h, frees_sources)
+                nbytes["d2h"] += self._out(run, p.dev(k), out[run.start : run.end], ring, current, d2h, frees_sources)
             if inp is not None:
                 if before is not None:
                     before(run)  # e.g. storage given back on the current stream (a staged run's scatter is there too)
@@ -517,7 +528,7 @@ class CopyEngine:
                         h2d.wait_stream(current)  # after its storage came back
                     if out is not None:
                         h2d.wait_stream(d2h)  # after its old values went out
-                nbytes["h2d"] += self._in(run, devs, inp[run.start : run.end], in_ring, h2d, current)
+                nbytes["h2d"] += self._in(run, p.dev(k), inp[run.start : run.end], in_ring, h2d, current)
         events = [d2h.record_event(), h2d.record_event()]
         for e in events:
             current.wait_event(e)
