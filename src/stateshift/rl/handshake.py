@@ -63,7 +63,14 @@ class WeightUpdate:
 
 
 class WeightChannel:
-    """At most one update in flight; all fields read and written under ``control.cond``."""
+    """At most one update in flight; ``pending`` and the rollouter's pause flag change only under ``control.cond``.
+
+    Why the pause is never lost nor left behind: ``post`` pauses the rollouter *before* it makes the update
+    visible, and the rollout thread clears the pause in ``ack`` under the same lock, right after it emptied
+    ``pending``. So a pause is set only while an update is (about to be) pending, and cleared only when none
+    is: a pause that landed after the rollouter took the weights and resumed would stop it for good (every
+    ``generate`` would return after its prefill, no group made, until the watchdog's ``StallError``).
+    """
 
     def __init__(self, control: RunControl, pause: Any) -> None:
         self.control = control
@@ -74,10 +81,10 @@ class WeightChannel:
         """Trainer thread: hand over ``update``; ``interrupt`` pauses generation in flight (partial rollout)."""
         with self.control.cond:
             assert self.pending is None, "one weight update at a time"
+            if interrupt:
+                self._pause()  # before the update is visible: the rollouter cannot take it and resume first
             self.pending = update
             self.control.cond.notify_all()
-        if interrupt:
-            self._pause()
 
     def wait_acked(self, update: WeightUpdate) -> None:
         """Trainer thread: bounded wait until the rollouter took the weights (raises if the run stops)."""
@@ -86,12 +93,17 @@ class WeightChannel:
 
     def take(self) -> WeightUpdate | None:
         """Rollout thread: the pending update, if any (it stays pending until ``ack``)."""
-        return self.pending
+        with self.control.cond:
+            return self.pending
 
-    def ack(self, update: WeightUpdate, captured: Any = None) -> None:
-        """Rollout thread, with ``control.cond`` held: done reading the snapshot."""
-        update.captured = captured
-        update.acked = True
-        self.pending = None
-        self.control.progress()
-        self.control.cond.notify_all()
+    def ack(self, update: WeightUpdate, captured: Any = None, *, resume: Callable[[], None] | None = None) -> None:
+        """Rollout thread: done reading the update's weights; ``resume`` (the rollouter's) is called under the lock,
+        once nothing is pending, so that no ``post`` can pause in between and see its pause cleared."""
+        with self.control.cond:
+            update.captured = captured
+            update.acked = True
+            self.pending = None
+            if resume is not None and not self.control.stopping:  # (a stopping run keeps the pause ``stop`` set)
+                resume()
+            self.control.progress()
+            self.control.cond.notify_all()

@@ -138,9 +138,7 @@ class RolloutWorker:
         r.copy_s, r.copy_bytes, r.version = r.copy_s + update.copy_s, self.rollouter.copy_bytes, update.version
         queue_part = self.port.on_sync(self.owner, r, update.capture)
         captured = self.capture(queue_part) if queue_part is not None else None
-        with self.control.cond:
-            self.channel.ack(update, captured)
-        self.rollouter.resume()
+        self.channel.ack(update, captured, resume=self.rollouter.resume)
 
     # -- checkpoints ------------------------------------------------------------------------
     def capture(self, queue_part: dict[str, Any]) -> RolloutCapture:
