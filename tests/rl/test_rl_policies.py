@@ -53,6 +53,12 @@ def test_rollout_copy_is_built_without_a_policy_and_loaded_from_rollout_state_di
     pc.check_rollout_copy_alone(tmp_path, family)
 
 
+@pytest.mark.parametrize("family", ["builtin", "fsdp2"])
+def test_kv_cached_generation_equals_recomputing_the_sequence(tmp_path, family):
+    diffs = pc.check_kv_cache(tmp_path, family)
+    assert max(diffs.values()) <= pc.KV_ATOL["fp32"]
+
+
 def test_fsdp2_policy_is_sharded_and_a_policy(tmp_path):
     from torch.distributed.fsdp import FSDPModule
 
@@ -102,4 +108,4 @@ def test_megatron_policy_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal", "ok",
-                                     "rollout_copy_alone", "ok", "fresh_optimizer"], proc.stdout
+                                     "rollout_copy_alone", "ok", "fresh_optimizer", "ok", "kv_cache"], proc.stdout

@@ -22,9 +22,10 @@ warm-up into RL -- unlike the plain-torch families, whose warm-up has an
 Adam of its own.
 
 The rollouter's copy: the same GPTModel in a ``Float16Module``, without
-DDP, on the same device, generating by plain recompute (``RecomputeCache``:
-each new token re-runs the whole sequence; at this task's 13 positions that
-costs little). Weight syncs copy the host snapshot's per-parameter views by
+DDP, on the same device, generating with Megatron's own static KV cache
+(``StaticKVCache``: megatron-core's ``StaticInferenceContext``), so a
+response of ``T`` tokens costs ``T`` one-position forwards after the
+prefill, not ``T`` forwards of the whole sequence. Weight syncs copy the host snapshot's per-parameter views by
 name; the snapshot also lists the flat buffers that hold them
 (``buffers.<j>.param_data``), which the copy skips (``skip_weight``).
 
@@ -35,10 +36,12 @@ On the CPU: only inside a process that patched megatron-core for it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,17 +67,26 @@ FLAT_BUFFER = re.compile(r"^(chunk\d+\.)?(expert_parallel_)?buffers\.\d+\.(param
 
 
 @dataclass
-class RecomputeCache:
-    """A "KV cache" that keeps the token ids and positions seen so far; every call re-runs them all."""
+class StaticKVCache:
+    """Megatron's own KV cache for one generation: a ``StaticInferenceContext`` made at the first (prefill) call.
 
-    ids: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    Per layer it holds key and value memory of (model's max sequence length, batch, heads, head dim), filled
+    by the attention layers at ``sequence_len_offset``; ``advance`` moves the offset past the tokens just run.
+    """
 
-    def extend(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ids is not None and self.positions is not None:
-            ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
-        self.ids, self.positions = ids, positions
-        return ids, positions
+    context: Any = None
+
+    def context_for(self, batch: int, max_len: int) -> Any:
+        if self.context is None:
+            from megatron.core.inference.contexts import StaticInferenceContext
+
+            self.context = StaticInferenceContext(batch, max_len)
+            self.context.materialize_only_last_token_logits = False  # logits of every new token (``CausalLM``)
+        return self.context
+
+    def advance(self, new: int) -> None:
+        self.context.sequence_len_offset += new
+        self.context.enable_decode_mode()
 
 
 def attention_mask(key_mask: torch.Tensor) -> torch.Tensor:
@@ -85,9 +97,27 @@ def attention_mask(key_mask: torch.Tensor) -> torch.Tensor:
     return ~((causal & key_mask[:, None, :]) | own)[:, None]
 
 
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block (Megatron uses its KV cache only outside training mode)."""
+    was = module.training
+    if was:
+        module.eval()
+    try:
+        yield
+    finally:
+        if was:
+            module.train()
+
+
 class MegatronLM:
     """``CausalLM`` over a Megatron GPTModel: ``call`` is what runs it (DDP or ``Float16Module``), ``module`` the
-    innermost GPTModel, whose parameter names are the snapshot's."""
+    innermost GPTModel, whose parameter names are the snapshot's.
+
+    With a cache (``new_cache``) a call runs only the new tokens, against the keys and values the earlier
+    calls left in Megatron's static KV cache: the prefill costs the prompt, each next token one position.
+    The mask of a call is the last ``new`` rows of the full causal-and-padding mask over every key so far.
+    """
 
     skip_weight = staticmethod(lambda name: FLAT_BUFFER.match(name) is not None)
 
@@ -96,17 +126,20 @@ class MegatronLM:
         self.module = module
         self.own_stream = own_stream
 
-    def new_cache(self) -> RecomputeCache:
-        return RecomputeCache()
+    def new_cache(self) -> StaticKVCache:
+        return StaticKVCache()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        if cache is None:
+            with FORWARD_LOCK:
+                return self.call(ids, positions, attention_mask(key_mask))
         new = ids.shape[1]
-        if cache is not None:
-            ids, positions = cache.extend(ids, positions)
-        mask = attention_mask(key_mask)
-        with FORWARD_LOCK:
-            logits = self.call(ids, positions, mask)
-        return logits[:, -new:]
+        context = cache.context_for(ids.shape[0], int(self.module.max_sequence_length))
+        mask = attention_mask(key_mask)[:, :, -new:]
+        with FORWARD_LOCK, evaluating(self.call):
+            logits = self.call(ids, positions, mask, inference_context=context, runtime_gather_output=True)
+        cache.advance(new)
+        return logits
 
 
 def init_megatron(device: torch.device, seed: int) -> None:
