@@ -131,7 +131,7 @@ def test_executor_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
     assert info.value.key == "executor"
     assert main(["train", "executor=ray", "trainer.steps=1"]) == 2
     assert "stateshift[ray]" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="must be one of \\['inprocess', 'ray'\\]"):
+    with pytest.raises(ConfigError, match="must be one of \\['auto', 'inprocess', 'process', 'ray'\\]"):
         resolve(None, ["executor=dask"])
 
 
@@ -222,3 +222,16 @@ def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
     with pytest.raises(ConfigError) as info:
         resolve(None, ["trainer.old_logprob=" + "x" * 100_000])
     assert len(str(info.value)) < 400
+
+
+def test_executor_auto_is_the_thread_executor_on_the_cpu_and_rollout_device_is_checked():
+    assert resolve(None, []).executor == "inprocess"
+    assert resolve(None, ["executor=process"]).executor == "process"
+    with pytest.raises(ConfigError, match="executor=process only") as info:
+        resolve(None, ["rollout.device=cuda:1"])
+    assert info.value.key == "rollout.device"
+    with pytest.raises(ConfigError, match="run.device's kind") as info:
+        resolve(None, ["executor=process", "rollout.device=cuda:1"])
+    assert info.value.key == "rollout.device"
+    with pytest.raises(ConfigError, match="'cuda:N'"):
+        resolve(None, ["executor=process", "rollout.device=tpu"])

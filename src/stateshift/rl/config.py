@@ -215,6 +215,11 @@ class RolloutConfig:
     'continuous': max_concurrent_prompts * n row slots, a finished row replaced by a row of a new prompt at once
     and each group queued as soon as its n rows are done, over a static KV cache (follows the mean response
     length, not the max; rl/continuous.py; built-in model, executor=inprocess, no checkpoints in this version)"""
+    device: str | None = None
+    """executor=process: where the rollouter process computes ('cuda:N'); null: the trainer's device (run.device)"""
+    max_restarts: int = 3
+    """executor=process: a rollouter process that dies (killed, OOM) is reported and restarted with the newest
+    weights at most this many times per run; the next death stops the run with RolloutDiedError"""
 
     def __post_init__(self) -> None:
         _check("rollout.n", self.n >= 2, "must be >= 2 (GRPO needs a group)")
@@ -222,6 +227,9 @@ class RolloutConfig:
         _check("rollout.temperature", self.temperature > 0, "must be > 0 (sampling)")
         _check("rollout.top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         _check("rollout.max_new_tokens", self.max_new_tokens > 0, "must be > 0")
+        _check("rollout.device", self.device is None or self.device == "cpu" or self.device.startswith("cuda"),
+               "must be null, 'cpu' or 'cuda:N'")
+        _check("rollout.max_restarts", self.max_restarts >= 0, "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -435,9 +443,10 @@ class RayConfig:
 class TrainConfig:
     """Everything ``stateshift train`` reads."""
 
-    executor: Literal["inprocess", "ray"] = "inprocess"
-    """where the rollouter runs: 'inprocess' on a thread of the trainer's process; 'ray' the trainer, the
-    rollouter and the queue as Ray actors in a placement group (the ray section; pip install 'stateshift[ray]')"""
+    executor: Literal["auto", "inprocess", "process", "ray"] = "auto"
+    """where the rollouter runs: 'inprocess' on a thread of the trainer's process; 'process' in a process of its own
+    (rollout.device); 'ray' the trainer, the rollouter and the queue as Ray actors in a placement group (the ray
+    section; pip install 'stateshift[ray]'); 'auto': 'process' with run.device=cuda, else 'inprocess'"""
     task: TaskConfig = field(default_factory=TaskConfig)
     """the task"""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -458,6 +467,8 @@ class TrainConfig:
     """the Ray executor (read only with executor=ray)"""
 
     def __post_init__(self) -> None:
+        if self.executor == "auto":  # (continuous batching runs on a thread in this version)
+            self.executor = "process" if self.run.device == "cuda" and self.rollout.batching == "wave" else "inprocess"
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
         _check("run.checkpoint_every", every % trigger == 0,
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
@@ -482,6 +493,11 @@ class TrainConfig:
                    "task.name=file needs a tokenizer: set model.hf_path or task.tokenizer_path")
             _check("model.family", self.model.family != "megatron",
                    "task.name=file runs the builtin, hf and fsdp2 families (no Hugging Face to Megatron conversion)")
+        rdev = self.rollout.device
+        _check("rollout.device", rdev is None or self.executor == "process" or rdev == self.run.device,
+               "is read with executor=process only (the other executors compute where run.device says)")
+        _check("rollout.device", rdev is None or rdev.split(":")[0] == self.run.device,
+               f"must be on run.device's kind ({self.run.device}): trainer and rollouter exchange weights in host memory")
         _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
                "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
         _check("executor", self.executor != "ray" or (self.run.device == "cpu" and self.model.family in ("builtin", "hf")),

@@ -102,9 +102,18 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
 
             return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params,
                               ContinuousInProcessRollouts)
-        return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, InProcessRollouts)
+        return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, _rollouts_of(cfg))
     finally:
         lock.close()
+
+
+def _rollouts_of(cfg: TrainConfig) -> RolloutsFactory:
+    """The rollout side ``cfg.executor`` names (``ray`` is run by ``run_on_ray`` instead)."""
+    if cfg.executor == "process":
+        from .executors.process import ProcessRollouts
+
+        return ProcessRollouts
+    return InProcessRollouts
 
 
 def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool,

@@ -150,6 +150,12 @@ class Rollouts(Protocol):
         ...
 
 
+def rollout_seed(cfg: Any, owner: int) -> int:
+    """The sampling seed of rollouter ``owner`` (``cfg``: a ``TrainConfig``): the first's is ``run.seed + 1``, as in
+    process; a replacement gets its own, or it would repeat the draws its first predecessor made from the start."""
+    return cfg.run.seed + 1 + 1000 * owner
+
+
 def take_in_slices(control: RunControl, count: int, fetch: Callable[[int, float], list[Group]],
                    on_wait: Callable[[], None] | None = None) -> list[Group]:
     """``count`` groups for the trainer thread, gathered by ``fetch(need, wait_s)`` (one bounded wait each, ``[]``

@@ -34,7 +34,7 @@ from ..control import RunControl
 from ..policies import build_rollout_lm
 from ..rollout import Group
 from ..handshake import WeightUpdate
-from .base import RolloutCapture, SyncOutcome, WorkerReport
+from .base import RolloutCapture, SyncOutcome, WorkerReport, rollout_seed
 from .hub import QueueHub
 from .inprocess import RolloutWorker
 from .wire import use_wire_format
@@ -47,12 +47,6 @@ def _enter(cwd: str) -> None:
     """Relative paths of the config (run.out_dir, model.hf_path) mean what they meant to the driver."""
     if os.path.isdir(cwd):
         os.chdir(cwd)
-
-
-def rollout_seed(cfg: TrainConfig, owner: int) -> int:
-    """The sampling seed of rollouter ``owner``: the first's is ``run.seed + 1``, as in process; a replacement
-    gets its own, or it would repeat the draws its first predecessor made from the start of the run."""
-    return cfg.run.seed + 1 + 1000 * owner
 
 
 class RemoteQueuePort:

@@ -1,0 +1,178 @@
+"""executor=process: the rollouter in a spawned process, against the thread executor and under failures.
+
+- the same losses, weights, trained groups and per-step records as ``executor=inprocess`` (staleness 0, fixed seeds);
+- a rollouter process SIGKILLed mid-generation and mid-weight-copy: reported within seconds (which pid, which
+  signal), restarted with the newest weights, the run finishes, the ledger balances, no group trained twice;
+- a rollouter that raises ends the run with its exception; past ``rollout.max_restarts`` a death ends it;
+- a hung rollouter: the watchdog reports both sides, then ``StallError``;
+- resume from a checkpoint equals the uninterrupted run; nothing left in /dev/shm, no process left behind.
+
+Every run spawns a rollouter process (a torch import, a few seconds on a loaded 2-core machine): ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rl.process_hooks import Boom
+from rl.rlkit import tiny
+
+from stateshift.rl.control import StallError
+from stateshift.rl.executors.base import RolloutDiedError
+from stateshift.rl.executors.process_child import HOOK_ENV
+from stateshift.rl.loop import run
+
+pytestmark = pytest.mark.slow
+
+#: a schedule that does not depend on timing (staleness 0), pi_old with param and optimizer offload, checkpoints
+DETERMINISTIC = ["trainer.steps=8", "async_training.trigger_parameter_sync_step=2",
+                 "async_training.staleness_threshold=0", "trainer.optimizer_offload=true", "run.checkpoint_every=4"]
+#: per-step metrics that measure time or depend on how far the rollouter got when the trainer looked
+TIMING = {"step_s", "wall_s", "queue_depth", "samples_per_s", "trainer_idle_ratio", "rollout_idle_ratio",
+          "offload_verb_s_total", "offload_bytes_total", "pi_old_bytes_total"}
+LIVELY = ["run.watchdog_s=2", "run.stall_timeout_s=30"]
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"stateshift-weights-{os.getpid()}-")}
+
+
+@pytest.fixture(autouse=True)
+def clean_up(monkeypatch, tmp_path):
+    """Hooks for the rollouter process; afterwards: no rollouter process alive, no shared memory left."""
+    monkeypatch.setenv(HOOK_ENV, "rl.process_hooks:install")
+    monkeypatch.setenv("STATESHIFT_TEST_DIR", str(tmp_path))
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "")
+    yield
+    alive = [p for p in multiprocessing.active_children() if p.name.startswith("stateshift-rollouter")]
+    for p in alive:
+        p.kill()
+    assert not alive, alive
+    assert not _shm()
+
+
+def _comparable(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k not in TIMING and not k.startswith("time_")}
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _kill_when(tmp_path: Path, marker: str, after_s: float = 0.0) -> dict:
+    """A thread that SIGKILLs the first rollouter process that writes ``marker`` (after ``after_s``)."""
+    killed: dict = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = sorted(tmp_path.glob(f"{marker}-*"))
+            if found:
+                time.sleep(after_s)
+                pid = int(found[0].name.rsplit("-", 1)[1])
+                killed.update(pid=pid, at=time.time())
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
+def _no_group_twice(result) -> None:
+    uids = result.trained_uids
+    assert len(uids) == len(set(uids)) == result.summary["ledger"]["trained"]
+
+
+def test_process_executor_equals_the_thread_executor(tmp_path):
+    thread = run(tiny(tmp_path / "thread", *DETERMINISTIC), return_params=True)
+    proc = run(tiny(tmp_path / "process", "executor=process", *DETERMINISTIC), return_params=True)
+    assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
+    assert proc.losses == thread.losses  # exact float equality
+    assert proc.trained_uids == thread.trained_uids
+    assert proc.params is not None and thread.params is not None
+    for name, t in thread.params.items():
+        assert torch.equal(proc.params[name], t), name
+    assert [_comparable(r) for r in _records(proc.out_dir)] == [_comparable(r) for r in _records(thread.out_dir)]
+    last = proc.steps // 2  # what the rollouter made after the final sync depends on when it was stopped
+    pv, tv = (({v: n for v, n in r.summary["ledger"]["by_version"].items() if int(v) < last}) for r in (proc, thread))
+    assert pv == tv == {str(v): 8 for v in range(last)}
+
+
+def test_rollouter_killed_mid_generation_is_restarted(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow")
+    killed = _kill_when(tmp_path, "generating", after_s=0.3)
+    res = run(tiny(tmp_path, "executor=process", "trainer.steps=10", "async_training.trigger_parameter_sync_step=2",
+                   *LIVELY))
+    assert res.summary["status"] == "finished" and res.steps == 10
+    (restart,) = res.summary["rollout"]["restarts"]
+    assert restart["pid"] == killed["pid"] and restart["why"] == "killed by SIGKILL"
+    assert restart["detected_at"] - killed["at"] < 2.0  # the server thread sees the pipe close at once
+    assert restart["successor_pid"] not in (None, killed["pid"])
+    assert f"rollouter process {killed['pid']} died: killed by SIGKILL" in capfd.readouterr().err
+    _no_group_twice(res)
+
+
+def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow_copy")
+    killed = _kill_when(tmp_path, "copying")
+    res = run(tiny(tmp_path, "executor=process", "trainer.steps=6", "async_training.trigger_parameter_sync_step=2",
+                   "async_training.staleness_threshold=0", *LIVELY), return_params=True)
+    assert res.summary["status"] == "finished" and res.steps == 6
+    (restart,) = res.summary["rollout"]["restarts"]
+    assert restart["pid"] == killed["pid"] and restart["weights_version"] == 1
+    _no_group_twice(res)
+    by_version = res.summary["ledger"]["by_version"]
+    assert by_version["0"] == by_version["1"] == by_version["2"] == 8  # each version trained its share, none lost
+
+
+def test_past_max_restarts_a_death_ends_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow")
+    killed = _kill_when(tmp_path, "generating", after_s=0.2)
+    with pytest.raises(RolloutDiedError, match=r"killed by SIGKILL -- after 0 restarts \(rollout.max_restarts=0\)"):
+        run(tiny(tmp_path, "executor=process", "trainer.steps=200", "rollout.max_restarts=0", *LIVELY))
+    assert killed
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"].startswith("failed (rollout): RolloutDiedError")
+
+
+def test_rollouter_that_raises_ends_the_run_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "raise")
+    with pytest.raises(Boom, match="rollouter failed at call 4") as info:
+        run(tiny(tmp_path, "executor=process", "trainer.steps=200", *LIVELY))
+    assert any("raised in the rollouter process" in n and "process_hooks.py" in n for n in info.value.__notes__)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"].startswith("failed (rollout): Boom") and summary["rollout"]["restarts"] == []
+
+
+def test_hung_rollouter_process_is_reported_with_both_sides_then_stopped(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "hang")
+    t0 = time.monotonic()
+    with pytest.raises(StallError):
+        run(tiny(tmp_path, "executor=process", "trainer.steps=5", "run.watchdog_s=1", "run.stall_timeout_s=4"))
+    assert time.monotonic() - t0 < 40  # set-up, 4 s of stall, 10 s for the stuck process before it is killed
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("[watchdog]"))
+    assert "rollout: generating 4 prompts at v0 (pid" in line and "trainer: waiting for 4 groups" in line
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
+              "run.checkpoint_every=2", "trainer.optimizer_offload=true"]
+    full = run(tiny(tmp_path / "a", "trainer.steps=6", *common), return_params=True)  # the thread executor
+    first = run(tiny(tmp_path / "b", "executor=process", "trainer.steps=5", *common))
+    assert (first.out_dir / "checkpoints" / "latest").read_text() == "step-4"
+    resumed = run(tiny(tmp_path / "b", "executor=process", "trainer.steps=6", *common), resume=first.out_dir,
+                  return_params=True)
+    assert first.losses[:4] + resumed.losses == full.losses
+    assert resumed.params is not None and full.params is not None
+    for name, t in full.params.items():
+        assert torch.equal(resumed.params[name], t), name
