@@ -16,6 +16,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -176,3 +178,44 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert resumed.params is not None and full.params is not None
     for name, t in full.params.items():
         assert torch.equal(resumed.params[name], t), name
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does): exit code 130, summary written, the
+    rollouter process gone too, no traceback from either."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", "trainer.steps=400",
+           "warmup.steps=5", "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4",
+           "rollout.n=4", "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
+           "run.torch_threads=1", f"run.out_dir={out}"]
+    env = {k: v for k, v in os.environ.items() if k != HOOK_ENV}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until RL steps (the rollouter process is up then)
+            if line.startswith("step "):
+                break
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert time.monotonic() - t0 < 15
+        assert "Traceback" not in err and "interrupted" in err
+        assert json.loads((out / "summary.json").read_text())["status"].startswith("interrupted at step")
+        deadline = time.monotonic() + 5  # nobody left in its process group: the rollouter process ended too
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid), subprocess.run(["ps", "-o", "pid,pgid,args", "-g", str(proc.pid)],
+                                                          capture_output=True, text=True).stdout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

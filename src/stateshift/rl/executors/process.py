@@ -41,13 +41,14 @@ depend on timing (``staleness_threshold=0``): the same loop, seeds and queue.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -96,6 +97,19 @@ def exit_reason(proc: Any) -> str:
     return f"exit status {code}"
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process for the block, when on the main thread (elsewhere ``signal`` cannot)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class ProcessRollouts:
     """The ``Rollouts`` protocol over a rollouter process, replaced when it dies (see the module docstring)."""
 
@@ -129,7 +143,8 @@ class ProcessRollouts:
                          rollout_seed(self.cfg, owner), os.getcwd(), self.device)
         proc = self.ctx.Process(target=child_main, args=(spec, port_there, ctl_there, self.status),
                                 name=f"stateshift-rollouter-{owner}", daemon=True)
-        proc.start()
+        with _sigint_ignored():  # inherited through exec: Ctrl-C in its first seconds (importing torch) does not kill it
+            proc.start()
         port_there.close()
         ctl_there.close()
         inc = Incarnation(owner, proc, Link(port_here), Link(ctl_here))
