@@ -239,12 +239,12 @@ class AsyncLoop:
         self.cfg, self.task, self.trainer, self.out, self.stream = cfg, task, trainer, out, stream
         self.held_start = held_start
         self.step = self.first_step = resumed.step if resumed is not None else 0
-        self.t_start = time.perf_counter()
         self.syncs = 0
         self.cfg_dict = config_mod.as_dict(cfg)
         self.control = RunControl()
         capture: RolloutCapture | None = resumed.capture if resumed is not None else None
         self.rollouts = rollouts(cfg, task, trainer.policy, self.control, version=trainer.version, capture=capture)
+        self.t_start = time.perf_counter()  # RL's wall clock starts once the rollout side is up (a process: seconds)
         self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
                                   resume_step=resumed.step if resumed is not None else None)
         self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)

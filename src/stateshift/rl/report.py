@@ -124,7 +124,8 @@ def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
         "watchdog_reports": loop.watchdog.reports,
         "pool": trainer.state.pool.stats.as_dict(),
         "verbs_s": meter.total_seconds(),
-        "memory": memory_peaks(trainer),
+        "memory": {**memory_peaks(trainer), **({"rollout_device_peak_allocated_bytes": side.device_peak_bytes}
+                                               if side.device_peak_bytes else {})},
         "config": loop.cfg_dict,
     }
 

@@ -72,6 +72,8 @@ class WorkerReport:
     #: seconds spent scoring finished groups (the reward, on the rollout side), and rewards zeroed after an error
     reward_s: float = 0.0
     reward_zeroed: int = 0
+    #: peak device memory allocated by PyTorch in the rollouter's own process (0: it shares the trainer's process)
+    device_peak_bytes: int = 0
 
 
 #: the ``WorkerReport`` fields that add up over rollouters

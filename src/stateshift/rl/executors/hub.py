@@ -153,6 +153,7 @@ class QueueHub:
             current = self.reports[max(self.reports)] if self.reports else WorkerReport()
             return RolloutStats(**{k: sum(getattr(r, k) for r in reps) for k in SUMMED},
                                 version=current.version, generated=self.queue.ledger.generated,
+                                device_peak_bytes=max((r.device_peak_bytes for r in reps), default=0),
                                 depth=self.queue.depth(), running=self.queue.running, refused=self.refused)
 
     def close(self) -> dict[str, Any]:

@@ -89,6 +89,8 @@ class PipeQueuePort:
         return self._call("start", owner, version, want, wait_s)
 
     def put(self, owner: int, groups: list[Group], report: WorkerReport) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            report.device_peak_bytes = torch.cuda.max_memory_allocated()
         self._call("put", owner, groups, report)
 
     def on_sync(self, owner: int, report: WorkerReport, capture: bool) -> dict[str, Any] | None:
