@@ -136,12 +136,10 @@ def test_executor_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("override", ["run.device=cuda", "model.family=megatron", "model.family=fsdp2"])
-def test_executor_ray_refuses_what_it_does_not_run_yet(override, monkeypatch):
-    """Under Ray the policy computes on the CPU with the builtin or hf family; anything else is refused up front."""
+def test_executor_ray_takes_every_family_and_the_gpu(override, monkeypatch):
+    """Under Ray each actor computes where run.device says (a GPU of its bundle), for every family."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # run.device=cuda passes its own check here
-    with pytest.raises(ConfigError, match="executor=ray runs the builtin and hf families on the CPU") as info:
-        resolve(None, ["executor=ray", override])
-    assert info.value.key == "executor"
+    assert resolve(None, ["executor=ray", override]).executor == "ray"
 
 
 @pytest.mark.parametrize("override, key", [

@@ -500,8 +500,6 @@ class TrainConfig:
                f"must be on run.device's kind ({self.run.device}): trainer and rollouter exchange weights in host memory")
         _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
                "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
-        _check("executor", self.executor != "ray" or (self.run.device == "cpu" and self.model.family in ("builtin", "hf")),
-               "executor=ray runs the builtin and hf families on the CPU in this version (run.device=cpu)")
         _check("ray.num_cpus", self.ray.num_cpus is None or self.ray.num_cpus >= self.ray.trainer_cpus + self.ray.rollout_cpus,
                f"must hold ray.trainer_cpus + ray.rollout_cpus ({self.ray.trainer_cpus + self.ray.rollout_cpus:g})")
 

@@ -8,9 +8,9 @@ A pure function of the ``ray`` config and the cluster's resources
   trainer offloads between phases so the rollouter has the memory).
 - Two GPUs or more: one each.
 
-The GPU bundles are built and checked here, but no GPU run has used them
-yet: the policy computes on the CPU in this version (``docs/rl.md``, "Not
-built"), so on a GPU cluster they only reserve the devices.
+With ``run.device=cuda`` each actor computes on the GPU (or the half of one)
+its bundle holds: Ray sets the actor's ``CUDA_VISIBLE_DEVICES``, so ``cuda``
+is that device there.
 """
 
 from __future__ import annotations

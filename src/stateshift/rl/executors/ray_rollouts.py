@@ -69,7 +69,8 @@ class RayRollouts:
         if capture is not None:
             self._hub("restore", capture)
         #: the newest weights sent (an object reference) and their version: what a replacement is built with
-        self.weights = (ray.put(policy.rollout_state_dict()), version)  # ray.put copies: no copy of the model
+        # host copies (device tensors would travel through torch's pickling); ray.put copies host ones once more
+        self.weights = (ray.put({n: t.detach().cpu() for n, t in policy.rollout_state_dict().items()}), version)
         self.lock = threading.Lock()
         self.closing = False
         self.owner = 0
