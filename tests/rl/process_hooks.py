@@ -7,7 +7,9 @@ what the rollouter process is doing):
 - ``slow_copy``: the first process to copy weights of a version >= 1 writes ``copying-<pid>`` and sleeps 3 s
   inside the copy (in the middle of its tensors), so a test can kill it there;
 - ``raise``: the 4th ``generate`` call raises ``Boom``;
-- ``hang``: ``generate`` never returns on its own (it ignores pauses; ends after 60 s).
+- ``hang``: ``generate`` never returns on its own (it ignores pauses; ends after 60 s);
+- ``late_pause``: a pause asked for by the thread that posts weight updates (the ``ctl`` thread) first waits
+  up to 0.5 s for the rollouter to resume (the interleaving of ``test_rl_handshake.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,21 @@ def install() -> None:
         time.sleep(60)
         return generate(self, wave)
 
+    pause, resume = KVRollouter.pause, KVRollouter.resume
+    resumed = __import__("threading").Event()
+
+    def late_pause(self):
+        if __import__("threading").current_thread().name == "stateshift-rollout-ctl":
+            resumed.clear()
+            resumed.wait(0.5)
+        pause(self)
+
+    def resume_marked(self):
+        resume(self)
+        resumed.set()
+
+    if mode == "late_pause":
+        KVRollouter.pause, KVRollouter.resume = late_pause, resume_marked
     patches = {"slow": ("generate", slow), "slow_copy": ("update_weights", slow_copy), "raise": ("generate", boom),
                "hang": ("generate", hang)}
     if mode in patches:

@@ -166,6 +166,15 @@ def test_hung_rollouter_process_is_reported_with_both_sides_then_stopped(tmp_pat
     assert "rollout: generating 4 prompts at v0 (pid" in line and "trainer: waiting for 4 groups" in line
 
 
+def test_a_late_pause_does_not_stall_the_rollouter_process(tmp_path, monkeypatch):
+    """The handshake race of ``test_rl_handshake.py`` inside the rollouter process: the pause for a sync comes
+    only after the rollouter could have taken the weights and resumed; the run still finishes."""
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "late_pause")
+    res = run(tiny(tmp_path, "executor=process", "trainer.steps=4", "async_training.trigger_parameter_sync_step=1",
+                   "async_training.staleness_threshold=0", "run.watchdog_s=1", "run.stall_timeout_s=6"))
+    assert res.summary["status"] == "finished" and res.summary["ledger"]["trained"] == 16
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
               "run.checkpoint_every=2", "trainer.optimizer_offload=true"]
