@@ -8,6 +8,7 @@ what the rollouter process is doing):
   inside the copy (in the middle of its tensors), so a test can kill it there;
 - ``raise``: the 4th ``generate`` call raises ``Boom``;
 - ``hang``: ``generate`` never returns on its own (it ignores pauses; ends after 60 s);
+- ``slow_start``: the process takes 4 s more to start;
 - ``late_pause``: a pause asked for by the thread that posts weight updates (the ``ctl`` thread) first waits
   up to 0.5 s for the rollouter to resume (the interleaving of ``test_rl_handshake.py``).
 """
@@ -40,6 +41,8 @@ def install() -> None:
     from stateshift.rl.rollout import KVRollouter
 
     mode = os.environ.get("STATESHIFT_TEST_MODE", "")
+    if mode == "slow_start":
+        time.sleep(4)
     generate, update = KVRollouter.generate, KVRollouter.update_weights
     calls = {"n": 0}
 

@@ -175,6 +175,12 @@ def test_a_late_pause_does_not_stall_the_rollouter_process(tmp_path, monkeypatch
     assert res.summary["status"] == "finished" and res.summary["ledger"]["trained"] == 16
 
 
+def test_a_rollouter_process_slower_to_start_than_the_stall_timeout_is_not_a_stall(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow_start")
+    res = run(tiny(tmp_path, "executor=process", "trainer.steps=2", "run.watchdog_s=1", "run.stall_timeout_s=3"))
+    assert res.summary["status"] == "finished"
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
               "run.checkpoint_every=2", "trainer.optimizer_offload=true"]

@@ -271,6 +271,7 @@ class AsyncLoop:
     # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> None:
         self.rollouts.start()
+        self.control.progress()  # the watchdog counts from here: building the rollout side (a process) is not a stall
         self.watchdog.start()
         cfg = self.cfg
         try:
