@@ -6,6 +6,9 @@ trainer copies the snapshot into Ray's object store (``ray.put``: it may be
 released right after) and calls the rollouter actor with the reference and
 the version; inside the actor the same ``WeightChannel`` handshake hands the
 weights from the call's thread to the generating thread at a token boundary.
+In a rollouter process (``executors/process.py``) the trainer writes the
+weights into shared memory and sends the version on a pipe; the process's
+control thread posts them on the same ``WeightChannel``.
 
 The trainer thread takes ``state.snapshot(tag="sync", version=v, placement="host")``
 (zero-copy when the params are offloaded: it shares their pinned home,
