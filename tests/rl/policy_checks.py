@@ -185,6 +185,19 @@ def check_kv_cache(tmp: Path, family: str, *extra: str) -> dict:
     return diffs
 
 
+def check_process_equal(tmp: Path, family: str, *extra: str) -> None:
+    """``executor=process`` against the thread executor at staleness 0, param offload on: the same losses, groups
+    and final weights (the weights reach the rollouter process by name through shared memory)."""
+    det = [f"model.family={family}", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2",
+           "async_training.staleness_threshold=0", "trainer.param_offload=true", *extra]
+    proc = run(tiny(tmp / "process", "executor=process", *det), return_params=True)
+    thread = run(tiny(tmp / "thread", "executor=inprocess", *det), return_params=True)
+    assert proc.summary["rollout"]["executor"] == "process" and proc.summary["sync"]["syncs"] == 2
+    assert proc.losses == thread.losses and proc.trained_uids == thread.trained_uids
+    for name, t in thread.params.items():
+        assert torch.equal(proc.params[name], t), name
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -199,6 +212,7 @@ def main(family: str, tmp: Path) -> None:
         from megatron_bench import patch_megatron_for_cpu
 
         patch_megatron_for_cpu()
+        os.environ["STATESHIFT_TEST_ROLLOUT_PROCESS_HOOK"] = "megatron_bench:patch_megatron_for_cpu"  # its rollouter too
     check_run(tmp / "a", family)
     print("ok run", flush=True)
     check_run(tmp / "b", family, "trainer.old_logprob=bypass")
@@ -211,6 +225,8 @@ def main(family: str, tmp: Path) -> None:
     print("ok fresh_optimizer", flush=True)
     check_kv_cache(tmp / "f", family)
     print("ok kv_cache", flush=True)
+    check_process_equal(tmp / "f", family)
+    print("ok process_equal", flush=True)
 
 
 if __name__ == "__main__":

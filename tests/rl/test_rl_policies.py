@@ -108,4 +108,5 @@ def test_megatron_policy_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal", "ok",
-                                     "rollout_copy_alone", "ok", "fresh_optimizer", "ok", "kv_cache"], proc.stdout
+                                     "rollout_copy_alone", "ok", "fresh_optimizer", "ok", "kv_cache", "ok",
+                                     "process_equal"], proc.stdout
