@@ -313,7 +313,7 @@ class ProcessRollouts:
         q = self.hub.queue
         report = self.hub.reports.get(inc.owner)
         return {"queue": q.depth(), "in_flight": q.running,
-                "rollout_version": report.version if report is not None else "?"}
+                "rollout_version": report.version if report is not None else self.publisher.version}
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the rollouter process and join it; killed (and ``False``) if it did not end within ``timeout``."""
