@@ -234,3 +234,36 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_file_is_reclaimed(tmp_path):
+    """SIGKILL to the trainer's process alone: the rollouter process sees its pipes close and ends within
+    seconds; the shared-memory file left behind is removed by the next publisher (its process is gone)."""
+    from stateshift.rl.executors.weights import HostWeightPublisher
+
+    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", "trainer.steps=400", "warmup.steps=5",
+           "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",
+           "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
+           "run.torch_threads=1", f"run.out_dir={tmp_path / 'run'}"]
+    env = {k: v for k, v in os.environ.items() if k != HOOK_ENV}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("step "):
+                break
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"stateshift-weights-{proc.pid}-")]
+        assert len(mine) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid)  # the rollouter process ended on its own
+        assert os.path.exists(f"/dev/shm/{mine[0]}")  # nobody removed it: its process was killed
+        HostWeightPublisher({"w": torch.zeros(3)}, 0).close()
+        assert not os.path.exists(f"/dev/shm/{mine[0]}")
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

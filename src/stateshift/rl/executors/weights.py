@@ -16,7 +16,10 @@ handles a sync message or while it starts -- each of which the trainer waits
 for before it writes again. So no byte is read while it is written.
 
 The file is removed by ``close`` (the trainer's process, at the end of the run,
-whatever happened), and by a finaliser if the publisher is collected first.
+whatever happened), and by a finaliser if the publisher is collected first. A
+trainer's process killed outright (SIGKILL, OOM) leaves it behind: the next
+publisher in that directory removes the files of processes that are gone
+(``remove_stale``; the process id is in the name).
 """
 
 from __future__ import annotations
@@ -71,6 +74,31 @@ def _views(buf: Any, entries: Iterable[Entry]) -> Iterator[tuple[str, torch.Tens
         yield e.name, flat.view(e.torch_dtype).reshape(e.shape)
 
 
+PREFIX = "stateshift-weights-"
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Remove the weight files in ``directory`` whose publishing process is gone; returns their names."""
+    gone = []
+    for name in os.listdir(directory):
+        pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        _unlink(os.path.join(directory, name))
+        gone.append(name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 class HostWeightPublisher:
     """The trainer's side: a shared-memory file laid out for ``weights`` (name -> tensor), holding them as ``version``.
 
@@ -86,7 +114,8 @@ class HostWeightPublisher:
             end += t.numel() * t.element_size()
         self.entries = {e.name: e for e in entries}
         self.skip = skip
-        self.path = os.path.join(directory, f"stateshift-weights-{os.getpid()}-{secrets.token_hex(6)}")
+        remove_stale(directory)
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, self.path)
         try:
