@@ -117,7 +117,7 @@ def test_rollouter_killed_mid_generation_is_restarted(tmp_path, monkeypatch, cap
     assert res.summary["status"] == "finished" and res.steps == 10
     (restart,) = res.summary["rollout"]["restarts"]
     assert restart["pid"] == killed["pid"] and restart["why"] == "killed by SIGKILL"
-    assert restart["detected_at"] - killed["at"] < 2.0  # the server thread sees the pipe close at once
+    assert restart["detected_at"] - killed["at"] < 3.0  # the server thread sees the pipe close at once (load: slack)
     assert restart["successor_pid"] not in (None, killed["pid"])
     assert f"rollouter process {killed['pid']} died: killed by SIGKILL" in capfd.readouterr().err
     _no_group_twice(res)
