@@ -9,6 +9,7 @@ what the rollouter process is doing):
 - ``raise``: the 4th ``generate`` call raises ``Boom``;
 - ``hang``: ``generate`` never returns on its own (it ignores pauses; ends after 60 s);
 - ``slow_start``: the process takes 4 s more to start;
+- ``die_on_restart``: as ``slow``; the second process to start exits (status 3) before it is ready;
 - ``late_pause``: a pause asked for by the thread that posts weight updates (the ``ctl`` thread) first waits
   up to 0.5 s for the rollouter to resume (the interleaving of ``test_rl_handshake.py``).
 """
@@ -43,6 +44,10 @@ def install() -> None:
     mode = os.environ.get("STATESHIFT_TEST_MODE", "")
     if mode == "slow_start":
         time.sleep(4)
+    if mode == "die_on_restart":
+        if not _once("first-start") and _once("second-died"):
+            os._exit(3)
+        mode = "slow"
     generate, update = KVRollouter.generate, KVRollouter.update_weights
     calls = {"n": 0}
 

@@ -123,6 +123,17 @@ def test_rollouter_killed_mid_generation_is_restarted(tmp_path, monkeypatch, cap
     _no_group_twice(res)
 
 
+def test_a_successor_that_dies_before_it_is_ready_is_one_more_death_replaced_in_turn(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESHIFT_TEST_MODE", "die_on_restart")
+    killed = _kill_when(tmp_path, "generating", after_s=0.3)
+    res = run(tiny(tmp_path, "executor=process", "trainer.steps=6", *LIVELY))
+    assert res.summary["status"] == "finished"
+    first, second = res.summary["rollout"]["restarts"]
+    assert first["pid"] == killed["pid"] and first["successor_pid"] == second["pid"]
+    assert second["why"] == "exit status 3 before it was ready" and second["successor_pid"] is not None
+    _no_group_twice(res)
+
+
 def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_again(tmp_path, monkeypatch):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow_copy")
     killed = _kill_when(tmp_path, "copying")

@@ -71,6 +71,14 @@ from .weights import HostWeightPublisher
 START_TIMEOUT_S = 300.0
 
 
+class _StartDied(RolloutDiedError):
+    """A rollouter process ended before it was ready, without an error of its own (killed, crashed)."""
+
+    def __init__(self, inc: Incarnation) -> None:
+        super().__init__(f"rollouter process {inc.pid} ended before it was ready: {exit_reason(inc.proc)}")
+        self.inc = inc
+
+
 @dataclass(eq=False)
 class Incarnation:
     """One rollouter process (``owner`` numbers them: 0, then +1 per restart)."""
@@ -179,8 +187,8 @@ class ProcessRollouts:
                     got = False
                 if got and msg[0] == "failed":
                     raise msg[1]
-                raise RolloutDiedError(f"rollouter process {inc.proc.pid} ended before it was ready: "
-                                       f"{exit_reason(inc.proc)}")
+                inc.pid = inc.proc.pid
+                raise _StartDied(inc)
             if self.closing:
                 raise RolloutDiedError("the run stopped while a rollouter process was starting")
         raise RolloutDiedError(f"rollouter process {inc.proc.pid} was not ready within {START_TIMEOUT_S:g} s")
@@ -228,29 +236,42 @@ class ProcessRollouts:
         return True
 
     def _died(self, inc: Incarnation) -> None:
-        """``inc`` died: report it at once; a successor with the newest weights generates its prompts first.
+        """``inc`` died: report it at once; a successor with the newest weights generates its prompts first. A
+        successor that dies before it is ready is one more death: reported, counted and replaced in turn.
 
         ``RolloutDiedError`` (the run stops) past ``rollout.max_restarts``."""
         inc.proc.join(2)
-        t_detect, why, limit = time.time(), exit_reason(inc.proc), self.cfg.rollout.max_restarts
         if self.closing:  # (``stop`` reports it)
             return
+        t_detect, why, limit = time.time(), exit_reason(inc.proc), self.cfg.rollout.max_restarts
         print(f"[stateshift] rollouter process {inc.pid} died: {why}", file=self.stream, flush=True)
-        done = len(self.restarts)
-        if done >= limit:
-            self._record(inc, why, t_detect, None, 0)
-            raise RolloutDiedError(f"rollouter process {inc.pid} died: {why} -- after {done} restarts "
-                                   f"(rollout.max_restarts={limit}) the run stops")
-        orphans = self.hub.owner_died(inc.owner)  # before the successor asks for prompts: it gets these first
-        with self.lock:
-            successor = self._spawn(inc.owner + 1, None)
-            self.current = successor
-            successor.ctl.send(("run",))
+        while True:
+            done = len(self.restarts)
+            if done >= limit:
+                self._record(inc, why, t_detect, None, 0)
+                raise RolloutDiedError(f"rollouter process {inc.pid} died: {why} -- after {done} restarts "
+                                       f"(rollout.max_restarts={limit}) the run stops")
+            orphans = self.hub.owner_died(inc.owner)  # before the successor asks for prompts: it gets these first
+            try:
+                successor = self._restart_as(inc.owner + 1)
+            except _StartDied as err:
+                self._record(inc, why, t_detect, err.inc, orphans)
+                inc, why, t_detect = err.inc, f"{exit_reason(err.inc.proc)} before it was ready", time.time()
+                print(f"[stateshift] rollouter process {inc.pid} died: {why}", file=self.stream, flush=True)
+                continue
+            break
         self._record(inc, why, t_detect, successor, orphans)
         self.control.progress()
         print(f"[stateshift] restarted it as pid {successor.pid} with weights v{self.publisher.version}; {orphans} "
               f"prompts in flight are generated again ({len(self.restarts)}/{limit} restarts)", file=self.stream,
               flush=True)
+
+    def _restart_as(self, owner: int) -> Incarnation:
+        with self.lock:
+            successor = self._spawn(owner, None)
+            self.current = successor
+            successor.ctl.send(("run",))
+        return successor
 
     def _record(self, inc: Incarnation, why: str, t_detect: float, successor: Incarnation | None, orphans: int) -> None:
         self.restarts.append({"rollouter": f"process {inc.owner}", "pid": inc.pid, "why": why, "detected_at": t_detect,
