@@ -94,9 +94,12 @@ def _no_group_twice(result) -> None:
     assert len(uids) == len(set(uids)) == result.summary["ledger"]["trained"]
 
 
-def test_process_executor_equals_the_thread_executor(tmp_path):
+@pytest.mark.parametrize("transport", ["builtin", "shared_host"])
+def test_process_executor_equals_the_thread_executor(tmp_path, transport):
+    """Weights through the executor's own shared-memory file, or through the weight-sync library."""
     thread = run(tiny(tmp_path / "thread", *DETERMINISTIC), return_params=True)
-    proc = run(tiny(tmp_path / "process", "executor=process", *DETERMINISTIC), return_params=True)
+    proc = run(tiny(tmp_path / "process", "executor=process", f"rollout.weight_transport={transport}", *DETERMINISTIC),
+               return_params=True)
     assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
     assert proc.losses == thread.losses  # exact float equality
     assert proc.trained_uids == thread.trained_uids
@@ -134,10 +137,12 @@ def test_a_successor_that_dies_before_it_is_ready_is_one_more_death_replaced_in_
     _no_group_twice(res)
 
 
-def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["builtin", "shared_host"])
+def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_again(tmp_path, monkeypatch, transport):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow_copy")
     killed = _kill_when(tmp_path, "copying")
-    res = run(tiny(tmp_path, "executor=process", "trainer.steps=6", "async_training.trigger_parameter_sync_step=2",
+    res = run(tiny(tmp_path, "executor=process", f"rollout.weight_transport={transport}", "trainer.steps=6",
+                   "async_training.trigger_parameter_sync_step=2",
                    "async_training.staleness_threshold=0", *LIVELY), return_params=True)
     assert res.summary["status"] == "finished" and res.steps == 6
     (restart,) = res.summary["rollout"]["restarts"]

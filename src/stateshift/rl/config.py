@@ -217,6 +217,11 @@ class RolloutConfig:
     length, not the max; rl/continuous.py; built-in model, executor=inprocess, no checkpoints in this version)"""
     device: str | None = None
     """executor=process: where the rollouter process computes ('cuda:N'); null: the trainer's device (run.device)"""
+    weight_transport: Literal["builtin", "auto", "shared_host", "cuda_ipc"] = "builtin"
+    """executor=process: how weights reach the rollouter process. 'builtin': one shared-memory file the trainer
+    copies each sync into; the others go through the weight-sync library (stateshift.rl.sync) over the trainer's
+    state: 'shared_host' (host shared memory), 'cuda_ipc' (the trainer's GPU memory, one GPU), 'auto' (cuda_ipc
+    when both sides are on the same GPU, else shared_host)"""
     max_restarts: int = 3
     """executor=process: a rollouter process that dies (killed, OOM) is reported and restarted with the newest
     weights at most this many times per run; the next death stops the run with RolloutDiedError"""
@@ -230,6 +235,8 @@ class RolloutConfig:
         _check("rollout.device", self.device is None or self.device == "cpu" or self.device.startswith("cuda"),
                "must be null, 'cpu' or 'cuda:N'")
         _check("rollout.max_restarts", self.max_restarts >= 0, "must be >= 0")
+        _check("rollout.weight_transport", self.weight_transport != "cuda_ipc" or (self.device or "cuda").startswith("cuda"),
+               "cuda_ipc needs the rollouter on a GPU")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -65,7 +65,7 @@ from .base import RolloutCapture, RolloutDiedError, RolloutStats, SyncOutcome, r
 from .hub import QueueHub
 from .link import Link, LinkClosed
 from .process_child import ChildSpec, child_main
-from .weights import HostWeightPublisher
+from .weights import make_publisher
 
 #: seconds a rollouter process may take to start (import torch, build its model, load the weights)
 START_TIMEOUT_S = 300.0
@@ -122,17 +122,18 @@ class ProcessRollouts:
     """The ``Rollouts`` protocol over a rollouter process, replaced when it dies (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: RolloutCapture | None = None, stream: TextIO | None = None) -> None:
+                 capture: RolloutCapture | None = None, state: Any = None, stream: TextIO | None = None) -> None:
         self.cfg, self.control, self.stream = cfg, control, stream or sys.stderr
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
         if capture is not None:
             self.hub.restore(capture)
-        self.publisher = HostWeightPublisher(policy.rollout_state_dict(), version,
-                                             skip=getattr(policy.lm, "skip_weight", None))
+        self.device = cfg.rollout.device or (f"cuda:{torch.cuda.current_device()}" if cfg.run.device == "cuda" else None)
+        same_gpu = self.device is not None and torch.device(self.device) == torch.device("cuda", torch.cuda.current_device())
+        self.publisher = make_publisher(cfg.rollout.weight_transport, policy.rollout_state_dict(), version, state=state,
+                                        skip=getattr(policy.lm, "skip_weight", None), same_gpu=same_gpu)
         self.ctx = mp.get_context("spawn")
         self.status = self.ctx.RawArray("c", 256)
-        self.device = cfg.rollout.device or (f"cuda:{torch.cuda.current_device()}" if cfg.run.device == "cuda" else None)
         self.lock = threading.RLock()
         self.closing = False
         self.restarts: list[dict[str, Any]] = []

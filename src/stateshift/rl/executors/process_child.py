@@ -37,7 +37,7 @@ from ..rollout import Group
 from .base import WorkerReport
 from .inprocess import RolloutWorker
 from .link import Link, LinkClosed, portable_error
-from .weights import HostWeightReceiver
+from .weights import HostWeightReceiver, LibraryReceiver, open_receiver
 
 #: tests only: ``module:function`` called first thing in a rollouter process (to patch it as a test needs)
 HOOK_ENV = "STATESHIFT_TEST_ROLLOUT_PROCESS_HOOK"
@@ -141,14 +141,14 @@ def _prepare(spec: ChildSpec) -> None:
 
 
 def _build(spec: ChildSpec, port: Link, ctl: Link, control: RunControl
-           ) -> tuple[RolloutWorker, HostWeightReceiver, threading.Event]:
+           ) -> tuple[RolloutWorker, HostWeightReceiver | LibraryReceiver, threading.Event]:
     """The worker with the newest weights and the capture the trainer sends first; ``ready`` sent back."""
     cfg = spec.cfg
     task = build_task(cfg)
     worker = RolloutWorker.build(cfg, task, build_rollout_lm(cfg, task), PipeQueuePort(port, control), control,
                                  version=spec.version, owner=spec.owner, seed=spec.seed)
-    receiver = HostWeightReceiver(spec.weights)
-    worker.rollouter.update_weights(receiver.pairs(), spec.version)
+    receiver = open_receiver(spec.weights, f"rollout-{spec.owner}")
+    worker.rollouter.update_weights(receiver.pairs(spec.version), spec.version)
     worker.rollouter.copy_bytes, worker.rollouter.copy_seconds = 0, 0.0  # count syncs only, as in process
     control.on_stop.append(worker.rollouter.pause)
     while True:
@@ -162,7 +162,7 @@ def _build(spec: ChildSpec, port: Link, ctl: Link, control: RunControl
     return worker, receiver, threading.Event()
 
 
-def _serve_ctl(worker: RolloutWorker, receiver: HostWeightReceiver, ctl: Link, control: RunControl,
+def _serve_ctl(worker: RolloutWorker, receiver: HostWeightReceiver | LibraryReceiver, ctl: Link, control: RunControl,
                started: threading.Event) -> None:
     """The ``ctl`` thread: ``run``, ``sync`` (handed to the generating thread, answered) and ``stop``."""
     try:
@@ -174,7 +174,7 @@ def _serve_ctl(worker: RolloutWorker, receiver: HostWeightReceiver, ctl: Link, c
                 started.set()
             elif msg[0] == "sync":
                 _, version, capture, interrupt = msg
-                update = WeightUpdate(receiver.pairs, version, capture=capture)
+                update = WeightUpdate(lambda v=version: receiver.pairs(v), version, capture=capture)
                 ctl.send(("synced", worker.hand_over(update, interrupt=interrupt)))
             elif msg[0] == "stop":
                 control.stop()

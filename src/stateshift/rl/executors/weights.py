@@ -173,11 +173,78 @@ class HostWeightReceiver:
         finally:
             os.close(fd)
 
-    def pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` views of the newest weights: copy them before the trainer may write the next version
-        (the end of the sync or start that handed them over)."""
+    def pairs(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views of the newest weights (``version``: the file holds that one whenever it is read):
+        copy them before the trainer may write the next version (the end of the sync or start that handed them
+        over)."""
+        del version
         return _views(self._map, self.entries)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+#: seconds a version may take to become visible to receivers (the publisher's copies)
+PUBLISH_TIMEOUT_S = 300.0
+
+
+class LibraryPublisher:
+    """The trainer's side over the weight-sync library: ``stateshift.rl.sync.WeightPublisher`` on the trainer's
+    ``ModelState`` (``rollout.weight_transport``: ``shared_host``, ``cuda_ipc``). ``publish`` takes the library's
+    own snapshot of the state (the pairs are not read) and returns once receivers can see the version."""
+
+    def __init__(self, state: Any, version: int, *, transport: str) -> None:
+        from ..sync import WeightPublisher
+
+        self.pub = WeightPublisher(state, transport=transport, name="rollout")
+        self.transport = self.pub.transport
+        self.version = version
+        try:
+            self.pub.publish(version).wait(PUBLISH_TIMEOUT_S)
+        except BaseException:
+            self.pub.close()
+            raise
+
+    def handle(self) -> dict[str, Any]:
+        return {"sync": self.pub.handle().to_json()}
+
+    def publish(self, pairs: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        del pairs  # the library snapshots the state itself
+        self.pub.publish(version).wait(PUBLISH_TIMEOUT_S)
+        self.version = version
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+class LibraryReceiver:
+    """The rollouter's side over the weight-sync library (``stateshift.rl.sync.WeightReceiver``)."""
+
+    def __init__(self, handle: Mapping[str, Any], name: str) -> None:
+        from ..sync import WeightReceiver
+
+        self.rx = WeightReceiver(handle["sync"], name=name)
+
+    def pairs(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of ``version`` (or newer), held while the caller iterates; let go at the end."""
+        with self.rx.receive(min_version=version) as (_, pairs):
+            yield from pairs
+
+    def close(self) -> None:
+        self.rx.close()
+
+
+def open_receiver(handle: Mapping[str, Any], name: str) -> HostWeightReceiver | LibraryReceiver:
+    """The receiving end of whichever publisher made ``handle``."""
+    return LibraryReceiver(handle, name) if "sync" in handle else HostWeightReceiver(handle)
+
+
+def make_publisher(transport: str, weights: Mapping[str, torch.Tensor], version: int, *, state: Any,
+                   skip: Callable[[str], bool] | None, same_gpu: bool) -> HostWeightPublisher | LibraryPublisher:
+    """The trainer's end for ``rollout.weight_transport`` (``auto``: ``cuda_ipc`` on one GPU, else ``shared_host``)."""
+    if transport == "builtin":
+        return HostWeightPublisher(weights, version, skip=skip)
+    if transport == "auto":
+        transport = "cuda_ipc" if same_gpu else "shared_host"
+    return LibraryPublisher(state, version, transport=transport)
