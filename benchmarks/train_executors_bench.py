@@ -6,6 +6,10 @@ where it runs), for the Megatron and FSDP2 families with param offload and pi_ol
 
 (``key=value`` config overrides for every run come first: the list options would take them otherwise.)
 
+``--executors`` items: ``inprocess``, ``process`` (weights through the executor's own shared-memory file),
+``process+auto`` / ``process+cuda_ipc`` / ``process+shared_host`` (through the weight-sync library),
+``ray`` (needs Ray on the machine).
+
 One row per run (each in its own process: Megatron's global state and CUDA errors cannot leak into the next):
 ``executor``, ``family``, ``size``, ``model_params``, ``steps``, ``steps_per_s``, ``samples_per_s``,
 ``trainer_idle_ratio``, ``rollout_idle_ratio``, ``sync_s`` (the trainer's seconds per weight sync: snapshot,
@@ -55,8 +59,9 @@ def child(name: str, run_dir: Path, extra: list[str]) -> None:
     from stateshift.rl.loop import run
 
     executor, family, size = name.split("/")
+    executor, _, transport = executor.partition("+")
     cfg = resolve(None, [*COMMON, *FAMILIES[family], *SIZES[size], f"executor={executor}", *extra,
-                         f"run.out_dir={run_dir}"])
+                         *([f"rollout.weight_transport={transport}"] if transport else []), f"run.out_dir={run_dir}"])
     res = run(cfg)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run_dir / "result.json").write_text(json.dumps({"name": name, "summary": res.summary, "last": recs[-1],
@@ -65,10 +70,12 @@ def child(name: str, run_dir: Path, extra: list[str]) -> None:
 
 def row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     executor, family, size = name.split("/")
+    executor, _, transport = executor.partition("+")
     s, last = result["summary"], result["last"]
     syncs = max(s["sync"]["syncs"], 1)
     wall = last["wall_s"]
-    return {"executor": executor, "family": family, "size": size,
+    return {"executor": executor, "weight_transport": transport or ("builtin" if executor == "process" else None),
+            "family": family, "size": size,
             "model_params": s["sync"]["param_bytes"] // PARAM_BYTES[family], "steps": result["steps"],
             "steps_per_s": round(result["steps"] / wall, 3), "samples_per_s": round(last["samples_per_s"], 1),
             "trainer_idle_ratio": round(last["trainer_idle_ratio"], 3),
@@ -86,11 +93,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["family"], r["size"]) for r in rows})
-    executors = sorted({r["executor"] for r in rows})
+    executors = sorted({_label(r) for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(len(executors), 1)
     for i, ex in enumerate(executors):
-        vals = [next((r for r in rows if (r["family"], r["size"], r["executor"]) == (*g, ex)), None) for g in groups]
+        vals = [next((r for r in rows if (r["family"], r["size"], _label(r)) == (*g, ex)), None) for g in groups]
         xs = [j + i * width for j in range(len(groups))]
         axes[0].bar(xs, [v["samples_per_s"] if v else 0 for v in vals], width, label=ex)
         axes[1].bar(xs, [v["trainer_idle_ratio"] if v else 0 for v in vals], width, label=ex)
@@ -104,8 +111,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _label(r: dict[str, Any]) -> str:
+    return r["executor"] + (f"+{r['weight_transport']}" if r["weight_transport"] not in (None, "builtin") else "")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    keys = ["executor", "family", "size", "model_params", "samples_per_s", "steps_per_s", "trainer_idle_ratio",
+    keys = ["executor", "weight_transport", "family", "size", "model_params", "samples_per_s", "steps_per_s", "trainer_idle_ratio",
             "rollout_idle_ratio", "sync_s", "pause_s", "status"]
     lines = [" | ".join(keys)]
     lines += [" | ".join(str(r[k]) for k in keys) for r in rows]
@@ -116,7 +127,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--executors", nargs="+", default=["inprocess", "process"])
+    ap.add_argument("--executors", nargs="+", default=["inprocess", "process", "process+auto"],
+                    help="inprocess, process (its own shared-memory file), process+TRANSPORT (the weight-sync "
+                         "library: auto, shared_host, cuda_ipc), ray")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES))
     ap.add_argument("--sizes", nargs="+", default=list(SIZES))
     ap.add_argument("--smoke", action="store_true", help="3 steps per run: checks the path, no figures")

@@ -25,9 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 FAMILIES = ["builtin", "fsdp2", "megatron"]
 
 
+@pytest.mark.parametrize("transport", ["builtin", "auto", "shared_host"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_process_executor_on_cuda(tmp_path, family):
-    s = pc.check_run(tmp_path, family, "run.device=cuda", "executor=process")
+def test_process_executor_on_cuda(tmp_path, family, transport):
+    """``auto`` is cuda_ipc here (both sides on one GPU); the others go through host shared memory."""
+    s = pc.check_run(tmp_path, family, "run.device=cuda", "executor=process", f"rollout.weight_transport={transport}")
     assert s["rollout"]["executor"] == "process" and s["rollout"]["restarts"] == []
     assert s["memory"]["rollout_device_peak_allocated_bytes"] > 0  # the rollouter process computed on the GPU
 
