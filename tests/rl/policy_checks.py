@@ -225,7 +225,7 @@ def main(family: str, tmp: Path) -> None:
     print("ok fresh_optimizer", flush=True)
     check_kv_cache(tmp / "f", family)
     print("ok kv_cache", flush=True)
-    check_process_equal(tmp / "f", family)
+    check_process_equal(tmp / "g", family)
     print("ok process_equal", flush=True)
 
 

@@ -73,8 +73,8 @@ class RunResult:
     trained_uids: list[int] = field(default_factory=list)
 
 
-#: builds the rollout side: ``(cfg, task, trainer's ``Policy`` (resident), control, version=, capture=, state=)``
-#: (``state``: the trainer's ``ModelState``, which the weight-sync library publishes from)
+#: builds the rollout side: ``(cfg, task, trainer's ``Policy`` (resident), control, version=, capture=)``, and
+#: ``state=`` (the trainer's ``ModelState``, which the weight-sync library publishes from) if it ``takes_state``
 RolloutsFactory = Callable[..., Rollouts]
 
 
@@ -244,8 +244,9 @@ class AsyncLoop:
         self.cfg_dict = config_mod.as_dict(cfg)
         self.control = RunControl()
         capture: RolloutCapture | None = resumed.capture if resumed is not None else None
+        extra = {"state": trainer.state} if getattr(rollouts, "takes_state", False) else {}
         self.rollouts = rollouts(cfg, task, trainer.policy, self.control, version=trainer.version, capture=capture,
-                                 state=trainer.state)
+                                 **extra)
         self.t_start = time.perf_counter()  # RL's wall clock starts once the rollout side is up (a process: seconds)
         self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
                                   resume_step=resumed.step if resumed is not None else None)

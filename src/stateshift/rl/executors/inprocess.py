@@ -165,7 +165,7 @@ class InProcessRollouts:
     """
 
     def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: RolloutCapture | None = None, state: Any = None) -> None:
+                 capture: RolloutCapture | None = None) -> None:
         self.control = control
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)

@@ -121,6 +121,9 @@ def _sigint_ignored() -> Iterator[None]:
 class ProcessRollouts:
     """The ``Rollouts`` protocol over a rollouter process, replaced when it dies (see the module docstring)."""
 
+    #: the loop passes the trainer's ``ModelState`` (``state=``): the weight-sync library publishes from it
+    takes_state = True
+
     def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
                  capture: RolloutCapture | None = None, state: Any = None, stream: TextIO | None = None) -> None:
         self.cfg, self.control, self.stream = cfg, control, stream or sys.stderr

@@ -130,7 +130,7 @@ class TrainerActor:
         from .ray_rollouts import RayRollouts
 
         def rollouts(cfg: TrainConfig, task: Any, lm: Any, control: RunControl, *, version: int,
-                     capture: RolloutCapture | None, state: Any = None) -> RayRollouts:
+                     capture: RolloutCapture | None) -> RayRollouts:
             self.control = control
             if self.interrupted:
                 raise KeyboardInterrupt
