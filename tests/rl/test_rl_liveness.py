@@ -54,11 +54,11 @@ def test_trainer_that_raises_stops_the_rollout_thread(tmp_path, monkeypatch):
     real = Trainer.update
     calls = {"n": 0}
 
-    def flaky(self, batch, timer):
+    def flaky(self, batch, timer, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise Boom("trainer died")
-        return real(self, batch, timer)
+        return real(self, batch, timer, **kw)
 
     monkeypatch.setattr(Trainer, "update", flaky)
     with pytest.raises(Boom, match="trainer died"):
