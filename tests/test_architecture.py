@@ -15,7 +15,7 @@ from stateshift.backends import REGISTRY, base
 SRC = Path(stateshift.__file__).resolve().parent
 ENGINE = ["core/state.py", "core/snapshot.py", "core/transfer.py", "core/slot.py", "core/pool.py", "core/layout.py",
           "core/groups.py", "core/swap.py", "core/source.py", "core/stable.py", "core/locking.py", "core/disk.py",
-          "core/ranks.py"]
+          "core/ranks.py", "core/touch.py"]
 MAX_LINES = 60
 #: packages still being cut to size (issue 9 rewrites checkpoint/; this set empties when it lands)
 PENDING = ()

@@ -46,6 +46,7 @@ from .errors import (
     StateShiftError,
     SwapActiveError,
     UnknownGroupError,
+    VerbInsideComputeError,
 )
 
 __version__ = "0.1.0"
@@ -80,5 +81,6 @@ __all__ = [
     "StateShiftError",
     "SwapActiveError",
     "UnknownGroupError",
+    "VerbInsideComputeError",
     "__version__",
 ]

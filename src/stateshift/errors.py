@@ -91,6 +91,24 @@ class SwapActiveError(StateShiftError, RuntimeError):
     """A verb touched groups that a ``swapped`` context currently holds."""
 
 
+class VerbInsideComputeError(StateShiftError, RuntimeError):
+    """A verb that releases storage was called from inside compute that reads it, on the same thread.
+
+    A forward (or an optimizer step) of a guarded model holds the state's storage until it returns;
+    ``offload``, ``drop`` or a ``swapped()`` exit called from inside it (a hook) would release storage
+    the running forward still reads. From another thread the verb waits instead; on the same thread
+    it would wait for ever, so it raises, before anything changed.
+    """
+
+    def __init__(self, verb: str, compute: str) -> None:
+        self.verb = verb
+        self.compute = compute
+        super().__init__(
+            f"{verb}() was called from inside {compute} on the same thread: it would release storage that "
+            f"the running computation reads. Call {verb}() after it returns"
+        )
+
+
 class ForeignStateError(StateShiftError, RuntimeError):
     """A tensor's device storage was released by someone else and no values can be found for it."""
 

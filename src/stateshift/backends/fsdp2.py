@@ -51,6 +51,7 @@ user is in ``docs/fsdp2.md``. In short:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -364,12 +365,20 @@ class FSDP2ModuleBackend(TorchModuleBackend):
         before FSDP's own hooks read the shards.
         """
         handles: list[Any] = []
+        enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)
+
+        def leave_forward(mod: nn.Module, *args: Any) -> None:
+            if leave is not None:
+                leave(sys._getframe(1))
+
         for unit in self._units:
             for owner, module in zip(unit.names, unit.modules, strict=True):
                 label = repr(owner) if owner else f"<root {type(module).__name__}>"
 
                 def pre_forward(mod: nn.Module, args: Any, unit: _Unit = unit, label: str = label) -> None:
                     where = f"forward of FSDP module {label}"
+                    if enter is not None:  # before FSDP's all-gather reads the shards (``ReaderGate``)
+                        enter(sys._getframe(1), where)
                     check(self._shard_storages(self._forward_needs(unit)), where)
                     check(self._plain(unit), where)
 
@@ -392,6 +401,7 @@ class FSDP2ModuleBackend(TorchModuleBackend):
                 # prepend: ahead of FSDP's own hooks (registered by fully_shard, before us)
                 handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
                 handles.append(module.register_forward_hook(post_forward, prepend=True))
+                handles.append(module.register_forward_hook(leave_forward, always_call=True))
         handles.extend(super().install_guards(check))  # per-module checks of the plain torch backend
         return handles
 

@@ -6,11 +6,17 @@ pre-hook, a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on
 every module that owns parameters or buffers, and a gradient hook on every
 trainable parameter, each calling the engine's ``check`` first.
 
-What torch offers no hook for stays unsafe on released state (a segfault on
-the CPU, an illegal-address fault on CUDA): reading a tensor directly
-(``print(p)``, ``p.sum()``, ``p.clone()``, indexing), ``copy.deepcopy(model)``,
-``model.to(...)`` / ``.cuda()`` / ``.half()``, and free functions such as
-``torch.nn.utils.clip_grad_norm_``. Onload first.
+What torch offers no hook for (reading a tensor directly: ``print(p)``,
+``p.sum()``, ``copy.deepcopy(model)``, ``model.to(...)``, free functions such
+as ``clip_grad_norm_``) is checked operator by operator while anything is
+released (``core/touch.py``).
+
+Order across threads: the forward pre-hooks (and ``MethodGuard``) enter the
+state's ``ReaderGate`` before they check, and an ``always_call`` forward hook
+leaves it, so a verb in another thread waits for a running forward instead
+of releasing what it reads (``core/locking.py``). ``check`` is the engine's
+``Guard``: ``check(tensors, where)``, ``check.enter(frame, what)``,
+``check.leave(frame)``; a plain ``Check`` without them (a test's) orders nothing.
 
 Why nothing added later escapes: the hooks read the module's tensors when
 they run (a replaced parameter is seen), and ``cover()`` is called again by
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -95,7 +102,8 @@ class ModuleGuards:
         for owner, m in modules:
             if (m._parameters or m._buffers) and not _seen(self._modules, m):
                 label = owner or type(m).__name__
-                self.handles.append(m.register_forward_pre_hook(self._module_hook(f"forward of module {label!r}")))
+                self.handles.append(m.register_forward_pre_hook(self._forward_hook(f"forward of module {label!r}")))
+                self.handles.append(m.register_forward_hook(self._leave_hook(), always_call=True))
                 self.handles.append(m.register_state_dict_pre_hook(self._module_hook(f"state_dict() of module {label!r}")))
                 self.handles.append(
                     m.register_load_state_dict_pre_hook(self._module_hook(f"load_state_dict() into module {label!r}"))
@@ -114,12 +122,39 @@ class ModuleGuards:
         root, a refused forward changes nothing. The per-module hooks stay
         for modules called on their own."""
         check, local, where = self.check, self.local, f"forward of {label}"
+        enter = getattr(check, "enter", None)
 
         def tree_hook(mod: nn.Module, *args: Any) -> None:
+            if enter is not None:
+                enter(sys._getframe(1), where)  # (the frame of torch's module call: its post-hooks leave)
             # (unbound: Megatron's DDP wrapper has a list attribute named ``buffers``)
             check((local(t) for t in itertools.chain(nn.Module.parameters(mod), nn.Module.buffers(mod))), where)
 
         self.handles.append(root.register_forward_pre_hook(tree_hook, prepend=True))
+        self.handles.append(root.register_forward_hook(self._leave_hook(), always_call=True))
+
+    def _forward_hook(self, where: str) -> Callable[..., None]:
+        """A forward pre-hook that enters the reader gate (``check.enter``), then checks the module's own tensors."""
+        check, local = self.check, self.local
+        enter = getattr(check, "enter", None)
+
+        def pre_hook(mod: nn.Module, *args: Any) -> None:
+            if enter is not None:
+                enter(sys._getframe(1), where)
+            own = (*mod._parameters.values(), *mod._buffers.values())
+            check((local(t) for t in own if t is not None), where)
+
+        return pre_hook
+
+    def _leave_hook(self) -> Callable[..., None]:
+        """An ``always_call`` forward hook: the forward (returned or raised) leaves the reader gate."""
+        leave = getattr(self.check, "leave", None)
+
+        def post_hook(mod: nn.Module, *args: Any) -> None:
+            if leave is not None:
+                leave(sys._getframe(1))
+
+        return post_hook
 
     def _module_hook(self, where: str) -> Callable[..., None]:
         """A hook (forward, state_dict or load_state_dict pre-hook) that checks the module's own tensors."""
@@ -176,11 +211,21 @@ class MethodGuard:
         original = getattr(obj, method)
         what = what or f"{type(obj).__name__}.{method}()"
 
+        enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)
+
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if when is None or when(*args, **kwargs):
+            if when is not None and not when(*args, **kwargs):
+                return original(*args, **kwargs)
+            frame = sys._getframe()
+            if enter is not None and leave is not None:
+                enter(frame, what)  # (a reader until the method returns: a verb in another thread waits)
+            try:
                 check(tensors(), what, writes=writes)
-            return original(*args, **kwargs)
+                return original(*args, **kwargs)
+            finally:
+                if leave is not None:
+                    leave(frame)
 
         self.guarded = guarded
         obj.__dict__[method] = guarded

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,9 +299,16 @@ class TorchOptimizerBackend:
     def install_guards(self, check: Check) -> list[Handle]:
         """``step()``, ``state_dict()``, ``load_state_dict()`` and ``zero_grad(set_to_none=False)`` on released state raise."""
         opt = self.optimizer
+        enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)
 
         def pre_step(o: Any, args: Any, kwargs: Any) -> None:
+            if enter is not None:
+                enter(sys._getframe(1), "optimizer.step()")  # (left by the post-hook, from the same frame)
             check(self.touched(), "optimizer.step()", writes=True)
+
+        def post_step(o: Any, args: Any, kwargs: Any) -> None:
+            if leave is not None:
+                leave(sys._getframe(1))
 
         def pre_state_dict(o: Any, *args: Any) -> None:
             check(self.state_tensors(), "optimizer.state_dict()")
@@ -314,6 +322,7 @@ class TorchOptimizerBackend:
 
         return [
             opt.register_step_pre_hook(pre_step),
+            opt.register_step_post_hook(post_step),
             opt.register_state_dict_pre_hook(pre_state_dict),
             opt.register_load_state_dict_pre_hook(pre_load),
             MethodGuard(check, opt, "zero_grad", self.grads, "optimizer.zero_grad(set_to_none=False)", when=zero_grad_checks),

@@ -56,6 +56,8 @@ from .pool import HostBlock, HostPool
 from .slot import Residency, Slot, storage_key
 from .snapshot import PLACEMENTS, Placement, Snapshot, SnapshotPart, SnapshotStore
 from .source import Handle, Source, detect
+from . import touch
+from .locking import Guard, ReaderGate, verb_scope
 from .locking import locked as _locked
 from .stable import InPlace, StoragePolicy, make_policy
 from .swap import Swap, SwapVerbs, reads_of
@@ -141,6 +143,7 @@ class ModelState(SwapVerbs):
         self._swaps: list[tuple[Swap, Snapshot]] = []
         self._handles: list[Handle] = []
         self._lock = threading.RLock()
+        self._gate = ReaderGate(self._lock)
         self._closed = False
         self._guarded = guard
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
@@ -156,8 +159,9 @@ class ModelState(SwapVerbs):
             raise
         if guard:
             for b in self.backends:
-                self._handles.extend(b.install_guards(self.check_resident))
+                self._handles.extend(b.install_guards(Guard(self.check_resident, self._gate)))
         _OPEN.add(self)
+        self._publish_released()  # (a framework may have released storage before: Megatron's own offload)
 
     @classmethod
     def owner(cls, tensor: torch.Tensor) -> ModelState | None:
@@ -557,25 +561,42 @@ class ModelState(SwapVerbs):
         with self._lock:
             if self._closed:
                 return
-            for swap, snap in reversed(list(self._swaps)):
-                self._swap_out(swap, snap)
-            self._table.refresh()
-            self._bring_back(self.groups, lambda s: s.residency is not Residency.DEVICE and s.native_home is None)
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self.snapshots.clear()
+            with verb_scope(self, "close"):
+                self._close()
+
+    def _close(self) -> None:
+        for swap, snap in reversed(list(self._swaps)):
+            self._swap_out(swap, snap)
+        self._table.refresh()
+        self._bring_back(self.groups, lambda s: s.residency is not Residency.DEVICE and s.native_home is None)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.snapshots.clear()
+        for gs in self._groups.values():
+            if gs.home is not None:
+                self.pool.release(gs.home)
+                gs.home = None
+        self._closed = True
+        self._io.close()
+        if self._disk is not None:
+            self._disk.close()
+        self._table.close()
+        _KEEP_ALIVE.discard(self)
+        _OPEN.discard(self)
+
+    def _publish_released(self) -> None:
+        """Tell ``touch`` which storages of this state are released now (none once closed): any tensor
+        operation on them raises ``OffloadedStateError`` from then on."""
+        released: dict[int, Slot] = {}
+        if not self._closed:
             for gs in self._groups.values():
-                if gs.home is not None:
-                    self.pool.release(gs.home)
-                    gs.home = None
-            self._closed = True
-            self._io.close()
-            if self._disk is not None:
-                self._disk.close()
-            self._table.close()
-            _KEEP_ALIVE.discard(self)
-            _OPEN.discard(self)
+                if gs.count(Residency.DEVICE) < len(gs.slots):
+                    released.update((s.key, s) for s in gs.slots if s.residency is not Residency.DEVICE)
+            paused = self._paused_keys  # address-stable storages keep their size, not their memory
+            if paused:
+                released.update((s.key, s) for gs in self._groups.values() for s in gs.slots if s.key in paused)
+        touch.publish(self, released)
 
     # -- guards ---------------------------------------------------------------------------
     def check_resident(self, tensors: Iterable[torch.Tensor], where: str, *, writes: bool = False) -> None:
@@ -584,6 +605,7 @@ class ModelState(SwapVerbs):
         A paused address-stable storage keeps its size but not its memory: it is looked up by key.
         ``writes``: an optimizer step; inside a ``swapped()`` context of its tensors' groups it raises
         ``SwapActiveError`` (see ``Check``)."""
+        touch.sync_thread()
         paused, swapping = self._paused_keys, self._swapping if writes else None
         for t in tensors:
             if t is None or t.numel() == 0:

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import UnknownGroupError
 from .groups import GroupState, SlotTable, disown, matches
-from .locking import locked
+from .locking import locked, verb_scope
 from .pool import HostBlock, HostPool
 from .slot import NativeHome, Residency
 from .snapshot import Snapshot, SnapshotPart
@@ -205,9 +205,12 @@ class SwapVerbs:
     def _swap_out(self, swap: Swap, snapshot: Snapshot) -> None:
         """The exit: give back what was lent, then each group's own values (stash or rebuild). Once."""
         with self._lock:
-            if not swap.ended:
-                swap.ended = True
-                self._end_swap(swap, snapshot)
+            if swap.ended:
+                return
+            with verb_scope(self, "swapped() exit"):
+                if not swap.ended:
+                    swap.ended = True
+                    self._end_swap(swap, snapshot)
 
     def _end_swap(self, swap: Swap, snapshot: Snapshot) -> None:
         """Release the lent storage first, so the backends' ``prepare`` sees those slots as they were on

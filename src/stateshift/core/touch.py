@@ -1,0 +1,235 @@
+"""Any tensor operation on released storage raises ``OffloadedStateError`` (rule 8, beyond the hooks).
+
+The guard hooks cover what torch has hooks for (a module's forward, a
+backward into a gradient, an optimizer's step, ``state_dict``). Everything
+else -- ``p.grad.norm()``, ``p.add_(...)``, ``print(p)``, ``model.to(...)``,
+``copy.deepcopy(model)``, ``clip_grad_norm_``, a ``state_dict()`` taken
+before an offload and read after, FSDP2's ``full_tensor()`` -- reaches a
+kernel through torch's dispatcher, and a kernel reading released storage is
+a segmentation fault on the CPU and a sticky illegal-address fault on CUDA.
+
+While some state has released storage, this module keeps two modes on the
+mode stacks of the threads that use stateshift:
+
+- a ``TorchDispatchMode`` that looks up each operator's tensor arguments
+  (and the local tensors of a DTensor) among the released storages
+  (``publish``: every verb publishes its state's, under its lock) and raises
+  ``OffloadedStateError`` naming the group before the kernel runs; views,
+  ``detach`` and ``*_like`` factories read no values and pass;
+- a ``TorchFunctionMode`` for the few reads that bypass the dispatcher:
+  ``repr``/``print``, ``tolist()``, ``numpy()``, ``__array__``, ``__dlpack__``.
+
+Cost: nothing while no storage is released -- the modes are not on any
+stack, and a thread drops them at its next hook or verb once nothing is.
+While something is released, every operator of a thread that has them
+pays two Python calls and a dictionary lookup per tensor argument
+(``benchmarks/guard_overhead.py``).
+
+Threads: mode stacks are per thread in torch, and nothing in torch runs
+code on a thread from outside. The modes are put on a thread when it calls
+a verb or runs a guarded hook (a forward, a backward into a gradient, an
+optimizer step) while something is released -- in practice every thread
+that trains or moves a model -- and ``watch_thread()`` puts them on any
+other thread (a logging thread that reads gradient norms). Modes are put at
+the bottom of the stacks, so a mode the user enters and leaves meanwhile
+pops its own. Ops ``torch.compile`` fused into a compiled graph are not
+seen (the mode's ``ignore_compile_internals``); the guard hooks still run.
+
+The engine's verbs touch released storage on purpose (``resize_``, copies
+into re-grown storage): they run inside ``unchecked()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..errors import OffloadedStateError
+from .slot import Slot
+
+#: storage key -> slot, of every state's released storages (replaced whole, so a reader sees one version)
+_released: Mapping[int, Slot] = {}
+_by_owner: dict[int, dict[int, Slot]] = {}
+_registry = threading.Lock()
+_tls = threading.local()
+
+#: operators that read no values of their tensor arguments (besides views, which ``is_view`` tells)
+_NO_READ = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "detach", "alias", "lift_fresh", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+        "randn_like", "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+        "is_pinned", "record_stream", "set_", "resize_", "resize_as_", "result_type", "is_same_size", "size",
+        "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STORAGE_ID = getattr(torch._C, "_storage_id", None)
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return _STORAGE_ID(t) if _STORAGE_ID is not None else t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - a tensor without storage (a wrapper subclass): nothing to read
+        return None
+
+
+def _slot_of(t: torch.Tensor, released: Mapping[int, Slot]) -> Slot | None:
+    """The released slot ``t`` reads, if any (a DTensor: through its local tensors)."""
+    if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        for name in inner:
+            slot = _slot_of(getattr(t, name), released)
+            if slot is not None:
+                return slot
+        return None
+    if t.numel() == 0:
+        return None
+    key = _key(t)
+    return None if key is None else released.get(key)
+
+
+def first_released(args: Any, kwargs: Mapping[str, Any] | None, released: Mapping[int, Slot]) -> Slot | None:
+    """The first released slot among the tensors of ``args`` and ``kwargs`` (and of lists among them)."""
+    for a in itertools.chain(args, (kwargs or {}).values()):
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for x in items:
+            if isinstance(x, torch.Tensor):
+                slot = _slot_of(x, released)
+                if slot is not None:
+                    return slot
+    return None
+
+
+def _refuse(slot: Slot, what: str) -> OffloadedStateError:
+    return OffloadedStateError(slot.info.group, slot.name, slot.residency.value, f"{what} (a direct read or write)")
+
+
+class _DispatchCheck(TorchDispatchMode):
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        released = _released
+        if released and not getattr(_tls, "bypass", 0) and not getattr(func, "is_view", True):
+            if getattr(func, "_overloadpacket", None) not in _NO_READ:
+                slot = first_released(args, kwargs, released)
+                if slot is not None:
+                    raise _refuse(slot, str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_RAW_READS = frozenset(
+    f for f in (
+        torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.__array__,
+        torch.Tensor.__dlpack__, torch.Tensor.numpy, torch.Tensor.tolist, torch._C.TensorBase.numpy,
+        torch._C.TensorBase.tolist,
+    )
+)
+
+
+class _FunctionCheck(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _RAW_READS:
+            released = _released
+            if released and not getattr(_tls, "bypass", 0):
+                slot = first_released(args, kwargs, released)
+                if slot is not None:
+                    raise _refuse(slot, getattr(func, "__qualname__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def publish(owner: object, released: dict[int, Slot]) -> None:
+    """``owner``'s released storages are now ``released`` (key -> slot); turns the check on or off here."""
+    global _released
+    with _registry:
+        if _by_owner.get(id(owner), {}) != released:
+            if released:
+                _by_owner[id(owner)] = released
+            else:
+                _by_owner.pop(id(owner), None)
+            merged: dict[int, Slot] = {}
+            for d in _by_owner.values():
+                merged.update(d)
+            _released = merged
+    sync_thread()
+
+
+def active() -> bool:
+    """Whether any state has released storage now."""
+    return bool(_released)
+
+
+def sync_thread() -> None:
+    """Put the modes on this thread's stacks while any storage is released; take them off once none is
+    (a thread given ``watch_thread()`` keeps them)."""
+    modes = getattr(_tls, "modes", None)
+    if (modes is not None) == bool(_released) or (modes is not None and getattr(_tls, "watched", False)):
+        return
+    if modes is None:
+        _turn_on()
+    else:
+        _remove(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
+        _remove(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
+                torch._C._push_on_torch_function_stack, modes[1])
+        _tls.modes = None
+
+
+def _pop_dispatch() -> Any:
+    return torch._C._pop_torch_dispatch_stack(None)
+
+
+def _turn_on() -> None:
+    modes = (_DispatchCheck(), _FunctionCheck())
+    _push_bottom(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
+    _push_bottom(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
+                 torch._C._push_on_torch_function_stack, modes[1])
+    _tls.modes = modes
+
+
+def watch_thread() -> None:
+    """Check this thread's tensor operations for released storage from now on, whether or not anything
+    is released now (a thread that neither calls verbs nor runs a guarded model, e.g. one that logs
+    gradient norms). While nothing is released, its operators pay the modes' pass-through."""
+    if getattr(_tls, "modes", None) is None:
+        _turn_on()
+    _tls.watched = True
+
+
+def _push_bottom(length: Any, pop: Any, push: Any, mode: Any) -> None:
+    above = [pop() for _ in range(length())]
+    push(mode)
+    for m in reversed(above):
+        push(m)
+
+
+def _remove(length: Any, pop: Any, push: Any, mode: Any) -> None:
+    above = []
+    while length():
+        m = pop()
+        if m is mode:
+            break
+        above.append(m)
+    for m in reversed(above):
+        push(m)
+
+
+@contextmanager
+def unchecked() -> Iterator[None]:
+    """Inside, this thread may touch released storage (the engine's verbs: ``resize_``, copies)."""
+    _tls.bypass = getattr(_tls, "bypass", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.bypass -= 1
