@@ -14,8 +14,10 @@ mode stacks of the threads that use stateshift:
 - a ``TorchDispatchMode`` that looks up each operator's tensor arguments
   (and the local tensors of a DTensor) among the released storages
   (``publish``: every verb publishes its state's, under its lock) and raises
-  ``OffloadedStateError`` naming the group before the kernel runs; views,
-  ``detach`` and ``*_like`` factories read no values and pass;
+  ``OffloadedStateError`` naming the group before the kernel runs;
+  ``detach``, ``alias`` and the ``*_like`` factories read no values and pass
+  (other views of released storage fail torch's own bounds check anyway: they
+  raise ``OffloadedStateError`` too);
 - a ``TorchFunctionMode`` for the few reads that bypass the dispatcher:
   ``repr``/``print``, ``tolist()``, ``numpy()``, ``__array__``, ``__dlpack__``.
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -60,7 +63,7 @@ _by_owner: dict[int, dict[int, Slot]] = {}
 _registry = threading.Lock()
 _tls = threading.local()
 
-#: operators that read no values of their tensor arguments (besides views, which ``is_view`` tells)
+#: operators that read no values of their tensor arguments
 _NO_READ = frozenset(
     getattr(torch.ops.aten, name)
     for name in (
@@ -122,8 +125,8 @@ class _DispatchCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         released = _released
-        if released and not getattr(_tls, "bypass", 0) and not getattr(func, "is_view", True):
-            if getattr(func, "_overloadpacket", None) not in _NO_READ:
+        if released and not getattr(_tls, "bypass", 0):
+            if getattr(func, "_overloadpacket", _NO_READ) not in _NO_READ:  # (a higher-order op has none)
                 slot = first_released(args, kwargs, released)
                 if slot is not None:
                     raise _refuse(slot, str(func))
@@ -151,29 +154,53 @@ class _FunctionCheck(TorchFunctionMode):
 
 
 def publish(owner: object, released: dict[int, Slot]) -> None:
-    """``owner``'s released storages are now ``released`` (key -> slot); turns the check on or off here."""
-    global _released
+    """``owner``'s released storages are now ``released`` (key -> slot); turns the check on or off here.
+
+    An owner that is garbage-collected without saying ``{}`` first (a model and its state dropped while
+    offloaded) is forgotten then: its storages are gone with it."""
     with _registry:
         if _by_owner.get(id(owner), {}) != released:
+            if id(owner) not in _by_owner and released:
+                weakref.finalize(owner, _dead.append, id(owner))
             if released:
                 _by_owner[id(owner)] = released
             else:
                 _by_owner.pop(id(owner), None)
-            merged: dict[int, Slot] = {}
-            for d in _by_owner.values():
-                merged.update(d)
-            _released = merged
+            _merge()
     sync_thread()
+
+
+#: owners collected since the last merge (a finalizer may run inside ``publish``: it only appends here)
+_dead: list[int] = []
+
+
+def _merge() -> None:
+    """Rebuild ``_released`` from every owner's (called with ``_registry`` held)."""
+    global _released
+    while _dead:
+        _by_owner.pop(_dead.pop(), None)
+    merged: dict[int, Slot] = {}
+    for d in _by_owner.values():
+        merged.update(d)
+    _released = merged
 
 
 def active() -> bool:
     """Whether any state has released storage now."""
+    if _dead:
+        with _registry:
+            _merge()
     return bool(_released)
 
 
 def sync_thread() -> None:
     """Put the modes on this thread's stacks while any storage is released; take them off once none is
     (a thread given ``watch_thread()`` keeps them)."""
+    if _dead and _registry.acquire(blocking=False):
+        try:
+            _merge()
+        finally:
+            _registry.release()
     modes = getattr(_tls, "modes", None)
     if (modes is not None) == bool(_released) or (modes is not None and getattr(_tls, "watched", False)):
         return
