@@ -574,15 +574,20 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     got = {k: v.cpu() for k, v in snap.tensors().items()}
     assert_same(got, {k: v for k, v in direct(model).items() if k in got}, "snapshot after an async unshard")
 
-    # a verb during a forward (from a hook) is refused and changes nothing
+    # a verb during a forward (from a hook) is refused and changes nothing: one that releases storage by
+    # the state's reader gate (it would release what the running forward reads), any other by FSDP's state
     if recover_api and hasattr(model, "reset_iter_state"):
+        from stateshift import VerbInsideComputeError
+
         before = state.residency()
-        hook = model.blocks[0].register_forward_pre_hook(lambda m, a: state.offload("params"))
-        with pytest.raises(FSDP2StateError, match="during a forward or backward"):
-            eval_loss(model, 0, device)
-        hook.remove()
-        model.reset_iter_state()
-        assert state.residency() == before
+        for verb, error, match in ((lambda: state.offload("params"), VerbInsideComputeError, "from inside forward"),
+                                   (lambda: state.snapshot(tag="in-forward"), FSDP2StateError, "during a forward or backward")):
+            hook = model.blocks[0].register_forward_pre_hook(lambda m, a, verb=verb: verb())
+            with pytest.raises(error, match=match):
+                eval_loss(model, 0, device)
+            hook.remove()
+            model.reset_iter_state()
+            assert state.residency() == before
         assert train_step(model, opt, 2, device) == train_step(ref, ref_opt, 2, device)
 
     # gradients accumulated without reduction are not slots: said once, loudly
