@@ -596,7 +596,7 @@ class ModelState(SwapVerbs):
             paused = self._paused_keys  # address-stable storages keep their size, not their memory
             if paused:
                 released.update((s.key, s) for gs in self._groups.values() for s in gs.slots if s.key in paused)
-        touch.publish(self, released)
+        touch.publish(self, released, frozenset(self._paused_keys) if released else frozenset())
 
     # -- guards ---------------------------------------------------------------------------
     def check_resident(self, tensors: Iterable[torch.Tensor], where: str, *, writes: bool = False) -> None:

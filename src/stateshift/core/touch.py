@@ -60,6 +60,9 @@ from .slot import Slot
 #: storage key -> slot, of every state's released storages (replaced whole, so a reader sees one version)
 _released: Mapping[int, Slot] = {}
 _by_owner: dict[int, dict[int, Slot]] = {}
+#: keys of address-stable storages that are paused: their size stays, their memory is unmapped
+_paused: frozenset[int] = frozenset()
+_paused_by_owner: dict[int, frozenset[int]] = {}
 _registry = threading.Lock()
 _tls = threading.local()
 
@@ -97,7 +100,10 @@ def _slot_of(t: torch.Tensor, released: Mapping[int, Slot]) -> Slot | None:
     if t.numel() == 0:
         return None
     key = _key(t)
-    return None if key is None else released.get(key)
+    slot = None if key is None else released.get(key)
+    if slot is not None and slot.storage.nbytes() > 0 and key not in _paused:
+        return None  # re-grown by its framework since the last verb (Megatron's own reload): readable
+    return slot
 
 
 def first_released(args: Any, kwargs: Mapping[str, Any] | None, released: Mapping[int, Slot]) -> Slot | None:
@@ -153,19 +159,21 @@ class _FunctionCheck(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def publish(owner: object, released: dict[int, Slot]) -> None:
-    """``owner``'s released storages are now ``released`` (key -> slot); turns the check on or off here.
+def publish(owner: object, released: dict[int, Slot], paused: frozenset[int] = frozenset()) -> None:
+    """``owner``'s released storages are now ``released`` (key -> slot; ``paused``: those of them whose
+    size stays while their memory is unmapped); turns the check on or off on this thread.
 
     An owner that is garbage-collected without saying ``{}`` first (a model and its state dropped while
     offloaded) is forgotten then: its storages are gone with it."""
     with _registry:
-        if _by_owner.get(id(owner), {}) != released:
+        if _by_owner.get(id(owner), {}) != released or _paused_by_owner.get(id(owner), frozenset()) != paused:
             if id(owner) not in _by_owner and released:
                 weakref.finalize(owner, _dead.append, id(owner))
             if released:
-                _by_owner[id(owner)] = released
+                _by_owner[id(owner)], _paused_by_owner[id(owner)] = released, paused
             else:
                 _by_owner.pop(id(owner), None)
+                _paused_by_owner.pop(id(owner), None)
             _merge()
     sync_thread()
 
@@ -176,13 +184,15 @@ _dead: list[int] = []
 
 def _merge() -> None:
     """Rebuild ``_released`` from every owner's (called with ``_registry`` held)."""
-    global _released
+    global _released, _paused
     while _dead:
-        _by_owner.pop(_dead.pop(), None)
+        gone = _dead.pop()
+        _by_owner.pop(gone, None)
+        _paused_by_owner.pop(gone, None)
     merged: dict[int, Slot] = {}
     for d in _by_owner.values():
         merged.update(d)
-    _released = merged
+    _released, _paused = merged, frozenset().union(*_paused_by_owner.values())
 
 
 def active() -> bool:
