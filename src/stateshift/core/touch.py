@@ -93,29 +93,36 @@ def _slot_of(t: torch.Tensor, released: Mapping[int, Slot]) -> Slot | None:
     if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
         inner, _ = t.__tensor_flatten__()
         for name in inner:
-            slot = _slot_of(getattr(t, name), released)
+            x = getattr(t, name, None)
+            slot = _slot_of(x, released) if isinstance(x, torch.Tensor) else None
             if slot is not None:
                 return slot
         return None
-    if t.numel() == 0:
-        return None
     key = _key(t)
     slot = None if key is None else released.get(key)
-    if slot is not None and slot.storage.nbytes() > 0 and key not in _paused:
+    if slot is None or t.numel() == 0:
+        return None
+    if slot.storage.nbytes() > 0 and key not in _paused:
         return None  # re-grown by its framework since the last verb (Megatron's own reload): readable
     return slot
 
 
+def _first_in(values: Any, released: Mapping[int, Slot]) -> Slot | None:
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            slot = _slot_of(a, released)
+        elif isinstance(a, (list, tuple)):
+            slot = next((r for x in a if isinstance(x, torch.Tensor) and (r := _slot_of(x, released)) is not None), None)
+        else:
+            continue
+        if slot is not None:
+            return slot
+    return None
+
+
 def first_released(args: Any, kwargs: Mapping[str, Any] | None, released: Mapping[int, Slot]) -> Slot | None:
     """The first released slot among the tensors of ``args`` and ``kwargs`` (and of lists among them)."""
-    for a in itertools.chain(args, (kwargs or {}).values()):
-        items = a if isinstance(a, (list, tuple)) else (a,)
-        for x in items:
-            if isinstance(x, torch.Tensor):
-                slot = _slot_of(x, released)
-                if slot is not None:
-                    return slot
-    return None
+    return _first_in(args, released) or (_first_in(kwargs.values(), released) if kwargs else None)
 
 
 def _refuse(slot: Slot, what: str) -> OffloadedStateError:
@@ -131,7 +138,7 @@ class _DispatchCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         released = _released
-        if released and not getattr(_tls, "bypass", 0):
+        if released:
             if getattr(func, "_overloadpacket", _NO_READ) not in _NO_READ:  # (a higher-order op has none)
                 slot = first_released(args, kwargs, released)
                 if slot is not None:
@@ -152,7 +159,7 @@ class _FunctionCheck(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _RAW_READS:
             released = _released
-            if released and not getattr(_tls, "bypass", 0):
+            if released:
                 slot = first_released(args, kwargs, released)
                 if slot is not None:
                     raise _refuse(slot, getattr(func, "__qualname__", str(func)))
@@ -204,19 +211,23 @@ def active() -> bool:
 
 
 def sync_thread() -> None:
-    """Put the modes on this thread's stacks while any storage is released; take them off once none is
-    (a thread given ``watch_thread()`` keeps them)."""
+    """Put the modes on this thread's stacks while any storage is released (or the thread is watched,
+    ``watch_thread``); take them off once none is. Nothing inside ``unchecked()``."""
     if _dead and _registry.acquire(blocking=False):
         try:
             _merge()
         finally:
             _registry.release()
-    modes = getattr(_tls, "modes", None)
-    if (modes is not None) == bool(_released) or (modes is not None and getattr(_tls, "watched", False)):
+    if getattr(_tls, "bypass", 0):
         return
-    if modes is None:
-        _turn_on()
-    else:
+    on = getattr(_tls, "modes", None) is not None
+    if on != (bool(_released) or getattr(_tls, "watched", False)):
+        _turn_off() if on else _turn_on()
+
+
+def _turn_off() -> None:
+    modes = getattr(_tls, "modes", None)
+    if modes is not None:
         _remove(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
         _remove(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
                 torch._C._push_on_torch_function_stack, modes[1])
@@ -239,9 +250,8 @@ def watch_thread() -> None:
     """Check this thread's tensor operations for released storage from now on, whether or not anything
     is released now (a thread that neither calls verbs nor runs a guarded model, e.g. one that logs
     gradient norms). While nothing is released, its operators pay the modes' pass-through."""
-    if getattr(_tls, "modes", None) is None:
-        _turn_on()
     _tls.watched = True
+    sync_thread()
 
 
 def _push_bottom(length: Any, pop: Any, push: Any, mode: Any) -> None:
@@ -264,9 +274,18 @@ def _remove(length: Any, pop: Any, push: Any, mode: Any) -> None:
 
 @contextmanager
 def unchecked() -> Iterator[None]:
-    """Inside, this thread may touch released storage (the engine's verbs: ``resize_``, copies)."""
-    _tls.bypass = getattr(_tls, "bypass", 0) + 1
+    """Inside, this thread's operators are not checked, and cost nothing: the modes are off its stacks.
+
+    The engine's verbs run inside (they touch released storage on purpose: ``resize_``, copies into
+    re-grown storage); so may a hot loop that knows it touches no offloaded state (e.g. a rollout
+    engine generating in the trainer's process while the trainer's state is offloaded)."""
+    depth = getattr(_tls, "bypass", 0)
+    _tls.bypass = depth + 1
+    if depth == 0:
+        _turn_off()
     try:
         yield
     finally:
-        _tls.bypass -= 1
+        _tls.bypass = depth
+        if depth == 0:
+            sync_thread()
