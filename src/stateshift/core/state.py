@@ -20,7 +20,14 @@ home or a byte of the model.
 Threads: verbs on one ``ModelState`` are serialised by a lock, so a
 rollout thread and a training thread may both call them; ``swapped()``
 holds it on entry and exit, not while its body runs (verbs on the swapped
-groups raise ``SwapActiveError`` meanwhile).
+groups raise ``SwapActiveError`` meanwhile). Guarded forwards and optimizer
+steps are readers of the state's ``ReaderGate`` (``locking.py``): a verb
+waits for those running in other threads, and they wait for a running verb;
+``offload``/``drop`` from inside one on its own thread raise
+``VerbInsideComputeError``.
+
+Direct touches: while any storage is released, every tensor operation on
+it (not only the hooked ones) raises ``OffloadedStateError`` (``touch.py``).
 
 Homes: each group has one host arena (``home``) laid out like its
 snapshots, taken from the pool the first time the group is offloaded and
@@ -86,7 +93,9 @@ class ModelState(SwapVerbs):
         snapshot_budget_bytes: byte budget of ``self.snapshots``.
         guard: install hooks that raise ``OffloadedStateError`` when compute
             touches released state (forward, backward into released grads,
-            optimizer step, ``state_dict``).
+            optimizer step, ``state_dict``) and order forwards and steps
+            against verbs in other threads. (Direct tensor operations on
+            released storage are checked either way: ``touch.py``.)
         free_device_memory: hand device memory that ``offload`` and ``drop``
             release back to the driver (``torch.cuda.empty_cache()``), so a
             rollout engine with its own allocator, or another process, can use
