@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import assert_isolated, make, warm
+from helpers import DEVICES, assert_isolated, make, warm
 
 from stateshift import ModelState, OffloadedStateError, VerbInsideComputeError
 
@@ -35,9 +35,10 @@ _RACE = textwrap.dedent(
     from stateshift import ModelState, OffloadedStateError
     from stateshift.models import batch
 
-    model, opt = make()
+    device = sys.argv[4]
+    model, opt = make(device)
     warm(model, opt)
-    ids = batch(model.cfg, 3)
+    ids = batch(model.cfg, 3, device=device)
     with torch.no_grad():
         want = model(ids)
     state = ModelState(model, opt)
@@ -101,9 +102,11 @@ _RACE = textwrap.dedent(
 )
 
 
-def test_forwards_and_steps_against_offload_and_onload_in_another_thread_never_crash():
-    """Every forward returns the right values or raises ``OffloadedStateError``; every step runs or is refused."""
-    assert_isolated(_RACE, "OK", args=(str(RACE_SECONDS),), timeout=240)
+@pytest.mark.parametrize("device", DEVICES)
+def test_forwards_and_steps_against_offload_and_onload_in_another_thread_never_crash(device):
+    """Every forward returns the right values or raises ``OffloadedStateError``; every step runs or is refused
+    (on CUDA the crash was an illegal memory access: the process ends there too)."""
+    assert_isolated(_RACE, "OK", args=(str(RACE_SECONDS), device), timeout=240)
 
 
 class _Gated(torch.nn.Module):
