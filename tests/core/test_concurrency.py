@@ -237,3 +237,30 @@ def test_a_forward_interrupted_by_a_base_exception_does_not_block_verbs():
         model(torch.ones(1, 4))
     state.onload()
     model(torch.ones(1, 4))
+
+
+def test_two_forwards_each_calling_a_verb_from_a_hook_do_not_wait_for_each_other():
+    """Each forward is a reader; a verb from inside a reader does not wait for other readers (that could
+    be the other forward, waiting for this one): both finish."""
+    import threading
+
+    model = _Gated()
+    state = ModelState(model)
+    both = threading.Barrier(2, timeout=10)
+    model.hook = lambda: (both.wait(), state.residency(), state.snapshot(tag=threading.current_thread().name))
+    model.go.set()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            model(torch.ones(1, 4))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, name=f"t{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert {"t0", "t1"} <= {s.tag for s in state.snapshots}
