@@ -18,7 +18,7 @@ from helpers import DEVICES, assert_isolated, make, warm
 
 from stateshift import ModelState, OffloadedStateError, VerbInsideComputeError
 
-#: seconds each race runs. The crash it guards against came within a second or two on the 2-core CI
+#: seconds the races run (three phases, a third each). The crash it guards against came within a second or two on the 2-core CI
 #: machine (a forward takes ~1 ms there, each offload/onload pair ~1 ms: hundreds of interleavings a
 #: second), so 8 s is many times that margin while keeping the file well under a minute; set
 #: STATESHIFT_RACE_SECONDS=20 (or more) for a longer run.
@@ -33,7 +33,7 @@ _RACE = textwrap.dedent(
     torch.set_num_threads(1)
     from helpers import make, warm
     from stateshift import ModelState, OffloadedStateError
-    from stateshift.models import batch
+    from stateshift.models import batch, lm_loss
 
     device = sys.argv[4]
     model, opt = make(device)
@@ -42,7 +42,7 @@ _RACE = textwrap.dedent(
     with torch.no_grad():
         want = model(ids)
     state = ModelState(model, opt)
-    stop, errors, counts = threading.Event(), [], {"ok": 0, "refused": 0, "moves": 0, "steps": 0}
+    stop, errors, counts = threading.Event(), [], {"ok": 0, "refused": 0, "moves": 0, "steps": 0, "backwards": 0}
 
     def forwards():
         while not stop.is_set():
@@ -69,6 +69,18 @@ _RACE = textwrap.dedent(
             except Exception as e:
                 errors.append(repr(e)); return
 
+    def trains():
+        # a forward and its backward: an offload between them must not release what the backward reads
+        while not stop.is_set():
+            try:
+                opt.zero_grad(set_to_none=True)  # (guarded: ordered against verbs; model.zero_grad() is not)
+                lm_loss(model, ids).backward()
+                counts["backwards"] += 1
+            except OffloadedStateError:
+                pass
+            except Exception as e:
+                errors.append(repr(e)); return
+
     def mover():
         groups = [["params"], ["params", "buffers"], None]
         i = 0
@@ -80,14 +92,15 @@ _RACE = textwrap.dedent(
             i += 1
             counts["moves"] += 1
 
-    # phase 1: forwards against offload/onload; phase 2 adds optimizer steps (lr 0: values unchanged)
+    # phase 1: forwards against offload/onload; phase 2 adds optimizer steps (lr 0: values unchanged);
+    # phase 3: forwards with their backwards
     for g in opt.param_groups:
         g["lr"] = 0.0
-    for workers in ([forwards, mover], [forwards, mover, steps]):
+    for workers in ([forwards, mover], [forwards, mover, steps], [trains, mover]):
         stop.clear()
         threads = [threading.Thread(target=w) for w in workers]
         for t in threads: t.start()
-        time.sleep(seconds / 2)
+        time.sleep(seconds / 3)
         stop.set()
         for t in threads: t.join(60)
         assert not any(t.is_alive() for t in threads), "a thread hangs"
@@ -96,7 +109,7 @@ _RACE = textwrap.dedent(
     with torch.no_grad():
         assert torch.equal(model(ids), want)
     print("COUNTS", counts)
-    assert counts["ok"] > 10 and counts["moves"] > 10, counts
+    assert counts["ok"] > 10 and counts["moves"] > 10 and counts["backwards"] > 10, counts
     print("OK")
     """
 )

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..core.source import Check
 
@@ -132,6 +133,8 @@ class ModuleGuards:
 
         self.handles.append(root.register_forward_pre_hook(tree_hook, prepend=True))
         self.handles.append(root.register_forward_hook(self._leave_hook(), always_call=True))
+        params = functools.partial(nn.Module.parameters, root)
+        self.handles.append(root.register_forward_hook(backward_guard(check, lambda: map(local, params()), f"backward through {label}")))
 
     def _forward_hook(self, where: str) -> Callable[..., None]:
         """A forward pre-hook that enters the reader gate (``check.enter``), then checks the module's own tensors."""
@@ -189,6 +192,31 @@ class ModuleGuards:
         self._params.clear()
 
 
+def backward_guard(check: Check, tensors: Callable[[], Iterable[torch.Tensor]], where: str) -> Callable[..., None]:
+    """A forward hook that puts a hook on the outputs a backward starts from: when the backward reaches
+    them it enters the reader gate (left when that backward ends: ``queue_callback``) and checks
+    ``tensors()`` -- the parameters the forward saved for it. An offload between a forward and its
+    backward then raises ``OffloadedStateError`` instead of a crash, and one from another thread
+    during the backward waits for it. (Entered only where the backward runs on a Python thread: the
+    CPU; on CUDA the hook runs on the engine's device thread, and the check alone is made.)"""
+    enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)
+
+    def before_backward(grad: torch.Tensor) -> None:
+        frame = sys._getframe(1)  # (the frame that called the engine, on the CPU; None on a device thread)
+        if enter is not None and leave is not None and frame is not None:
+            enter(frame, where)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(leave, frame))
+        check(tensors(), where)
+
+    def post_forward(mod: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(before_backward)
+
+    return post_forward
+
+
 class MethodGuard:
     """An instance-level wrapper of ``obj.<method>`` that checks ``tensors()`` first; ``remove()`` undoes it.
 
@@ -215,13 +243,13 @@ class MethodGuard:
 
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if when is not None and not when(*args, **kwargs):
-                return original(*args, **kwargs)
             frame = sys._getframe()
             if enter is not None and leave is not None:
-                enter(frame, what)  # (a reader until the method returns: a verb in another thread waits)
+                enter(frame, what)  # (until the method returns, a verb in another thread waits: even a call
+                # that reads nothing, such as zero_grad(set_to_none=True), changes what a verb lists)
             try:
-                check(tensors(), what, writes=writes)
+                if when is None or when(*args, **kwargs):
+                    check(tensors(), what, writes=writes)
                 return original(*args, **kwargs)
             finally:
                 if leave is not None:
