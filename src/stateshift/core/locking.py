@@ -2,7 +2,7 @@
 
 Verbs run under the state's lock (``locked``), so a rollout thread and a
 training thread may both call them. Compute that reads the state's storage
-(a guarded forward, an optimizer step) is a *reader* of the state's
+(a guarded forward, a backward, an optimizer step) is a *reader* of the state's
 ``ReaderGate``: its first hook enters the gate, its last one leaves it (a
 forward that raises leaves it too: the leaving hook is ``always_call``).
 The rule, which holds for every verb, not for a list of cases:
