@@ -20,8 +20,8 @@ home or a byte of the model.
 Threads: verbs on one ``ModelState`` are serialised by a lock, so a
 rollout thread and a training thread may both call them; ``swapped()``
 holds it on entry and exit, not while its body runs (verbs on the swapped
-groups raise ``SwapActiveError`` meanwhile). Guarded forwards and optimizer
-steps are readers of the state's ``ReaderGate`` (``locking.py``): a verb
+groups raise ``SwapActiveError`` meanwhile). Guarded forwards, backwards and
+optimizer steps are readers of the state's ``ReaderGate`` (``locking.py``): a verb
 waits for those running in other threads, and they wait for a running verb;
 ``offload``/``drop`` from inside one on its own thread raise
 ``VerbInsideComputeError``.
