@@ -99,7 +99,11 @@ class ModuleGuards:
     _params: dict[int, _Hooked] = field(default_factory=dict, repr=False)
 
     def cover(self, modules: Iterable[tuple[str, nn.Module]], params: Iterable[tuple[str, nn.Parameter]]) -> None:
-        """Hook every module that owns tensors, and every trainable parameter, not hooked yet."""
+        """Hook every module that owns tensors, and every trainable parameter, not hooked yet.
+
+        ``params`` is the backend's whole current listing: a param held from an earlier listing that is not in
+        it any more (replaced, e.g. ``load_state_dict(..., assign=True)``) is let go, so the guards never keep
+        a tensor the model dropped (and its storage) alive."""
         for owner, m in modules:
             if (m._parameters or m._buffers) and not _seen(self._modules, m):
                 label = owner or type(m).__name__
@@ -109,10 +113,14 @@ class ModuleGuards:
                 self.handles.append(
                     m.register_load_state_dict_pre_hook(self._module_hook(f"load_state_dict() into module {label!r}"))
                 )
+        listed: set[int] = set()
         for name, p in params:
+            listed.add(id(p))
             if p.requires_grad and not _hooked(self._params, p):
                 held = self._params[id(p)] = _Hooked(p, p._cdata)
                 self.handles.append(p.register_hook(self._grad_hook(held, name)))
+        for gone in self._params.keys() - listed:
+            del self._params[gone]
 
     def cover_tree(self, root: nn.Module, label: str) -> None:
         """A forward pre-hook on ``root`` (run first) that checks every tensor of its tree.
