@@ -37,10 +37,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {%
 #: warm-up on the training answers leaves held-out accuracy low; RL raises it. staleness_threshold=0 makes the
 #: schedule, and so the result for a seed, the same on every run. The tokenizer has a chat template (the tests
 #: render with it); the example encodes the text as it is (task.chat_template=false): shorter prompts, which
-#: this tiny model learns faster
+#: this tiny model learns faster. A constant learning rate and no entropy bonus: in 150 updates the default
+#: warm-up + cosine decay and the adaptive bonus left one seed of three 0.25 below the others
 SETTINGS = [
     "model.family=hf", "reward.fn=exact_match", "rollout.max_new_tokens=3", "rollout.n=8",
     "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=1e-3", "trainer.entropy_coef=0.0",
+    "trainer.lr_schedule=constant", "trainer.lr_warmup_steps=0", "trainer.entropy_target=null",
     "warmup.steps=100", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
     "async_training.staleness_threshold=0", "task.chat_template=false", "run.torch_threads=1", "run.progress=none",
     "run.tensorboard=false",
