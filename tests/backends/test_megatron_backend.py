@@ -92,7 +92,11 @@ def trained(request):
     exist); ``make_twin()`` builds an identical copy that never moves."""
     config = request.param
     ddp, opt = _trained_twin(config)
-    return config, ddp, opt, ModelState(ddp, opt), lambda: _trained_twin(config)
+    state = ModelState(ddp, opt)
+    yield config, ddp, opt, state, lambda: _trained_twin(config)
+    # the model is never collected (Megatron's DDP holds its params from hooks): give it back whole, or its
+    # released storages would keep the offloaded-touch check on for every later test of this process
+    state.close()
 
 
 # ----------------------------------------------------------------------------- residency mixes

@@ -26,7 +26,7 @@ RACE_SECONDS = 8.0
 
 _RACE = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import os, random, sys, threading, time
     sys.path[:0] = sys.argv[1:3]
     seconds = float(os.environ.get("STATESHIFT_RACE_SECONDS", sys.argv[3]))
     import torch
@@ -42,6 +42,7 @@ _RACE = textwrap.dedent(
     with torch.no_grad():
         want = model(ids)
     state = ModelState(model, opt)
+    rng = random.Random(0)
     stop, errors, counts = threading.Event(), [], {"ok": 0, "refused": 0, "moves": 0, "steps": 0, "backwards": 0}
 
     def forwards():
@@ -91,6 +92,10 @@ _RACE = textwrap.dedent(
                 errors.append(repr(e)); return
             i += 1
             counts["moves"] += 1
+            # a pause of 0-2 ms, at random, between moves: back to back, the mover's next offload claims the gate
+            # between nearly every forward and its backward on an idle machine, and no backward is ever tried
+            # whole (every interleaving still races: an offload can land inside any forward, step or backward)
+            time.sleep(rng.random() * 0.002)
 
     # phase 1: forwards against offload/onload; phase 2 adds optimizer steps (lr 0: values unchanged);
     # phase 3: forwards with their backwards
