@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DiskTierError
-from .pool import HostBlock, HostPool
+from .pool import HostBlock, HostPool, pid_alive
 from .transfer import MAX_GAP, CopyEngine, Plan, Run, Transfer
 
 _log = logging.getLogger("stateshift")
@@ -70,16 +70,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(directory: Path) -> list[Path]:
     """Remove disk homes of this host whose process is gone (and those named with this process's pid that
     none of its live disk homes owns: left by an earlier process with the same pid); returns what was removed."""
@@ -88,7 +78,7 @@ def sweep_stale(directory: Path) -> list[Path]:
     for entry in directory.iterdir() if directory.is_dir() else ():
         m = _NAME.match(entry.name)
         pid = int(m["pid"]) if m else 0
-        if m and m["host"] == host and (entry.name not in _LIVE if pid == os.getpid() else not _alive(pid)):
+        if m and m["host"] == host and (entry.name not in _LIVE if pid == os.getpid() else not pid_alive(pid)):
             try:
                 entry.unlink()
                 removed.append(entry)

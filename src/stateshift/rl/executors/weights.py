@@ -19,7 +19,7 @@ The file is removed by ``close`` (the trainer's process, at the end of the run,
 whatever happened), and by a finaliser if the publisher is collected first. A
 trainer's process killed outright (SIGKILL, OOM) leaves it behind: the next
 publisher in that directory removes the files of processes that are gone
-(``remove_stale``; the process id is in the name).
+(``core.pool.remove_stale_files``; the process id is in the name).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import secrets
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ...core.pool import remove_stale_files
 from ..rollout import WeightSyncError
 
 ALIGN = 64
@@ -75,28 +77,8 @@ def _views(buf: Any, entries: Iterable[Entry]) -> Iterator[tuple[str, torch.Tens
 
 
 PREFIX = "stateshift-weights-"
-
-
-def remove_stale(directory: str) -> list[str]:
-    """Remove the weight files in ``directory`` whose publishing process is gone; returns their names."""
-    gone = []
-    for name in os.listdir(directory):
-        pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        _unlink(os.path.join(directory, name))
-        gone.append(name)
-    return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
+#: a weight file: ``PREFIX<pid>-<hex>`` (its publisher's pid, for ``remove_stale_files``)
+_STALE = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 
 
 class HostWeightPublisher:
@@ -114,7 +96,7 @@ class HostWeightPublisher:
             end += t.numel() * t.element_size()
         self.entries = {e.name: e for e in entries}
         self.skip = skip
-        remove_stale(directory)
+        remove_stale_files(directory, _STALE)
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, self.path)
