@@ -210,7 +210,10 @@ def backward_guard(check: Check, tensors: Callable[[], Iterable[torch.Tensor]], 
     enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)
 
     def before_backward(grad: torch.Tensor) -> None:
-        frame = sys._getframe(1)  # (the frame that called the engine, on the CPU; None on a device thread)
+        try:
+            frame = sys._getframe(1)  # the frame that called the engine (on the CPU)
+        except ValueError:  # no Python frame under the hook: the engine's device thread (CUDA)
+            frame = None
         if enter is not None and leave is not None and frame is not None:
             enter(frame, where)
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(leave, frame))
