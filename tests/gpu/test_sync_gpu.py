@@ -47,6 +47,26 @@ def test_cuda_ipc_receiver_on_the_same_gpu_reads_device_weights_bit_for_bit():
         state.close()
 
 
+def test_cuda_ipc_publishes_a_model_without_buffers():
+    """An empty published group (no buffers) has nothing to share: its part carries no IPC handle."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)).cuda()
+    state = ModelState(m, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, transport="cuda_ipc", name="ipc-nobuf")
+    procs = []
+    try:
+        proc, conn = start(receiver_main, pub.handle().to_json(), "g2", "cuda")
+        procs.append(proc)
+        pub.publish(1).wait(60)
+        version, got, _ = ask(conn, ("load", 1))
+        assert version == 1 and same(got, values(m))
+    finally:
+        stop(procs)
+        pub.close()
+        state.close()
+        state.pool.trim()
+
+
 def test_shared_host_from_offloaded_params_moves_no_device_byte_and_loads_on_the_gpu():
     m = model(0).cuda()
     state = ModelState(m, pool=HostPool(shared=True))

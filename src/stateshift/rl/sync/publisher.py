@@ -418,6 +418,10 @@ class WeightPublisher:
                 from .cuda_ipc import share
 
                 assert part.device is not None
+                if part.layout.total == 0:  # an empty group (a model without buffers): nothing to share
+                    parts.append(part_entry(part))
+                    live.arenas.append(part.device)
+                    continue
                 with torch.cuda.device(part.device.device):  # this thread's current device must be the arena's
                     parts.append(part_entry(part, ipc=share(part.device)))
                 live.arenas.append(part.device)
