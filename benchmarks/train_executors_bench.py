@@ -21,7 +21,7 @@ rollout, no evaluation during RL. Throughput is read at the last step (``samples
 the rollouter generated per second of RL wall time).
 
 Sizes: ``default`` is the task's default model; ``large`` is ``model.width=1024 model.layers=8`` (~100M
-parameters). Writes ``<out>/<date>-h200-train-executors.json`` and ``.png`` and prints a table.
+parameters). Writes ``<out>/<date>-<card>-train-executors.json`` and ``.png`` and prints a table.
 """
 
 from __future__ import annotations
@@ -141,6 +141,10 @@ def main() -> None:
         return
     steps = 3 if args.smoke else args.steps
     rows, failed = [], {}
+    device = _device_name()
+    slug = "cpu" if device == "cpu" else ("h100" if "H100" in device else "h200" if "H200" in device else "gpu")
+    stem = f"{datetime.date.today():%Y-%m-%d}-{slug}-train-executors"
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             for family in args.families:
@@ -155,15 +159,13 @@ def main() -> None:
                     if proc.returncode != 0:
                         failed[name] = (proc.stdout + proc.stderr)[-3000:]
                         print(failed[name], flush=True)
-                        continue
-                    rows.append(row(name, json.loads((run_dir / "result.json").read_text())))
+                    else:
+                        rows.append(row(name, json.loads((run_dir / "result.json").read_text())))
+                        print(json.dumps(rows[-1]), flush=True)
+                    (args.out / f"{stem}.json").write_text(json.dumps(  # after every run: a cut-off run keeps the rest
+                        {"benchmark": "train_executors", "device": device, "steps": steps, "overrides": args.overrides,
+                         "common": COMMON, "sizes": SIZES, "rows": rows, "failed": failed}, indent=1))
     print(table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today():%Y-%m-%d}-h200-train-executors"
-    device = _device_name()
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"benchmark": "train_executors", "device": device, "steps": steps, "overrides": args.overrides,
-         "common": COMMON, "sizes": SIZES, "rows": rows, "failed": failed}, indent=1))
     if rows:
         plot(rows, args.out / f"{stem}.png")
     if failed:

@@ -4,6 +4,10 @@
 #   WHAT=bench bash tests/gpu/run_gpu_suite.sh     # torch, megatron, fsdp2, checkpoint benchmarks
 #   WHAT=tms bash tests/gpu/run_gpu_suite.sh       # address-stable mode vs torch_memory_saver (+ .gpu-extra/tms_probe.py if there)
 #   WHAT=verl bash tests/gpu/run_gpu_suite.sh      # verl 0.9.1's functions vs the drop-ins (.whl-verl/ carried; VERL_ARGS for the bench)
+#   WHAT=sync bash tests/gpu/run_gpu_suite.sh      # weight sync between processes: tests, then the bench (SYNC_FAMILIES)
+#   WHAT=executors bash tests/gpu/run_gpu_suite.sh # stateshift train's rollouter in a process / under Ray: tests, then the bench
+#   WHAT=longtail bash tests/gpu/run_gpu_suite.sh  # sync vs fully-async on the long-tail task (LONGTAIL_ARGS)
+# Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (see ../shared/GPU.md), unpacked into /tmp/site.
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
 # megatron-core and torch_memory_saver travel as wheels in .whl/ (see ../shared/GPU.md), installed into .site/.
 set -uo pipefail
@@ -15,6 +19,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
     && export PYTHONPATH=$PWD/.site:$PYTHONPATH
 fi
+if [[ -f .ray/ray-core.tar.xz ]]; then
+  mkdir -p /tmp/site && tar xJf .ray/ray-core.tar.xz -C /tmp/site && chmod -R a+x /tmp/site/ray/core \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .ray/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+GPU_TESTS_PATH=$PWD/tests:$PWD/tests/rl
 DAY=$(date +%F)
 WHAT=${WHAT:-tests,bench}
 status=0
@@ -65,6 +75,30 @@ if [[ $WHAT == *verl* ]]; then  # needs .whl-verl/verl-0.9.1-py3-none-any.whl ca
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verl_gpu.py 2>&1 | tee "$RES/verl-gpu-test.log" | tail -40 || status=1
   step verl bench
   timeout 300 python3 benchmarks/verl_bench.py --out "$RES" ${VERL_ARGS:-} 2>&1 | tee "$RES/verl-bench.log" | grep -v '^{' | tail -60 || status=1
+fi
+if [[ $WHAT == *sync* ]]; then
+  step weight sync gpu tests
+  PYTHONPATH=$PYTHONPATH:$GPU_TESTS_PATH timeout ${SYNC_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+    tests/gpu/test_sync_gpu.py 2>&1 | tee "$RES/sync-gpu-test.log" | tail -25 || status=1
+  for fam in ${SYNC_FAMILIES:-torch fsdp2 megatron}; do
+    step "weight sync bench $fam"
+    mkdir -p "$RES/ws-$fam"
+    timeout ${SYNC_BENCH_S:-200} python3 benchmarks/weight_sync_bench.py --families "$fam" --out "$RES/ws-$fam" 2>&1 \
+      | tee "$RES/ws-$fam/bench.log" | tail -15 || status=1
+  done
+fi
+if [[ $WHAT == *executors* ]]; then
+  step executor gpu tests
+  PYTHONPATH=$PYTHONPATH:$GPU_TESTS_PATH timeout ${EXEC_TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
+    ${EXEC_TESTS:-tests/gpu/test_rl_gpu_executors.py} 2>&1 | tee "$RES/executors-gpu-test.log" | tail -25 || status=1
+  step train executors bench
+  timeout ${EXEC_BENCH_S:-330} python3 benchmarks/train_executors_bench.py --out "$RES" ${EXEC_ARGS:-} 2>&1 \
+    | tee "$RES/executors-bench.log" | tail -30 || status=1
+fi
+if [[ $WHAT == *longtail* ]]; then
+  step longtail bench
+  timeout ${LONGTAIL_S:-540} python3 benchmarks/longtail_bench.py --out "$RES" ${LONGTAIL_ARGS:-} 2>&1 \
+    | tee "$RES/longtail-bench.log" | tail -40 || status=1
 fi
 } 2>&1 | tee "$OUT/run.log"
 tar -czf "$OUT/results.tgz" -C "$RES" .
