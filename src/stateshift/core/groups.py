@@ -59,7 +59,7 @@ def _member_extent(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
-    return (t.storage_offset() + span) * t.element_size()
+    return (int(t.storage_offset()) + span) * t.element_size()
 
 
 #: every open slot table: a storage released by one of them is theirs (``holder``)
@@ -104,7 +104,7 @@ _RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("nat
 _RESIDENCIES = tuple(Residency)
 
 
-def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int], table: SlotTable) -> None:
+def _follow_framework(slots: list[Slot], entries: Sequence[Entry], keys: list[int], table: SlotTable) -> None:
     """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload.
 
     No framework copy anywhere and every storage holding memory (the resident steady state) or no slot

@@ -160,7 +160,7 @@ def _storage_id_agrees() -> bool:
         return False
 
 
-_STORAGE_ID = torch._C._storage_id if _storage_id_agrees() else None
+_STORAGE_ID = torch._C._storage_id if _storage_id_agrees() else None  # type: ignore[attr-defined]
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -177,7 +177,7 @@ def member_info(entry: Entry) -> MemberInfo:
         shape=tuple(t.shape),
         dtype=str(t.dtype).removeprefix("torch."),
         stride=tuple(t.stride()),
-        offset=t.storage_offset() * t.element_size(),
+        offset=int(t.storage_offset()) * t.element_size(),
         meta=tuple(entry.meta),
     )
 
