@@ -14,7 +14,7 @@ framework's host copy is adopted as the slot's home (``NativeHome``), or its
 reload is taken as the truth. A storage released by someone else with no
 known copy of its values raises ``ForeignStateError``.
 
-Only ``ModelState`` changes residency; the table changes what exists.
+Only the verbs change residency (through the tiers, ``tiers.py``); the table changes what exists.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ class GroupState:
 
     def releasable(self, only: Only, *, checked: bool = False) -> list[int]:
         """Resident slots ``only`` selects whose storage can be released (what an offload moves).
-        ``checked``: the caller just made sure every resident accelerator slot is (``ModelState.
-        _check_releasable``), so with no host slot none needs asking again."""
+        ``checked``: the caller just made sure every resident accelerator slot is (``DeviceTier.
+        check_releasable``), so with no host slot none needs asking again."""
         if only is None and ((checked and not self.any_on_host()) or self.all_releasable()):
             return self.by_residency()[Residency.DEVICE]
         return self.select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))

@@ -184,7 +184,7 @@ def member_info(entry: Entry) -> MemberInfo:
 
 @dataclass(eq=False)
 class Slot:
-    """One storage and its residency. Only ``ModelState`` changes residency.
+    """One storage and its residency. Only the verbs change residency (through the tiers).
 
     ``bytes()`` is a ``uint8`` view of the whole storage; it is valid only while
     the slot is ``DEVICE`` (a view of released storage points at nothing).
@@ -196,7 +196,7 @@ class Slot:
     device: torch.device
     residency: Residency = Residency.DEVICE
     native_home: NativeHome | None = field(default=None, repr=False)
-    #: the member tensors as last listed (identity fast path of ``ModelState.refresh``)
+    #: the member tensors as last listed (identity fast path of ``SlotTable.refresh``)
     tensors: tuple[torch.Tensor, ...] = field(default=(), repr=False)
     _view: torch.Tensor | None = field(default=None, repr=False)
 
