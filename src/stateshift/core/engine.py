@@ -25,7 +25,6 @@ restore, close) and ``swap.py`` (``swapped``), each a function of a ``Core``.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
