@@ -53,6 +53,7 @@ import torch
 from stateshift import ModelState, bench
 from stateshift.checkpoint import async_save, load, save
 from stateshift.models import TinyConfig, batch, build_default, lm_loss
+from stateshift.core.engine import core_of
 
 VERIFIED = "safetensors.load_file+crc32"
 """The simplest verified load a user would write (the ``vs_loop`` baseline of the load rows)."""
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         timing="round-robin: each round times every baseline and every op of ours once; medians over rounds",
         load_average={"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         cold=args.cold,
-        pool=state.pool.stats.as_dict(),
+        pool=core_of(state).pool.stats.as_dict(),
     )
     print(result.table())
     print("baselines (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in base_gbps.items()))

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 from stateshift import ModelState
 from stateshift.core import transfer as tr
 from stateshift.models import TinyConfig, build_default
+from stateshift.core.engine import core_of
 
 L = int(os.environ.get("LAYERS", "14"))
 cfg = TinyConfig(vocab=32000, hidden=4096, layers=L, heads=32, seq=32, dtype=torch.bfloat16)
@@ -47,16 +48,16 @@ def report(name, fn, k=9):
     rs = [one(fn) for _ in range(k)]
     med = [statistics.median(x) for x in zip(*rs)]
     print(f"{name:28s} first-copy {med[0]:7.0f} us  host {med[1]:7.0f} us  wall {med[2]:7.0f} us  events {med[3]:7.0f} us")
-print("params", n, "slots", len(state.slots("params")), "runs", len(state._groups["params"].plan(state.engine, list(range(len(state.slots("params"))))).runs))
+print("params", n, "slots", len(core_of(state).slots("params")), "runs", len(core_of(state).groups["params"].plan(core_of(state).engine, list(range(len(core_of(state).slots("params"))))).runs))
 report("plain copy", lambda: b.copy_(a))
 report("restore (2 lanes)", lambda: state.restore(snap))
 report("snapshot (2 lanes)", lambda: state.snapshot("params", tag="p2", placement="device"))
-d2d = state.engine._d2d; state.engine._d2d = None
+d2d = core_of(state).engine._d2d; core_of(state).engine._d2d = None
 report("restore (1 lane)", lambda: state.restore(snap))
-state.engine._d2d = d2d
-state.engine.timing = False
+core_of(state).engine._d2d = d2d
+core_of(state).engine.timing = False
 report("restore (no timing events)", lambda: state.restore(snap))
-state.engine.timing = True
+core_of(state).engine.timing = True
 torch.cuda.set_sync_debug_mode("warn")
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")

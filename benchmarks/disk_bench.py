@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from stateshift import ModelState, bench  # noqa: E402
 from stateshift.core.disk import O_DIRECT, DiskHome  # noqa: E402
 from stateshift.rl import PiOldCycle  # noqa: E402
+from stateshift.core.engine import core_of
 
 CHUNK = 64 << 20
 
@@ -188,13 +189,13 @@ def main() -> None:
         gbps, naive_gbps = total / seconds / 1e9, total / naive_seconds / 1e9
         rows.append(DiskRow("torch", op, "disk", device.type, total, seconds, gbps, gbps / ceilings[f"{bound}_gbps"], bound,
                             loop_gbps=naive_gbps, vs_loop=gbps / naive_gbps,
-                            host_peak_bytes=state.pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
+                            host_peak_bytes=core_of(state).pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
 
     r = args.repeat
 
     def drop_cache() -> None:
-        assert state._disk is not None
-        os.posix_fadvise(state._disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert core_of(state).disk_home is not None
+        os.posix_fadvise(core_of(state).disk_home.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def offloaded() -> None:
         state.offload(to="disk")
@@ -207,7 +208,7 @@ def main() -> None:
     naive.save("offload")
     naive_save = _timed(lambda: naive.save("offload"), repeat=r)
     row("offload", _timed(lambda: state.offload(to="disk"), setup=state.onload, repeat=r), "disk_write", naive_save)
-    assert state._disk is not None and state._disk.io_mode == mode, (state.describe_disk(), mode)
+    assert core_of(state).disk_home is not None and core_of(state).disk_home.io_mode == mode, (state.describe_disk(), mode)
     row("onload", _timed(state.onload, setup=offloaded, repeat=r), "disk_read", _timed(lambda: naive.load("offload"), repeat=r))
     snap = None
 
@@ -234,7 +235,7 @@ def main() -> None:
     rows.append(DiskRow("torch", "pi_old_cycle", "disk", device.type, moved, t, moved / t / 1e9, bound_t / t, "disk_write+disk_read",
                         note="N=4, pi_old on disk, first swap skipped; bound counts only the disk bytes",
                         loop_gbps=moved / naive_t / 1e9, vs_loop=naive_t / t,
-                        host_peak_bytes=state.pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
+                        host_peak_bytes=core_of(state).pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
     disk_desc = state.describe_disk()
     state.close()
     naive.cleanup()

@@ -37,6 +37,7 @@ except ImportError:  # run from a checkout without installing
 
 from stateshift import ModelState, bench
 from stateshift.models import TinyConfig, TinyTransformer, batch
+from stateshift.core.engine import core_of
 
 #: the rows whose target is >= 0.9 of the pinned ceiling
 TARGETS = (("snapshot", "device"), ("restore", "device"), ("offload", "device"), ("onload", "host"))
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                         repeat=args.repeat, cycle_minibatches=args.minibatches, progress=progress)
         result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
                                    ceilings={k: round(v, 2) for k, v in ceilings.items()}, rows=rows)
-        stats = state.pool.stats
+        stats = core_of(state).pool.stats
         result.extra.update(
             what="fsdp2",
             world_size=world,

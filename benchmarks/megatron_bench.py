@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from stateshift.core.engine import core_of
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -352,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     for b in ddp.buffers + ddp.expert_parallel_buffers:
         b.offload_to_cpu(move_params=True, move_grads=False)
     _sync()
-    assert state.residency()["params"]["host"] == len(state.slots("params")), state.residency()
+    assert state.residency()["params"]["host"] == len(core_of(state).slots("params")), state.residency()
     t = sb.timed(lambda: state.snapshot("params", tag="bench-native").wait(), repeat=args.repeat)
     add("snapshot", "host", t, params_bytes, host, "host_memcpy", "offloaded by megatron offload_to_cpu (param_data_cpu): host copy")
-    state.release(state.snapshots.get("bench-native"))
+    state.release(core_of(state).snapshots.get("bench-native"))
     state.onload("params")  # refills param_data from param_data_cpu, then Megatron forgets that copy
     _sync()
     if cuda and hasattr(torch._C, "_host_emptyCache"):
@@ -415,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         cycle_row("device", plugin, "run")
 
     # -- host memory peak during a snapshot
-    for snap in list(state.snapshots):
+    for snap in list(core_of(state).snapshots):
         state.release(snap)
-    state.pool.trim()
+    core_of(state).pool.trim()
     _sync()
     peaks = {}
     for label in ("first", "second"):
@@ -427,12 +428,12 @@ def main(argv: list[str] | None = None) -> int:
             _sync()
         peaks[label] = {"delta_bytes": pk.delta, "snapshot_bytes": s.nbytes, "ratio": pk.delta / s.nbytes,
                         "hwm_reset": pk.hwm_ok}
-    state.release(state.snapshots.get("rss"))
+    state.release(core_of(state).snapshots.get("rss"))
     extra["host_peak_during_snapshot"] = peaks
 
     # -- the whole training state
     if not args.skip_full_state:
-        state.pool.trim()
+        core_of(state).pool.trim()
         everything = state.groups
         total = state.nbytes(everything)
         _sync()
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         extra={"model": {"params": n_params, "layers": spec.layers, "hidden": spec.hidden, "vocab": spec.vocab,
                          "dtype": "bf16", "params_bytes": params_bytes},
                "megatron_core": _mcore_version(), "seconds_total": time.perf_counter() - t_start, **extra,
-               "pool": state.pool.stats.as_dict()},
+               "pool": core_of(state).pool.stats.as_dict()},
     )
     out = args.out
     if out.suffix == ".json":

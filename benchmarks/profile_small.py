@@ -12,6 +12,7 @@ import torch
 
 from stateshift import ModelState
 from stateshift.bench import ManySmall
+from stateshift.core.engine import core_of
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--count", type=int, default=4000)
@@ -26,14 +27,14 @@ def ops() -> None:
     state.snapshot("params", tag="a")
     state.offload("params")
     state.onload("params")
-    state.restore(state.snapshots.get("a"))
+    state.restore(core_of(state).snapshots.get("a"))
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 for _ in range(3):
     ops()
-for name, fn in [("refresh", lambda: state.refresh(["params"])), ("ops", ops)]:
+for name, fn in [("refresh", lambda: core_of(state).refresh(["params"])), ("ops", ops)]:
     t = time.perf_counter()
     fn()
     print(f"{name}: {1e3 * (time.perf_counter() - t):.1f} ms")

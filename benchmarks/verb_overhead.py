@@ -20,6 +20,7 @@ import torch
 
 from stateshift import ModelState
 from stateshift.models import TinyConfig, build_default
+from stateshift.core.engine import core_of
 
 
 def _torch_state() -> ModelState:
@@ -52,7 +53,7 @@ def _megatron_state() -> ModelState:
 
 def _plain_loop(state: ModelState) -> float:
     """The naive code of the same job: ``copy_`` of every param into a preallocated copy, one by one."""
-    params = [m_t for s in state.slots("params") for m_t in s.tensors]
+    params = [m_t for s in core_of(state).slots("params") for m_t in s.tensors]
     copies = [torch.empty_like(t) for t in params]
 
     def loop() -> None:
@@ -71,10 +72,10 @@ def main() -> int:
         modules = sum(1 for b in state.backends for m in getattr(b, "inners", [getattr(b, "module", None)]) if m is not None
                       for _ in m.modules())
         snap = lambda: state.snapshot("params", tag="p", placement="device")  # noqa: E731
-        rest = lambda: state.restore(state.snapshots.get("p"))  # noqa: E731
+        rest = lambda: state.restore(core_of(state).snapshots.get("p"))  # noqa: E731
         snap()
         times = [min(timeit.repeat(fn, number=number, repeat=15)) / number * 1e6 for fn in (snap, rest)]
-        slots = state.slots("params")
+        slots = core_of(state).slots("params")
         tensors = sum(len(s.info.members) for s in slots)
         print(f"{name:<22} {len(slots):>6} {tensors:>8} {modules:>8} {times[0]:>12.1f} {times[1]:>11.1f} "
               f"{_plain_loop(state):>14.1f}")

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from stateshift import ModelState, bench  # noqa: E402
 from stateshift.core.pool import HostPool  # noqa: E402
 from stateshift.rl.sync import WeightPublisher, WeightReceiver  # noqa: E402
+from stateshift.core.engine import core_of
 
 REPLY_S = 600.0
 
@@ -240,7 +241,7 @@ def bench_family(family: str, device: torch.device, args: argparse.Namespace, ce
             out.append(_row(family, residency, transport, r, naive, ceilings, device))
             print(json.dumps(out[-1]), file=sys.stderr)
     state.close()
-    state.pool.trim()
+    core_of(state).pool.trim()
     del state, model
     gc.collect()
     if device.type == "cuda":

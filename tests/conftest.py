@@ -23,9 +23,10 @@ def _no_released_storage_outlives_its_test():
     if not touch.active():
         return
     from stateshift import ModelState
+    from stateshift.core.engine import core_of
 
     for obj in gc.get_objects():
-        if isinstance(obj, ModelState) and id(obj) in touch._by_owner and not obj.closed:
+        if isinstance(obj, ModelState) and id(core_of(obj)) in touch._by_owner and not obj.closed:
             try:
                 obj.close()
             except Exception:  # noqa: BLE001 - best effort: a broken state of a failed test

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .core.state import ModelState
+from .core.engine import core_of
 
 
 @dataclass
@@ -323,7 +324,7 @@ class VerbBench:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.dev = self.state.engine.device or torch.device("cpu")
+        self.dev = core_of(self.state).engine.device or torch.device("cpu")
         self.cuda = self.dev.type == "cuda"
         self.nbytes = self.state.nbytes(self.groups)
         host = self.ceilings["host_memcpy_gbps"]
@@ -376,7 +377,7 @@ class VerbBench:
         st, g, r = self.state, self.groups, self.repeat
         d2h_name, h2d_name, d2d_name = self.names
         st.onload(g)
-        tensors = self.loop_tensors or [s.bytes() for name in g for s in st.slots(name)]
+        tensors = self.loop_tensors or [s.bytes() for name in g for s in core_of(st).slots(name)]
         self.loops = plain_loops(tensors, repeat=r)
         self.add("snapshot", "device", timed(self.snap, repeat=r), self.d2h, d2h_name, loop="d2h")
         snap_dev = lambda: self.snap("device")  # noqa: E731
@@ -443,8 +444,8 @@ class VerbBench:
 
     def cleanup(self) -> None:
         for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
-            if key in self.state.snapshots:
-                self.state.release(self.state.snapshots.get(*key))
+            if key in core_of(self.state).snapshots:
+                self.state.release(core_of(self.state).snapshots.get(*key))
         _sync()
 
 
@@ -513,20 +514,20 @@ def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None)
     """One offload of ``groups`` (default all) as configured (``free_device_memory``): what PyTorch's
     allocator and the driver got back, and the speed of the onload that follows. ``{}`` without CUDA.
     ``offload_gbps`` includes pinning whatever homes the pool had no block for (``homes_pinned_bytes``: a
-    group keeps its home after an onload and ``state.pool.trim()`` frees only idle blocks, so after a trim
+    group keeps its home after an onload and ``core_of(state).pool.trim()`` frees only idle blocks, so after a trim
     the groups never offloaded before pin theirs afresh, as in a state's first offload)."""
-    dev = state.engine.device
+    dev = core_of(state).engine.device
     if dev is None:
         return {}
     total = state.nbytes(groups)
     _sync()
     a0, r0, f0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
-    held = state.pool.stats.held_bytes
+    held = core_of(state).pool.stats.held_bytes
     t0 = time.perf_counter()
     state.offload(groups)
     _sync()
     t_off = time.perf_counter() - t0
-    pinned = state.pool.stats.held_bytes - held
+    pinned = core_of(state).pool.stats.held_bytes - held
     a1, r1, f1 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
     t0 = time.perf_counter()
     state.onload(groups)

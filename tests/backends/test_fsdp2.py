@@ -30,6 +30,7 @@ from helpers import capture  # noqa: E402  (tests/ is on sys.path by now)
 from helpers import perturb as shared_perturb  # noqa: E402
 
 from stateshift import LayoutMismatchError, ModelState, OffloadedStateError, Residency
+from stateshift.core.engine import core_of
 
 pytestmark = pytest.mark.slow
 
@@ -263,17 +264,17 @@ def expected(values: dict[str, torch.Tensor], state: ModelState) -> dict[str, to
     ``CPUOffloadPolicy``) are never released: a drop leaves them, and their
     values, as they are.
     """
-    zeroed = {m.name for s in state.slots() if s.residency is Residency.DROPPED for m in s.info.members}
+    zeroed = {m.name for s in core_of(state).slots() if s.residency is Residency.DROPPED for m in s.info.members}
     return {k: (torch.zeros_like(v) if k in zeroed else v) for k, v in values.items()}
 
 
 def fixed_storages(state: ModelState) -> dict[int, tuple[int, int]]:
     """Slots whose storage cannot be resized: key -> (address, size). No verb may release or move them."""
-    return {s.key: (s.storage.data_ptr(), s.storage.nbytes()) for s in state.slots() if not s.storage.resizable()}
+    return {s.key: (s.storage.data_ptr(), s.storage.nbytes()) for s in core_of(state).slots() if not s.storage.resizable()}
 
 
 def assert_fixed_in_place(state: ModelState, fixed: dict[int, tuple[int, int]], what: str) -> None:
-    for s in state.slots():
+    for s in core_of(state).slots():
         if s.key in fixed:
             assert s.residency is Residency.DEVICE, f"{what}: {s.name} is {s.residency} (storage not resizable)"
             assert (s.storage.data_ptr(), s.storage.nbytes()) == fixed[s.key], f"{what}: {s.name} moved"
@@ -317,13 +318,13 @@ def every_verb_in_every_residency(rank, world, device="cpu", mesh_shape=None, mi
         # pinned host shards (CPUOffloadPolicy): already host memory, never released, always copied
         fixed = fixed_storages(state)
         if offload_policy:
-            assert any(s.key in fixed for s in state.slots("params")), "CPUOffloadPolicy: resizable host shards"
+            assert any(s.key in fixed for s in core_of(state).slots("params")), "CPUOffloadPolicy: resizable host shards"
         else:
             assert not fixed
 
         # snapshot in the mix
         MIXES[mix](state)
-        released = [s for s in state.slots() if s.residency is not Residency.DEVICE]
+        released = [s for s in core_of(state).slots() if s.residency is not Residency.DEVICE]
         assert all(s.storage.nbytes() == 0 for s in released), f"{mix}: an offloaded slot kept its storage"
         assert_fixed_in_place(state, fixed, mix)
         want = expected(base, state)
@@ -670,7 +671,7 @@ def hsdp_four_ranks(rank, world, device="cpu"):
     a, a_opt = build(device, hsdp)
     b, b_opt = build(device, flat)
     sa, sb = ModelState(a, a_opt), ModelState(b, b_opt)
-    meta = dict(next(m for s in sa.slots("params") for m in s.info.members if m.name == "embed.weight").meta)
+    meta = dict(next(m for s in core_of(sa).slots("params") for m in s.info.members if m.name == "embed.weight").meta)
     assert meta["placements"] == ("Replicate()", "Shard(dim=0)") and meta["mesh"][1] == ((0, 1), (2, 3))
     snap = sa.snapshot(tag="hsdp")
     with pytest.raises(LayoutMismatchError) as err:

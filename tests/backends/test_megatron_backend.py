@@ -44,6 +44,7 @@ from stateshift.backends import detect_backends
 from stateshift.backends import megatron as mg
 from stateshift.backends.torch import TorchModuleBackend, TorchOptimizerBackend
 from stateshift.core.slot import Entry, NativeHome
+from stateshift.core.engine import core_of
 
 
 
@@ -66,7 +67,7 @@ def capture(state: ModelState, groups=None) -> dict[str, torch.Tensor]:
 
 
 def member_slots(state: ModelState) -> dict[str, str]:
-    return {m.name: s.name for s in state.slots() for m in s.info.members}
+    return {m.name: s.name for s in core_of(state).slots() for m in s.info.members}
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -110,7 +111,7 @@ def _native(ddp, which="all", params=True, grads=True):
 
 
 def _grad_slots(state, ddp, which="all") -> set[str]:
-    names = {s.name for s in state.slots("grads")}
+    names = {s.name for s in core_of(state).slots("grads")}
     if which == "all":
         return names
     return {n for n in names if n.startswith("buffers.0.")}
@@ -149,7 +150,7 @@ def test_snapshot_in_every_residency(trained, mix):
     got = capture(state)
     assert_same(got, _expected(state, truth, dropped))
     if mix == "native_all" and CONFIGS[config]["udo"]:
-        assert state.residency()["params"] == {"device": 0, "host": len(state.slots("params")), "dropped": 0}
+        assert state.residency()["params"] == {"device": 0, "host": len(core_of(state).slots("params")), "dropped": 0}
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -295,7 +296,7 @@ def test_field_param_data_none_means_one_slot_per_param():
     state = ModelState(ddp, opt)
     assert all(b.param_data is None for b in buffers(ddp))
     trainable = [p for p in ddp.parameters() if p.requires_grad]
-    assert len(state.slots("params")) == len({p.untyped_storage()._cdata for p in trainable})
+    assert len(core_of(state).slots("params")) == len({p.untyped_storage()._cdata for p in trainable})
     before = capture(state)
     state.offload()
     assert all(storage_bytes(p) == 0 for p in trainable)
@@ -312,7 +313,7 @@ def test_field_expert_parallel_buffers_are_offloaded_too():
     fake_train_step(ddp, opt, _x(0))
     assert ddp.expert_parallel_buffers
     state = ModelState(ddp, opt)
-    names = {s.name for s in state.slots()}
+    names = {s.name for s in core_of(state).slots()}
     assert {"expert_parallel_buffers.0.param_data", "expert_parallel_buffers.0.grad_data"} <= names
     before = capture(state)
     state.offload()
@@ -428,7 +429,7 @@ def test_every_tensor_is_listed_once_in_its_group():
     fake_train_step(ddp, opt, _x(0))
     state = ModelState(ddp, opt)
     assert [type(b) for b in state.backends] == [mg.MegatronModelBackend, mg.MegatronOptimizerBackend]
-    members = {m.name: s.info.group for s in state.slots() for m in s.info.members}
+    members = {m.name: s.info.group for s in core_of(state).slots() for m in s.info.members}
     inner = ddp.module.module
     for name, p in inner.named_parameters():
         assert members[name] == ("params" if p.requires_grad else "frozen"), name
@@ -443,8 +444,8 @@ def test_every_tensor_is_listed_once_in_its_group():
         assert members[f"{kind}.0.param_data"] == "params" and members[f"{kind}.0.grad_data"] == "grads"
     masters = sum(len(g) for o in opt.chained_optimizers for g in o.shard_fp32_from_float16_groups)
     states = sum(len(v) for o in opt.chained_optimizers for v in o.optimizer.state.values())
-    assert len(state.slots("optim")) == masters + states
-    assert state.nbytes() == sum(s.nbytes for s in state.slots())
+    assert len(core_of(state).slots("optim")) == masters + states
+    assert state.nbytes() == sum(s.nbytes for s in core_of(state).slots())
     cov = state.backends[0].coverage()
     assert "moe.router.expert_bias" in cov["buffers"] and "frozen.weight" in cov["frozen"]
 
@@ -454,7 +455,7 @@ def test_fp32_model_params_are_not_listed_twice():
     opt = build_fake_optimizer(ddp, "distrib")
     fake_train_step(ddp, opt, _x(0))
     state = ModelState(ddp, opt)
-    optim = {m.name for s in state.slots("optim") for m in s.info.members}
+    optim = {m.name for s in core_of(state).slots("optim") for m in s.info.members}
     assert not any(n.endswith(".main_param") for n in optim)
     assert "l1.weight.exp_avg" in optim
     before = capture(state)
@@ -466,7 +467,7 @@ def test_fp32_model_params_are_not_listed_twice():
 def test_names_are_those_of_megatron_state_dict():
     ddp, opt = build("distrib_ep")
     state = ModelState(ddp, opt)
-    names = {m.name for s in state.slots() for m in s.info.members}
+    names = {m.name for s in core_of(state).slots() for m in s.info.members}
     assert set(ddp.state_dict()) <= names
 
 
@@ -499,7 +500,7 @@ def test_a_module_added_after_verbs_is_listed_and_guarded():
     inner = ddp.module.module
     inner.adapter = torch.nn.Linear(HIDDEN, HIDDEN)  # outside every DDP buffer, like a LoRA adapter
     state.offload("params")
-    names = {s.name for s in state.slots("params")}
+    names = {s.name for s in core_of(state).slots("params")}
     assert any("adapter.weight" in n for n in names), names
     with pytest.raises(OffloadedStateError, match="adapter"):
         inner.adapter(torch.zeros(1, HIDDEN))
@@ -596,8 +597,8 @@ def test_unwrapped_chunk_reference_model():
     ref = FakeFloat16Module(FakeDenseModel(HIDDEN, seed=3))
     state = ModelState(ref)
     assert [type(b) for b in state.backends] == [mg.MegatronModelBackend]
-    assert {s.name for s in state.slots("frozen")} == {"frozen.weight"}
-    assert {m.name for s in state.slots("params") for m in s.info.members} == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+    assert {s.name for s in core_of(state).slots("frozen")} == {"frozen.weight"}
+    assert {m.name for s in core_of(state).slots("params") for m in s.info.members} == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
     out = ref(_x(0))
     snap = state.snapshot(tag="ref")
     state.offload()
@@ -635,9 +636,9 @@ def test_virtual_pipeline_list_of_chunks():
     chunks, opt = two()
     twin, twin_opt = two()
     state = ModelState(chunks, opt)
-    names = {s.name for s in state.slots("params")}
+    names = {s.name for s in core_of(state).slots("params")}
     assert names == {"chunk0.buffers.0.param_data", "chunk1.buffers.0.param_data"}
-    assert "chunk1.moe.router.expert_bias" in {s.name for s in state.slots("buffers")}
+    assert "chunk1.moe.router.expert_bias" in {s.name for s in core_of(state).slots("buffers")}
 
     def step(cs, o, i):
         for c in cs:

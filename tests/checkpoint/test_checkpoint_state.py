@@ -52,6 +52,7 @@ from stateshift.checkpoint.directory import Checkpoint
 from stateshift.cli.inspect import add_parser
 from stateshift.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError
 from stateshift.models import TinyConfig
+from stateshift.core.engine import core_of
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ALL = ("params", "buffers", "grads", "optim")
@@ -172,17 +173,17 @@ def test_save_from_offloaded_state_copies_nothing_and_load_is_a_pointer_copy(tmp
     groups = ("params", "buffers", "optim")
     state.offload(groups)
     values = capture(state, groups)
-    before = state.pool.stats
+    before = core_of(state).pool.stats
     save(state, tmp_path / "ck")
-    after = state.pool.stats
+    after = core_of(state).pool.stats
     assert after.requested_bytes == before.requested_bytes  # zero-copy: written straight from the homes
     assert after.in_use_bytes == before.in_use_bytes  # the snapshot shares the homes and is released
 
     _model2, _opt2, state2 = _warmed("cpu", seed=1)
     state2.offload(groups)
-    before = state2.pool.stats
+    before = core_of(state2).pool.stats
     load(state2, tmp_path / "ck")
-    after = state2.pool.stats
+    after = core_of(state2).pool.stats
     # read once into one pooled block per group, which became the homes (a pointer copy, no second copy);
     # the old homes went back to the pool
     assert after.requested_bytes - before.requested_bytes == sum(state2.layout(g).total for g in groups)
@@ -193,14 +194,14 @@ def test_save_from_offloaded_state_copies_nothing_and_load_is_a_pointer_copy(tmp
 
 def test_save_of_resident_state_stages_one_copy_through_the_pool(tmp_path):
     _model, _opt, state = _warmed("cpu")
-    before = state.pool.stats
+    before = core_of(state).pool.stats
     save(state, tmp_path / "ck")
     total = sum(state.layout(g).total for g in ("params", "buffers", "optim"))
-    after = state.pool.stats
+    after = core_of(state).pool.stats
     assert after.requested_bytes - before.requested_bytes == total  # exactly one staged copy, no more
     assert after.in_use_bytes == before.in_use_bytes
     save(state, tmp_path / "ck2")  # the second save reuses the pooled blocks
-    assert state.pool.stats.allocations == after.allocations
+    assert core_of(state).pool.stats.allocations == after.allocations
 
 
 def test_manifest_and_format(tmp_path):
@@ -657,7 +658,7 @@ def test_real_full_disk_is_a_clear_error_and_the_previous_checkpoint_loads(tiny_
     assert ei.value.errno == errno.ENOSPC
     assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["ck", "filler"]  # the temporary directory was removed
-    assert state.pool.stats.in_use_bytes == 0  # the staged snapshot went back to the pool
+    assert core_of(state).pool.stats.in_use_bytes == 0  # the staged snapshot went back to the pool
     _, _, fresh = _warmed("cpu", seed=2)
     assert read_manifest(path).version == 1
     load(fresh, path)
@@ -718,7 +719,7 @@ def test_async_save_error_reaches_wait_and_memory_goes_back(tmp_path):
     with pytest.raises(RuntimeError, match="disk on fire"):
         handle.wait(timeout=60)
     assert isinstance(handle.exception(), RuntimeError)
-    assert state.pool.stats.in_use_bytes == 0 and len(state.snapshots) == 0
+    assert core_of(state).pool.stats.in_use_bytes == 0 and len(core_of(state).snapshots) == 0
     assert read_manifest(tmp_path / "ck").version == 1
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
 
@@ -749,7 +750,7 @@ def test_release_under_an_async_save_aborts_it(tmp_path):
     gate = _Gate()
     handle = async_save(state, tmp_path / "ck2", version=2, progress=gate)
     assert gate.started.wait(30)
-    state.snapshots.clear()  # someone frees the staged copy mid-write
+    core_of(state).snapshots.clear()  # someone frees the staged copy mid-write
     gate.open.set()
     with pytest.raises(ReleasedSnapshotError):
         handle.wait(60)

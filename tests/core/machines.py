@@ -88,6 +88,7 @@ from stateshift import (
 from stateshift.backends import detect_backends
 from stateshift.checkpoint import async_save, load, save
 from stateshift.core.pool import HostPool
+from stateshift.core.engine import core_of
 
 DEVICE, HOST, DROPPED = Residency.DEVICE, Residency.HOST, Residency.DROPPED
 #: the groups an optimizer step reads or writes: a step while one is swapped raises ``SwapActiveError``
@@ -368,7 +369,7 @@ class Machine:
         self.members: dict[Key, tuple[str, ...]] = {}
         self.releasable: dict[Key, bool] = {}
         self.group_of: dict[str, str] = {}
-        for s in self.state.slots():
+        for s in core_of(self.state).slots():
             key = (s.info.group, s.name)
             self.members[key] = tuple(m.name for m in s.info.members)
             self.releasable[key] = s.releasable
@@ -426,12 +427,12 @@ class Machine:
     @contextmanager
     def _unbudgeted(self) -> Iterator[None]:
         """The pool and snapshot budgets lifted for the duration (the machine's own reads must not fail)."""
-        saved = (self.pool.budget_bytes, self.state.snapshots.budget_bytes)
-        self.pool.budget_bytes = self.state.snapshots.budget_bytes = None
+        saved = (self.pool.budget_bytes, core_of(self.state).snapshots.budget_bytes)
+        self.pool.budget_bytes = core_of(self.state).snapshots.budget_bytes = None
         try:
             yield
         finally:
-            self.pool.budget_bytes, self.state.snapshots.budget_bytes = saved
+            self.pool.budget_bytes, core_of(self.state).snapshots.budget_bytes = saved
 
     def read(self, groups: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Every member's values, wherever it lives (through a snapshot taken with the budgets lifted)."""
@@ -463,7 +464,7 @@ class Machine:
         allowed: tuple[type[BaseException], ...] = must + may
         if budget and self.pool.budget_bytes is not None:
             allowed += (PoolBudgetError,)
-        if budget and self.state.snapshots.budget_bytes is not None:
+        if budget and core_of(self.state).snapshots.budget_bytes is not None:
             allowed += (SnapshotBudgetError,)
         in_use, allocations = self.pool.stats.in_use_bytes, self.pool.stats.allocations
         writing = sum(q.handle.nbytes for q in self.pending if not q.handle.done())
@@ -585,7 +586,7 @@ class Machine:
                 storage = ref[info.members[0].name].untyped_storage()
                 part.region(i).copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (info.nbytes,), (1,)))
 
-        ok, snap = self._call("snapshot_from", lambda: self.state.snapshot_from(groups, fill, tag=tag, version=version),
+        ok, snap = self._call("snapshot_from", lambda: core_of(self.state).snapshot_from(groups, fill, tag=tag, version=version),
                               must=(_FillFailed,) if fail else (), budget=True)
         if self._everywhere(ok, lambda: self._unmake(snap, tag, version)):
             self._track(snap, names, tag, version)
@@ -683,7 +684,7 @@ class Machine:
             else:
                 self.stats["rebuild: not available"] += 1
         if not must:
-            placement = self.state.stash_placement(t.groups, stash)
+            placement = core_of(self.state).stash_placement(t.groups, stash)
             # "auto" without CUDA: the host, unless the pool's budget cannot hold the stash (then the device, i.e. CPU memory)
             auto = ("host", "device") if torch.cuda.is_available() or self.pool.budget_bytes is not None else ("host",)
             assert placement in ((stash,) if stash != "auto" else auto), (stash, placement)
@@ -848,9 +849,9 @@ class Machine:
             self._written(names)
 
     def clear_snapshots(self) -> None:
-        """``state.snapshots.clear()``: every snapshot released, async saves being written included (aborted,
+        """``core_of(state).snapshots.clear()``: every snapshot released, async saves being written included (aborted,
         or finished first: either way the checkpoint at their path is a whole one)."""
-        self._call("clear_snapshots", self.state.snapshots.clear)
+        self._call("clear_snapshots", core_of(self.state).snapshots.clear)
         for t in self.snaps:
             t.released = True
         self.stored.clear()
@@ -862,7 +863,7 @@ class Machine:
         total = self.state.nbytes()
         levels = {None: None, "tight": 0, "some": total // 2, "roomy": 3 * total}
         self.pool.budget_bytes = None if pool is None else self.pool.stats.in_use_bytes + levels[pool]
-        self.state.snapshots.budget_bytes = None if snaps is None else self.state.snapshots.nbytes + levels[snaps]
+        core_of(self.state).snapshots.budget_bytes = None if snaps is None else core_of(self.state).snapshots.nbytes + levels[snaps]
         self.stats[f"budget {pool}/{snaps}"] += 1
 
     def close_reopen(self, pool: str) -> None:
@@ -906,7 +907,7 @@ class Machine:
         diff = first_difference(direct, {k: v.detach() for k, v in self.ref().items() if k not in framework})
         assert diff is None, f"after close(), the model's own tensors differ from the reference at {diff}"
         assert self.pool.stats.in_use_bytes == 0, f"close() left {self.pool.stats.in_use_bytes} pooled bytes in use"
-        budget = state.snapshots.budget_bytes
+        budget = core_of(state).snapshots.budget_bytes
         if pool == "new":
             self.pool = HostPool()
         self.state = ModelState(self.model, self.opt, pool=self.pool, snapshot_budget_bytes=budget)
@@ -971,14 +972,14 @@ class Machine:
             t.snap.wait()
             diff = first_difference(dict(t.snap.views()), t.values)
             assert diff is None, f"live snapshot {t.snap.key} changed at {diff}"
-        keys = {k for k in self.state.snapshots.keys() if not k[0].startswith("_")}
+        keys = {k for k in core_of(self.state).snapshots.keys() if not k[0].startswith("_")}
         assert keys == set(self.stored), f"store holds {sorted(keys, key=str)}, expected {sorted(self.stored, key=str)}"
         for tag in {k[0] for k in self.stored}:
             versions = [v for (t, v) in self.stored if t == tag and v is not None]
             want_key = (tag, max(versions)) if versions else (tag, None)
-            assert self.state.snapshots.get(tag) is self.stored[want_key].snap, f"get({tag!r}) is not {want_key}"
+            assert core_of(self.state).snapshots.get(tag) is self.stored[want_key].snap, f"get({tag!r}) is not {want_key}"
         counts: dict[str, Counter[str]] = {g: Counter() for g in self.state.groups}
-        for s in self.state.slots():
+        for s in core_of(self.state).slots():
             key = (s.info.group, s.name)
             assert s.residency is self.res[key], f"{key} is {s.residency}, expected {self.res[key]}"
             counts[s.info.group][s.residency.value] += 1
@@ -998,7 +999,7 @@ class Machine:
                 if not t.released:
                     self.state.release(t.snap)
             self.pool.budget_bytes = None
-            self.state.snapshots.budget_bytes = None
+            core_of(self.state).snapshots.budget_bytes = None
             self.state.onload()
             self.state.close()
             assert self.pool.stats.in_use_bytes == 0, f"{self.pool.stats.in_use_bytes} pooled bytes leaked"

@@ -17,6 +17,7 @@ import torch
 from helpers import DEVICES, assert_isolated, make, warm
 
 from stateshift import ModelState, OffloadedStateError, VerbInsideComputeError
+from stateshift.core.engine import core_of
 
 #: seconds the races run (three phases, a third each). The crash it guards against came within a second or two on the 2-core CI
 #: machine (a forward takes ~1 ms there, each offload/onload pair ~1 ms: hundreds of interleavings a
@@ -281,4 +282,4 @@ def test_two_forwards_each_calling_a_verb_from_a_hook_do_not_wait_for_each_other
     for t in threads:
         t.join(20)
     assert not any(t.is_alive() for t in threads) and not errors, errors
-    assert {"t0", "t1"} <= {s.tag for s in state.snapshots}
+    assert {"t0", "t1"} <= {s.tag for s in core_of(state).snapshots}

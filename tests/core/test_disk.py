@@ -17,6 +17,7 @@ from helpers import assert_isolated, assert_same, capture, live, make, perturb, 
 from stateshift import DiskTierError, ModelState
 from stateshift.core import disk as disk_mod
 from stateshift.core.disk import DiskHome, sweep_stale
+from stateshift.core.engine import core_of
 
 
 def refuse_o_direct(monkeypatch) -> None:
@@ -123,7 +124,7 @@ def test_close_brings_disk_values_back_and_removes_the_file(tmp_path):
     model, opt, state = _state(tmp_path)
     want = live(model, opt)
     state.offload(to="disk")
-    path = state._disk.path
+    path = core_of(state).disk_home.path
     assert path.exists()
     state.close()
     assert not path.exists()
@@ -147,9 +148,9 @@ def test_host_memory_of_a_disk_offload_is_bounded_by_the_staging_windows(tmp_pat
     model, opt, state = _state(tmp_path, disk_window_bytes=window)
     total = state.nbytes()
     assert total > 16 * window  # (the model is larger than the windows)
-    base = state.pool.stats.held_bytes
+    base = core_of(state).pool.stats.held_bytes
     state.offload(to="disk")
-    stats = state.pool.stats
+    stats = core_of(state).pool.stats
     assert stats.peak_held_bytes - base <= 2 * window, (stats, total)
     assert stats.in_use_bytes <= 2 * window  # no host home holds the values
 
@@ -177,6 +178,7 @@ _FULL_DISK = textwrap.dedent(
     sys.path[:0] = sys.argv[1:3]
     from helpers import capture, make, warm, assert_same
     from stateshift import DiskTierError, ModelState
+    from stateshift.core.engine import core_of
     if sys.argv[4] == "buffered":  # the filesystem refuses O_DIRECT
         import errno, os
         from stateshift.core import disk
@@ -196,7 +198,7 @@ _FULL_DISK = textwrap.dedent(
     else:
         raise AssertionError("the disk offload did not fail")
     assert state.residency() == residency, (state.residency(), residency)
-    assert state._disk.io_mode == sys.argv[4], state._disk.describe()
+    assert core_of(state).disk_home.io_mode == sys.argv[4], core_of(state).disk_home.describe()
     assert_same(capture(state), want)
     state.onload()
     assert_same(capture(state), want)
@@ -298,7 +300,7 @@ def test_planner_fails_before_anything_when_a_group_fits_nowhere():
     before, residency = live(model, opt), state.residency()
     with pytest.raises(PoolBudgetError, match="fits in neither"):
         state.offload(to="auto")
-    assert state.residency() == residency and state.pool.stats.in_use_bytes == 0
+    assert state.residency() == residency and core_of(state).pool.stats.in_use_bytes == 0
     assert_same(live(model, opt), before)
 
 
@@ -324,7 +326,7 @@ def test_pi_old_cycle_goes_to_disk_when_the_host_budget_is_short(tmp_path):
         assert_same(params(), pi_old)
     assert_same(params(), now)
     cycle.end()
-    assert state.pool.stats.peak_held_bytes <= 96 << 10
+    assert core_of(state).pool.stats.peak_held_bytes <= 96 << 10
 
 
 # ----------------------------------------------------------------------------- I/O modes
@@ -442,7 +444,7 @@ def test_tiny_and_odd_tensors_round_trip_bit_exactly_in_both_modes(tmp_path, io_
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = ModelState(model, disk_dir=tmp_path / "disk", disk_window_bytes=window)
     state.offload(to="disk")
-    assert state._disk.io_mode == io_mode and io_mode in (state.describe_disk() or ""), state.describe_disk()
+    assert core_of(state).disk_home.io_mode == io_mode and io_mode in (state.describe_disk() or ""), state.describe_disk()
     snap = state.snapshot(tag="s", placement="disk")
     assert_same(snap.tensors(), capture(state))
     state.onload()
@@ -456,7 +458,7 @@ def test_tiny_and_odd_tensors_round_trip_bit_exactly_in_both_modes(tmp_path, io_
     state.onload()
     assert_same({k: v.detach().clone() for k, v in model.state_dict().items()}, want)
     if io_mode == "buffered":
-        assert state._disk.bytes_direct == 0
+        assert core_of(state).disk_home.bytes_direct == 0
     state.close()
 
 
@@ -467,8 +469,8 @@ def test_training_with_disk_moves_is_bit_identical_in_both_modes(tmp_path, io_mo
     for step in range(2):
         assert train_step(model, opt, step) == train_step(ref_model, ref_opt, step)
         state.offload(["params", "optim"], to="disk")
-        assert state._disk.io_mode == io_mode
+        assert core_of(state).disk_home.io_mode == io_mode
         state.onload()
     assert_same(live(model, opt), live(ref_model, ref_opt))
     if io_mode == "O_DIRECT":
-        assert state._disk.bytes_direct > 0, state._disk.describe()
+        assert core_of(state).disk_home.bytes_direct > 0, core_of(state).disk_home.describe()

@@ -19,6 +19,7 @@ from stateshift import (
 )
 from stateshift.core.pool import HostPool
 from stateshift.models import TinyConfig, TinyTransformer, batch, lm_loss
+from stateshift.core.engine import core_of
 
 
 @pytest.fixture(params=DEVICES)
@@ -181,11 +182,11 @@ def test_pool_budget_error_changes_nothing(device):
 def test_snapshot_budget(warmed):
     model, opt, state = warmed
     first = state.snapshot(tag="a")
-    state.snapshots.budget_bytes = first.nbytes + 10
+    core_of(state).snapshots.budget_bytes = first.nbytes + 10
     state.snapshot(tag="a")  # replacing the same key fits
     with pytest.raises(SnapshotBudgetError):
         state.snapshot(tag="b")
-    assert state.snapshots.keys() == [("a", None)]
+    assert core_of(state).snapshots.keys() == [("a", None)]
 
 
 @pytest.mark.parametrize("bad", [{"pin": "yes"}, {"budget_bytes": -1}])
@@ -207,7 +208,7 @@ def test_verbs_given_something_else_than_a_snapshot_raise_a_type_error(given):
     warm(model, opt)
     state = ModelState(model, opt)
     want = live(model, opt)
-    for verb in (state.restore, state.check_restore, lambda s: state.swapped(s).__enter__()):
+    for verb in (state.restore, core_of(state).check_restore, lambda s: state.swapped(s).__enter__()):
         with pytest.raises(TypeError, match="a Snapshot"):
             verb(given)
     assert_same(live(model, opt), want)

@@ -17,6 +17,7 @@ from helpers import assert_isolated, assert_same, capture, live, make, warm
 from stateshift import ClosedStateError, ForeignStateError, ModelState, PoolBudgetError
 from stateshift.core.pool import HostPool
 from stateshift.rl import PiOldCycle
+from stateshift.core.engine import core_of
 
 # ----------------------------------------------------------------------------- 1. an error changes nothing
 
@@ -51,7 +52,7 @@ def test_snapshot_out_of_pool_budget_keeps_the_snapshot_it_would_replace():
     pool.budget_bytes = pool.stats.in_use_bytes  # no room for the optim part of a new "s"
     with pytest.raises(PoolBudgetError):
         state.snapshot(["params", "optim"], tag="s")
-    assert not old.released and state.snapshots.get("s") is old
+    assert not old.released and core_of(state).snapshots.get("s") is old
 
 
 # ----------------------------------------------------------------------------- 2. rebuild after the other groups
@@ -114,7 +115,7 @@ def test_a_storage_released_by_user_code_is_not_blamed_on_another_state():
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt, guard=False)
-    state.slots()
+    core_of(state).slots()
     storage = model.embed.weight.untyped_storage()
     size = storage.nbytes()
     storage.resize_(0)
@@ -371,10 +372,10 @@ def test_buffer_leaving_the_listing_while_offloaded_gets_its_values_back(tmp_pat
 
 def test_compiled_model_has_the_plain_models_names():
     model, opt = make()
-    plain = {s.name for s in ModelState(model, opt, guard=False).slots()}
+    plain = {s.name for s in core_of(ModelState(model, opt, guard=False)).slots()}
     compiled = ModelState(torch.compile(model), opt, guard=False)
-    assert {s.name for s in compiled.slots()} == plain
-    assert not any("_orig_mod" in m.name for s in compiled.slots() for m in s.info.members)
+    assert {s.name for s in core_of(compiled).slots()} == plain
+    assert not any("_orig_mod" in m.name for s in core_of(compiled).slots() for m in s.info.members)
 
 
 def _two_linears() -> torch.nn.Sequential:

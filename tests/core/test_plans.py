@@ -9,11 +9,12 @@ import torch
 from helpers import assert_same, capture, make, warm
 
 from stateshift import ModelState
+from stateshift.core.engine import core_of
 
 
 def _plans(state, group="params"):
     """The engine's plans of a group by slot subset (plans for the disk tier's windows left out)."""
-    return {subset: p for (subset, chunk), p in state._groups[group].plans.items() if chunk is None}
+    return {subset: p for (subset, chunk), p in core_of(state).groups[group].plans.items() if chunk is None}
 
 
 def test_a_verb_on_an_unchanged_group_reuses_its_plan():
@@ -42,7 +43,7 @@ def test_a_layout_change_invalidates_the_plans():
     assert _plans(state)[None] is not old
     assert len(_plans(state)[None].runs) >= 1
     state.onload("params")
-    names = {m.name for s in state.slots("params") for m in s.info.members}
+    names = {m.name for s in core_of(state).slots("params") for m in s.info.members}
     assert "extra.weight" in names
 
 
@@ -57,7 +58,7 @@ def test_a_plan_is_never_reused_for_another_set_of_tensors():
     state.offload("params")  # the rest: another subset, another plan
     assert len([k for k in _plans(state) if k is not None]) == 2
     idx = {i for k in _plans(state) if k is not None for i in k}
-    assert idx == set(range(len(state._groups["params"].slots)))
+    assert idx == set(range(len(core_of(state).groups["params"].slots)))
     state.onload()
     assert_same(capture(state), want)
 
@@ -203,7 +204,7 @@ def test_group_residency_helpers_agree_with_a_loop_over_the_slots():
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt)
-    gs = state._groups["params"]
+    gs = core_of(state).groups["params"]
 
     def check() -> None:
         loop = {r: [i for i, s in enumerate(gs.slots) if s.residency is r] for r in Residency}
@@ -232,7 +233,7 @@ def test_regrow_all_gives_memory_only_to_storages_without_it():
 
     model = torch.nn.ParameterList(torch.nn.Parameter(torch.full((16,), float(i))) for i in range(3))
     state = ModelState(model)
-    slots = state.slots("params")
+    slots = core_of(state).slots("params")
     kept = slots[1].storage.data_ptr()
     release_all([slots[0], slots[2]])
     assert [s.storage.nbytes() for s in slots] == [0, 64, 0]

@@ -10,6 +10,7 @@ from stateshift import ModelState
 from stateshift.core.pool import HostPool
 from stateshift.core.snapshot import SnapshotStore
 from stateshift.core.transfer import CopyEngine, plan
+from stateshift.core.engine import core_of
 
 
 def test_pool_exact_sizes_and_reuse():
@@ -97,16 +98,16 @@ def test_second_snapshot_allocates_nothing():
     def cycle(v: int) -> None:
         state.snapshot(tag="pi_old", version=v)
         if v > 0:
-            state.release(state.snapshots.get("pi_old", v - 1))
+            state.release(core_of(state).snapshots.get("pi_old", v - 1))
         state.snapshot(tag="ref")  # same key: replaced, its memory reused
 
     cycle(0)
     cycle(1)
-    allocations = state.pool.stats.allocations
+    allocations = core_of(state).pool.stats.allocations
     for v in range(2, 6):
         cycle(v)
-    assert state.pool.stats.allocations == allocations
-    assert state.pool.stats.reuses > 0
+    assert core_of(state).pool.stats.allocations == allocations
+    assert core_of(state).pool.stats.reuses > 0
 
 
 def test_store_versions_and_lookup():
@@ -115,10 +116,10 @@ def test_store_versions_and_lookup():
     for v in (1, 3, 2):
         state.snapshot(tag="pi_old", version=v)
     state.snapshot(tag="ref")
-    assert state.snapshots.get("pi_old").version == 3
-    assert state.snapshots.get("pi_old", 1).version == 1
-    assert state.snapshots.get("ref").version is None
-    assert len(state.snapshots) == 4
+    assert core_of(state).snapshots.get("pi_old").version == 3
+    assert core_of(state).snapshots.get("pi_old", 1).version == 1
+    assert core_of(state).snapshots.get("ref").version is None
+    assert len(core_of(state).snapshots) == 4
     store = SnapshotStore()
     try:
         store.get("nothing")
@@ -133,7 +134,7 @@ def test_snapshot_of_offloaded_group_is_zero_copy_and_detaches_on_write():
     warm(model, opt)
     state = ModelState(model, opt)
     state.offload("params")
-    home = state._groups["params"].home
+    home = core_of(state).groups["params"].home
     snap = state.snapshot("params", tag="cow")
     assert snap.parts[0].host is home and home.shared
     values = snap.tensors()
@@ -141,7 +142,7 @@ def test_snapshot_of_offloaded_group_is_zero_copy_and_detaches_on_write():
     with torch.no_grad():
         model.embed.weight.mul_(2)
     state.offload("params")  # writes the home: must take a block of its own
-    assert state._groups["params"].home is not home
+    assert core_of(state).groups["params"].home is not home
     got = snap.tensors()
     assert all(torch.equal(values[k], got[k]) for k in values)
 
@@ -152,7 +153,7 @@ def test_restore_into_offloaded_group_is_a_pointer_copy():
     snap = state.snapshot("params", tag="p")
     state.offload("params")
     state.restore(snap)
-    assert state._groups["params"].home is snap.parts[0].host
+    assert core_of(state).groups["params"].home is snap.parts[0].host
     assert torch.equal(capture(state, ["params"])["embed.weight"], snap.tensors()["embed.weight"])
 
 

@@ -8,6 +8,7 @@ import torch
 from helpers import DEVICES, MIXES, assert_same, capture, expected_after, make, perturb, train_step, warm
 from stateshift import ModelState, Residency
 from stateshift.models import batch
+from stateshift.core.engine import core_of
 
 
 
@@ -147,7 +148,7 @@ def test_tied_weights_stay_tied(warmed):
     state.onload()
     assert model.head.weight is model.embed.weight
     assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
-    slot = next(s for s in state.slots("params") if s.name == "embed.weight")
+    slot = next(s for s in core_of(state).slots("params") if s.name == "embed.weight")
     assert [m.name for m in slot.info.members] == ["embed.weight", "head.weight"]
     with torch.no_grad():
         model.embed.weight.add_(1)
@@ -194,7 +195,7 @@ def test_dropped_grads_come_back_zeroed(warmed):
 def test_residency_counts_and_release_of_storage(warmed):
     model, opt, state = warmed
     state.offload("params")
-    assert all(s.residency is Residency.HOST for s in state.slots("params"))
+    assert all(s.residency is Residency.HOST for s in core_of(state).slots("params"))
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     state.onload("params")
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
@@ -237,10 +238,10 @@ def test_swapped_with_rebuild_skips_the_stash(warmed):
             for k, p in model.named_parameters():
                 p.copy_(current[k])
 
-    allocations = state.pool.stats.in_use_bytes
+    allocations = core_of(state).pool.stats.in_use_bytes
     with state.swapped(pi_old, rebuild={"params": rebuild}):
         assert torch.equal(model.embed.weight.cpu(), pi_old.tensors()["embed.weight"].cpu())
-        assert state.pool.stats.in_use_bytes - allocations < state.layout("params").total  # no params stash
+        assert core_of(state).pool.stats.in_use_bytes - allocations < state.layout("params").total  # no params stash
     assert calls == [1]
     assert all(torch.equal(p, current[k]) for k, p in model.named_parameters())
 
@@ -290,14 +291,14 @@ def test_slots_and_nbytes_of_one_group_after_a_storage_moved_in_from_another_gro
     warm(model, opt)
     state = ModelState(model, opt)
     total = state.nbytes("params")
-    state.slots()
+    core_of(state).slots()
     p = model.embed.weight
     moved = opt.state[p]["exp_avg"]
     opt.state[p]["exp_avg"] = moved.clone()
     p.data = moved
-    assert any(s.storage._cdata == moved.untyped_storage()._cdata for s in state.slots("params"))
+    assert any(s.storage._cdata == moved.untyped_storage()._cdata for s in core_of(state).slots("params"))
     assert state.nbytes("params") == total
-    assert len(state.slots()) == sum(len(state.slots(g)) for g in state.groups)
+    assert len(core_of(state).slots()) == sum(len(core_of(state).slots(g)) for g in state.groups)
 
 
 def test_a_verb_on_one_group_after_a_storage_moved_in_from_another_group():
@@ -306,7 +307,7 @@ def test_a_verb_on_one_group_after_a_storage_moved_in_from_another_group():
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt)
-    state.slots()
+    core_of(state).slots()
     p = model.embed.weight
     moved = opt.state[p]["exp_avg"]
     opt.state[p]["exp_avg"] = fresh = moved.clone().add_(1)

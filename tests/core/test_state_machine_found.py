@@ -17,6 +17,7 @@ from helpers import assert_isolated, assert_same, capture, live, make, run_isola
 
 from stateshift import ModelState, SnapshotBudgetError, SwapActiveError
 from stateshift.checkpoint import async_save
+from stateshift.core.engine import core_of
 
 
 def _buffers(ddp):
@@ -24,7 +25,7 @@ def _buffers(ddp):
 
 
 def _storages(state: ModelState) -> dict[str, int]:
-    return {s.name: s.storage.nbytes() for s in state.slots()}
+    return {s.name: s.storage.nbytes() for s in core_of(state).slots()}
 
 
 # ----------------------------------------------------------------------------- close()
@@ -125,13 +126,13 @@ def test_snapshot_budget_counts_what_it_checks():
     warm(model, opt)
     state = ModelState(model, opt)
     params = state.nbytes("params")
-    state.snapshots.budget_bytes = params + 10
+    core_of(state).snapshots.budget_bytes = params + 10
     for tag in ("a", "b", "c"):
         try:
             state.snapshot("params", tag=tag, placement="device")
         except SnapshotBudgetError:
             pass
-        assert state.snapshots.nbytes <= state.snapshots.budget_bytes, f"store holds {state.snapshots.nbytes} bytes"
+        assert core_of(state).snapshots.nbytes <= core_of(state).snapshots.budget_bytes, f"store holds {core_of(state).snapshots.nbytes} bytes"
 
 
 def test_snapshot_from_whose_fill_fails_keeps_the_snapshot_it_would_replace():
@@ -147,8 +148,8 @@ def test_snapshot_from_whose_fill_fails_keeps_the_snapshot_it_would_replace():
         raise OSError("the source of the values failed")
 
     with pytest.raises(OSError):
-        state.snapshot_from("params", fill, tag="ckpt", version=1)
-    assert not old.released and state.snapshots.get("ckpt", 1) is old
+        core_of(state).snapshot_from("params", fill, tag="ckpt", version=1)
+    assert not old.released and core_of(state).snapshots.get("ckpt", 1) is old
 
 
 # ----------------------------------------------------------------------------- Megatron's master rebuild
@@ -365,13 +366,13 @@ def test_check_restore_raises_what_restore_would():
     shared = state.snapshot(["params"], tag="cow")  # shares the home copy-on-write
     state.onload("params", only=lambda n: n.startswith("blocks.1."))  # partly offloaded; the home is shared
     before = capture(state, ["params"])
-    state.check_restore(snap)  # room enough: no error
-    state.pool.budget_bytes = state.pool.stats.in_use_bytes  # a restore needs a private home: no room
+    core_of(state).check_restore(snap)  # room enough: no error
+    core_of(state).pool.budget_bytes = core_of(state).pool.stats.in_use_bytes  # a restore needs a private home: no room
     with pytest.raises(PoolBudgetError):
-        state.check_restore(snap)
+        core_of(state).check_restore(snap)
     with pytest.raises(PoolBudgetError):
         state.restore(snap)
-    state.pool.budget_bytes = None
+    core_of(state).pool.budget_bytes = None
     assert_same(capture(state, ["params"]), before)
     state.restore(snap)  # and with room it restores
     state.release(shared)
@@ -390,7 +391,7 @@ def save_with_a_budget_error_on_one_rank(rank, world, path):
     model, opt = FSDP2Target().build()
     state = ModelState(model, opt)
     if rank == 1:
-        state.snapshots.budget_bytes = 0
+        core_of(state).snapshots.budget_bytes = 0
     t0 = time.monotonic()
     try:
         save(state, path)

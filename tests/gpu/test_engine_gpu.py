@@ -12,6 +12,7 @@ import torch
 
 from stateshift import ModelState
 from stateshift.core.transfer import CopyEngine
+from stateshift.core.engine import core_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +28,7 @@ def _mixed(seed: int = 0) -> torch.nn.ParameterList:
 
 def _state(model, small: int = 16 << 10, chunk: int = 256 << 10, **kw) -> ModelState:
     state = ModelState(model, **kw)
-    state.engine = CopyEngine(state.engine.device, small_bytes=small, chunk_bytes=chunk)
+    core_of(state).engine = CopyEngine(core_of(state).engine.device, small_bytes=small, chunk_bytes=chunk)
     return state
 
 
@@ -45,7 +46,7 @@ def test_every_verb_through_many_staged_runs_and_chunks(placement):
     model = _mixed()
     state = _state(model)
     want = _values(model)
-    plan = state._groups["params"].plan(state.engine, list(range(len(model))))
+    plan = core_of(state).groups["params"].plan(core_of(state).engine, list(range(len(model))))
     assert sum(r.sizes is not None for r in plan.runs) > 10 and sum(r.sizes is None and r.offset > 0 for r in plan.runs) > 10
     snap = state.snapshot("params", tag="s", placement=placement)
     with torch.no_grad():
@@ -169,7 +170,7 @@ def test_verbs_inside_a_callers_stream_leave_it_current_and_ordered():
         state.offload()
         state.onload()
         assert torch.cuda.current_stream() == user
-        with state.swapped(state.snapshots.get("host"), stash="host"):
+        with state.swapped(core_of(state).snapshots.get("host"), stash="host"):
             assert torch.cuda.current_stream() == user
         assert torch.cuda.current_stream() == user
         _same(model, want)

@@ -32,6 +32,7 @@ sys.path[:0] = [p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(
 
 import test_fsdp2 as cases
 from dist_harness import run_distributed
+from stateshift.core.engine import core_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,7 +132,7 @@ def memory_and_ordering(rank, world, device="cuda", width=WIDTH):
     with torch.no_grad():  # leaves the root unsharded: the verb reshards first
         model(torch.ones(2, width, device=device))
     state = ModelState(model, opt)
-    tracked = sum(s.nbytes for s in state.slots() if s.device.type == device)
+    tracked = sum(s.nbytes for s in core_of(state).slots() if s.device.type == device)
     values = cases.direct(model, opt)
 
     # offload releases the device memory of every shard, grad and optimizer state

@@ -37,6 +37,7 @@ for _p in (ROOT / "src", ROOT / "benchmarks"):
 
 from stateshift import ModelState, OffloadedStateError
 from stateshift.rl import PiOldCycle, find_rebuild
+from stateshift.core.engine import core_of
 
 DEVICE = os.environ.get("STATESHIFT_MCORE_DEVICE", "cuda")
 _HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -118,8 +119,8 @@ def test_pi_old_forward_is_bit_exact_and_current_weights_come_back(mb, residency
     elif residency == "offloaded_by_megatron":
         for b in _buffers(ddp):
             b.offload_to_cpu(move_params=True, move_grads=True)
-        assert state.residency()["params"]["host"] == len(state.slots("params"))
-        assert state.residency()["grads"]["dropped"] == len(state.slots("grads"))
+        assert state.residency()["params"]["host"] == len(core_of(state).slots("params"))
+        assert state.residency()["grads"]["dropped"] == len(core_of(state).slots("grads"))
     cycle = PiOldCycle(state, placement=placement, rebuild=find_rebuild(state))  # the rebuild path, on either side
     pi_old = cycle.begin()  # taken wherever the params are now
     assert pi_old.placement == placement

@@ -13,6 +13,7 @@ from rl.sync_kit import ask, model, receiver_main, same, start, start_many, step
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import WeightPublisher
+from stateshift.core.engine import core_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -93,7 +94,7 @@ def test_shared_host_from_offloaded_params_moves_no_device_byte_and_loads_on_the
         stop(procs)
         pub.close()
         state.close()
-        state.pool.trim()
+        core_of(state).pool.trim()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"stateshift-pool-{os.getpid()}-")]
 
 

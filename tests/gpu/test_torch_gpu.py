@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stateshift import ModelState
+from stateshift.core.engine import core_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,14 +78,14 @@ def test_offload_releases_device_memory():
 def test_pinned_pool_exact_sizes_and_reuse():
     model = Big()
     state = ModelState(model)
-    assert state.pool.pinned
+    assert core_of(state).pool.pinned
     state.snapshot("params", tag="a")
-    s = state.pool.stats
+    s = core_of(state).pool.stats
     assert s.held_bytes == state.layout("params").total  # no power-of-two rounding
-    assert all(p.host.data.is_pinned() for p in state.snapshots.get("a").parts)
+    assert all(p.host.data.is_pinned() for p in core_of(state).snapshots.get("a").parts)
     for v in range(3):
         state.snapshot("params", tag="a")
-    assert state.pool.stats.allocations == s.allocations
+    assert core_of(state).pool.stats.allocations == s.allocations
 
 
 def test_swapped_on_gpu_is_exact_with_many_small_tensors():

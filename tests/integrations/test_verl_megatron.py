@@ -24,6 +24,7 @@ from stateshift.integrations.verl.registry import take
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from verl_sequence import compare, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights  # noqa: E402
+from stateshift.core.engine import core_of
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,7 +96,7 @@ def test_load_without_grads_or_frozen_params_leaves_them_released(config):
     assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
     frozen = [p for p in ddp.module.parameters() if not p.requires_grad]
     assert frozen and all(p.untyped_storage().nbytes() == 0 for p in frozen)
-    assert V.model_state(models).residency()["frozen"]["host"] == len(V.model_state(models).slots("frozen"))
+    assert V.model_state(models).residency()["frozen"]["host"] == len(core_of(V.model_state(models)).slots("frozen"))
     V.load_megatron_model_to_gpu(models)
     assert_same(weights(models), truth)
 
@@ -134,7 +135,7 @@ def test_optimizer_and_master_offload_round_trip(config, model_offloaded):
         V.offload_megatron_model_to_cpu(models)
     V.offload_megatron_copy_params(opt)
     state = V.optimizer_state(opt)
-    masters = [s for s in state.slots("optim") if s.name.endswith(".main_param")]
+    masters = [s for s in core_of(state).slots("optim") if s.name.endswith(".main_param")]
     assert masters and state.residency()["optim"]["host"] == len(masters)
     V.offload_megatron_optimizer(opt)
     assert state.residency()["optim"]["device"] == 0
@@ -193,11 +194,11 @@ def test_a_dropped_handle_gives_its_memory_back():
     ddp, _ = after_steps("distrib_ep", 1)
     state = V.model_state([ddp])
     saved = {n: V.copy_megatron_model_to_cpu([ddp]) for n in range(3)}
-    assert len(state.snapshots) == 3
+    assert len(core_of(state).snapshots) == 3
     del saved[1], saved[2]
     gc.collect()
     V.offload_megatron_model_to_cpu([ddp])  # any drop-in call releases what was dropped
-    assert len(state.snapshots) == 1
+    assert len(core_of(state).snapshots) == 1
 
 
 # ------------------------------------------------------------------ verl's fully-async sequence
@@ -317,7 +318,7 @@ def test_random_sequences_of_every_function_against_a_twin_that_never_moves(seed
         elif op == "check":
             check()
     check()
-    assert len(V.model_state(models).snapshots) == len(handles)
+    assert len(core_of(V.model_state(models)).snapshots) == len(handles)
 
 
 
@@ -389,13 +390,13 @@ def test_an_offload_that_cannot_get_host_memory_changes_nothing():
     state = V.model_state(models)
     truth = weights(models)
     grads = [b.grad_data.clone() for b in bufs(ddp)]
-    state.pool.budget_bytes = 16
+    core_of(state).pool.budget_bytes = 16
     with pytest.raises(PoolBudgetError):
         V.offload_megatron_model_to_cpu(models)
     assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
     assert_same(weights(models), truth)
     assert all(torch.equal(b.grad_data, g) for b, g in zip(bufs(ddp), grads, strict=True))
-    state.pool.budget_bytes = None
+    core_of(state).pool.budget_bytes = None
     V.offload_megatron_model_to_cpu(models)
     V.load_megatron_model_to_gpu(models)
     assert_same(weights(models), truth)

@@ -15,6 +15,7 @@ from stateshift import DiskTierError, ModelState, UnknownGroupError
 from stateshift.backends.megatron import MasterRebuild
 from stateshift.models import batch
 from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
+from stateshift.core.engine import core_of
 
 N = 4
 
@@ -75,11 +76,11 @@ def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(pla
         assert torch.equal(a, b), k
     # the model lives on the CPU: "auto" keeps pi_old in CPU memory (host), GPU or not
     assert cycle.stats.placement == ("host" if placement == "auto" else placement)
-    if placement != "device" or state.engine.device is None:
+    if placement != "device" or core_of(state).engine.device is None:
         assert cycle.stats.pcie_bytes == cycle.stats.device_bytes == 0 and cycle.stats.host_bytes > 0
     assert (cycle.stats.snapshots, cycle.stats.swaps, cycle.stats.skipped_swaps, cycle.stats.rebuilds) == (1, N - 1, 1, 0)
     assert find_rebuild(state) is None and cycle.rebuild is None
-    assert "pi_old" not in {t for t, _ in state.snapshots.keys()}  # noqa: SIM118  # released at the end
+    assert "pi_old" not in {t for t, _ in core_of(state).snapshots.keys()}  # noqa: SIM118  # released at the end
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -231,10 +232,10 @@ def test_auto_placement_follows_where_the_state_lives_and_that_devices_free_memo
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
-    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(core_of(state).engine, "device", torch.device("cuda", 0))
     assert cycle.state_device() == torch.device("cpu")
     assert cycle.choose_placement() == "host" and asked == []  # CPU-resident: CPU memory, no GPU asked
-    slots = [s for g in cycle.groups for s in state._groups[g].slots]
+    slots = [s for g in cycle.groups for s in core_of(state).groups[g].slots]
     for s in slots:
         monkeypatch.setattr(s, "device", torch.device("cuda", 0))
     assert cycle.state_device() == torch.device("cuda", 0)
@@ -262,8 +263,8 @@ def test_auto_rebuild_stashes_on_the_device_when_a_stash_fits_and_rebuilds_when_
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free["bytes"], 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
-    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
-    for s in [s for g in default_groups(state) for s in state._groups[g].slots]:
+    monkeypatch.setattr(core_of(state).engine, "device", torch.device("cuda", 0))
+    for s in [s for g in default_groups(state) for s in core_of(state).groups[g].slots]:
         monkeypatch.setattr(s, "device", torch.device("cuda", 0))
     p = state.layout("params").total
     need = sum(state.layout(g).total for g in default_groups(state))
@@ -354,8 +355,8 @@ def test_a_cycle_lists_the_model_once_per_begin_and_once_per_swap_beyond_the_ver
     state = ModelState(model, opt)
     cycle = PiOldCycle(state, placement="host")
     walks = []
-    real = state._table.refresh
-    monkeypatch.setattr(state._table, "refresh", lambda groups=None: (walks.append(groups), real(groups))[1])
+    real = core_of(state).table.refresh
+    monkeypatch.setattr(core_of(state).table, "refresh", lambda groups=None: (walks.append(groups), real(groups))[1])
     cycle.begin()
     begin = len(walks)
     with cycle.old_policy():

@@ -27,6 +27,7 @@ from stateshift.rl.sync import (
     WeightReceiver,
 )
 from stateshift.rl.sync.manifest import Manifest
+from stateshift.core.engine import core_of
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def trainer():
     state = ModelState(m, pool=HostPool(shared=True))
     yield m, state
     state.close()
-    state.pool.trim()
+    core_of(state).pool.trim()
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def test_load_into_a_wrong_target_names_the_tensor_and_changes_nothing(trainer, 
 
 def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):
     m, state = trainer
-    nbytes = sum(layout.total for layout in state.layouts(("params", "buffers")).values())
+    nbytes = sum(layout.total for layout in core_of(state).layouts(("params", "buffers")).values())
     pub = WeightPublisher(state, name="b", budget_bytes=2 * nbytes, ack_timeout_s=0.3, poll_s=0.01)
     rx = WeightReceiver(pub.handle(), name="stuck")
     pub.publish(1).wait(5)
@@ -382,15 +383,15 @@ def test_versions_reuse_blocks_so_a_receiver_maps_each_file_once(trainer, pub):
     m, state = trainer
     rx = WeightReceiver(pub.handle(), name="r")
     target = model(2)
-    one = sum(layout.total for layout in state.layouts(pub.groups).values())
+    one = sum(layout.total for layout in core_of(state).layouts(pub.groups).values())
     for v in range(1, 7):
         step(m, 1)
         pub.publish(v).wait(5)
         deadline = time.monotonic() + 5
-        while state.pool.stats.in_use_bytes > one and time.monotonic() < deadline:  # the version before: freed
+        while core_of(state).pool.stats.in_use_bytes > one and time.monotonic() < deadline:  # the version before: freed
             time.sleep(0.005)
         assert rx.load_into(target) == v and same(values(target), values(m))
-    assert rx._maps.mapped <= 2 * len(state.layouts(pub.groups))  # two versions' blocks alternate, not six
+    assert rx._maps.mapped <= 2 * len(core_of(state).layouts(pub.groups))  # two versions' blocks alternate, not six
     rx.close()
 
 
@@ -445,7 +446,7 @@ def test_a_megatron_flat_buffer_is_an_aggregate_its_parameters_arrive_one_by_one
         rx.close()
         pub.close()
         state.close()
-        state.pool.trim()
+        core_of(state).pool.trim()
 
 
 def test_one_receiver_serves_one_read_at_a_time(trainer, pub):

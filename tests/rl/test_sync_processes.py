@@ -16,6 +16,7 @@ from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, 
 from stateshift import ModelState
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import ReceiverLostError, SyncError, SyncTimeoutError, WeightPublisher, WeightReceiver
+from stateshift.core.engine import core_of
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_re
         stop(procs)
         pub.close()
         state.close()
-        state.pool.trim()
+        core_of(state).pool.trim()
     assert shm_files(os.getpid()) == []
 
 
@@ -166,7 +167,7 @@ def _fsdp2_rank(rank: int, world: int) -> bool:
         rx.close()
         pub.close()
         state.close()
-        state.pool.trim()  # ranks leave through os._exit: no finalizer would remove the pool's files
+        core_of(state).pool.trim()  # ranks leave through os._exit: no finalizer would remove the pool's files
 
 
 def test_fsdp2_shards_load_into_a_model_sharded_the_same_way():

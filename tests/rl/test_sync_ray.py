@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from rl.sync_kit import model, same, values
+from stateshift.core.engine import core_of
 
 ray = pytest.importorskip("ray", reason="the Ray test needs ray (the test extra installs it)")
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ class Trainer:
     def close(self) -> None:
         self.pub.close()
         self.state.close()
-        self.state.pool.trim()
+        core_of(self.state).pool.trim()
 
 
 @ray.remote(num_cpus=1)

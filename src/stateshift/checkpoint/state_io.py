@@ -3,7 +3,7 @@
 ``save`` writes the regions of a host snapshot (a pointer copy of an offloaded group's home, one
 pinned device-to-host copy otherwise) straight into one safetensors file per group (and rank);
 ``load`` checks the layout with ``Layout.check_compatible`` (the comparison restore and swapped
-use), reads straight into a snapshot laid out like the model (``state.snapshot_from``), verifying
+use), reads straight into a snapshot laid out like the model (``core_of(state).snapshot_from``), verifying
 every crc32, and only then restores it. Per slot, one plain tensor of a safetensors dtype is stored
 typed under its name; any other slot (tied weights, a flat buffer, a padded FSDP2 shard) as its
 storage's raw bytes (``U8``) under the slot's name, its members listed in the manifest.
@@ -31,6 +31,7 @@ from .collective import Collective
 from .commit import make_parents
 from .directory import Checkpoint, check_args, write_checkpoint
 from .format import ProgressFn, Record, without_gc
+from ..core.engine import core_of
 
 if TYPE_CHECKING:
     from ..core.state import ModelState
@@ -322,7 +323,7 @@ def _read(state: ModelState, ckpt: Checkpoint, stored: Mapping[str, mf.StoredGro
         layout = state.layout(g)
         plans[g] = (layout, _plan(g, layout, stored[g], cast))
     ckpt.check(stored[g].file for g in names)  # every file opened and checked before the first byte of data is read
-    return state.snapshot_from(names, _fill(ckpt, stored, plans, cast, progress),
+    return core_of(state).snapshot_from(names, _fill(ckpt, stored, plans, cast, progress),
                                tag=f"_checkpoint-load-{uuid.uuid4().hex[:12]}", version=ckpt.manifest.version)
 
 
@@ -368,7 +369,7 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
 
     def read_mine() -> None:
         read.append(_read(state, ckpt, manifest.ranks[rank], names, cast, progress))
-        state.check_restore(read[0])  # (a budget) so that no rank restores unless every rank can
+        core_of(state).check_restore(read[0])  # (a budget) so that no rank restores unless every rank can
 
     Collective(group, enabled=manifest.world_size > 1).run(
         read_mine,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ..core.engine import core_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -148,7 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for count, nbytes in args.small_cases:
         result.rows += bench.bench_small(count, nbytes, device, repeat=args.repeat, progress=progress)
     result.extra["full_state"] = bench.memory_handed_back(state)
-    result.extra["pool"] = state.pool.stats.as_dict()
+    result.extra["pool"] = core_of(state).pool.stats.as_dict()
     _report(result, state, ceilings)
     bench.save(result, args.json, args.plot)
     return 0
@@ -172,7 +173,7 @@ def _build(cfg: Any, device: torch.device, dtype: str) -> tuple[Any, dict[str, A
 
 
 def _report(result: Any, state: Any, ceilings: dict[str, float]) -> None:
-    stats = state.pool.stats
+    stats = core_of(state).pool.stats
     print()
     print(result.table())
     print()

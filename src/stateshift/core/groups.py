@@ -14,7 +14,7 @@ framework's host copy is adopted as the slot's home (``NativeHome``), or its
 reload is taken as the truth. A storage released by someone else with no
 known copy of its values raises ``ForeignStateError``.
 
-Only ``ModelState`` changes residency; the table changes what exists.
+Only the verbs change residency (through the tiers, ``tiers.py``); the table changes what exists.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _member_extent(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
-    return (t.storage_offset() + span) * t.element_size()
+    return (int(t.storage_offset()) + span) * t.element_size()
 
 
 #: every open slot table: a storage released by one of them is theirs (``holder``)
@@ -104,7 +104,7 @@ _RESIDENCY, _NATIVE = operator.attrgetter("residency"), operator.attrgetter("nat
 _RESIDENCIES = tuple(Residency)
 
 
-def _follow_framework(slots: list[Slot], entries: list[Entry], keys: list[int], table: SlotTable) -> None:
+def _follow_framework(slots: list[Slot], entries: Sequence[Entry], keys: list[int], table: SlotTable) -> None:
     """Storages the framework released or re-grew itself since the last look: adopt its copy, or take its reload.
 
     No framework copy anywhere and every storage holding memory (the resident steady state) or no slot
@@ -202,8 +202,8 @@ class GroupState:
 
     def releasable(self, only: Only, *, checked: bool = False) -> list[int]:
         """Resident slots ``only`` selects whose storage can be released (what an offload moves).
-        ``checked``: the caller just made sure every resident accelerator slot is (``ModelState.
-        _check_releasable``), so with no host slot none needs asking again."""
+        ``checked``: the caller just made sure every resident accelerator slot is (``DeviceTier.
+        check_releasable``), so with no host slot none needs asking again."""
         if only is None and ((checked and not self.any_on_host()) or self.all_releasable()):
             return self.by_residency()[Residency.DEVICE]
         return self.select(lambda s: s.residency is Residency.DEVICE and s.releasable and matches(s, only))

@@ -167,26 +167,31 @@ class Guard:
 
 
 @contextmanager
-def verb_scope(state: Any, verb: str) -> Iterator[None]:
-    """The body of a verb: under the lock, ordered after readers (``ReaderGate.exclusive``), free to touch
-    released storage (``touch.unchecked``); afterwards the released storages are published (``touch``)."""
-    with state._lock:
-        if state._closed:
+def verb_scope(core: Any, verb: str) -> Iterator[None]:
+    """The body of a verb of a state's core (``engine.Core``): under its lock, ordered after readers
+    (``ReaderGate.exclusive``), free to touch released storage (``touch.unchecked``); afterwards the
+    released storages are published (``touch``).
+
+    Raises:
+        ClosedStateError: the state was closed.
+    """
+    with core.lock:
+        if core.closed:
             raise ClosedStateError(f"ModelState was closed; {verb}() needs a new one")
-        with state._gate.exclusive(verb), touch.unchecked():
+        with core.gate.exclusive(verb), touch.unchecked():
             try:
                 yield
             finally:
-                state._publish_released()
+                core.publish_released()
 
 
 def locked(fn: _F) -> _F:
-    """Run a verb in ``verb_scope`` (after checking the state is open)."""
+    """Run a method of a ``ModelState`` (its ``_core``'s scope) or of a core in ``verb_scope``."""
     name = fn.__name__
 
     @functools.wraps(fn)
     def verb(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with verb_scope(self, name):
+        with verb_scope(getattr(self, "_core", self), name):
             return fn(self, *args, **kwargs)
 
     return verb  # type: ignore[return-value]

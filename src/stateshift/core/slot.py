@@ -160,7 +160,7 @@ def _storage_id_agrees() -> bool:
         return False
 
 
-_STORAGE_ID = torch._C._storage_id if _storage_id_agrees() else None
+_STORAGE_ID = torch._C._storage_id if _storage_id_agrees() else None  # type: ignore[attr-defined]
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -177,14 +177,14 @@ def member_info(entry: Entry) -> MemberInfo:
         shape=tuple(t.shape),
         dtype=str(t.dtype).removeprefix("torch."),
         stride=tuple(t.stride()),
-        offset=t.storage_offset() * t.element_size(),
+        offset=int(t.storage_offset()) * t.element_size(),
         meta=tuple(entry.meta),
     )
 
 
 @dataclass(eq=False)
 class Slot:
-    """One storage and its residency. Only ``ModelState`` changes residency.
+    """One storage and its residency. Only the verbs change residency (through the tiers).
 
     ``bytes()`` is a ``uint8`` view of the whole storage; it is valid only while
     the slot is ``DEVICE`` (a view of released storage points at nothing).
@@ -196,7 +196,7 @@ class Slot:
     device: torch.device
     residency: Residency = Residency.DEVICE
     native_home: NativeHome | None = field(default=None, repr=False)
-    #: the member tensors as last listed (identity fast path of ``ModelState.refresh``)
+    #: the member tensors as last listed (identity fast path of ``SlotTable.refresh``)
     tensors: tuple[torch.Tensor, ...] = field(default=(), repr=False)
     _view: torch.Tensor | None = field(default=None, repr=False)
 

@@ -57,7 +57,7 @@ class InPlace:
 
 def _tms() -> Any:
     try:
-        from torch_memory_saver import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver  # type: ignore[import-not-found]
     except ImportError as exc:
         raise AddressStableError(
             f"address_stable=True needs torch_memory_saver ({exc}): pip install 'stateshift[tms]'"

@@ -43,7 +43,6 @@ into re-grown storage): they run inside ``unchecked()``.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Iterator, Mapping

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+#: tensors as torch's list functions take them (a list, or the tuple ``split`` returns)
+Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
 #: called with a run just before it is enqueued (``CopyEngine.from_arena``)
 BeforeRun = Callable[["Run"], None]
 
@@ -135,7 +137,7 @@ class Run:
     end: int
     items: tuple[int, ...]
     sizes: tuple[int, ...] | None = None
-    keep: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+    keep: Callable[[Tensors], Tensors] | None = None
     offset: int = 0
     #: a staged run's element: the widest integer type (8, 4, 2 or 1 bytes) dividing every size in
     #: ``sizes``, so its multi-tensor copies move words, not bytes
@@ -148,7 +150,7 @@ class Run:
     def nbytes(self) -> int:
         return self.end - self.start
 
-    def views(self, span: torch.Tensor, word: torch.dtype | None = None) -> Sequence[torch.Tensor]:
+    def views(self, span: torch.Tensor, word: torch.dtype | None = None) -> Tensors:
         """The slots' regions inside ``span`` (this run's bytes of an arena or of a staging buffer), as
         ``word`` elements (default ``self.word``). ``span`` starts at an arena offset (a multiple of
         ``layout.ALIGN``) or at a staging buffer's start, so it is aligned for any word -- except in a
@@ -165,11 +167,11 @@ class Run:
         multiple of 8 can put a run at an odd byte of it: then both sides move as bytes)."""
         return span.storage_offset() % self.word.itemsize == 0
 
-    def _as_bytes(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
+    def _as_bytes(self, span: torch.Tensor, devs: Tensors) -> tuple[Tensors, list[torch.Tensor]]:
         """The run's regions of ``span`` and its slots, both as bytes (the rare path ``_in_words`` refuses)."""
         return self.views(span, torch.uint8), [d.view(torch.uint8) for d in devs]
 
-    def gather(self, span: torch.Tensor, devs: Sequence[torch.Tensor]) -> None:
+    def gather(self, span: torch.Tensor, devs: Tensors) -> None:
         """Copy a staged run's slots (``devs``, as ``word`` elements) into ``span``, its bytes of an arena or
         of a staging buffer. Without gaps, and with the slots on ``span``'s device (``plan`` never stages
         slots of two devices together), that is one ``cat`` into ``span``: no Python view per slot (a verb
@@ -182,7 +184,7 @@ class Run:
         else:
             torch._foreach_copy_(self.views(span), devs)
 
-    def scatter(self, devs: Sequence[torch.Tensor], span: torch.Tensor) -> None:
+    def scatter(self, devs: Tensors, span: torch.Tensor) -> None:
         """Copy ``span`` into a staged run's slots: ``gather`` reversed, one ``split_with_sizes_copy`` where
         the slots are small (``FUSED_SCATTER_BELOW``)."""
         if not self._in_words(span):
@@ -215,11 +217,11 @@ class Plan:
     host: tuple[bool, ...]  #: per run: the slots' own storage is host memory (a CPU model)
     nbytes: int
     view_of: Callable[[int], torch.Tensor] = field(repr=False)
-    _devs: list[Sequence[torch.Tensor] | None] | None = field(default=None, repr=False)
+    _devs: list[Tensors | None] | None = field(default=None, repr=False)
 
     _whole: Plan | None = field(default=None, repr=False)
 
-    def dev(self, k: int) -> Sequence[torch.Tensor]:
+    def dev(self, k: int) -> Tensors:
         """Run ``k``'s slot side, resolved now if not yet (its slots must hold their storage: class docstring)."""
         devs = self._devs
         if devs is None:
@@ -325,7 +327,7 @@ def _staged(items: list[int], offsets: Sequence[int], sizes: Sequence[int]) -> R
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _run_views(run: Run, view_of: Callable[[int], torch.Tensor]) -> Sequence[torch.Tensor]:
+def _run_views(run: Run, view_of: Callable[[int], torch.Tensor]) -> Tensors:
     """The slot side of a run: byte views (a storage starts aligned for any word) as ``run.word``."""
     if run.sizes is None:
         v = view_of(run.items[0])
@@ -436,7 +438,7 @@ class CopyEngine:
         return Transfer(nbytes={"h2h": moved}, host_seconds=time.perf_counter() - t0)
 
     @staticmethod
-    def _local_run(run: Run, devs: Sequence[torch.Tensor], arena: torch.Tensor, out: bool) -> int:
+    def _local_run(run: Run, devs: Tensors, arena: torch.Tensor, out: bool) -> int:
         """One run between slots and an arena on the same side (host-host or device-device)."""
         span = arena[run.start : run.end]
         if run.sizes is None:
@@ -536,7 +538,7 @@ class CopyEngine:
         return Transfer(events, {k: v for k, v in nbytes.items() if v}, timing)
 
     @staticmethod
-    def _out(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, ring: _Ring,
+    def _out(run: Run, devs: Tensors, span: torch.Tensor, ring: _Ring,
              current: torch.cuda.Stream, side: torch.cuda.Stream, frees_sources: bool) -> int:
         if run.sizes is None:
             with _On(side, current):
@@ -553,7 +555,7 @@ class CopyEngine:
         return run.nbytes
 
     @staticmethod
-    def _in(run: Run, devs: Sequence[torch.Tensor], span: torch.Tensor, ring: _Ring | None,
+    def _in(run: Run, devs: Tensors, span: torch.Tensor, ring: _Ring | None,
             side: torch.cuda.Stream, current: torch.cuda.Stream) -> int:
         """One run in. A staged run crosses PCIe into a ring buffer on the side stream and is scattered
         by the current stream, so the next run's PCIe copy overlaps this scatter. The scatter comes

@@ -57,6 +57,7 @@ from ..core.slot import Residency
 from ..core.snapshot import Snapshot
 from ..core.state import ModelState
 from ..errors import DiskTierError, UnknownGroupError
+from ..core.engine import core_of
 
 CyclePlacement = Literal["auto", "host", "device", "disk"]
 
@@ -119,7 +120,7 @@ class PiOldCycle:
             on the CPU: host, i.e. CPU memory), ``"host"``, ``"device"`` or
             ``"disk"`` (the state's ``disk_dir``). An explicit
             ``"device"`` is honoured as ``ModelState.snapshot`` places it: on
-            the copy engine's accelerator (``state.engine.device``; the CPU when
+            the copy engine's accelerator (``core_of(state).engine.device``; the CPU when
             there is none), so for a CPU model on a CUDA machine it costs GPU
             memory and PCIe copies -- ``"auto"`` never picks that. Pass
             ``ModelState(..., device=torch.device("cpu"))`` to keep a CPU model
@@ -130,7 +131,7 @@ class PiOldCycle:
             ``Rebuild`` (used at every swap where it is exact).
         device_headroom_bytes: GPU memory that must stay free after placing
             pi_old on the device (default: max(1 GiB, 5% of the device)).
-        tag: the snapshot's tag in ``state.snapshots``.
+        tag: the snapshot's tag in ``core_of(state).snapshots``.
     """
 
     def __init__(
@@ -215,7 +216,7 @@ class PiOldCycle:
         plugin = self.rebuild is not None and self.rebuild.group in self.groups
         if self.placement in ("host", "disk"):
             return self.placement, plugin  # type: ignore[return-value]
-        layouts = self.state.layouts(self.groups)
+        layouts = core_of(self.state).layouts(self.groups)
         need = sum(layout.total for layout in layouts.values())
         stashed = 2 * need  # pi_old, and each swap's stash of the current values
         rebuilt = stashed - (layouts[self.rebuild.group].total if plugin else 0)  # type: ignore[union-attr]
@@ -227,8 +228,8 @@ class PiOldCycle:
         if room is not None and room >= (stashed if stash else rebuilt):
             return "device", not stash
         host = rebuilt if plugin else stashed  # on the host the plug-in always pays: a stash crosses PCIe
-        budget = self.state.pool.budget_bytes
-        if budget is None or self.state.pool.stats.in_use_bytes + host <= budget or self.state.disk_dir is None:
+        budget = core_of(self.state).pool.budget_bytes
+        if budget is None or core_of(self.state).pool.stats.in_use_bytes + host <= budget or self.state.disk_dir is None:
             return "host", plugin
         return "disk", plugin
 
@@ -236,7 +237,7 @@ class PiOldCycle:
         """Bytes the state's GPU can still give this cycle (free, cached and unused, less the headroom);
         ``None`` when the groups do not live on the copy engine's CUDA device."""
         dev = self.state_device()
-        if dev is None or dev.type != "cuda" or dev != self.state.engine.device:
+        if dev is None or dev.type != "cuda" or dev != core_of(self.state).engine.device:
             return None
         free, total = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
@@ -339,13 +340,13 @@ class PiOldCycle:
     def _list(self, groups: Sequence[str]) -> dict[str, list[Any]]:
         """The groups' slots, by group, from one listing of them all (each listing walks the model)."""
         by: dict[str, list[Any]] = {g: [] for g in groups}
-        for s in self.state.slots(groups):
+        for s in core_of(self.state).slots(groups):
             by[s.info.group].append(s)
         return by
 
     def _slots(self, group: str) -> list[Any]:
         """The group's slots: listed afresh, or as listed at the start of the ``begin()`` running now."""
-        return self._listing[group] if self._listing is not None else self.state.slots(group)
+        return self._listing[group] if self._listing is not None else core_of(self.state).slots(group)
 
     # Where each copy runs follows the tensors themselves: a slot's storage is on its own
     # device (``slot.device``: the CPU for a CPU model, even on a CUDA machine); homes and host
@@ -353,7 +354,7 @@ class PiOldCycle:
     # (the copy engine's accelerator, else the CPU).
 
     def _device_snapshot_on_accelerator(self) -> bool:
-        return self.state.engine.device is not None
+        return core_of(self.state).engine.device is not None
 
     def _account_snapshot(self, placement: str) -> None:
         to_dev = placement == "device" and self._device_snapshot_on_accelerator()

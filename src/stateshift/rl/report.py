@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .executors.base import RolloutStats
+from ..core.engine import core_of
 
 if TYPE_CHECKING:
     from .loop import AsyncLoop
@@ -122,7 +123,7 @@ def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
                  "param_bytes": trainer.state.nbytes("params")},
         "staleness_tokens": {str(k): v for k, v in sorted(loop.metrics.staleness.items())},
         "watchdog_reports": loop.watchdog.reports,
-        "pool": trainer.state.pool.stats.as_dict(),
+        "pool": core_of(trainer.state).pool.stats.as_dict(),
         "verbs_s": meter.total_seconds(),
         "memory": {**memory_peaks(trainer), **({"rollout_device_peak_allocated_bytes": side.device_peak_bytes}
                                                if side.device_peak_bytes else {})},
@@ -133,7 +134,7 @@ def summarize(loop: AsyncLoop, wall_s: float) -> dict[str, Any]:
 def memory_peaks(trainer: Any) -> dict[str, Any]:
     """Peak device memory of this process (CUDA: allocated and reserved by PyTorch) and peak pinned host pool bytes."""
     out: dict[str, Any] = {"device": str(trainer.device),
-                           "pinned_pool_peak_bytes": trainer.state.pool.stats.peak_held_bytes}
+                           "pinned_pool_peak_bytes": core_of(trainer.state).pool.stats.peak_held_bytes}
     if trainer.device.type == "cuda":
         out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
         out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(trainer.device)

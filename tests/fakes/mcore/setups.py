@@ -6,6 +6,7 @@ import torch
 
 from .builders import build_fake_ddp, build_fake_optimizer, fake_train_step
 from .models import FakeDenseModel, FakeMoEModel
+from stateshift.core.engine import core_of
 
 HIDDEN = 16
 
@@ -26,7 +27,7 @@ def pretend_cuda_engine(state, monkeypatch):
     where the state lives. A GPU's free memory must not be consulted for CPU-resident state.
     (On a machine with CUDA the engine already is on a GPU: this changes nothing there.)
     """
-    monkeypatch.setattr(state.engine, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(core_of(state).engine, "device", torch.device("cuda", 0))
 
     def no_gpu_memory(*_a, **_k):
         raise AssertionError("a GPU's memory was consulted for state that lives on the CPU")

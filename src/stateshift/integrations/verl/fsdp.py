@@ -31,6 +31,7 @@ import torch
 from ... import ModelState
 from ...errors import BackendError, LayoutMismatchError
 from .registry import SnapshotHandle, check_handle, model_state, optimizer_state, take
+from ...core.engine import core_of
 
 
 def _is_fsdp1(model: Any) -> bool:
@@ -102,7 +103,7 @@ def load_fsdp_optimizer(optimizer: Any, device_id: Any) -> None:
         return
     state = optimizer_state(optimizer)
     want = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    elsewhere = sorted({str(s.device) for s in state.slots("optim") if s.device.type != want.type or (want.index is not None and s.device.index not in (None, want.index))})
+    elsewhere = sorted({str(s.device) for s in core_of(state).slots("optim") if s.device.type != want.type or (want.index is not None and s.device.index not in (None, want.index))})
     if elsewhere:
         warnings.warn(f"load_fsdp_optimizer: the optimizer state goes back to {', '.join(elsewhere)}, where it lived, not to {want}", stacklevel=2)
     state.onload("optim")

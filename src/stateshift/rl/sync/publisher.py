@@ -32,6 +32,7 @@ from ...errors import MailboxError, ReceiverLostError, SyncBudgetError, SyncErro
 from .handle import NAME, TRANSPORTS, SyncHandle
 from .mailbox import Mailbox, new_state
 from .manifest import Manifest, PartEntry, diff, part_entry
+from ...core.engine import core_of
 
 _log = logging.getLogger("stateshift")
 
@@ -100,7 +101,7 @@ def pick_transport(state: ModelState, groups: tuple[str, ...], broadcast_receive
     CUDA device; ``shared_host`` otherwise (offloaded or mixed params, or no CUDA)."""
     if broadcast_receivers > 0:
         return "broadcast"
-    slots = state.slots(groups)
+    slots = core_of(state).slots(groups)
     if slots and all(s.residency is Residency.DEVICE and s.device.type == "cuda" for s in slots):
         return "cuda_ipc"
     return "shared_host"
@@ -116,7 +117,7 @@ def _moved(state: ModelState, snap: Snapshot) -> tuple[int, int]:
             continue
         copied += part.layout.total
         if part.host is not None:
-            d2h += sum(s.nbytes for s in state.slots(part.group) if s.residency is Residency.DEVICE and s.device.type == "cuda")
+            d2h += sum(s.nbytes for s in core_of(state).slots(part.group) if s.residency is Residency.DEVICE and s.device.type == "cuda")
     return d2h, copied
 
 
@@ -183,7 +184,7 @@ class WeightPublisher:
             raise ValueError(f"budget_bytes {budget_bytes}, ack_timeout_s {ack_timeout_s}, bucket_bytes {bucket_bytes}")
         self.state = state
         self.groups = tuple(groups) if groups is not None else tuple(state.forward_groups)
-        state.layouts(self.groups)  # UnknownGroupError now, not at the first publish
+        core_of(state).layouts(self.groups)  # UnknownGroupError now, not at the first publish
         self.transport = pick_transport(state, self.groups, broadcast_receivers) if transport == "auto" else transport
         if delta and self.transport == "broadcast":
             raise ValueError("delta=True works with shared_host and cuda_ipc (receivers that read the memory itself)")
@@ -215,15 +216,15 @@ class WeightPublisher:
 
             if receivers < 1:
                 raise ValueError("transport 'broadcast' needs broadcast_receivers >= 1")
-            self._sender = BroadcastSender(self.state.engine.device or torch.device("cpu"), receivers, host, port, bucket_bytes,
+            self._sender = BroadcastSender(core_of(self.state).engine.device or torch.device("cpu"), receivers, host, port, bucket_bytes,
                                            timeout_s=self.ack_timeout_s)
             self._handle = SyncHandle("broadcast", self.directory, prefix, self.name, os.getpid(), host=self._sender.host,
                                       port=self._sender.port, world_size=receivers + 1, backend=self._sender.backend)
             self.mailbox = None
             return
-        if self.transport == "cuda_ipc" and not all(s.device.type == "cuda" for s in self.state.slots(self.groups)):
+        if self.transport == "cuda_ipc" and not all(s.device.type == "cuda" for s in core_of(self.state).slots(self.groups)):
             raise ValueError("transport 'cuda_ipc' needs every published tensor on a CUDA device")
-        pool_dir = getattr(self.state.pool, "shm_dir", None) if getattr(self.state.pool, "shared", False) else None
+        pool_dir = getattr(core_of(self.state).pool, "shm_dir", None) if getattr(core_of(self.state).pool, "shared", False) else None
         if self.transport == "shared_host" and pool_dir is not None and os.path.realpath(pool_dir) != os.path.realpath(self.directory):
             raise ValueError(f"the state's shared pool keeps its blocks in {pool_dir!r}, the publisher's directory is "
                              f"{self.directory!r}: receivers look for both in one directory")
@@ -232,7 +233,7 @@ class WeightPublisher:
         self._alive_fd = self.mailbox.hold_alive(None)
         with self.mailbox.locked():
             self.mailbox.write(new_state())
-        if self.transport == "shared_host" and not getattr(self.state.pool, "shared", False):
+        if self.transport == "shared_host" and not getattr(core_of(self.state).pool, "shared", False):
             warnings.warn("shared_host: the state's HostPool is not shared (HostPool(shared=True)), so each version is "
                           "copied once more on the host into the publisher's own shared memory", stacklevel=3)
             self._own_pool = HostPool(shared=True, shm_dir=self.directory)
@@ -261,7 +262,7 @@ class WeightPublisher:
         if not isinstance(version, int) or isinstance(version, bool) or (self._last is not None and version <= self._last):
             raise ValueError(f"version must be an integer above the last published one ({self._last}), not {version!r}")
         t0 = time.perf_counter()
-        nbytes = sum(layout.total for layout in self.state.layouts(self.groups).values())
+        nbytes = sum(layout.total for layout in core_of(self.state).layouts(self.groups).values())
         self._check_budget(nbytes)
         placement = "device" if self.transport == "cuda_ipc" else "host"
         snap = self.state.snapshot(self.groups, tag=self._tag, version=version, placement=placement)
