@@ -1,7 +1,7 @@
 """The FSDP2 backend on several gloo processes (CPU): every verb in every residency.
 
 Each test is one launch of ``run_distributed`` whose ranks check many things
-(a launch costs ~1-2 s on 2 cores; see docs/fsdp2-notes.md). The rank bodies
+(a launch costs ~1-2 s on 2 cores; see docs/notes/fsdp2-notes.md). The rank bodies
 take a ``device`` argument: ``tests/gpu/test_fsdp2_gpu.py`` runs the same
 bodies on CUDA with NCCL (world size 1), and ``test_world_size_one_suite``
 runs them here at world size 1, so the GPU run executes code already known
