@@ -693,7 +693,7 @@ def test_training_with_moves_equals_training_without_2_ranks():
     assert results[0] == results[1]  # the same data on both ranks: the same losses
 
 
-def test_aliasing_regression_and_restore_after_steps_2_ranks():
+def test_no_aliasing_and_restore_after_steps_2_ranks():
     assert run_distributed(aliasing_and_restore_after_steps, 2, timeout=120) == [True, True]
 
 
