@@ -154,7 +154,8 @@ def render(results: Path = RESULTS) -> str:
     for f in files:
         data = json.loads(f.read_text())
         plot = "yes" if f.with_suffix(".png").exists() else ""
-        index.append(f"| [{f.stem}](#{f.stem.lower()}) | {fmt(data.get('machine'))} | {plot} |")
+        anchor = "".join(c for c in f.stem.lower() if c.isalnum() or c in "-_")  # as GitHub makes it
+        index.append(f"| [{f.stem}](#{anchor}) | {fmt(data.get('machine'))} | {plot} |")
     body = [line for f in files for line in section(f)]
     return "\n".join([HEADER, *index, "", *body]).rstrip() + "\n"
 
