@@ -14,7 +14,7 @@ for offload and snapshot; ``torch.load`` of that file (its pages dropped first w
 ``POSIX_FADV_DONTNEED``) and ``copy_`` into the live tensors for onload and restore; both composed
 into the same pi_old cycle.
 
-Rows (``docs/results.md``), ``residency`` ``disk``: ``offload`` (device -> disk), ``onload`` (disk ->
+Rows (``docs/design/result-format.md``), ``residency`` ``disk``: ``offload`` (device -> disk), ``onload`` (disk ->
 device; its pages dropped from the cache first), ``snapshot`` (placement disk) and ``restore`` (from
 that snapshot), each with the pool's peak host bytes beside it (the staging windows bound it), and
 ``pi_old_cycle`` with pi_old on disk. Every row, and its baseline, is the median of ``--repeat`` runs

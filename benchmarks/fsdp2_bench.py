@@ -4,7 +4,7 @@ On the GPU machine (world size 1, NCCL; a >= 2 GB bf16 model wrapped with ``full
 
     python3 benchmarks/fsdp2_bench.py --out $OUT
 
-writes ``$OUT/<yyyy-mm-dd>-<machine>-fsdp2.json`` (format: docs/results.md) and the
+writes ``$OUT/<yyyy-mm-dd>-<machine>-fsdp2.json`` (format: docs/design/result-format.md) and the
 PNG beside it, and prints the table. The rows that must reach 0.9 of the
 pinned ceiling (snapshot and restore of device-resident shards, offload,
 onload) are listed at the end; ``--check`` makes the exit status say whether

@@ -4,7 +4,7 @@
     python3 benchmarks/megatron_bench.py --device cpu --layers 2 --hidden 64 --heads 4 --vocab 256 --out /tmp/o
                                                                # smoke run on a CPU-only machine (patched megatron)
 
-Rows (format: docs/results.md, backend ``megatron``), every ratio against
+Rows (format: docs/design/result-format.md, backend ``megatron``), every ratio against
 ceilings measured in the same process on the params' byte count:
 
 - every verb of ``stateshift.bench.bench_state`` on the params group:

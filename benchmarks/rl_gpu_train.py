@@ -24,7 +24,7 @@ All: ``run.device=cuda``, ``trainer.param_offload=true``, ``trainer.old_logprob=
 default task and model shape unless overridden, a wall budget per run (``run.max_wall_s``) and an early stop
 at ``run.stop_accuracy``. Time to accuracy is read off the held-out evaluations (every ``run.eval_every``
 steps); the evaluations' own time is subtracted. ``--smoke`` runs each for a few steps (checks the path, no
-accuracy claims). The JSON follows docs/results.md: one entry per run under ``"runs"``.
+accuracy claims). The JSON follows docs/design/result-format.md: one entry per run under ``"runs"``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ pause/resume with its CPU backup, same bytes, same run (run on the GPU machine).
 
     python3 benchmarks/tms_bench.py --out DIR [--gb 5.8] [--repeat 3]
 
-Rows (``docs/results.md`` format): ``case`` ``address-stable`` for ``offload`` and ``onload``
+Rows (``docs/design/result-format.md`` format): ``case`` ``address-stable`` for ``offload`` and ``onload``
 (ratio to the pinned D2H / H2D ceiling measured here), ``case`` ``tms-cpu-backup`` for
 torch_memory_saver's pause (``offload``) and resume (``onload``) with ``enable_cpu_backup=True``;
 and a CUDA-graph check: a graph captured on address-stable weights replays with the same output

@@ -1,6 +1,6 @@
 """verl 0.9.1's own offload / copy / restore functions against stateshift's drop-ins, same models, same run.
 
-    python3 benchmarks/verl_bench.py --out benchmarks/results          # on the GPU machine (see docs/verl.md)
+    python3 benchmarks/verl_bench.py --out benchmarks/results          # on the GPU machine (see docs/guide/verl.md)
 
 For each model -- a dense and an MoE (router ``expert_bias`` on) Megatron-core GPT (DDP + distributed
 optimizer, bf16) and an FSDP2 model (``fully_shard`` per block, world size 1) -- it runs verl's

@@ -40,7 +40,7 @@ traceback re-raised in the parent as :class:`RankError` (an
 ``AssertionError``, so pytest shows it as a test failure). A rank that dies
 without reporting (segfault, ``os._exit``) is reported with its exit code /
 signal; this matters because touching a released CPU storage segfaults (see
-docs/fsdp2-notes.md), and in a rank it fails one test instead of the whole
+docs/notes/fsdp2-notes.md), and in a rank it fails one test instead of the whole
 pytest run. When one rank fails, the others (usually stuck in a collective)
 get ``grace`` seconds to report, then are terminated. The whole run is
 bounded by ``timeout`` seconds (``TimeoutError`` naming the silent ranks);

@@ -4,6 +4,7 @@ every backend keeps the contract, the public surface stays narrow."""
 from __future__ import annotations
 
 import ast
+import re
 import inspect
 from pathlib import Path
 
@@ -155,3 +156,44 @@ def test_public_surface_is_narrow():
     errors = [getattr(stateshift, n) for n in stateshift.__all__ if n.endswith("Error")]
     assert all(issubclass(e, stateshift.StateShiftError) for e in errors)
     assert {e.__module__ for e in errors} == {"stateshift.errors"}  # every error lives in one module
+
+
+# ----------------------------------------------------------------------------- the front page and history
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 150
+#: where a commit may be named: the generated results page and the result files it is made from
+HASHES_ALLOWED = ("docs/results.md", "benchmarks/results/")
+HEX_WORD = re.compile(r"(?<![0-9A-Za-z_])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+
+
+def _looks_like_a_commit(word: str) -> bool:
+    """A hex word that reads as a commit hash: letters and digits mixed, at least five distinct characters,
+    and not an ascending run (test data such as ``0123abcd`` or ``89abcdef``: at most one descent)."""
+    letters, digits = set(word) - set("0123456789"), set(word) & set("0123456789")
+    if not letters or not digits or len(set(word)) < 5:
+        return False
+    descents = sum(int(a, 16) > int(b, 16) for a, b in zip(word, word[1:]))
+    return descents > 1
+
+
+def _prose_and_code() -> list[Path]:
+    """README, CHANGELOG, every page of docs/ but the generated one, every text file under src/ and tests/."""
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")]
+    for top in ("src", "tests"):
+        files += [p for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".md", ".sh", ".txt", ".yaml"}]
+    return [p for p in files if p.is_file() and not str(p.relative_to(ROOT)).startswith(HASHES_ALLOWED)]
+
+
+def test_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; the rest belongs in docs/"
+
+
+def test_no_commit_hash_outside_the_results():
+    """History lives in git and CHANGELOG.md: no prose page, source file or test names the commit it came
+    from (the generated docs/results.md and the result files may: each result says what it measured)."""
+    found = []
+    for path in _prose_and_code():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{n}: {w}" for w in HEX_WORD.findall(line) if _looks_like_a_commit(w)]
+    assert not found, "commit hashes outside docs/results.md and benchmarks/results/:\n" + "\n".join(found)

@@ -14,7 +14,7 @@ same way (ceiling ``d2d_queued_gbps``). Rows with a ``loop_gbps`` compare with
 the plain ``copy_`` loop a user would write over the same tensors
 (``plain_loops``), timed the same way in the same run.
 
-Result files follow ``docs/results.md`` (``BenchResult.to_json``).
+Result files follow ``docs/design/result-format.md`` (``BenchResult.to_json``).
 """
 
 from __future__ import annotations

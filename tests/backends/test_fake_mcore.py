@@ -224,7 +224,7 @@ def test_offload_to_cpu_and_reload_from_cpu_round_trip():
 
 
 def test_reload_from_cpu_restores_stale_values_after_someone_else_released_params():
-    """Pitfall recorded in docs/megatron-layout.md: param_data_cpu outlives the offload."""
+    """Pitfall recorded in docs/notes/megatron-layout.md: param_data_cpu outlives the offload."""
     ddp = _moe_ddp()
     opt = build_fake_optimizer(ddp)
     (buf,) = ddp.buffers

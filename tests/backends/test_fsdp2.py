@@ -1,7 +1,7 @@
 """The FSDP2 backend on several gloo processes (CPU): every verb in every residency.
 
 Each test is one launch of ``run_distributed`` whose ranks check many things
-(a launch costs ~1-2 s on 2 cores; see docs/fsdp2-notes.md). The rank bodies
+(a launch costs ~1-2 s on 2 cores; see docs/notes/fsdp2-notes.md). The rank bodies
 take a ``device`` argument: ``tests/gpu/test_fsdp2_gpu.py`` runs the same
 bodies on CUDA with NCCL (world size 1), and ``test_world_size_one_suite``
 runs them here at world size 1, so the GPU run executes code already known
@@ -694,7 +694,7 @@ def test_training_with_moves_equals_training_without_2_ranks():
     assert results[0] == results[1]  # the same data on both ranks: the same losses
 
 
-def test_aliasing_regression_and_restore_after_steps_2_ranks():
+def test_no_aliasing_and_restore_after_steps_2_ranks():
     assert run_distributed(aliasing_and_restore_after_steps, 2, timeout=120) == [True, True]
 
 

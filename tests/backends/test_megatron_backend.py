@@ -6,7 +6,7 @@ None``, dense with a frozen layer) x every residency mix (resident, offloaded by
 whole or in part, grads dropped, offloaded by Megatron's own ``offload_to_cpu`` on all buffers
 or on one (the other never offloaded), grads dropped by Megatron, reloaded by Megatron with a
 stale ``param_data_cpu`` behind) x every verb (snapshot, onload + training, restore, swapped).
-Then the field failures of docs/field.md that concern Megatron, the guards, detection, unwrapped and
+Then the field failures of docs/notes/field.md that concern Megatron, the guards, detection, unwrapped and
 virtual-pipeline chunks, the master-rebuild plug-in, and the engine's handling of storage a
 framework releases or re-grows itself. A last test runs ``tests/gpu/test_megatron_gpu.py``
 against the real megatron-core on the CPU when it is installed.
@@ -228,7 +228,7 @@ def test_offload_onload_between_every_step_leaves_training_bit_identical(config)
                 capture(ModelState(twin, twin_opt), ["params", "frozen", "buffers", "optim"]))
 
 
-# ----------------------------------------------------------------------------- field failures (docs/field.md)
+# ----------------------------------------------------------------------------- field failures (docs/notes/field.md)
 
 
 def test_field_snapshot_of_natively_offloaded_buffers_reads_param_data_cpu_and_copies_it():
@@ -325,7 +325,7 @@ def test_field_expert_parallel_buffers_are_offloaded_too():
 
 def test_field_stale_reload_from_cpu_after_stateshift_offload():
     """Megatron keeps param_data_cpu forever after its first offload; if someone else releases the
-    storage, its reload_from_cpu restores those old values (docs/megatron-layout.md, section 7.4)."""
+    storage, its reload_from_cpu restores those old values (docs/notes/megatron-layout.md, section 7.4)."""
     ddp, opt = build("distrib_ep")
     state = ModelState(ddp, opt)
     fake_train_step(ddp, opt, _x(0))

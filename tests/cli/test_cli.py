@@ -1,4 +1,4 @@
-"""The README's main job: `stateshift bench` on a tiny built-in model, JSON in the format of docs/results.md."""
+"""The README's main job: `stateshift bench` on a tiny built-in model, JSON in the format of docs/design/result-format.md."""
 
 from __future__ import annotations
 

@@ -51,9 +51,8 @@ draw the same arguments (``spaces``); ``drive`` runs a seeded, weighted random
 sequence (``WEIGHTS``; inside FSDP2 ranks every rank draws the same rules, and
 the ranks agree before a collective whose entry depends on a per-rank outcome).
 
-What the machine found is in ``test_state_machine_found.py``: each bug's
-smallest reproduction, now a regression test of its fix; the machine no longer
-steps around any of them.
+Short fixed sequences of the same rules are in ``test_verb_interactions.py``;
+the machine steps around none of them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compute in one thread, verbs in another: ordered, never a crash (docs/design.md, "Threads").
+"""Compute in one thread, verbs in another: ordered, never a crash (docs/design/design.md, "Threads").
 
 A forward, backward or optimizer step reads a state's storage; ``offload``
 and ``drop`` release it. Without an order between them a forward that passed

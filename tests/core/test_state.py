@@ -124,7 +124,7 @@ def test_restore_while_offloaded_writes_home_and_onload_shows_it(warmed):
     assert torch.equal(model.blocks[1].fc2.bias.detach().cpu(), want["blocks.1.fc2.bias"].cpu())
 
 
-def test_aliasing_regression_save_current_restore_old_restore_current(warmed):
+def test_no_aliasing_save_current_restore_old_restore_current(warmed):
     """verl-omni #645: a snapshot of offloaded params aliased the live host tensors."""
     model, opt, state = warmed
     pi_old = state.snapshot(tag="pi_old")
@@ -285,8 +285,8 @@ def test_host_storage_that_cannot_be_resized_stays_in_place():
 def test_slots_and_nbytes_of_one_group_after_a_storage_moved_in_from_another_group():
     """A storage that left one group for another (here the optimizer's ``exp_avg`` tensor becomes a
     param's data and the optimizer gets a fresh one) belongs to one group again: ``slots("params")`` and
-    ``nbytes("params")`` list it there, as a listing of every group does (found at 4b91c18: re-listing
-    only the asked group kept the other group's stale slot and raised "shares storage")."""
+    ``nbytes("params")`` list it there, as a listing of every group does (re-listing only
+    the asked group would keep the other group's stale slot and raise "shares storage")."""
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt)

@@ -22,8 +22,8 @@ pool and snapshot budgets; ``close()`` and a new ``ModelState``; Megatron's own
 ``offload_to_cpu`` / ``reload_from_cpu``. After every step: every tensor equals
 the reference bit for bit, live snapshots never change, the store holds what it
 should, residency is what was asked, and a verb that raised changed nothing.
-What it found is in ``test_state_machine_found.py`` (each bug's smallest
-reproduction, a regression test of its fix); nothing is stepped around.
+Short fixed sequences of the same rules are in ``test_verb_interactions.py``;
+nothing is stepped around.
 
 Environment (the defaults are CI's):
 

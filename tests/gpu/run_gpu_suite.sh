@@ -2,7 +2,7 @@
 # The GPU suite and benchmarks on the GPU machine (device tool), in as few calls as possible:
 #   WHAT=tests bash tests/gpu/run_gpu_suite.sh     # every test (CPU ones too) on CUDA + the state machine on CUDA
 #   WHAT=bench bash tests/gpu/run_gpu_suite.sh     # torch, megatron, fsdp2, checkpoint benchmarks
-#   WHAT=tms bash tests/gpu/run_gpu_suite.sh       # address-stable mode vs torch_memory_saver (+ .gpu-extra/tms_probe.py if there)
+#   WHAT=tms bash tests/gpu/run_gpu_suite.sh       # address-stable mode vs torch_memory_saver
 #   WHAT=verl bash tests/gpu/run_gpu_suite.sh      # verl 0.9.1's functions vs the drop-ins (.whl-verl/ carried; VERL_ARGS for the bench)
 #   WHAT=sync bash tests/gpu/run_gpu_suite.sh      # weight sync between processes: tests, then the bench (SYNC_FAMILIES)
 #   WHAT=executors bash tests/gpu/run_gpu_suite.sh # stateshift train's rollouter in a process / under Ray: tests, then the bench
@@ -46,10 +46,6 @@ fi
 if [[ $WHAT == *tms* ]]; then
   step address-stable bench
   timeout 240 python3 benchmarks/tms_bench.py --out "$RES" 2>&1 | tail -60 || status=1
-  if [[ -f .gpu-extra/tms_probe.py ]]; then
-    step torch_memory_saver probe
-    timeout 300 python3 .gpu-extra/tms_probe.py --out "$RES/probe" 2>&1 | tail -40 || true
-  fi
 fi
 if [[ $WHAT == *bench* ]]; then
   step torch bench

@@ -77,7 +77,7 @@ def test_training_with_moves_equals_training_without_cuda():
     assert len(results[0]) == 4
 
 
-def test_aliasing_regression_and_restore_after_steps_cuda():
+def test_no_aliasing_and_restore_after_steps_cuda():
     """verl-omni #645, with CPUOffloadPolicy(pin_memory=True) and with stateshift's own offload."""
     assert run("aliasing_and_restore_after_steps") == [True]
 

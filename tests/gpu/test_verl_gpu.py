@@ -1,6 +1,6 @@
 """The verl drop-ins against verl 0.9.1's own functions on the GPU, real megatron-core and FSDP2.
 
-    python3 -m pytest -m gpu tests/gpu/test_verl_gpu.py        # on the GPU machine (docs/verl.md)
+    python3 -m pytest -m gpu tests/gpu/test_verl_gpu.py        # on the GPU machine (docs/guide/verl.md)
 
 For a small dense and MoE Megatron GPT and an FSDP2 model, verl's fully-async pi_old sequence
 (``benchmarks/verl_sequence.py``) in every residency mix: stateshift's drop-ins, and what

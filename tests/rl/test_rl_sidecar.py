@@ -106,7 +106,7 @@ def test_truncated_sidecar_is_refused_naming_it(run_dir, tmp_path, keep):
 
 
 def _reseal(body: bytes, version: int) -> bytes:
-    """A sidecar of ``version`` around ``body`` with a correct checksum (the layout of docs/rl.md)."""
+    """A sidecar of ``version`` around ``body`` with a correct checksum (the layout of docs/guide/rl.md)."""
     head = b"SSRLSIDE" + struct.pack("<IQ", version, len(body))
     return head + hashlib.sha256(head + body).digest() + body
 

@@ -10,8 +10,8 @@ listed as plain tensors. The traversal is the plain-torch backend's
 DTensor to the local tensor that owns storage (``to_local``) and adds its
 mesh and placements to the layout fingerprint (``meta_of``).
 
-Facts this relies on are in ``docs/fsdp2-notes.md``; what it means for a
-user is in ``docs/fsdp2.md``. In short:
+Facts this relies on are in ``docs/notes/fsdp2-notes.md``; what it means for a
+user is in ``docs/guide/fsdp2.md``. In short:
 
 - **Resharded before every verb.** After a forward, modules with
   ``reshard_after_forward=False`` -- the root, by default -- stay UNSHARDED:

@@ -9,7 +9,7 @@
     save_dcp(path, model, opt); load_dcp(path, model, opt, trusted=True)   # resharding via torch DCP
     init_optimizer_state(opt)                  # before loading into a fresh torch optimizer
 
-Inside (``docs/checkpoints.md``): ``format.py`` (safetensors files, a crc32 per tensor, parallel
+Inside (``docs/guide/checkpoints.md``): ``format.py`` (safetensors files, a crc32 per tensor, parallel
 I/O), ``manifest.py`` (the one schema), ``commit.py`` (fresh directory, fsync, rename, ``latest``),
 ``collective.py`` (all ranks agree), ``directory.py`` (open, read, verify, write a checkpoint),
 ``state_io.py`` (save / load of a ``ModelState``), ``dcp.py``, ``hf.py``. The errors live in

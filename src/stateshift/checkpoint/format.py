@@ -170,7 +170,7 @@ _gc_paused = [0, False]  # [callers inside, whether the collector was on when th
 
 def _gc_pause(step: int) -> None:
     """Count callers in and out under one lock: the first pauses the collector, the last resumes it if it was
-    on (checking and switching without a lock let two threads leave it off for good: adversarial session)."""
+    on (checking and switching without a lock let two threads leave it off for good)."""
     with _GC_LOCK:
         if step > 0 and _gc_paused[0] == 0:
             _gc_paused[1] = gc.isenabled()

@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "cases)")
     p.add_argument("--small-tensors", type=int, default=0, help="one more small case: this many tensors ...")
     p.add_argument("--small-numel", type=int, default=65536, help="... of this many bf16 elements each")
-    p.add_argument("--json", type=Path, default=None, help="write the results here (format: docs/results.md)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the results here (format: docs/design/result-format.md)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the ratios here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_bench)

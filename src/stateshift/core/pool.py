@@ -13,8 +13,7 @@ faults them in on one thread. The pool first writes a new block of two
 ``TOUCH_MIN_BYTES`` or more on several threads of its own (``_touch``: ``memset``
 through ctypes, which runs without the GIL), whatever torch's thread count
 (the RL loop runs torch on one thread). Measured on H200 hosts (16 cores,
-2026-12-04, ``benchmarks/pinned_alloc_probe.py``; its output is
-``benchmarks/results/2026-12-04-h200-pinned-alloc.txt``): a fresh 2 GiB block
+2026-12-04, a one-off probe of each way to make a pinned block): a fresh 2 GiB block
 took 617 ms registered alone and 458-467 ms through ``HostPool.acquire``, with
 torch on 1 or on 16 threads; 8 GiB took 2.7-3.1 s registered alone, 1.9 s
 touched by ``zero_`` on 16 threads, 3.4-4.3 s through torch's own pinned

@@ -32,7 +32,7 @@ Directions and streams:
   over the current stream and a third side stream (``_device_runs``);
   host-to-host copies run at once on the calling thread.
 
-Ordering (``docs/design.md``, rules 3 and 4): each side stream first waits for the
+Ordering (``docs/design/design.md``, rules 3 and 4): each side stream first waits for the
 current stream, so copies read the values as of the call; the current stream
 then waits for every side stream's last event, so compute enqueued after the
 call neither overwrites a source still being read nor reads a destination
@@ -73,7 +73,7 @@ RING = 3
 #: A staged run is scattered by one ``split_with_sizes_copy`` when its slots average below this many bytes,
 #: else split into views and copied by ``_foreach_copy_``: on the H200, in one process, alternating,
 #: restore of 2000 x 512 KiB read 43.1 GB/s fused against 45.3 split (its pinned list of pointers crosses
-#: PCIe behind the staging copies), 20000 x 16 KiB 6.7 against 3.9 (``.gpu-extra``-style probe, session 7).
+#: PCIe behind the staging copies), 20000 x 16 KiB 6.7 against 3.9 (a one-off measurement).
 FUSED_SCATTER_BELOW = 64 << 10
 
 _STREAMS = ("d2h", "h2d", "d2d", "h2h")

@@ -3,7 +3,7 @@
     from stateshift.rl import resolve, run
     result = run(resolve(None, ["trainer.steps=200"]))   # built-in task, async GRPO, pi_old while offloaded
 
-Design: ``docs/rl.md``.
+Design: ``docs/guide/rl.md``.
 """
 
 from .config import ConfigError, TrainConfig, resolve

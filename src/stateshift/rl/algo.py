@@ -1,6 +1,6 @@
 """The losses: GRPO advantages, behaviour weights, the clipped PPO loss with dual clip, token-mean.
 
-Notation (``docs/rl.md``): ``l_b`` behaviour (the rollout's), ``l_p``
+Notation (``docs/guide/rl.md``): ``l_b`` behaviour (the rollout's), ``l_p``
 proximal (pi_old, or ``l_b`` in bypass mode), ``l_t`` current. Ratio
 ``r = exp(l_t - l_p)``; behaviour weight ``w = exp(l_p - l_b)`` (no gradient),
 truncated at ``cap`` or masked outside ``[lo, hi]``, per token

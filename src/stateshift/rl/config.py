@@ -321,7 +321,7 @@ class TrainerConfig:
     """mask: highest behaviour weight kept"""
     entropy_coef: float = 0.0
     """fixed coefficient of an entropy bonus in the loss (verl entropy_coeff, default 0 as there: a fixed 0.15
-    collapsed the stop-token rate on the GPU, docs/rl.md); the adaptive part below comes on top"""
+    collapsed the stop-token rate on the GPU, docs/guide/rl.md); the adaptive part below comes on top"""
     entropy_target: float | None = 0.7
     """adaptive entropy bonus: its coefficient (from 0) rises while the mean per-token entropy of the update's
     tokens is below this many nats and falls (to 0 at least) while above, by entropy_adapt_rate * (target -
@@ -372,7 +372,7 @@ class RunConfig:
     """held-out accuracy every this many trainer steps (and at the start and the end)"""
     torch_threads: int = 1
     """torch intra-op threads of each side (trainer thread, rollout thread); 0: torch's default. 1 is fastest for the
-    built-in model on a shared 2-core machine (docs/rl.md has the numbers)"""
+    built-in model on a shared 2-core machine (docs/notes/rl-runs.md has the numbers)"""
     watchdog_s: float = 30.0
     """report queue depth and versions when nothing moved for this long"""
     stall_timeout_s: float = 600.0

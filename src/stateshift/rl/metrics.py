@@ -1,7 +1,7 @@
 """What a run reports: a progress display, JSONL per step, TensorBoard (if installed), curves at the end.
 
 ``metrics.jsonl`` has one JSON object per trainer step (keys in
-``docs/rl.md``); ``summary.json`` the run's totals (ledger, time split, bytes,
+``docs/guide/rl.md``); ``summary.json`` the run's totals (ledger, time split, bytes,
 held-out accuracy before and after); ``curves.png`` reward and accuracy,
 held-out accuracy, the per-token staleness histogram and the time split.
 The display is a one-line bar rewritten in place on a terminal, plain lines

@@ -5,7 +5,7 @@ Real megatron-core cannot build its DDP buffers or optimizers without CUDA
 ``optimizer.py:485`` allocates ``device='cuda'``), so CPU tests use this fake.
 Every class and attribute names the real one it mirrors as ``file:line`` in
 megatron-core 0.16.1 (paths relative to ``megatron/core/``). See
-``docs/megatron-layout.md`` for the layout and the pitfalls.
+``docs/notes/megatron-layout.md`` for the layout and the pitfalls.
 
 What is faithful (the parts a state-moving library touches):
 

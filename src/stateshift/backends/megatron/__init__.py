@@ -1,6 +1,6 @@
 """Megatron-core: DDP-wrapped models (any residency), unwrapped chunks, Megatron optimizers.
 
-Written against megatron-core 0.16.1 (``docs/megatron-layout.md`` has the
+Written against megatron-core 0.16.1 (``docs/notes/megatron-layout.md`` has the
 object layout with ``file:line`` references). Nothing here imports
 megatron: objects are recognised by their attributes, so the CPU fake in
 ``tests/fakes/`` and the real classes go through the same code.

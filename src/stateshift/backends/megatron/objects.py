@@ -2,7 +2,7 @@
 
 Nothing here imports megatron: objects are recognised by their attributes,
 so the CPU fake in ``tests/fakes/`` and the real classes go through the same
-code (``docs/megatron-layout.md`` has the layout with ``file:line``
+code (``docs/notes/megatron-layout.md`` has the layout with ``file:line``
 references into megatron-core 0.16.1).
 """
 

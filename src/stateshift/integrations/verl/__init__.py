@@ -1,4 +1,4 @@
-"""Drop-ins for verl 0.9.1's own offload, load, copy and restore functions (``docs/verl.md``).
+"""Drop-ins for verl 0.9.1's own offload, load, copy and restore functions (``docs/guide/verl.md``).
 
 Either call them directly, under verl's names::
 
@@ -8,7 +8,7 @@ or put them in place of verl's, wherever verl's modules bound them::
 
     from stateshift.integrations import verl as ss_verl
     ss_verl.install()        # logs and returns what it replaced; warns for an untested verl version
-    ss_verl.install(functions="all")   # the optimizer and FSDP model offloads too (see docs/verl.md first)
+    ss_verl.install(functions="all")   # the optimizer and FSDP model offloads too (see docs/guide/verl.md first)
     ...
     ss_verl.uninstall()      # verl's own functions back
 

@@ -60,7 +60,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
 _OURS = {"verl.utils.megatron_utils": megatron, "verl.utils.fsdp_utils": fsdp}
 
 #: replaced by default: no code path of verl 0.9.1 that we read touches what they leave offloaded
-#: without loading it first (docs/verl.md, "What install() leaves to verl")
+#: without loading it first (docs/guide/verl.md, "What install() leaves to verl")
 SAFE = (
     "offload_megatron_model_to_cpu",
     "load_megatron_model_to_gpu",

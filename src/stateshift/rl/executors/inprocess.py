@@ -17,7 +17,7 @@ within one wait slice (in process), or ends the actor's ``run`` call with it
 
 Why a thread and not a process by default: torch kernels release the GIL,
 and at this model size both sides spend most of their time in them; the
-numbers are in ``docs/rl.md`` (measured with ``benchmarks/rl_threads_vs_process.py``).
+numbers are in ``docs/notes/rl-runs.md`` (measured with ``benchmarks/rl_threads_vs_process.py``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ own elements, not the storage). Both ends copy them once, on purpose:
   marks the tensor's storage non-resizable for good, and the engine releases
   an offloaded parameter's storage by resizing it -- on the trainer's own
   parameters (the first weights sent are its ``state_dict()``) that changed
-  which bytes later offloads and pi_old snapshots moved (found by the test
-  that compares this executor's metrics with the in-process one's);
+  which bytes later offloads and pi_old snapshots moved (the test
+  comparing this executor's metrics with the in-process one's guards it);
 - the receiver copies out of the buffer Ray deserialises from (its read-only
   object store) into memory of torch's own: a restored wave is written to,
   and the engine may resize what it is given. Ray's own zero-copy option

@@ -13,7 +13,7 @@ backend holds the local shards; it reshards every FSDP module before each
 verb, which is what makes a pi_old swap after a no-grad forward safe: such
 a forward leaves the root unsharded, and values written into the shards
 would not be what the next forward reads until it is resharded
-(docs/fsdp2-notes.md). The rollouter's copy is an unsharded
+(docs/notes/fsdp2-notes.md). The rollouter's copy is an unsharded
 ``Qwen2ForCausalLM`` of the same config; its weights come from the
 gathered state dict, and syncs copy the shards of the host snapshot by name
 (world size 1: a shard is the whole parameter).

@@ -18,7 +18,7 @@ Receiving side::
     with rx.receive(min_version=version + 1) as (v, weights):
         engine.model.load_weights(weights)              # (name, tensor) pairs, as vLLM takes them
 
-Guarantees (docs/weight-sync.md): a receiver sees a version whole or not at
+Guarantees (docs/guide/weight-sync.md): a receiver sees a version whole or not at
 all; a version stays alive while a receiver holds it; a receiver that dies or
 hangs is reclaimed (``ReceiverLostError`` in ``WeightPublisher.lost``) and the
 publisher goes on; a publisher that dies mid-publish leaves receivers on the

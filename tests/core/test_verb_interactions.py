@@ -1,7 +1,9 @@
-"""What the wide state machine (``test_state_machine.py``) found: minimal reproductions of engine bugs.
+"""Verbs against each other and against the frameworks: the smallest sequences that pin each rule.
 
-Each test is the smallest sequence that showed one bug; each failed on the engine it was found on
-(as a strict xfail) and is now a regression test of the fix.
+``close`` inside ``swapped``, a refused forward, the snapshot budget, a pi_old rebuild with params partly
+offloaded, Megatron's own offload inside a swap, an optimizer step inside ``swapped``, ``check_restore``
+against ``restore``, distributed saves that fail on one rank. Each is a short fixed sequence beside the
+random ones of ``test_state_machine.py``.
 """
 
 from __future__ import annotations

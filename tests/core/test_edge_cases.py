@@ -1,6 +1,6 @@
-"""Regressions from adversarial testing (issue 13): no value lost, no crash where a Python error belongs.
+"""Edge cases of every verb: no value lost, no crash where a Python error belongs.
 
-Each test is named after what it guards and failed before its fix.
+Budgets running out mid-verb, a model changed between verbs, misuse of the API, states lost while offloaded.
 """
 
 from __future__ import annotations

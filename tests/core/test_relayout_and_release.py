@@ -1,11 +1,8 @@
-"""Found by an adversarial review of fd1d4af..36cf085 (fused staged runs, loop-free residency helpers,
-release_all / regrow_all).
+"""What a relayout lets go of, and what a verb refuses before it moves anything.
 
-``test_a_replaced_tensor_is_not_kept_alive_by_the_state`` and ``test_grads_set_to_none_are_freed_after_an_
-offload_onload_cycle`` failed on 36cf085 and passed on fd1d4af (``GroupState.all_releasable`` cached the slot
-list it was asked for, which kept every slot of it alive after a relayout); fixed since.
-
-The last two are older bugs it found (already at fd1d4af), fixed since.
+A tensor the model replaced or set to ``None`` is freed once a verb re-lists its group (the state keeps no
+cached slot list alive); a disk window whose chunk is not word-aligned moves its staged run as bytes; a
+storage made non-resizable between verbs (``t.numpy()``) is refused before the offload releases anything.
 """
 
 from __future__ import annotations
@@ -20,10 +17,10 @@ from stateshift import ModelState
 
 def test_a_replaced_tensor_is_not_kept_alive_by_the_state():
     """A tensor the model let go of (a parameter replaced, e.g. ``load_state_dict(..., assign=True)``) is
-    freed once a verb re-lists its group: the state must not hold its storage. At 36cf085 the
-    ``all_releasable`` cache of the last offload / drop keeps the old slot list -- slots, their tensors
-    and storages (device memory on a GPU) -- alive until the group's next offload or drop, which may never
-    come (snapshot / restore / swapped / onload do not ask it)."""
+    freed once a verb re-lists its group: the state must not hold its storage. A cache of the last
+    offload / drop's slot list would keep slots, their tensors and storages (device memory on a GPU) alive
+    until the group's next offload or drop, which may never come (snapshot / restore / swapped / onload do
+    not ask it)."""
     model = torch.nn.Linear(64, 64)
     state = ModelState(model)
     state.offload()
@@ -60,8 +57,7 @@ def test_a_disk_offload_through_a_window_whose_chunk_is_not_word_aligned(tmp_pat
     starts at the second chunk of ``a{i}`` (arena byte 750 of it) and holds the staged run ``b{i}``, ``c{i}``
     (int64 words) 274 bytes in; where ``staged()`` cannot shift the window's start to the disk alignment it
     starts at the buffer's first byte and ``span.view(torch.int64)`` raises (storage offset 274). Any
-    ``disk_window_bytes`` whose chunk is not a multiple of 8 can do this. So on fd1d4af (``Run.views``;
-    the error came before residency changed); fixed since: such a run moves as bytes."""
+    ``disk_window_bytes`` whose chunk is not a multiple of 8 can do this. Such a run moves as bytes."""
     model = torch.nn.Module()
     for i in range(3):  # (3 times: where the buffer's address lets a window start aligned, the next one cannot)
         model.register_parameter(f"a{i}", torch.nn.Parameter(torch.randn(250)))  # 1000 bytes: runs of 750 and 250
@@ -77,10 +73,10 @@ def test_a_disk_offload_through_a_window_whose_chunk_is_not_word_aligned(tmp_pat
 
 def test_an_offload_after_numpy_refuses_before_anything_moves():
     """``t.numpy()`` (e.g. logging a parameter) marks its storage non-resizable. The slot cached
-    ``releasable`` True at an earlier offload, so the next offload released the weight, then raised on the
-    bias: the weight's storage released with residency ``device``, and every later verb raised
-    ``ForeignStateError`` (its values in the home, unreachable). Already so at fd1d4af; fixed since:
-    resizability is asked at each verb, so the offload refuses before anything moves."""
+    ``releasable`` at an earlier offload; were that trusted, the next offload would release the weight, then
+    raise on the bias, leaving the weight's storage released with residency ``device`` and every later verb
+    raising ``ForeignStateError``. Resizability is asked at each verb, so the offload refuses before
+    anything moves."""
     model = torch.nn.Linear(4, 4)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     state = ModelState(model)

@@ -1,0 +1,45 @@
+"""docs/results.md is generated from benchmarks/results/*.json and never drifts from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_generator():
+    """``benchmarks/results_page.py`` as a module (``benchmarks/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "benchmarks" / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_results_page_equals_a_fresh_generation():
+    page = load_generator()
+    assert (ROOT / "docs" / "results.md").read_text() == page.render(), (
+        "docs/results.md is out of date: run `python3 benchmarks/results_page.py` and commit it")
+
+
+def test_every_result_file_is_listed_and_every_listed_file_exists():
+    text = (ROOT / "docs" / "results.md").read_text()
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        assert f"## {path.stem}\n" in text, path.name
+    for path in (ROOT / "benchmarks" / "results").iterdir():
+        assert path.suffix in {".json", ".png"}, f"{path.name}: result files are JSON with a PNG beside them"
+        if path.suffix == ".png":
+            assert path.with_suffix(".json").exists(), f"{path.name} has no JSON beside it"
+
+
+def test_a_new_result_file_gets_its_section(tmp_path):
+    page = load_generator()
+    rows = [{"backend": "torch", "op": "offload", "residency": "device", "bytes": 2_000_000_000, "gbps": 50.0,
+             "ratio": 0.9, "bound": "d2h"}]
+    (tmp_path / "2030-01-01-cpu-torch.json").write_text(json.dumps(
+        {"machine": "cpu", "torch": "2.13", "stateshift": "0000000", "rows": rows}))
+    text = page.render(tmp_path)
+    assert "## 2030-01-01-cpu-torch\n" in text
+    assert "| torch | offload | device | 2 | 50 | 0.9 | d2h |" in text
+    assert "measured at: 0000000" in text
