@@ -65,7 +65,7 @@ if [[ $WHAT == *bench* ]]; then
     fi
   done
 fi
-if [[ $WHAT == *verl* ]]; then  # needs .whl-verl/verl-0.9.1-py3-none-any.whl carried (docs/verl.md)
+if [[ $WHAT == *verl* ]]; then  # needs .whl-verl/verl-0.9.1-py3-none-any.whl carried (docs/guide/verl.md)
   step verl gpu test
   # whole logs go into results.tgz; run.log gets their tails
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verl_gpu.py 2>&1 | tee "$RES/verl-gpu-test.log" | tail -40 || status=1
