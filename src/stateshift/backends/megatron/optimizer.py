@@ -14,6 +14,7 @@ from ...errors import BackendError
 from ..base import CheckpointFacts, Rebuild
 from ..guards import MethodGuard
 from .objects import dp_shard_meta, master_pairs, optimizers_of, state_owners
+from .rebuild import MasterRebuild
 
 if TYPE_CHECKING:
     from .model import MegatronModelBackend
@@ -146,6 +147,4 @@ class MegatronOptimizerBackend:
 
     def rebuild_plugin(self) -> Rebuild | None:
         """The pi_old plug-in that recomputes bf16 params from the fp32 masters (see ``MasterRebuild``)."""
-        from .rebuild import MasterRebuild
-
         return MasterRebuild(self)

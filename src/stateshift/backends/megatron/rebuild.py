@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ...core.ranks import on_every_rank
 from .objects import master_pairs, storage_bytes
 
-if TYPE_CHECKING:
-    from .optimizer import MegatronOptimizerBackend
+class MastersOwner(Protocol):
+    """What the rebuild reads of the Megatron optimizer backend (``MegatronOptimizerBackend`` is one):
+    its model backend, its leaf optimizers, their masters' plan and the signature that keys it."""
+
+    model: Any
+
+    @property
+    def leaves(self) -> list[Any]: ...
+
+    def signature(self) -> tuple[Any, ...]: ...
+
+    def plan(self) -> list[tuple[Any, list[tuple[str, torch.Tensor, tuple[Any, ...]]], list[tuple[str, torch.Tensor]]]]: ...
 
 
 class MasterRebuild:
@@ -28,7 +38,7 @@ class MasterRebuild:
 
     group = "params"
 
-    def __init__(self, backend: MegatronOptimizerBackend) -> None:
+    def __init__(self, backend: MastersOwner) -> None:
         self.backend = backend
         self._sig: Any = None
         self._views: list[torch.Tensor] | None = None

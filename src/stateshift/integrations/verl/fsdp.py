@@ -30,8 +30,8 @@ import torch
 
 from ... import ModelState
 from ...errors import BackendError, LayoutMismatchError
-from .registry import SnapshotHandle, check_handle, model_state, optimizer_state, take
 from ...core.engine import core_of
+from .registry import SnapshotHandle, check_handle, model_state, optimizer_state, original, take
 
 
 def _is_fsdp1(model: Any) -> bool:
@@ -40,8 +40,6 @@ def _is_fsdp1(model: Any) -> bool:
 
 def _fsdp1(name: str, *args: Any) -> Any:
     """FSDP1 is not stateshift's: verl's own function, when ``install()`` kept it."""
-    from .install import original
-
     fn = original(name)
     if fn is None:
         raise BackendError(f"{name}: FSDP1 (FullyShardedDataParallel) is not supported by stateshift; use verl's own function")

@@ -111,11 +111,6 @@ class Installation:
 _CURRENT: Installation | None = None
 
 
-def original(name: str) -> Any | None:
-    """verl's own function ``name`` while installed, else ``None``."""
-    return None if _CURRENT is None else _CURRENT.verl.get(name)
-
-
 def _verl_version() -> str | None:
     mod = sys.modules.get("verl")
     version = getattr(mod, "__version__", None)
@@ -208,7 +203,7 @@ def install(*, placement: Placement = "host", guard: bool = True, functions: str
         warnings.warn(f"stateshift.integrations.verl was tested with verl {', '.join(TESTED_VERSIONS)}, not {inst.version}", stacklevel=2)
     for what, why in inst.skipped.items():
         warnings.warn(f"stateshift.integrations.verl.install: {what} left as is ({why})", stacklevel=2)
-    SETTINGS.placement, SETTINGS.guard = placement, guard
+    SETTINGS.placement, SETTINGS.guard, SETTINGS.verl = placement, guard, inst.verl
     _bind_everywhere(inst, found)
     _CURRENT = inst
     _log.info("%s", inst)
@@ -233,7 +228,7 @@ def uninstall() -> list[Replacement]:
             continue
         setattr(mod, r.name, r.original)
         restored.append(r)
-    SETTINGS.placement, SETTINGS.guard = "host", True
+    SETTINGS.placement, SETTINGS.guard, SETTINGS.verl = "host", True, {}
     _log.info("stateshift: put back %d verl bindings", len(restored))
     return restored
 

@@ -60,9 +60,16 @@ class Settings:
     placement: Placement = "host"
     #: install stateshift's guards (running the model on offloaded state raises ``OffloadedStateError``)
     guard: bool = True
+    #: verl's own functions by name while installed (``install()`` fills it, ``uninstall()`` empties it)
+    verl: dict[str, Any] = field(default_factory=dict)
 
 
 SETTINGS = Settings()
+
+
+def original(name: str) -> Any | None:
+    """verl's own function ``name`` while installed, else ``None``."""
+    return SETTINGS.verl.get(name)
 _VERSIONS = itertools.count()
 _LOCK = threading.RLock()
 #: snapshots whose handles were collected, released at the next call (see the module docstring)
