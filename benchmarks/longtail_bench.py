@@ -42,10 +42,11 @@ if str(ROOT / "src") not in sys.path:
 
 import torch  # noqa: E402
 
-from stateshift.rl import loop as loop_mod  # noqa: E402
-from stateshift.rl.build import build_policy, build_task  # noqa: E402
-from stateshift.rl.config import resolve  # noqa: E402
-from stateshift.rl.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
+from stateshift.train import loop as loop_mod  # noqa: E402
+from stateshift.train.launch import run  # noqa: E402
+from stateshift.train.build import build_policy, build_task  # noqa: E402
+from stateshift.train.config import resolve  # noqa: E402
+from stateshift.train.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
 
 #: held-out accuracy thresholds, fixed before the runs
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6)
@@ -127,7 +128,7 @@ def run_arm(overrides: list[str], seed: int, weights: dict[str, torch.Tensor], b
     loop_mod.build_policy = policy_from_warmup
     try:
         with Snapshots(snap_s) as snaps:
-            result = loop_mod.run(cfg)
+            result = run(cfg)
     finally:
         loop_mod.build_policy = original
     task = build_task(cfg)

@@ -103,8 +103,8 @@ def child(name: str, run_dir: Path, extra: list[str]) -> None:
         from megatron_bench import patch_megatron_for_cpu
 
         patch_megatron_for_cpu()
-    from stateshift.rl.config import resolve
-    from stateshift.rl.loop import run
+    from stateshift.train.config import resolve
+    from stateshift.train.launch import run
 
     mode, seed = split_name(name)
     cfg = resolve(None, [*COMMON, *RUNS[mode], f"run.seed={seed}", *extra, f"run.out_dir={run_dir}"])

@@ -24,11 +24,11 @@ import time
 import torch
 
 from stateshift.rl import algo
-from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.sampler import BuiltinLM, Sampling, sequence_logprobs
-from stateshift.rl.tasks.addition import AdditionTask
-from stateshift.rl.tasks.gpt import GPTConfig, build_gpt
-from stateshift.rl.trainer import Batch
+from stateshift.train.rollout import KVRollouter, Wave
+from stateshift.train.sampler import BuiltinLM, Sampling, sequence_logprobs
+from stateshift.train.tasks.addition import AdditionTask
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt
+from stateshift.train.trainer import Batch
 
 TASK = AdditionTask()
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=5, stop_token=TASK.stop_token, pad_token=TASK.pad_token)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from stateshift.rl.config import as_dict, resolve
-from stateshift.rl.loop import run
+from stateshift.train.config import as_dict, resolve
+from stateshift.train.launch import run
 
 
 def _git_sha() -> str:

@@ -55,8 +55,8 @@ PARAM_BYTES = {"megatron": 2, "fsdp2": 4}
 
 def child(name: str, run_dir: Path, extra: list[str]) -> None:
     """One run (``name`` = ``executor/family/size``) -> ``run_dir/result.json``."""
-    from stateshift.rl.config import resolve
-    from stateshift.rl.loop import run
+    from stateshift.train.config import resolve
+    from stateshift.train.launch import run
 
     executor, family, size = name.split("/")
     executor, _, transport = executor.partition("+")

@@ -85,7 +85,7 @@ def make_data(root: Path, *, heldout_every: int = 5) -> tuple[Path, Path]:
 
 def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, extra: tuple[str, ...] = ()):  # noqa: ANN201
     """Make the model and the data under ``out_dir`` (a temporary directory if ``None``) and train; the ``RunResult``."""
-    from stateshift.rl import resolve, run as train
+    from stateshift.train import resolve, run as train
 
     root = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="stateshift-files-"))
     root.mkdir(parents=True, exist_ok=True)

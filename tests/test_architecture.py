@@ -40,7 +40,8 @@ def _imports(path: Path) -> list[str]:
 def test_engine_imports_nothing_above_it(name):
     path = SRC / name
     assert path.exists(), name
-    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.cli", "stateshift.integrations")
+    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.train", "stateshift.cli",
+             "stateshift.integrations")
     bad = [m for m in _imports(path) if m.startswith(above)]
     assert not bad, f"{name} imports {bad}"
 
@@ -69,6 +70,144 @@ def test_integrations_import_no_framework_at_module_level():
 def test_model_state_stays_a_facade():
     """``ModelState`` is the user's verbs over the internal core (``core/engine.py``); its module stays short."""
     assert len((SRC / "core/state.py").read_text().splitlines()) <= 500
+
+
+def _module_name(path: Path) -> str:
+    parts = ["stateshift", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of ``src/`` -> the modules of ``src/`` it imports anywhere in the file (inside functions and
+    ``TYPE_CHECKING`` blocks too). ``from package import name`` is an edge to ``package.name`` when that is a
+    module, else to ``package``; a name is resolved to the longest module of ``src/`` that prefixes it."""
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                where = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                names += [f"{where}.{a.name}" if f"{where}.{a.name}" in modules else where for a in node.names]
+        graph[mod] = {r for n in names if (r := resolve(n)) is not None and r != mod}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_anywhere_lazy_imports_included():
+    """No module of ``src/`` reaches itself through imports, counting those inside functions and under
+    ``TYPE_CHECKING``: a shared piece lives below both of its users."""
+    graph = _import_graph()
+    assert "stateshift.train.loop" in graph["stateshift.train.launch"]  # (the graph sees what it should)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " | ".join(f"{m} -> {sorted(set(graph[m]) & set(c))}" for m in c) for c in cycles)
+
+
+def test_the_library_imports_nothing_from_the_application():
+    """``stateshift train`` (``stateshift.train``) sits on the library; only it and the CLI import it."""
+    graph = _import_graph()
+    app = ("stateshift.train", "stateshift.cli", "stateshift.__main__")
+    bad = {m: sorted(d for d in deps if d == "stateshift.train" or d.startswith("stateshift.train."))
+           for m, deps in graph.items() if not (m in app or m.startswith(tuple(a + "." for a in app)))}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def _exception_classes(tree: ast.AST, known: set[str]) -> list[ast.ClassDef]:
+    """Classes of ``tree`` deriving (by the name of a base) from an exception class in ``known``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+            if bases & known:
+                out.append(node)
+    return out
+
+
+def test_exception_classes_are_defined_only_in_errors_py():
+    """Every exception class of ``src/`` is in ``stateshift/errors.py``; a private one (``_Name``) may stay in
+    the one module that raises and catches it."""
+    import builtins
+
+    import stateshift.errors as errors
+
+    known = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    known |= {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    trees = {p: ast.parse(p.read_text()) for p in sorted(SRC.rglob("*.py")) if p != SRC / "errors.py"}
+    found: dict[str, list[str]] = {}
+    while True:  # (a class deriving from one found in another module counts too)
+        before = len(known)
+        for path, tree in trees.items():
+            for cls in _exception_classes(tree, known):
+                known.add(cls.name)
+                found.setdefault(str(path.relative_to(SRC)), [])
+                if cls.name not in found[str(path.relative_to(SRC))]:
+                    found[str(path.relative_to(SRC))].append(cls.name)
+        if len(known) == before:
+            break
+    public = {p: [n for n in names if not n.startswith("_")] for p, names in found.items()}
+    assert not {p: n for p, n in public.items() if n}, f"exception classes outside errors.py: {public}"
+    for path, names in found.items():  # a private one is raised and caught in its own module only
+        for name in names:
+            users = [str(p.relative_to(SRC)) for p, t in trees.items() if str(p.relative_to(SRC)) != path
+                     and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t))]
+            assert not users, f"{path}: {name} is private but used in {users}"
 
 
 def test_every_engine_module_is_listed():

@@ -10,7 +10,7 @@ Public API::
         ...
     state.restore(pi_old)
 
-Checkpoints: ``stateshift.checkpoint``; the RL trainer: ``stateshift.rl``.
+Checkpoints: ``stateshift.checkpoint``; RL building blocks: ``stateshift.rl``; the RL trainer: ``stateshift.train``.
 Everything else (the engine in ``stateshift.core``, the backends in
 ``stateshift.backends``) is internal and may change.
 """

@@ -8,6 +8,29 @@ Messages name the first offending tensor or setting.
 from __future__ import annotations
 
 import os
+import reprlib
+from typing import Any
+
+
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 2, 60, 40, 60
+    r.maxtuple = r.maxlist = r.maxarray = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = 4
+    return r
+
+
+_REPR = _bounded_repr()
+
+
+def show(value: Any) -> str:
+    """A repr of ``value`` of at most ~200 characters, in bounded time and memory, whatever its size or nesting
+    (for error messages about untrusted input)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 96:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        return _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to convert, nested in a list: say what it is
+        return f"<a {type(value).__name__}>"
 
 
 class StateShiftError(Exception):
@@ -248,6 +271,27 @@ class CheckpointMismatchError(CheckpointError, LayoutMismatchError):
         Exception.__init__(self, f"tensor '{name}': {detail}")
 
 
+class ShapeError(StateShiftError, ValueError):
+    """A stored shape that is not one (``checkpoint.format.shape_bytes``); its message is built from bounded
+    values. Turned into ``CheckpointCorruptError`` naming the file where a checkpoint is read."""
+
+
+class TransferError(StateShiftError, OSError):
+    """An OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename``; ``tensor`` names
+    the tensor whose bytes failed (``None``: a header, or bytes of no named tensor). Also an ``OSError``
+    with the original ``errno`` and ``strerror``; the checkpoint code turns it into
+    ``CheckpointWriteError`` / ``CheckpointReadError``."""
+
+    def __init__(self, e: OSError, path: str, tensor: str | None) -> None:
+        super().__init__(e.errno, e.strerror, path)
+        self.tensor = tensor
+
+    @staticmethod
+    def tensor_of(e: BaseException) -> str | None:
+        """The tensor whose bytes failed, where the error knows it."""
+        return e.tensor if isinstance(e, TransferError) else None
+
+
 # --------------------------------------------------------------------------- weight sync (stateshift.rl.sync)
 
 
@@ -363,3 +407,74 @@ class ModelDirError(StateShiftError, FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class UsageError(StateShiftError, ValueError):
+    """A bad command-line value of ``stateshift bench``: printed as ``error: ...`` with exit status 2, before
+    any work starts."""
+
+
+# --------------------------------------------------------------------------- the stateshift train application
+
+
+class ConfigError(StateShiftError, ValueError):
+    """A config key that does not exist, or a value of the wrong type or range; ``key`` is the dotted name.
+
+    The message is built from bounded reprs (``show``): a value of any size, a YAML alias bomb included,
+    gives a message of a few hundred characters."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        super().__init__(f"config key {show(key)}: {reason}")
+
+
+class WeightSyncError(StateShiftError, ValueError):
+    """Weights sent to a rollouter do not match its model; ``name`` is the first offending weight."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        self.detail = detail
+        super().__init__(f"weight {name!r}{detail}")
+
+
+class MetricsLogError(StateShiftError, ValueError):
+    """``metrics.jsonl`` has a line that is not a step record (and is not a last line cut short by a kill);
+    ``path`` and ``line`` (1-based) name it."""
+
+    def __init__(self, path: str | os.PathLike[str], line: int, detail: str) -> None:
+        self.path, self.line = path, line
+        super().__init__(f"{path}, line {line}: {detail}; a resume keeps the records up to its checkpoint from this "
+                         "file: repair or remove that line")
+
+
+class RunDirBusyError(StateShiftError, RuntimeError):
+    """Another process is training into the same run directory ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        super().__init__(f"{self.path} is in use by another `stateshift train` (run.lock is held)")
+
+
+class StallError(StateShiftError, RuntimeError):
+    """Nothing moved for ``run.stall_timeout_s`` seconds; the message says what each side was waiting for."""
+
+
+class StoppedError(StateShiftError, RuntimeError):
+    """Raised in a waiting thread when the run was stopped without an error (end of run, Ctrl-C)."""
+
+
+class RolloutDiedError(StateShiftError, RuntimeError):
+    """The rollout side is gone for good: a rollouter died more often than ``ray.max_rollout_restarts`` allows,
+    could not be restarted, or the queue actor died (the message says which, and why)."""
+
+
+class LinkClosedError(StateShiftError, EOFError):
+    """The process at the other end of a rollouter's pipe (``executors/link.py``) is gone (its end closed)."""
+
+
+class TrainerDiedError(StateShiftError, RuntimeError):
+    """The trainer actor died (killed, OOM, its node lost); the message names the checkpoint to resume from."""
+
+
+class ActorStartError(StateShiftError, RuntimeError):
+    """The placement group or an actor did not come up within ``ray.ready_timeout_s`` (the cluster lacks room)."""

@@ -11,7 +11,7 @@ import pytest
 from rl.rlkit import TINY
 
 from stateshift.cli import main
-from stateshift.rl.checkpointing import SIDECAR
+from stateshift.train.checkpointing import SIDECAR
 
 COMMON = [*TINY, "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
           "run.checkpoint_every=2"]
@@ -75,12 +75,12 @@ def test_out_dir_that_is_a_file_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_unwritable_run_directory_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
-    import stateshift.rl.loop as loop
+    import stateshift.train.launch as launch
 
     def refuse(out: Path):
         raise PermissionError(13, "Permission denied", str(out / "run.lock"))
 
-    monkeypatch.setattr(loop, "_lock_run_dir", refuse)
+    monkeypatch.setattr(launch, "_lock_run_dir", refuse)
     assert main(["train", *COMMON, "trainer.steps=2", f"run.out_dir={tmp_path / 'r'}"]) == 2
     _one_error_line(capsys, "run.lock", "Permission denied")
 
@@ -96,7 +96,7 @@ def test_non_finite_learning_rate_is_one_line_exit_2(tmp_path, capsys, value):
 
 @pytest.mark.parametrize("where", ["supervised_warmup", "heldout_accuracy", "build_policy"])
 def test_ctrl_c_during_start_up_exits_130_with_a_summary(tmp_path, capsys, monkeypatch, where):
-    import stateshift.rl.loop as loop
+    import stateshift.train.loop as loop
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
@@ -110,7 +110,7 @@ def test_ctrl_c_during_start_up_exits_130_with_a_summary(tmp_path, capsys, monke
 
 
 def test_ctrl_c_while_loading_the_checkpoint_exits_130_with_a_summary(run_dir, capsys, monkeypatch):
-    import stateshift.rl.loop as loop
+    import stateshift.train.loop as loop
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

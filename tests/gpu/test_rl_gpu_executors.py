@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
 import policy_checks as pc  # noqa: E402
 from rlkit import tiny  # noqa: E402
 
-from stateshift.rl.loop import run  # noqa: E402
+from stateshift.train.launch import run  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FAMILIES = ["builtin", "fsdp2", "megatron"]

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from rlkit import parked_trainer, tiny
-from stateshift.rl.build import build_policy, build_task
-from stateshift.rl.loop import run
-from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.trainer import Batch
-from stateshift.rl.executors.inprocess import sampling_of
+from stateshift.train.build import build_policy, build_task
+from stateshift.train.launch import run
+from stateshift.train.rollout import KVRollouter, Wave
+from stateshift.train.trainer import Batch
+from stateshift.train.executors.inprocess import sampling_of
 
 ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
                "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2"]
@@ -79,7 +79,7 @@ def check_rollout_copy_alone(tmp: Path, family: str) -> None:
     ``policy.rollout_state_dict()``, holds the trainer's weights; the same dict is a complete weight update."""
     import importlib
 
-    from stateshift.rl.policies import FAMILIES, build_rollout_lm, load_rollout_weights
+    from stateshift.train.policies import FAMILIES, build_rollout_lm, load_rollout_weights
 
     cfg = tiny(tmp, f"model.family={family}")
     task = build_task(cfg)
@@ -108,7 +108,7 @@ def check_rollout_copy_alone(tmp: Path, family: str) -> None:
 def check_fresh_optimizer(tmp: Path, family: str) -> int:
     """After the warm-up, ``fresh_optimizer_state`` leaves every optimizer state tensor zero (Megatron's warm-up steps
     its RL optimizer, so there are moments to clear); returns how many it zeroed."""
-    from stateshift.rl.warmup import _inner_optimizers, fresh_optimizer_state, supervised_warmup
+    from stateshift.train.warmup import _inner_optimizers, fresh_optimizer_state, supervised_warmup
 
     cfg = tiny(tmp, f"model.family={family}")
     task = build_task(cfg)
@@ -153,8 +153,8 @@ def check_kv_cache(tmp: Path, family: str, *extra: str) -> dict:
     Passing only the new token per call, as the cached path does, gives the right logits only if the model
     attends to the keys the cache holds: so this also shows the cache is used. Returns the largest differences.
     """
-    from stateshift.rl.policies import build_rollout_lm
-    from stateshift.rl.sampler import sequence_logprobs
+    from stateshift.train.policies import build_rollout_lm
+    from stateshift.train.sampler import sequence_logprobs
 
     cfg = tiny(tmp, f"model.family={family}", "rollout.max_new_tokens=8", *extra)
     task = build_task(cfg)

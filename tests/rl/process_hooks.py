@@ -39,7 +39,7 @@ def _once(name: str) -> bool:
 
 
 def install() -> None:
-    from stateshift.rl.rollout import KVRollouter
+    from stateshift.train.rollout import KVRollouter
 
     mode = os.environ.get("STATESHIFT_TEST_MODE", "")
     if mode == "slow_start":

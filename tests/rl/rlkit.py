@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from stateshift.rl import algo
-from stateshift.rl.build import build_policy, build_task
-from stateshift.rl.config import TrainConfig, resolve
-from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.sampler import Sampling, sequence_logprobs
-from stateshift.rl.trainer import Batch, Trainer
-from stateshift.rl.warmup import supervised_warmup
+from stateshift.train.build import build_policy, build_task
+from stateshift.train.config import TrainConfig, resolve
+from stateshift.train.rollout import KVRollouter, Wave
+from stateshift.train.sampler import Sampling, sequence_logprobs
+from stateshift.train.trainer import Batch, Trainer
+from stateshift.train.warmup import supervised_warmup
 
 TINY = [
     "model.width=32", "model.heads=2", "warmup.steps=20", "warmup.batch_size=32", "task.heldout_size=40",
@@ -78,7 +78,7 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
 def parked_trainer(cfg: TrainConfig):
     """``(task, policy, trainer, rollouter)`` for ``cfg``: a trainer at the start of a cycle with its state parked
     (as configured) and a rollouter on the policy's own rollout copy."""
-    from stateshift.rl.executors.inprocess import sampling_of
+    from stateshift.train.executors.inprocess import sampling_of
 
     task = build_task(cfg)
     policy = build_policy(cfg, task)

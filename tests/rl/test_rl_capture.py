@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from stateshift.rl.config import AsyncConfig
-from stateshift.rl.control import RunControl
-from stateshift.rl.executors.hub import QueueHub
-from stateshift.rl.executors.inprocess import RolloutWorker
-from stateshift.rl.rollout import KVRollouter
-from stateshift.rl.sampler import BuiltinLM, Sampling
-from stateshift.rl.sidecar import read_sidecar, write_sidecar
-from stateshift.rl.handshake import WeightChannel
-from stateshift.rl.tasks.addition import AdditionTask
-from stateshift.rl.tasks.gpt import build_gpt
+from stateshift.train.config import AsyncConfig
+from stateshift.train.control import RunControl
+from stateshift.train.executors.hub import QueueHub
+from stateshift.train.executors.inprocess import RolloutWorker
+from stateshift.train.rollout import KVRollouter
+from stateshift.train.sampler import BuiltinLM, Sampling
+from stateshift.train.sidecar import read_sidecar, write_sidecar
+from stateshift.train.handshake import WeightChannel
+from stateshift.train.tasks.addition import AdditionTask
+from stateshift.train.tasks.gpt import build_gpt
 
 
 def _worker(seed: int = 0) -> RolloutWorker:

@@ -12,8 +12,8 @@ import time
 import pytest
 from rl.rlkit import tiny
 
-from stateshift.rl.checkpointing import SIDECAR
-from stateshift.rl.loop import run
+from stateshift.train.checkpointing import SIDECAR
+from stateshift.train.launch import run
 
 COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
           "run.checkpoint_every=2"]
@@ -50,7 +50,8 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     """A run killed inside the write of a step's record: the resumed log keeps the records up to the checkpoint."""
     import json
 
-    from stateshift.rl.metrics import MetricsLog, MetricsLogError
+    from stateshift.train.metrics import MetricsLog
+    from stateshift.errors import MetricsLogError
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": k, "loss": 0.5}) + "\n" for k in (1, 2, 3)) + '{"step": 4, "lo')
@@ -72,10 +73,10 @@ CHILD = r"""
 import sys, time, torch
 from pathlib import Path
 from stateshift.checkpoint import init_optimizer_state
-from stateshift.rl.checkpointing import save_checkpoint
-from stateshift.rl.config import resolve
-from stateshift.rl.build import build_policy, build_task
-from stateshift.rl.trainer import Trainer
+from stateshift.train.checkpointing import save_checkpoint
+from stateshift.train.config import resolve
+from stateshift.train.build import build_policy, build_task
+from stateshift.train.trainer import Trainer
 
 cfg = resolve(None, ["model.width=256", "model.layers=4"])
 trainer = Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
@@ -111,10 +112,10 @@ def _saves_until(proc, step: int) -> list[float]:
 
 @pytest.mark.slow
 def test_sigkill_inside_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    from stateshift.rl.build import build_policy, build_task
-    from stateshift.rl.checkpointing import latest_checkpoint, load_checkpoint
-    from stateshift.rl.config import resolve
-    from stateshift.rl.trainer import Trainer
+    from stateshift.train.build import build_policy, build_task
+    from stateshift.train.checkpointing import latest_checkpoint, load_checkpoint
+    from stateshift.train.config import resolve
+    from stateshift.train.trainer import Trainer
 
     rng = random.Random(20261203)
     inside = []

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from stateshift.cli import main
-from stateshift.rl.config import ConfigError, TrainConfig, field_docs, resolve
+from stateshift.train.config import TrainConfig, field_docs, resolve
+from stateshift.errors import ConfigError
 
 
 def test_unknown_key_fails_naming_it(capsys):
@@ -72,7 +73,7 @@ def test_resolved_config_is_saved_and_round_trips(tmp_path, capsys):
     assert printed["trainer"]["lr"] == 3e-4
     from rl.rlkit import tiny
 
-    from stateshift.rl.loop import run
+    from stateshift.train.launch import run
 
     cfg = tiny(tmp_path, "trainer.steps=1")
     run(cfg)
@@ -97,7 +98,7 @@ def test_outputs_of_a_run(tmp_path):
 
     from rl.rlkit import tiny
 
-    from stateshift.rl.loop import run
+    from stateshift.train.launch import run
 
     stream = io.StringIO()
     result = run(tiny(tmp_path, "trainer.steps=4", "run.progress=auto", "run.plot=true", "run.eval_every=2"),
@@ -184,7 +185,8 @@ trainer:
 BOUNDED = r"""
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
-from stateshift.rl.config import ConfigError, resolve
+from stateshift.train.config import resolve
+from stateshift.errors import ConfigError
 t0 = time.perf_counter()
 try:
     resolve(sys.argv[1])

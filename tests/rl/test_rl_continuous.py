@@ -11,14 +11,14 @@ import pytest
 import torch
 from rl.rlkit import tiny
 
-from stateshift.rl.continuous import BuiltinSlotLM, ContinuousEngine, to_group
-from stateshift.rl.loop import run
-from stateshift.rl.report import length_bucket
-from stateshift.rl.rollout import KVRollouter, Wave
-from stateshift.rl.sampler import BuiltinLM, Sampling, sequence_logprobs
-from stateshift.rl.tasks.gpt import GPTConfig, build_gpt
-from stateshift.rl.tasks.longtail import PAD, STOP, LongTailTask, Sums, decode, encode, log_uniform_k
-from stateshift.rl.trainer import Batch
+from stateshift.train.continuous import BuiltinSlotLM, ContinuousEngine, to_group
+from stateshift.train.launch import run
+from stateshift.train.report import length_bucket
+from stateshift.train.rollout import KVRollouter, Wave
+from stateshift.train.sampler import BuiltinLM, Sampling, sequence_logprobs
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt
+from stateshift.train.tasks.longtail import PAD, STOP, LongTailTask, Sums, decode, encode, log_uniform_k
+from stateshift.train.trainer import Batch
 
 TASK = LongTailTask(max_terms=4, warmup_max_terms=2, heldout_size=20)
 

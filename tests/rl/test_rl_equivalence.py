@@ -6,7 +6,7 @@ import pytest
 import torch
 from rl.rlkit import sync_grpo_reference, tiny
 
-from stateshift.rl.loop import run
+from stateshift.train.launch import run
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

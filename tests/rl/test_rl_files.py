@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from stateshift.errors import DataFileError, ModelDirError, RewardError
-from stateshift.rl.build import build_task
-from stateshift.rl.config import ConfigError, field_docs, resolve
-from stateshift.rl.reward import Reward, final_number, load_reward_fn
+from stateshift.train.build import build_task
+from stateshift.train.config import field_docs, resolve
+from stateshift.errors import ConfigError
+from stateshift.train.reward import Reward, final_number, load_reward_fn
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -285,10 +286,10 @@ def small_train(assets, tmp_path) -> Path:
 
 
 def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeypatch):
-    from stateshift.rl import run
-    from stateshift.rl.checkpointing import latest_checkpoint
-    from stateshift.rl.sidecar import read_sidecar
-    from stateshift.rl.trainer import Trainer
+    from stateshift.train import run
+    from stateshift.train.checkpointing import latest_checkpoint
+    from stateshift.train.sidecar import read_sidecar
+    from stateshift.train.trainer import Trainer
 
     trained: list[tuple[int, tuple[int, ...]]] = []  # (row, prompt) of every group trained, in order
     update = Trainer.update
@@ -314,7 +315,7 @@ def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeyp
 
 
 def test_resume_refuses_a_training_file_that_changed(assets, tmp_path):
-    from stateshift.rl import run
+    from stateshift.train import run
 
     train = small_train(assets, tmp_path)
     first = run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=4", *RUN))
@@ -333,7 +334,7 @@ def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stateshift.rl.build import load_hf
+    from stateshift.train.build import load_hf
 
     sharded = tmp_path / "sharded"
     shutil.copytree(assets["model"], sharded)
@@ -356,7 +357,7 @@ def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(
 
 
 def test_too_few_positions_is_a_config_error(assets, tmp_path):
-    from stateshift.rl.build import build_policy
+    from stateshift.train.build import build_policy
 
     cfg = file_cfg(assets, tmp_path, "task.max_prompt_len=40")
     with pytest.raises(ConfigError, match="max_position_embeddings 32 < 43") as err:
@@ -369,9 +370,9 @@ def test_other_families_train_on_files(assets, tmp_path, family):
     """fsdp2 starts from the directory's weights (sharded); builtin: the built-in GPT at the tokenizer's vocabulary."""
     import torch
 
-    from stateshift.rl import run
-    from stateshift.rl.build import build_policy, load_hf
-    from stateshift.rl.policies.plain import full_state_dict
+    from stateshift.train import run
+    from stateshift.train.build import build_policy, load_hf
+    from stateshift.train.policies.plain import full_state_dict
 
     cfg = file_cfg(assets, tmp_path, f"model.family={family}", "trainer.steps=2", *RUN)
     task = build_task(cfg)

@@ -1,4 +1,4 @@
-"""The trainer-to-rollouter weight handshake (``rl/handshake.py``) under adversarial interleavings."""
+"""The trainer-to-rollouter weight handshake (``train/handshake.py``) under adversarial interleavings."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import threading
 
 from rl.rlkit import tiny
 
-from stateshift.rl.control import RunControl
-from stateshift.rl.handshake import WeightChannel, WeightUpdate
-from stateshift.rl.loop import run
-from stateshift.rl.rollout import KVRollouter
+from stateshift.train.control import RunControl
+from stateshift.train.handshake import WeightChannel, WeightUpdate
+from stateshift.train.launch import run
+from stateshift.train.rollout import KVRollouter
 
 
 def test_a_pause_that_lands_after_the_rollouter_resumed_does_not_stall_the_run(tmp_path, monkeypatch):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from stateshift.rl.config import AsyncConfig
-from stateshift.rl.executors.base import WorkerReport
-from stateshift.rl.executors.hub import QueueHub
-from stateshift.rl.rollout import Group
-from stateshift.rl.tasks.addition import AdditionTask
+from stateshift.train.config import AsyncConfig
+from stateshift.train.executors.base import WorkerReport
+from stateshift.train.executors.hub import QueueHub
+from stateshift.train.rollout import Group
+from stateshift.train.tasks.addition import AdditionTask
 
 
 def _hub(**cfg) -> QueueHub:
@@ -81,8 +81,8 @@ def test_orphans_survive_a_capture(tmp_path):
     hub.owner_died(0)
     part = hub.on_sync(1, WorkerReport(), capture=True)
     assert part is not None and part["orphans"] == tuple(wave)
-    from stateshift.rl.executors.base import RolloutCapture
-    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+    from stateshift.train.executors.base import RolloutCapture
+    from stateshift.train.sidecar import read_sidecar, write_sidecar
 
     write_sidecar(tmp_path, step=1, version=1, extra={},
                   capture=RolloutCapture(version=1, sample_rng=torch.Generator().get_state(), wave=None, **part))

@@ -13,10 +13,10 @@ import time
 import pytest
 from rl.rlkit import tiny
 
-from stateshift.rl.control import StallError
-from stateshift.rl.loop import run
-from stateshift.rl.rollout import KVRollouter
-from stateshift.rl.trainer import Trainer
+from stateshift.errors import StallError
+from stateshift.train.launch import run
+from stateshift.train.rollout import KVRollouter
+from stateshift.train.trainer import Trainer
 
 
 class Boom(RuntimeError):
@@ -116,7 +116,8 @@ def test_ctrl_c_stops_cleanly(tmp_path):
 
 
 def test_two_runs_cannot_share_a_run_directory(tmp_path):
-    from stateshift.rl.loop import RunDirBusyError, _lock_run_dir
+    from stateshift.train.launch import _lock_run_dir
+    from stateshift.errors import RunDirBusyError
 
     (tmp_path / "run").mkdir()
     held = _lock_run_dir(tmp_path / "run")  # as a running `stateshift train` holds it

@@ -11,11 +11,11 @@ import torch
 from rl.rlkit import parked_trainer, tiny
 
 from stateshift.rl import algo
-from stateshift.rl.loop import run
-from stateshift.rl.rollout import Wave
-from stateshift.rl.sampler import Sampling, behaviour_logp, draw
-from stateshift.rl.trainer import Batch
-from stateshift.rl.warmup import fresh_optimizer_state
+from stateshift.train.launch import run
+from stateshift.train.rollout import Wave
+from stateshift.train.sampler import Sampling, behaviour_logp, draw
+from stateshift.train.trainer import Batch
+from stateshift.train.warmup import fresh_optimizer_state
 
 
 def _verl_vanilla_token_mean(log_prob, old_log_prob, advantages, response_mask, cliprange_low, cliprange_high,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 from rlkit import parked_trainer, tiny
-from stateshift.rl.control import RunControl
-from stateshift.rl.executors.base import take_in_slices
-from stateshift.rl.rollout import Wave
-from stateshift.rl.trainer import Batch
+from stateshift.train.control import RunControl
+from stateshift.train.executors.base import take_in_slices
+from stateshift.train.rollout import Wave
+from stateshift.train.trainer import Batch
 
 
 class _Null:

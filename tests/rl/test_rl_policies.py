@@ -17,9 +17,9 @@ import torch
 
 import policy_checks as pc
 from rlkit import tiny
-from stateshift.rl.build import build_policy, build_task
-from stateshift.rl.config import ConfigError
-from stateshift.rl.policies import Policy
+from stateshift.train.build import build_policy, build_task
+from stateshift.errors import ConfigError
+from stateshift.train.policies import Policy
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,13 +86,13 @@ def test_megatron_on_the_cpu_without_the_test_patch_is_a_config_error(tmp_path, 
 
 
 def test_stop_accuracy_and_max_wall_end_a_run_early(tmp_path, monkeypatch):
-    from stateshift.rl import loop
+    from stateshift.train import launch, loop
 
-    res = loop.run(tiny(tmp_path / "a", "trainer.steps=50", "run.max_wall_s=0.001"))
+    res = launch.run(tiny(tmp_path / "a", "trainer.steps=50", "run.max_wall_s=0.001"))
     assert res.steps == 1 and res.summary["status"].startswith("finished early: run.max_wall_s")
     evals = iter([0.1, 0.3, 0.6, 0.9])  # after warm-up, then at steps 2, 4, 6
     monkeypatch.setattr(loop, "heldout_accuracy", lambda *a, **k: next(evals))
-    res = loop.run(tiny(tmp_path / "b", "trainer.steps=50", "run.eval_every=2", "run.stop_accuracy=0.5"))
+    res = launch.run(tiny(tmp_path / "b", "trainer.steps=50", "run.eval_every=2", "run.stop_accuracy=0.5"))
     assert res.steps == 4 and "held-out accuracy 0.600 >= run.stop_accuracy at step 4" in res.summary["status"]
 
 

@@ -27,10 +27,10 @@ import torch
 from rl.process_hooks import Boom
 from rl.rlkit import tiny
 
-from stateshift.rl.control import StallError
-from stateshift.rl.executors.base import RolloutDiedError
-from stateshift.rl.executors.process_child import HOOK_ENV
-from stateshift.rl.loop import run
+from stateshift.errors import StallError
+from stateshift.errors import RolloutDiedError
+from stateshift.train.executors.process_child import HOOK_ENV
+from stateshift.train.launch import run
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +255,7 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
 def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_file_is_reclaimed(tmp_path):
     """SIGKILL to the trainer's process alone: the rollouter process sees its pipes close and ends within
     seconds; the shared-memory file left behind is removed by the next publisher (its process is gone)."""
-    from stateshift.rl.executors.weights import HostWeightPublisher
+    from stateshift.train.executors.weights import HostWeightPublisher
 
     cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", "trainer.steps=400", "warmup.steps=5",
            "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from stateshift.rl import algo
-from stateshift.rl.config import AsyncConfig
-from stateshift.rl.queue import SampleQueue
-from stateshift.rl.rollout import Group
+from stateshift.train.config import AsyncConfig
+from stateshift.train.queue import SampleQueue
+from stateshift.train.rollout import Group
 
 
 def _group(uid: int, version: int) -> Group:

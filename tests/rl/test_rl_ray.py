@@ -24,9 +24,10 @@ import ray
 import torch
 from rl.rlkit import tiny
 
-from stateshift.rl.config import ConfigError, RayConfig
-from stateshift.rl.executors.placement import bundles
-from stateshift.rl.loop import run
+from stateshift.train.config import RayConfig
+from stateshift.errors import ConfigError
+from stateshift.train.executors.placement import bundles
+from stateshift.train.launch import run
 
 #: per-step metrics that measure time, or that depend on how far the rollouter got when the trainer looked
 #: (it runs concurrently in both executors: the queue depth at the end of a step, throughput, idle ratios)
@@ -209,7 +210,7 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
     """SIGKILL of the trainer actor's process at a random step: TrainerDiedError names the latest checkpoint and
     the way to continue; the rollouter and queue actors go with it; the resumed run ends where the uninterrupted
     in-process run ended (losses of every step, final weights, groups per version)."""
-    from stateshift.rl.executors.ray import TrainerDiedError
+    from stateshift.errors import TrainerDiedError
 
     cfg = tiny(tmp_path, "executor=ray", *DETERMINISTIC, *LIVELY)
     out = tmp_path / "run"
@@ -249,7 +250,7 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
 
 
 def test_restart_limit_stops_the_run(tmp_path):
-    from stateshift.rl.executors.base import RolloutDiedError
+    from stateshift.errors import RolloutDiedError
 
     cfg = tiny(tmp_path, "executor=ray", "trainer.steps=200", "ray.max_rollout_restarts=0", *LIVELY)
 
@@ -308,10 +309,10 @@ def side(tmp_path):
     """``RayRollouts`` with this process as the trainer (no warm-up): faults at exactly chosen moments."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from stateshift.rl.build import build_policy, build_task
-    from stateshift.rl.control import RunControl, Watchdog
-    from stateshift.rl.executors.ray_rollouts import RayRollouts
-    from stateshift.rl.trainer import Trainer
+    from stateshift.train.build import build_policy, build_task
+    from stateshift.train.control import RunControl, Watchdog
+    from stateshift.train.executors.ray_rollouts import RayRollouts
+    from stateshift.train.trainer import Trainer
 
     cfg = tiny(tmp_path, "executor=ray")
     specs = bundles(cfg.ray, ray.cluster_resources())
@@ -366,7 +367,8 @@ def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainer
     the trainer's death itself still is."""
     import types
 
-    from stateshift.rl.executors.ray import TrainerDiedError, _await_trainer
+    from stateshift.train.executors.ray import _await_trainer
+    from stateshift.errors import TrainerDiedError
 
     inside = ray.exceptions.RayTaskError("run", "Traceback: ...", ray.exceptions.ActorDiedError()).as_instanceof_cause()
     assert isinstance(inside, ray.exceptions.RayActorError)
@@ -388,7 +390,7 @@ def test_a_successor_that_dies_while_it_comes_up_is_replaced_too(side, monkeypat
     death to report and replace, not an error that stops the run. (Found as a flake of the kill test: the
     run failed with the successor's ``RayActorError``, which the driver then reported as the trainer's
     death.)"""
-    from stateshift.rl.executors import ray_rollouts
+    from stateshift.train.executors import ray_rollouts
 
     real, died = ray_rollouts.wait_ready, []
 
@@ -414,9 +416,9 @@ def test_a_successor_that_dies_while_it_comes_up_is_replaced_too(side, monkeypat
 def test_a_replaced_rollouter_generates_with_the_last_weights_sent(side):
     """Killed just before the trainer sends weights v1 (the sync is answered by the successor), then the
     successor killed too (SIGKILL): the third rollouter draws with exactly the v1 weights."""
-    from stateshift.rl.sampler import sequence_logprobs
-    from stateshift.rl.tasks.addition import PAD
-    from stateshift.rl.trainer import Batch
+    from stateshift.train.sampler import sequence_logprobs
+    from stateshift.train.tasks.addition import PAD
+    from stateshift.train.trainer import Batch
 
     _train_until(side, {0, 1, 2, 3})
     with torch.no_grad():
@@ -450,9 +452,9 @@ def test_a_replaced_rollouter_generates_with_the_last_weights_sent(side):
 def test_a_rollouter_that_raises_stops_the_run_with_its_error(side, tmp_path):
     """Weights that do not fit the rollouter's model: it raises WeightSyncError; not restarted, the run stops
     with that error (the trainer thread's next wait raises it)."""
-    from stateshift.rl.build import build_policy, build_task
-    from stateshift.rl.rollout import WeightSyncError
-    from stateshift.rl.trainer import Trainer
+    from stateshift.train.build import build_policy, build_task
+    from stateshift.errors import WeightSyncError
+    from stateshift.train.trainer import Trainer
 
     cfg = tiny(tmp_path, "model.width=48", "model.heads=2")
     wrong = Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
@@ -489,7 +491,7 @@ def test_bundles_follow_the_cluster():
 def test_tensors_cross_as_their_bytes_and_leave_the_sender_untouched():
     import pickle
 
-    from stateshift.rl.executors.wire import from_wire, to_wire
+    from stateshift.train.executors.wire import from_wire, to_wire
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     cases = [base, base[1:3], base[:, ::2], torch.tensor(3.5), torch.empty(0, 5), torch.rand(3).bfloat16(),
@@ -510,7 +512,7 @@ def test_a_rollouter_found_dead_as_the_run_stops_is_reported(capsys):
     import io
     import types
 
-    from stateshift.rl.executors.ray_rollouts import RayRollouts
+    from stateshift.train.executors.ray_rollouts import RayRollouts
 
     err = ray.exceptions.RayActorError(error_msg="The actor is dead because its worker process has died.")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rl.rlkit import tiny
 
-from stateshift.rl.metrics import MetricsLog
+from stateshift.train.metrics import MetricsLog
 
 
 def _lines(k: int) -> str:
@@ -70,7 +70,7 @@ def _kill_early(out: Path, original: str, limit_s: float) -> None:
 
 @pytest.mark.slow
 def test_resume_killed_in_its_first_seconds_twice_keeps_every_record(tmp_path):
-    from stateshift.rl.loop import run
+    from stateshift.train.launch import run
 
     first = run(tiny(tmp_path, "trainer.steps=5", *COMMON))
     out = first.out_dir

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateshift.rl.rollout import KVRollouter, Rollouter, Wave, WeightSyncError
-from stateshift.rl.sampler import BuiltinLM, HFCausalLM, Sampling, behaviour_logp, positions_of, sequence_logprobs
-from stateshift.rl.tasks.addition import PAD, STOP
-from stateshift.rl.tasks.gpt import GPTConfig, build_gpt
+from stateshift.train.rollout import KVRollouter, Rollouter, Wave
+from stateshift.errors import WeightSyncError
+from stateshift.train.sampler import BuiltinLM, HFCausalLM, Sampling, behaviour_logp, positions_of, sequence_logprobs
+from stateshift.train.tasks.addition import PAD, STOP
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt
 
 PROMPTS = [[1, 2, 3, 10, 4, 5, 6, 11], [7, 10, 8, 11], [9, 9, 10, 1, 11]]  # different lengths: left padding
 
@@ -119,7 +120,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_hf_causal_lm_from_a_local_config(hf_dir):
-    from stateshift.rl.build import load_hf
+    from stateshift.train.build import load_hf
 
     lm = HFCausalLM(load_hf(str(hf_dir), 14, seed=0))
     sampling = _sampling()
@@ -132,7 +133,7 @@ def test_hf_causal_lm_from_a_local_config(hf_dir):
 def test_hf_model_trains_in_the_async_loop(hf_dir, tmp_path):
     from rl.rlkit import tiny
 
-    from stateshift.rl.loop import run
+    from stateshift.train.launch import run
 
     result = run(tiny(tmp_path, "model.family=hf", f"model.hf_path={hf_dir}", "trainer.steps=4",
                       "async_training.trigger_parameter_sync_step=2"))

@@ -18,8 +18,8 @@ import torch
 from rl.rlkit import tiny
 
 from stateshift.errors import CheckpointCorruptError, CheckpointError
-from stateshift.rl.checkpointing import SIDECAR, latest_checkpoint, load_checkpoint
-from stateshift.rl.loop import run
+from stateshift.train.checkpointing import SIDECAR, latest_checkpoint, load_checkpoint
+from stateshift.train.launch import run
 
 COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
           "run.checkpoint_every=2", "run.keep_checkpoints=2"]
@@ -42,8 +42,8 @@ def run_dir(finished, tmp_path) -> Path:
 
 
 def _trainer(tmp_path: Path):
-    from stateshift.rl.build import build_policy, build_task
-    from stateshift.rl.trainer import Trainer
+    from stateshift.train.build import build_policy, build_task
+    from stateshift.train.trainer import Trainer
 
     cfg = tiny(tmp_path, "trainer.steps=4", *COMMON)
     return Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
@@ -187,10 +187,10 @@ def test_no_intact_checkpoint_is_one_error_naming_each(run_dir, tmp_path):
 
 def _capture():
     """A capture with a wave in flight, queued groups, an orphan and both random states."""
-    from stateshift.rl.executors.base import RolloutCapture
-    from stateshift.rl.rollout import Wave
-    from stateshift.rl.sampler import Sampling
-    from stateshift.rl.tasks.addition import AdditionTask
+    from stateshift.train.executors.base import RolloutCapture
+    from stateshift.train.rollout import Wave
+    from stateshift.train.sampler import Sampling
+    from stateshift.train.tasks.addition import AdditionTask
 
     task = AdditionTask()
     rng = random.Random(3)
@@ -212,7 +212,7 @@ def _capture():
 
 def test_capture_round_trips_exactly(tmp_path):
     """Every field of a capture (wave in flight, queued groups, orphans, both random states) comes back equal."""
-    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+    from stateshift.train.sidecar import read_sidecar, write_sidecar
 
     cap = _capture()
     wave, groups = cap.wave, cap.queued
@@ -257,7 +257,7 @@ def _edit_header(path: Path, edit) -> None:
 ], ids=["tensor shared", "tensors overlap", "huge step", "bad random state", "unknown item type", "bool uid",
         "wave rows", "unknown field", "nested extra"])
 def test_hostile_resealed_header_is_refused_quickly(tmp_path, edit):
-    from stateshift.rl.sidecar import read_sidecar, write_sidecar
+    from stateshift.train.sidecar import read_sidecar, write_sidecar
 
     path = write_sidecar(tmp_path, step=6, version=3, capture=_capture(), extra={})
     _edit_header(path, edit)

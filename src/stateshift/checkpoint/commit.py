@@ -48,7 +48,8 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError
 from .collective import Collective
-from .format import TransferError, open_regular, write_all
+from .format import open_regular, write_all
+from ..errors import TransferError
 from .manifest import MANIFEST_NAME
 
 LATEST = "latest"

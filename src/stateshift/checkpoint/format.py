@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, ShapeError, TransferError
 
 from zlib_ng.zlib_ng import crc32, crc32_combine  # the values of zlib.crc32; crc32_combine(crc(a), crc(b), len(b)) = crc(a + b)
 
@@ -117,10 +117,6 @@ def bounded(v: Any, limit: int = 60) -> str:
     if isinstance(v, str) and len(v) > limit:
         v = v[:limit]
     return repr(v)[:limit] if isinstance(v, (str, int, float, bool, type(None))) else f"<a {type(v).__name__}>"
-
-
-class ShapeError(ValueError):
-    """A stored shape that is not one (``shape_bytes``); its message is built from bounded values."""
 
 
 def shape_bytes(shape: Sequence[Any], itemsize: int, limit: int) -> int:
@@ -293,20 +289,6 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
             size += n
             end = offset + done
     return tasks
-
-
-class TransferError(OSError):
-    """An OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename``; ``tensor`` names
-    the tensor whose bytes failed (``None``: a header, or bytes of no named tensor)."""
-
-    def __init__(self, e: OSError, path: str, tensor: str | None) -> None:
-        super().__init__(e.errno, e.strerror, path)
-        self.tensor = tensor
-
-    @staticmethod
-    def tensor_of(e: BaseException) -> str | None:
-        """The tensor whose bytes failed, where the error knows it."""
-        return e.tensor if isinstance(e, TransferError) else None
 
 
 def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,

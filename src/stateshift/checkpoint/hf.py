@@ -26,7 +26,8 @@ import torch
 from ..backends.torch import state_dict_names, unwrap
 from ..errors import CheckpointMismatchError, CheckpointWriteError
 from .commit import describe_os_error, make_parents, replacing
-from .format import Record, TransferError, write_file
+from .format import Record, write_file
+from ..errors import TransferError
 
 
 def _module_of(state: Any) -> torch.nn.Module:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from ..core.engine import core_of
 
+from ..errors import UsageError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -61,10 +63,6 @@ def parse_small(spec: str) -> tuple[int, int]:
     if n < 1 or nbytes < 2:
         raise UsageError(f"--small {spec!r}: the count must be >= 1 and the size >= 2 bytes")
     return n, nbytes
-
-
-class UsageError(ValueError):
-    """A bad command-line value: printed as ``error: ...`` with exit status 2, before any work starts."""
 
 
 def _device(spec: str) -> torch.device:

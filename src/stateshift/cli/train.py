@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..rl.config import ConfigError, field_docs, resolve
+from ..errors import ConfigError
+from ..train.config import field_docs, resolve
 
 
 def _epilog() -> str:
@@ -61,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     traceback)."""
     import yaml
 
-    from ..rl import config as config_mod
+    from ..train import config as config_mod
 
     config_path = args.config
     if args.resume is not None and args.config is not None:
@@ -98,10 +99,8 @@ _DIR_FAULTS = {PermissionError: "check its permissions, or choose another run.ou
 
 
 def _run(cfg: Any, resume: Path | None) -> int:
-    from ..errors import CheckpointError
-    from ..rl.executors.ray import TrainerDiedError
-    from ..rl.loop import RunDirBusyError, run
-    from ..rl.metrics import MetricsLogError
+    from ..errors import CheckpointError, MetricsLogError, RunDirBusyError, TrainerDiedError
+    from ..train.launch import run
 
     summary = Path(resume if resume is not None else cfg.run.out_dir) / "summary.json"
     before = _stat(summary)

@@ -1,37 +1,19 @@
-"""RL on top of ``ModelState``: the fully-asynchronous trainer (``stateshift train``) and the pi_old cycle.
+"""RL building blocks another framework imports: the pi_old cycle, weight sync, the losses.
 
-    from stateshift.rl import resolve, run
-    result = run(resolve(None, ["trainer.steps=200"]))   # built-in task, async GRPO, pi_old while offloaded
+    from stateshift.rl import PiOldCycle            # pi_old while the model's params are offloaded
+    from stateshift.rl.sync import WeightPublisher  # weights to rollout processes
+    from stateshift.rl import algo                  # GRPO advantages, the clipped PPO loss
 
-Design: ``docs/guide/rl.md``.
+The ``stateshift train`` application built on them is ``stateshift.train``. Design: ``docs/guide/rl.md``.
 """
 
-from .config import ConfigError, TrainConfig, resolve
-from .control import StallError
-from .loop import RunResult, run
 from ..backends.base import Rebuild
 from .pi_old import CycleStats, PiOldCycle, default_groups, find_rebuild
-from .queue import SampleQueue
-from .rollout import Group, KVRollouter, Rollouter, Wave, WeightSyncError
-from .trainer import Trainer
 
 __all__ = [
-    "ConfigError",
     "CycleStats",
-    "Group",
-    "KVRollouter",
     "PiOldCycle",
     "Rebuild",
-    "Rollouter",
-    "RunResult",
-    "SampleQueue",
-    "StallError",
-    "Trainer",
-    "TrainConfig",
-    "Wave",
-    "WeightSyncError",
     "default_groups",
     "find_rebuild",
-    "resolve",
-    "run",
 ]

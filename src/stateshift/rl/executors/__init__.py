@@ -1,9 +1,0 @@
-"""Where the rollout side runs: ``inprocess`` (a thread of the trainer's process, the default) or ``ray``.
-
-``ray.py`` imports Ray; it is imported only for ``executor=ray``, so nothing here needs Ray installed.
-"""
-
-from .base import RolloutCapture, RolloutDiedError, Rollouts, RolloutStats
-from .inprocess import InProcessRollouts, RolloutWorker
-
-__all__ = ["InProcessRollouts", "RolloutCapture", "RolloutDiedError", "RolloutStats", "RolloutWorker", "Rollouts"]
