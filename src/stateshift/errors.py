@@ -286,6 +286,9 @@ class TransferError(StateShiftError, OSError):
         super().__init__(e.errno, e.strerror, path)
         self.tensor = tensor
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (OSError(self.errno, self.strerror), self.filename, self.tensor)
+
     @staticmethod
     def tensor_of(e: BaseException) -> str | None:
         """The tensor whose bytes failed, where the error knows it."""
@@ -425,7 +428,11 @@ class ConfigError(StateShiftError, ValueError):
 
     def __init__(self, key: str, reason: str) -> None:
         self.key = key
+        self.reason = reason
         super().__init__(f"config key {show(key)}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (pickled whole, across a process or a Ray actor)
+        return type(self), (self.key, self.reason)
 
 
 class WeightSyncError(StateShiftError, ValueError):
@@ -436,15 +443,21 @@ class WeightSyncError(StateShiftError, ValueError):
         self.detail = detail
         super().__init__(f"weight {name!r}{detail}")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # (raised in a rollouter process or actor, re-raised by the trainer)
+        return type(self), (self.name, self.detail)
+
 
 class MetricsLogError(StateShiftError, ValueError):
     """``metrics.jsonl`` has a line that is not a step record (and is not a last line cut short by a kill);
     ``path`` and ``line`` (1-based) name it."""
 
     def __init__(self, path: str | os.PathLike[str], line: int, detail: str) -> None:
-        self.path, self.line = path, line
+        self.path, self.line, self.detail = path, line, detail
         super().__init__(f"{path}, line {line}: {detail}; a resume keeps the records up to its checkpoint from this "
                          "file: repair or remove that line")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.line, self.detail)
 
 
 class RunDirBusyError(StateShiftError, RuntimeError):
@@ -453,6 +466,9 @@ class RunDirBusyError(StateShiftError, RuntimeError):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         super().__init__(f"{self.path} is in use by another `stateshift train` (run.lock is held)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path,)
 
 
 class StallError(StateShiftError, RuntimeError):

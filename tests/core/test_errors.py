@@ -212,3 +212,22 @@ def test_verbs_given_something_else_than_a_snapshot_raise_a_type_error(given):
         with pytest.raises(TypeError, match="a Snapshot"):
             verb(given)
     assert_same(live(model, opt), want)
+
+
+def test_errors_of_the_trainer_keep_their_detail_through_pickling():
+    """What a rollouter process or Ray actor raises reaches the trainer whole: same class, message, attributes."""
+    import pickle
+
+    from stateshift import StateShiftError
+    from stateshift.errors import (ConfigError, LinkClosedError, MetricsLogError, RunDirBusyError, ShapeError,
+                                   TransferError, UsageError, WeightSyncError)
+
+    errors = [ConfigError("trainer.lr", "must be > 0"), WeightSyncError("head.weight", " is not in the rollout model"),
+              MetricsLogError("run/metrics.jsonl", 3, "not JSON"), RunDirBusyError("run"),
+              TransferError(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
+              LinkClosedError("gone"), UsageError("--device"), ShapeError("shape")]
+    for err in errors:
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
+        assert isinstance(back, StateShiftError)
+    assert isinstance(errors[4], OSError) and pickle.loads(pickle.dumps(errors[4])).errno == 28
