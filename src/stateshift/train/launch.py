@@ -2,8 +2,8 @@
 
 ``executor=inprocess`` / ``process`` (and ``rollout.batching=continuous``) run the loop here
 (``loop.train_here``) with their rollout side; ``executor=ray`` runs it in a trainer actor
-(``executors/ray.py``), which imports ``loop`` itself. This module sits above both, so neither
-imports the other's caller.
+(``executors/ray.py`` starts it; ``executors/ray_trainer.py``, its body, imports ``loop`` itself).
+This module sits above the loop and every executor, so none of them imports its caller.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .loop import RolloutsFactory, RunResult, train_here
 
 def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
         return_params: bool = False) -> RunResult:
-    """Train ``cfg`` (or continue the run in ``resume``); see the module docstring for the shape.
+    """Train ``cfg`` (or continue the run in ``resume``); ``loop``'s module docstring gives the shape.
 
     The run directory is locked for the duration (``RunDirBusyError`` if another run holds it).
     ``executor=ray``: ``ConfigError`` (key ``executor``) at once if Ray is not installed; the trainer's
