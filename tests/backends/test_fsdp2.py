@@ -43,7 +43,7 @@ VOCAB, HIDDEN, WIDE = 13, 8, 12  # 13 rows: uneven shards on 2 and 4 ranks
 class Net(nn.Module):
     """Tied embedding/head (one slot, two names), uneven and empty shards, a buffer updated in forward."""
 
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, buffers: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)  # (13, 8): 7/6 rows on 2 ranks, 4/4/4/1 on 4
         self.blocks = nn.ModuleList(
@@ -53,10 +53,11 @@ class Net(nn.Module):
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.embed.weight
-        self.register_buffer("seen", torch.zeros(()))
+        if buffers:
+            self.register_buffer("seen", torch.zeros(()))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and "seen" in self._buffers:
             self.seen += ids.numel()
         x = self.embed(ids.flatten()) + self.tiny.sum()
         for block in self.blocks:
@@ -118,12 +119,12 @@ def mesh_1d(device: str, world: int, *, ranks=None, names=None):
     return DeviceMesh(device, list(range(world)) if ranks is None else list(ranks), mesh_dim_names=names)
 
 
-def build(device: str, mesh, *, reshard=None, offload: bool = False, seed: int = 0, wrap_root: bool = True):
+def build(device: str, mesh, *, reshard=None, offload: bool = False, seed: int = 0, wrap_root: bool = True, buffers: bool = True):
     """``fully_shard`` each block, then the root; Adam. Same seed: the same model on every rank."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     torch.manual_seed(seed)
-    model = Net().to(device)
+    model = Net(buffers=buffers).to(device)
     kw = {"mesh": mesh}
     if reshard is not None:
         kw["reshard_after_forward"] = reshard

@@ -149,20 +149,22 @@ def _verl_like_fns(V, device, model):
     return type(ours)(ours.copy, ours.restore, move_model, move_model, move_opt, move_opt)
 
 
-def default_install_sequence(rank, world, device="cpu"):
-    """verl's sequence with install()'s default functions (the pi_old pair ours, the offload verl's)."""
+def default_install_sequence(rank, world, device="cpu", buffers=True):
+    """verl's sequence with install()'s default functions (the pi_old pair ours, the offload verl's).
+    ``buffers=False``: a model without buffers, so nothing but the DTensors' local tensors changes when verl's
+    offload moves it (a moved buffer is a new object, which made every listing be read again)."""
     import stateshift.integrations.verl as V
 
     F.setup_device(rank, device)
     mesh = F.make_mesh(device, world)
-    ref_model, ref_opt = F.build(device, mesh)
+    ref_model, ref_opt = F.build(device, mesh, buffers=buffers)
 
     def run(model, opt, fns, mix):
         return run_sequence(fns, model, opt, forward=lambda s: F.logits(model, device, 100 + s),
                             train=lambda s: F.train_step(model, opt, s, device), n=3, cycles=2, mix=mix)
 
     ref = run(ref_model, ref_opt, reference_fns(), "device")
-    model, opt = F.build(device, mesh)
+    model, opt = F.build(device, mesh, buffers=buffers)
     got = run(model, opt, _verl_like_fns(V, device, model), "offloaded")
     report = compare(got, ref, weights(model) if got.error is None else None, weights(ref_model))
     assert report["error"] is None, report["where"]
@@ -174,6 +176,13 @@ def test_default_install_beside_verls_model_to_offload_2_ranks():
     """Our pi_old snapshot alive while verl's offload moves the model with ``model.to`` (swap_tensors on
     every DTensor param): no ``Cannot swap t1 because it has weakref associated with it``, values exact."""
     assert run_distributed(default_install_sequence, 2, timeout=120) == [True, True]
+
+
+def test_default_install_on_a_model_without_buffers_follows_the_moved_local_shards():
+    """verl's ``model.to`` swaps new local tensors into the same DTensor parameters: with no buffer to replace,
+    no parameter, buffer or module object changes, and the pi_old save and restore must still find the new
+    local tensors (they read and wrote the old ones: 4 of 6 old log-probs were the current policy's)."""
+    assert run_distributed(default_install_sequence, 1, kwargs={"buffers": False}, timeout=120) == [True]
 
 
 def test_round_trips_in_every_residency_2_ranks():

@@ -283,9 +283,24 @@ class FSDP2ModuleBackend(TorchModuleBackend):
             )
 
     def prepare(self, groups: Collection[str]) -> None:
-        """Reshard (``ensure_sharded``), so only shard storage is listed and moved; then the torch guards' cover."""
+        """Reshard (``ensure_sharded``), so only shard storage is listed and moved; then the torch guards' cover.
+        Local shards swapped in under the same parameters since the last look are listed afresh (``_moved``)."""
         self.ensure_sharded()
+        if self._moved():
+            self._watch.forget()
         super().prepare(groups)
+
+    def _moved(self) -> bool:
+        """Whether a parameter's local tensor is no longer the one listed. ``model.to(...)`` (verl's FSDP2
+        offload and load) moves a DTensor parameter by swapping a new DTensor into the same ``Parameter``
+        object (``torch.utils.swap_tensors``: ``Module._apply`` does it for every wrapper subclass), so the
+        module tree's objects stay the same while the local shard, and its storage, are new; a listing
+        kept from before would read and write the old shard."""
+        listed = self._lists.get("params")
+        if listed is None or len(listed) != len(self._named):
+            return False
+        local = self.to_local
+        return not all(e.tensor is local(p) for e, (_, p) in zip(listed, self._named, strict=True))
 
     def coverage(self) -> dict[str, list[str]]:
         self.prepare(self.groups)
