@@ -18,7 +18,7 @@ any run: per arm and seed the wall time and the samples trained to first reach e
 ended first -- reported, not dropped), and the medians. ``"comparison"``: the highest threshold every sync seed
 reached, with the sync and async-0.5 median times and their ratio (a censored async run counts as the budget).
 
-Writes ``benchmarks/results/<date>-h200-train-longtail.json`` and ``.png`` (``--out`` elsewhere; ``--small``
+Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` and ``.png`` (``--out`` elsewhere; ``--small``
 writes ``<date>-cpu-small-train-longtail`` there). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
 15 runs x 15 s of RL, 15 x 7 held-out evaluations of 128 problems, about 6 minutes in all; ``--seeds`` and
 ``--budget-s`` scale it. The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against
@@ -230,7 +230,8 @@ def main() -> None:
     budget = args.budget_s or (20.0 if args.small else 15.0)
     snap = args.snap_s or budget / 6
     device = "cpu (toy size)" if args.small else torch.cuda.get_device_name(0)
-    name = f"{datetime.date.today().isoformat()}-{'cpu-small' if args.small else 'h200'}-train-longtail"
+    tag = "cpu-small" if args.small else next((g.lower() for g in ("H100", "H200") if g in device), "gpu")
+    name = f"{datetime.date.today().isoformat()}-{tag}-train-longtail"
     args.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
