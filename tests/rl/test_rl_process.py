@@ -12,6 +12,7 @@ Every run spawns a rollouter process (a torch import, a few seconds on a loaded 
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,10 @@ LIVELY = ["run.watchdog_s=2", "run.stall_timeout_s=30"]
 
 
 def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"stateshift-weights-{os.getpid()}-")}
+    """This process's weight files and shared pool blocks (after a collection: a finished run's pool is garbage)."""
+    gc.collect()
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith((f"stateshift-weights-{os.getpid()}-", f"stateshift-pool-{os.getpid()}-"))}
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +115,38 @@ def test_process_executor_equals_the_thread_executor(tmp_path, transport):
     last = proc.steps // 2  # what the rollouter made after the final sync depends on when it was stopped
     pv, tv = (({v: n for v, n in r.summary["ledger"]["by_version"].items() if int(v) < last}) for r in (proc, thread))
     assert pv == tv == {str(v): 8 for v in range(last)}
+
+
+def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp_path):
+    """``auto`` on the CPU is ``shared_host``: the trainer's ``ModelState`` gets a shared pool, so a version is
+    published from its own memory (the publisher would warn of one more host copy otherwise); ``builtin`` and the
+    thread executor keep the state's private pool."""
+    from stateshift.core.engine import core_of
+    from stateshift.train.config import resolve
+    from stateshift.train.executors.weights import resolved_transport, trainer_pool
+
+    for overrides, transport, shared in ((["executor=process"], "shared_host", True),
+                                         (["executor=process", "rollout.weight_transport=builtin"], "builtin", False),
+                                         (["executor=inprocess"], "shared_host", False)):
+        cfg = resolve(None, overrides)
+        assert resolved_transport(cfg) == transport
+        assert (trainer_pool(cfg) is not None) == shared, overrides
+    pools = []
+    real = core_of
+
+    def watch(state):
+        pools.append(real(state).pool)
+        return real(state)
+
+    import stateshift.rl.sync.publisher as publisher
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("error")  # "the state's HostPool is not shared" would fail the run
+        mp.setattr(publisher, "core_of", watch)
+        res = run(tiny(tmp_path, "executor=process", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2",
+                       *LIVELY))
+    assert res.summary["status"] == "finished"
+    assert pools and all(p.shared for p in pools)
 
 
 def test_rollouter_killed_mid_generation_is_restarted(tmp_path, monkeypatch, capfd):
@@ -252,12 +289,17 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_file_is_reclaimed(tmp_path):
+@pytest.mark.parametrize("transport", ["builtin", "auto"])
+def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_files_are_reclaimed(tmp_path, transport):
     """SIGKILL to the trainer's process alone: the rollouter process sees its pipes close and ends within
-    seconds; the shared-memory file left behind is removed by the next publisher (its process is gone)."""
+    seconds; the shared-memory files left behind (``builtin``: the weight file; ``auto``, here ``shared_host``:
+    the trainer's shared pool blocks) are removed by the next publisher or shared pool (their process is gone)."""
+    from stateshift.core.pool import HostPool
     from stateshift.train.executors.weights import HostWeightPublisher
 
-    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", "trainer.steps=400", "warmup.steps=5",
+    prefix = "stateshift-weights-" if transport == "builtin" else "stateshift-pool-"
+    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", f"rollout.weight_transport={transport}",
+           "trainer.steps=400", "warmup.steps=5",
            "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",
            "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
            "run.torch_threads=1", f"run.out_dir={tmp_path / 'run'}"]
@@ -269,8 +311,8 @@ def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_fil
         for line in proc.stderr:
             if line.startswith("step "):
                 break
-        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"stateshift-weights-{proc.pid}-")]
-        assert len(mine) == 1
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"{prefix}{proc.pid}-")]
+        assert len(mine) == 1 if transport == "builtin" else mine
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 10
@@ -278,8 +320,11 @@ def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_fil
             time.sleep(0.1)
         assert not _group_alive(proc.pid)  # the rollouter process ended on its own
         assert os.path.exists(f"/dev/shm/{mine[0]}")  # nobody removed it: its process was killed
-        HostWeightPublisher({"w": torch.zeros(3)}, 0).close()
-        assert not os.path.exists(f"/dev/shm/{mine[0]}")
+        if transport == "builtin":
+            HostWeightPublisher({"w": torch.zeros(3)}, 0).close()
+        else:
+            HostPool(shared=True)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in mine)
     finally:
         if _group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -184,11 +184,12 @@ class RolloutConfig:
     length, not the max; train/continuous.py; built-in model, executor=inprocess, no checkpoints in this version)"""
     device: str | None = None
     """executor=process: where the rollouter process computes ('cuda:N'); null: the trainer's device (run.device)"""
-    weight_transport: Literal["builtin", "auto", "shared_host", "cuda_ipc"] = "builtin"
-    """executor=process: how weights reach the rollouter process. 'builtin': one shared-memory file the trainer
-    copies each sync into; the others go through the weight-sync library (stateshift.rl.sync) over the trainer's
-    state: 'shared_host' (host shared memory), 'cuda_ipc' (the trainer's GPU memory, one GPU), 'auto' (cuda_ipc
-    when both sides are on the same GPU, else shared_host)"""
+    weight_transport: Literal["builtin", "auto", "shared_host", "cuda_ipc"] = "auto"
+    """executor=process: how weights reach the rollouter process. 'auto' (cuda_ipc when both sides are on the same
+    GPU, else shared_host), 'shared_host' and 'cuda_ipc' go through the weight-sync library (stateshift.rl.sync)
+    over the trainer's state: 'shared_host' publishes from the trainer's host pool, then shared memory (no D2H
+    while the params are offloaded), 'cuda_ipc' the trainer's GPU memory (one GPU); 'builtin': one shared-memory
+    file the trainer copies each sync into"""
     max_restarts: int = 3
     """executor=process: a rollouter process that dies (killed, OOM) is reported and restarted with the newest
     weights at most this many times per run; the next death stops the run with RolloutDiedError"""

@@ -48,6 +48,7 @@ from .checkpointing import Resumed, resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import RunControl, Watchdog, describe_sides
 from .executors.base import RolloutCapture, Rollouts, RolloutStats
+from .executors.weights import trainer_pool
 from .metrics import MetricsLog, Progress, plot_curves, read_records
 from .report import step_metrics, summarize
 from .rollout import Group
@@ -90,18 +91,21 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
     with start.guard():
         loop = _start(cfg, out, resume, stream, rollouts, start)
     try:
-        loop.train()
+        try:
+            loop.train()
+        finally:
+            loop.finish(time.perf_counter() - t0)
+        held_end = loop.final_heldout()
+        print(f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
+              f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+        result = loop.result(held_end, time.perf_counter() - t0)
+        if return_params:
+            snap = loop.trainer.sync_snapshot()  # a host snapshot works in any residency
+            result.params = snap.tensors()  # copies
+            loop.trainer.release(snap)
+        return result
     finally:
-        loop.finish(time.perf_counter() - t0)
-    held_end = loop.final_heldout()
-    print(f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
-          f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
-    result = loop.result(held_end, time.perf_counter() - t0)
-    if return_params:
-        snap = loop.trainer.sync_snapshot()  # a host snapshot works in any residency
-        result.params = snap.tensors()
-        loop.trainer.release(snap)
-    return result
+        loop.trainer.close()  # on every way out: pinned (or shared) host memory back now, not at collection
 
 
 def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: RolloutsFactory,
@@ -111,7 +115,7 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
     policy = build_policy(cfg, task)
-    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature)
+    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature, pool=trainer_pool(cfg))
     resumed = None
     if resume:
         start.phase = "loading the checkpoint"

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from stateshift import ModelState, Snapshot
+from stateshift.core.pool import HostPool
 from ..rl.pi_old import PiOldCycle
 
 from ..rl import algo
@@ -123,7 +124,8 @@ class OffloadMeter:
 class Trainer:
     """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
 
-    def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0) -> None:
+    def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0,
+                 pool: HostPool | None = None) -> None:
         self.policy = policy
         self.lm = policy.lm
         self.model = policy.model
@@ -133,7 +135,9 @@ class Trainer:
         self.version = version
         self.optimizer = policy.optimizer
         # free_device_memory (the default): what an offload releases goes back to the CUDA driver at once
-        self.state = ModelState(self.model, self.optimizer, free_device_memory=True)
+        # pool: the state's own pinned pool, or a shared one a rollouter process reads (executors.weights.trainer_pool)
+        self.state = ModelState(self.model, self.optimizer, free_device_memory=True, pool=pool)
+        self.pool = pool
         # auto: device when pi_old fits beside the params on the GPU, else host (CPU params: host)
         self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")
         self.updates_in_cycle = 0
@@ -148,6 +152,13 @@ class Trainer:
         self.total_updates = max(cfg.steps, 1)
         #: the adaptive entropy coefficient (``trainer.entropy_target``), updated after each update
         self.entropy_coef = 0.0
+
+    def close(self) -> None:
+        """End of the run: close the state (the model back whole; pi_old, the reference and homes released) and
+        free a pool given to it (a shared pool's ``/dev/shm`` files go with its blocks). Idempotent."""
+        self.state.close()
+        if self.pool is not None:
+            self.pool.trim()
 
     # -- residency --------------------------------------------------------------------------
     def _verb(self, verb: str, group: str) -> None:

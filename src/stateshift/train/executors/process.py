@@ -67,7 +67,7 @@ from .hub import QueueHub
 from .link import Link
 from ...errors import LinkClosedError
 from .process_child import ChildSpec, child_main
-from .weights import make_publisher
+from .weights import make_publisher, rollout_device
 
 #: seconds a rollouter process may take to start (import torch, build its model, load the weights)
 START_TIMEOUT_S = 300.0
@@ -133,10 +133,9 @@ class ProcessRollouts:
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
         if capture is not None:
             self.hub.restore(capture)
-        self.device = cfg.rollout.device or (f"cuda:{torch.cuda.current_device()}" if cfg.run.device == "cuda" else None)
-        same_gpu = self.device is not None and torch.device(self.device) == torch.device("cuda", torch.cuda.current_device())
-        self.publisher = make_publisher(cfg.rollout.weight_transport, policy.rollout_state_dict(), version, state=state,
-                                        skip=getattr(policy.lm, "skip_weight", None), same_gpu=same_gpu)
+        self.device = rollout_device(cfg)
+        self.publisher = make_publisher(cfg, policy.rollout_state_dict(), version, state=state,
+                                        skip=getattr(policy.lm, "skip_weight", None))
         self.ctx = mp.get_context("spawn")
         self.status = self.ctx.RawArray("c", 256)
         self.lock = threading.RLock()

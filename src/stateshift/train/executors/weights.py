@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ...core.pool import remove_stale_files
+from ...core.pool import HostPool, remove_stale_files
 from ...errors import WeightSyncError
 from ..rollout import missing_weights
 
@@ -78,6 +78,8 @@ def _views(buf: Any, entries: Iterable[Entry]) -> Iterator[tuple[str, torch.Tens
 
 
 PREFIX = "stateshift-weights-"
+#: where weight files and shared pool blocks live (memory, not disk; the weight-sync library's default too)
+SHM_DIR = "/dev/shm"
 #: a weight file: ``PREFIX<pid>-<hex>`` (its publisher's pid, for ``remove_stale_files``)
 _STALE = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 
@@ -88,7 +90,7 @@ class HostWeightPublisher:
     ``skip(name)`` names tensors a sender may list that are aggregates of others (Megatron's flat buffers).
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], version: int, *, directory: str = "/dev/shm",
+    def __init__(self, weights: Mapping[str, torch.Tensor], version: int, *, directory: str = SHM_DIR,
                  skip: Callable[[str], bool] | None = None) -> None:
         entries, end = [], 0
         for name, t in weights.items():
@@ -223,11 +225,39 @@ def open_receiver(handle: Mapping[str, Any], name: str) -> HostWeightReceiver | 
     return LibraryReceiver(handle, name) if "sync" in handle else HostWeightReceiver(handle)
 
 
-def make_publisher(transport: str, weights: Mapping[str, torch.Tensor], version: int, *, state: Any,
-                   skip: Callable[[str], bool] | None, same_gpu: bool) -> HostWeightPublisher | LibraryPublisher:
-    """The trainer's end for ``rollout.weight_transport`` (``auto``: ``cuda_ipc`` on one GPU, else ``shared_host``)."""
+def rollout_device(cfg: Any) -> str | None:
+    """Where a rollouter process computes: ``rollout.device``, else the trainer's GPU (``None``: the CPU)."""
+    if cfg.rollout.device:
+        return str(cfg.rollout.device)
+    return f"cuda:{torch.cuda.current_device()}" if cfg.run.device == "cuda" else None
+
+
+def resolved_transport(cfg: Any) -> str:
+    """``rollout.weight_transport`` with ``auto`` resolved: ``cuda_ipc`` when the rollouter process computes on the
+    trainer's GPU, else ``shared_host``."""
+    transport = str(cfg.rollout.weight_transport)
+    if transport != "auto":
+        return transport
+    device = rollout_device(cfg)
+    same_gpu = (device is not None and cfg.run.device == "cuda"
+                and torch.device(device) == torch.device("cuda", torch.cuda.current_device()))
+    return "cuda_ipc" if same_gpu else "shared_host"
+
+
+def trainer_pool(cfg: Any) -> HostPool | None:
+    """The host pool for the trainer's ``ModelState``: shared (``/dev/shm`` files) when a rollouter process takes
+    weights by ``shared_host``, so that a published version is the pool's own memory -- no second host copy, and no
+    D2H at all while the params are offloaded (their homes are published as they are); ``None`` (the state's own
+    pinned pool) otherwise."""
+    if cfg.executor != "process" or resolved_transport(cfg) != "shared_host":
+        return None
+    return HostPool(shared=True, shm_dir=SHM_DIR)
+
+
+def make_publisher(cfg: Any, weights: Mapping[str, torch.Tensor], version: int, *, state: Any,
+                   skip: Callable[[str], bool] | None) -> HostWeightPublisher | LibraryPublisher:
+    """The trainer's end for ``rollout.weight_transport`` (``auto``: see ``resolved_transport``)."""
+    transport = resolved_transport(cfg)
     if transport == "builtin":
         return HostWeightPublisher(weights, version, skip=skip)
-    if transport == "auto":
-        transport = "cuda_ipc" if same_gpu else "shared_host"
     return LibraryPublisher(state, version, transport=transport)
