@@ -47,6 +47,7 @@ def test_bad_values_name_the_key(override, key):
     (["task.name=longtail", "rollout.max_new_tokens=448", "model.family=fsdp2"], "task.name"),
     (["task.name=longtail", "rollout.max_new_tokens=448", "run.checkpoint_every=4"], "run.checkpoint_every"),
     (["rollout.batching=continuous", "run.checkpoint_every=4"], "rollout.batching"),
+    (["rollout.batching=continuous", "executor=ray"], "rollout.batching"),
     (["async_training.mode=sync", "async_training.max_queue_size=100"], "async_training.max_queue_size"),
     (["trainer.lr_min_ratio=2"], "trainer.lr_min_ratio"),
     (["task.warmup_max_terms=100"], "task.warmup_max_terms"),

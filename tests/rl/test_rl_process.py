@@ -117,6 +117,21 @@ def test_process_executor_equals_the_thread_executor(tmp_path, transport):
     assert pv == tv == {str(v): 8 for v in range(last)}
 
 
+def test_continuous_batching_in_a_rollouter_process_equals_it_on_the_thread(tmp_path):
+    """``rollout.batching=continuous`` on the long-tail task: the ``ContinuousWorker`` in the rollouter process makes
+    the same groups as on the thread (staleness 0: a schedule that does not depend on timing)."""
+    common = ["task.name=longtail", "task.max_terms=4", "task.warmup_max_terms=2", "rollout.max_new_tokens=28",
+              "rollout.batching=continuous", "trainer.steps=6", "async_training.trigger_parameter_sync_step=2",
+              "async_training.staleness_threshold=0"]
+    thread = run(tiny(tmp_path / "thread", *common), return_params=True)
+    proc = run(tiny(tmp_path / "process", "executor=process", *common), return_params=True)
+    assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
+    assert proc.losses == thread.losses and proc.trained_uids == thread.trained_uids
+    assert proc.params is not None and thread.params is not None
+    assert all(torch.equal(proc.params[k], v) for k, v in thread.params.items())
+    assert [r["rows_by_length"] for r in _records(proc.out_dir)] == [r["rows_by_length"] for r in _records(thread.out_dir)]
+
+
 def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp_path):
     """``auto`` on the CPU is ``shared_host``: the trainer's ``ModelState`` gets a shared pool, so a version is
     published from its own memory (the publisher would warn of one more host copy otherwise); ``builtin`` and the

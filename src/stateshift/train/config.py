@@ -181,7 +181,8 @@ class RolloutConfig:
     """'wave': a batch of max_concurrent_prompts prompts starts together and ends with its longest response;
     'continuous': max_concurrent_prompts * n row slots, a finished row replaced by a row of a new prompt at once
     and each group queued as soon as its n rows are done, over a static KV cache (follows the mean response
-    length, not the max; train/continuous.py; built-in model, executor=inprocess, no checkpoints in this version)"""
+    length, not the max; train/continuous.py; built-in model, executor=inprocess or process, no checkpoints in
+    this version)"""
     device: str | None = None
     """executor=process: where the rollouter process computes ('cuda:N'); null: the trainer's device (run.device)"""
     weight_transport: Literal["builtin", "auto", "shared_host", "cuda_ipc"] = "auto"
@@ -442,8 +443,8 @@ class TrainConfig:
     """the Ray executor (read only with executor=ray)"""
 
     def __post_init__(self) -> None:
-        if self.executor == "auto":  # (continuous batching runs on a thread in this version)
-            self.executor = "process" if self.run.device == "cuda" and self.rollout.batching == "wave" else "inprocess"
+        if self.executor == "auto":
+            self.executor = "process" if self.run.device == "cuda" else "inprocess"
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
         _check("run.checkpoint_every", every % trigger == 0,
                f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
@@ -454,9 +455,10 @@ class TrainConfig:
                "for the addition task)")
         _check("run.checkpoint_every", self.task.name != "longtail" or self.run.checkpoint_every == 0,
                "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)")
-        _check("rollout.batching", self.rollout.batching == "wave" or (self.executor == "inprocess"
+        _check("rollout.batching", self.rollout.batching == "wave" or (self.executor in ("inprocess", "process")
                and self.model.family == "builtin" and self.run.checkpoint_every == 0),
-               "continuous needs executor=inprocess, model.family=builtin and run.checkpoint_every=0 in this version")
+               "continuous needs executor=inprocess or process, model.family=builtin and run.checkpoint_every=0 in "
+               "this version")
         a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
         _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
                f"must hold a version's groups in sync mode ({per_version}) or be null")

@@ -38,11 +38,6 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
             from .executors.ray import run_on_ray
 
             return run_on_ray(cfg, out, resume is not None, return_params)
-        if cfg.rollout.batching == "continuous":
-            from .continuous import ContinuousInProcessRollouts
-
-            return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params,
-                              ContinuousInProcessRollouts)
         return train_here(cfg, out, resume is not None, stream or sys.stderr, return_params, _rollouts_of(cfg))
     finally:
         lock.close()
@@ -50,10 +45,14 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
 
 def _rollouts_of(cfg: TrainConfig) -> RolloutsFactory:
     """The rollout side ``cfg.executor`` names (``ray`` is run by ``run_on_ray`` instead)."""
-    if cfg.executor == "process":
+    if cfg.executor == "process":  # (its rollouter process reads rollout.batching itself)
         from .executors.process import ProcessRollouts
 
         return ProcessRollouts
+    if cfg.rollout.batching == "continuous":
+        from .continuous import ContinuousInProcessRollouts
+
+        return ContinuousInProcessRollouts
     return InProcessRollouts
 
 

@@ -1,7 +1,7 @@
 """The body of a rollouter process (``executor=process``): started by ``process.ProcessRollouts`` with ``spawn``.
 
 The same ``RolloutWorker`` loop as the rollout thread of ``executor=inprocess``
-runs on the process's main thread; it reaches the queue (which stays in the
+(a ``ContinuousWorker`` with ``rollout.batching=continuous``) runs on the process's main thread; it reaches the queue (which stays in the
 trainer's process) through ``PipeQueuePort``: a request and its answer per
 call, on the ``port`` link. A second thread reads the ``ctl`` link: a weight
 update is handed to the generating thread by the same ``WeightChannel``
@@ -106,6 +106,7 @@ def child_main(spec: ChildSpec, port_conn: Any, ctl_conn: Any, status: Any) -> N
     port, ctl = Link(port_conn), Link(ctl_conn)
     control = RunControl()
     control.doing = SharedStatus(status)
+    receiver: HostWeightReceiver | LibraryReceiver | None = None
     try:
         worker, receiver, started = _build(spec, port, ctl, control)
         threading.Thread(target=_serve_ctl, args=(worker, receiver, ctl, control, started), daemon=True,
@@ -116,6 +117,11 @@ def child_main(spec: ChildSpec, port_conn: Any, ctl_conn: Any, status: Any) -> N
             worker.run()
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer below
         control.fail("rollout", exc)
+    if receiver is not None:  # the generating thread is done: nothing reads the weights now
+        try:
+            receiver.close()  # leave in order: the publisher is not told of a receiver that died
+        except Exception:  # noqa: BLE001 - the publisher reclaims a receiver whose process is gone anyway
+            pass
     err = control.error
     if err is not None and not isinstance(err, (StoppedError, LinkClosedError)):
         try:
@@ -149,6 +155,10 @@ def _build(spec: ChildSpec, port: Link, ctl: Link, control: RunControl
     task = build_task(cfg)
     worker = RolloutWorker.build(cfg, task, build_rollout_lm(cfg, task), PipeQueuePort(port, control), control,
                                  version=spec.version, owner=spec.owner, seed=spec.seed)
+    if cfg.rollout.batching == "continuous":  # the same port and handshake, slots instead of waves
+        from ..continuous import ContinuousWorker
+
+        worker = ContinuousWorker(worker, cfg.rollout.max_concurrent_prompts * cfg.rollout.n)
     receiver = open_receiver(spec.weights, f"rollout-{spec.owner}")
     worker.rollouter.update_weights(receiver.pairs(spec.version), spec.version)
     worker.rollouter.copy_bytes, worker.rollouter.copy_seconds = 0, 0.0  # count syncs only, as in process
