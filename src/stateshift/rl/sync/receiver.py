@@ -404,19 +404,23 @@ def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
 def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor], only_changed: bool) -> int:
     """Copy every tensor (or, ``only_changed``, those the manifest lists as changed since its base) into
     ``targets``; returns the bytes copied, once the copies are done."""
-    devices, copied = set(), 0
+    batches: dict[tuple[torch.device, torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    copied = 0
+    for part, arena in zip(manifest.parts, arenas, strict=True):
+        picked = part.changed if only_changed and part.changed is not None else range(len(part.tensors))
+        for i in picked:
+            t = part.tensors[i]
+            if t.aggregate:
+                continue
+            dst, src = targets[t.name], t.view(arena)
+            dsts, srcs = batches.setdefault((dst.device, dst.dtype, src.device), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+            copied += t.nbytes
     with torch.no_grad():
-        for part, arena in zip(manifest.parts, arenas, strict=True):
-            picked = part.changed if only_changed and part.changed is not None else range(len(part.tensors))
-            for i in picked:
-                t = part.tensors[i]
-                if t.aggregate:
-                    continue
-                dst = targets[t.name]
-                dst.copy_(t.view(arena), non_blocking=True)
-                devices.add(dst.device)
-                copied += t.nbytes
-    _synchronize(devices)
+        for dsts, srcs in batches.values():  # one multi-tensor copy per (device, dtype, source): few launches
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    _synchronize({device for device, _, _ in batches})
     return copied
 
 
