@@ -15,12 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
+#: what the test reads of a ``RunResult`` (a train example's ``run()``); an example returning a dict gives it whole
+RUN_RESULT = ("{'start': r.heldout_accuracy_start, 'end': r.heldout_accuracy_end, 'steps': r.steps, "
+              "'status': r.summary['status']} if not isinstance(r, dict) else r")
+
+
 def run_example(name: str, call: str, tmp_path: Path, timeout: float = 300) -> dict:
     """``examples/<name>.py``'s ``call`` (an expression of ``run(...)``) in a subprocess; what it returns, as JSON."""
     code = (f"import json, sys; sys.path.insert(0, {str(EXAMPLES)!r}); import {name} as ex\n"
             f"r = ex.{call}\n"
-            "print('RESULT ' + json.dumps({'start': r.heldout_accuracy_start, 'end': r.heldout_accuracy_end, "
-            "'steps': r.steps, 'status': r.summary['status']}))")
+            f"print('RESULT ' + json.dumps({RUN_RESULT}))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -49,3 +53,16 @@ def test_train_on_files_raises_heldout_reward_over_three_seeds(tmp_path):
     rises = [r["end"] - r["start"] for r in runs]
     spread = statistics.pstdev(r["end"] for r in runs)
     assert min(rises) > 2 * spread, (runs, rises, spread)
+
+
+def test_weight_sync_example_loads_exactly_what_was_published(tmp_path):
+    got = run_example("weight_sync", "run(versions=4, device='cpu')", tmp_path, timeout=120)
+    assert got["transport"] == "shared_host" and got["exact"]
+    assert got["loaded"] and set(got["loaded"]) <= set(got["published"]) and "3" in got["loaded"]
+
+
+def test_pi_old_example_checks_every_verb_bit_for_bit(tmp_path):
+    got = run_example("pi_old", "run(device='cpu')", tmp_path, timeout=120)
+    assert got.pop("groups") == ["buffers", "grads", "optim", "params"]
+    assert got == {"offloaded": True, "onload_exact": True, "swapped_exact": True, "back_after_swap": True,
+                   "restore_exact": True}
