@@ -150,6 +150,13 @@ def idle_breakdown(recs: list[dict[str, Any]], split: dict[str, float], trigger:
             "rollout_idle_s": round(max(wall - split.get("generate", 0.0), 0.0), 3)}
 
 
+def verbs_fraction_of_step(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    """stateshift's verbs' host seconds (``summary["verbs_s"]``: offload, onload, snapshots, pi_old swaps, release)
+    over the trainer's step time (the sum of the metrics records' ``step_s``, waits included); None: no steps."""
+    step_s = sum(x["step_s"] for x in records)
+    return summary["verbs_s"] / step_s if step_s else None
+
+
 def per_run(r: dict[str, Any], threshold: float) -> dict[str, Any]:
     s, recs = r["summary"], r["records"]
     cfg = s["config"]
@@ -186,7 +193,7 @@ def per_run(r: dict[str, Any], threshold: float) -> dict[str, Any]:
         "offload": s["offload"], "pi_old": s["pi_old"], "sync": s["sync"], "memory": s["memory"],
         "pool": s["pool"], "ledger": s["ledger"],
         "stateshift_verbs_s": round(verbs, 3),
-        "stateshift_verbs_fraction_of_step": verbs / step_s if step_s else None,
+        "stateshift_verbs_fraction_of_step": verbs_fraction_of_step(s, recs),
         "stateshift_verbs_fraction_of_busy_trainer": verbs / (step_s - wait) if step_s > wait else None,
         "naive_pi_old_swap_s": r["naive_pi_old_swap_s"],
         "pi_old_swap_s_mean": s["offload"]["seconds"].get("swap.pi_old", 0.0) / max(s["pi_old"]["swaps"], 1),
