@@ -7,6 +7,7 @@
 #   WHAT=sync bash tests/gpu/run_gpu_suite.sh      # weight sync between processes: tests, then the bench (SYNC_FAMILIES)
 #   WHAT=executors bash tests/gpu/run_gpu_suite.sh # stateshift train's rollouter in a process / under Ray: tests, then the bench
 #   WHAT=longtail bash tests/gpu/run_gpu_suite.sh  # sync vs fully-async on the long-tail task (LONGTAIL_ARGS)
+#   WHAT=families bash tests/gpu/run_gpu_suite.sh  # stateshift train per model family x 3 seeds, with its checks (FAMILIES_ARGS)
 # Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (see ../shared/GPU.md), unpacked into /tmp/site.
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
 # megatron-core and torch_memory_saver travel as wheels in .whl/ (see ../shared/GPU.md), installed into .site/.
@@ -95,6 +96,11 @@ if [[ $WHAT == *longtail* ]]; then
   step longtail bench
   timeout ${LONGTAIL_S:-540} python3 benchmarks/longtail_bench.py --out "$RES" ${LONGTAIL_ARGS:-} 2>&1 \
     | tee "$RES/longtail-bench.log" | tail -40 || status=1
+fi
+if [[ $WHAT == *families* ]]; then
+  step train families bench
+  timeout ${FAMILIES_S:-540} python3 benchmarks/train_families_bench.py --out "$RES" ${FAMILIES_ARGS:-} 2>&1 \
+    | tee "$RES/families-bench.log" | tail -40 || status=1
 fi
 } 2>&1 | tee "$OUT/run.log"
 tar -czf "$OUT/results.tgz" -C "$RES" .
