@@ -5,6 +5,7 @@ of step time stateshift's verbs take, and two checks of them (JSON + PNG, a prin
     python3 benchmarks/train_families_bench.py [key=value ...] [--out DIR] [--seeds 3] [--steps 300] [--budget-s 15]
                                                [--families builtin megatron fsdp2 hf]
     python3 benchmarks/train_families_bench.py --small --out /tmp/fam    # a toy size on the CPU (checks the path)
+    python3 benchmarks/train_families_bench.py --combine A.json B.json --out DIR   # calls that ran some families each
 
 (``key=value`` config overrides for every run come first: the list options would take them otherwise.)
 
@@ -28,6 +29,13 @@ RL, the start and end evaluations), about 5 minutes. ``--small``: ``run.device=c
 20 RL steps: the path and the checks' arithmetic, no accuracy claims (Megatron on the CPU through the test patch,
 ``STATESHIFT_MCORE_DEVICE=cpu``). Writes ``<out>/<date>-<h100|h200>-train-families.json`` and ``.png``
 (``--small``: ``<date>-cpu-small-train-families``).
+
+How long is long enough: the default builtin run on a shared 2-core CPU went 0.20 -> 0.36 held-out in 300 steps
+(the schedule over 300) and 0.20 -> 0.49 by step 400 of a 600-step schedule; 2,000 steps gave 0.17 -> 0.96-0.98
+over three seeds (``2026-12-03-cpu-train.json``). At 300 steps the rise check may well fail on noise between
+seeds; ``--steps 600 --budget-s 35`` is the next size, about twice the GPU time: run it as two calls of two
+families each (``--families builtin megatron``, then ``--families fsdp2 hf``, each ``--out`` its own directory)
+and merge the two files with ``--combine``.
 """
 
 from __future__ import annotations
@@ -225,6 +233,33 @@ def run_one(name: str, work: Path, overrides: list[str], timeout_s: float, env: 
     return per_run(json.loads((run_dir / "result.json").read_text())), out[-600:]
 
 
+def combine(paths: list[Path], out: Path) -> dict[str, Any]:
+    """Result files of calls that ran different families (``--families``, to stay under a per-call time limit) as
+    one: their runs and failures together, the checks recomputed over them, written to ``out`` under the first
+    file's name (with its PNG).
+
+    Args:
+        paths: result files of this script with the same settings and seeds.
+        out: the directory to write the combined file to.
+
+    Returns:
+        The combined result.
+    """
+    parts = [json.loads(p.read_text()) for p in paths]
+    result = {**parts[0], "command": " + ".join(p["command"] for p in parts), "runs": [], "failures": {}}
+    for p in parts:
+        result["runs"] += p["runs"]
+        result["failures"].update(p["failures"])
+    done = {r["family"] for r in result["runs"]} | {n.split("/")[0] for n in result["failures"]}
+    result["checks"] = checks(result["runs"], [f for f in FAMILIES if f in done], max(p["seeds"] for p in parts))
+    result["all_checks_pass"] = result["checks"]["all_pass"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / paths[0].name).write_text(json.dumps(result, indent=1))
+    if result["runs"]:
+        plot(result, (out / paths[0].name).with_suffix(".png"))
+    return result
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -233,6 +268,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default 300; --small 20)")
     ap.add_argument("--budget-s", type=float, default=15.0, help="run.max_wall_s: seconds of RL per run at most")
     ap.add_argument("--small", action="store_true", help="a toy size on the CPU: the path, not the numbers")
+    ap.add_argument("--combine", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="merge result files of calls that ran different --families into one under --out, and exit")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -245,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         child(args.child[0], Path(args.child[1]), args.overrides)
+        return 0
+    if args.combine:
+        print(table(combine(args.combine, args.out)))
         return 0
     import torch
 

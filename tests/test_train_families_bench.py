@@ -88,3 +88,20 @@ def test_small_mode_writes_runs_and_checks(bench, tmp_path):
         assert r["steps"] == 4 and r["stateshift_verbs_fraction_of_step"] > 0 and r["status"] == "finished"
     assert set(data["checks"]["rise_vs_spread"]) == {"builtin"} and data["all_checks_pass"] == data["checks"]["all_pass"]
     assert path.with_suffix(".png").exists()
+
+
+def test_combine_merges_two_calls_and_recomputes_the_checks(bench, tmp_path):
+    def part(name: str, families: list[str], runs: list[dict], failures: dict) -> Path:
+        path = tmp_path / name / "2030-01-01-h100-train-families.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"machine": "1x H100", "command": f"call {name}", "seeds": 2, "runs": runs,
+                                    "failures": failures, "checks": bench.checks(runs, families, 2)}))
+        return path
+
+    a = part("a", ["builtin"], [{**_run("builtin", s, 0.2, 0.9), "steps": 5, "heldout_curve": []} for s in range(2)], {})
+    b = part("b", ["hf"], [{**_run("hf", 0, 0.2, 0.9), "steps": 5, "heldout_curve": []}], {"hf/s1": "exit 1"})
+    merged = bench.combine([a, b], tmp_path / "out")
+    assert [r["name"] for r in merged["runs"]] == ["builtin/s0", "builtin/s1", "hf/s0"]
+    assert merged["checks"]["rise_vs_spread"]["builtin"]["pass"] and not merged["checks"]["rise_vs_spread"]["hf"]["pass"]
+    assert merged["command"] == "call a + call b" and not merged["all_checks_pass"]
+    assert json.loads((tmp_path / "out" / a.name).read_text()) == merged and (tmp_path / "out" / a.name).with_suffix(".png").exists()
