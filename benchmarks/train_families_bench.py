@@ -31,7 +31,7 @@ RL, the start and end evaluations), about 5 minutes. ``--small``: ``run.device=c
 (``--small``: ``<date>-cpu-small-train-families``).
 
 How long is long enough: the default builtin run on a shared 2-core CPU went 0.20 -> 0.36 held-out in 300 steps
-(the schedule over 300) and 0.20 -> 0.49 by step 400 of a 600-step schedule; 2,000 steps gave 0.17 -> 0.96-0.98
+(the schedule over 300) and 0.20 -> 0.56 in 600 (one seed each); 2,000 steps gave 0.17 -> 0.96-0.98
 over three seeds (``2026-12-03-cpu-train.json``). At 300 steps the rise check may well fail on noise between
 seeds; ``--steps 600 --budget-s 35`` is the next size, about twice the GPU time: run it as two calls of two
 families each (``--families builtin megatron``, then ``--families fsdp2 hf``, each ``--out`` its own directory)
@@ -56,7 +56,7 @@ for _p in (ROOT / "src", ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from rl_gpu_train import verbs_fraction_of_step  # noqa: E402
+from rl_gpu_train import verbs_fraction_of_step
 
 FAMILIES = ("builtin", "megatron", "fsdp2", "hf")
 COMMON = ["trainer.param_offload=true", "trainer.old_logprob=pi_old", "run.progress=none", "run.tensorboard=false",
