@@ -24,18 +24,20 @@ verbs' host seconds over the sum of the trainer's step times), steps, wall time,
 exceeds twice the spread (max - min) of its final accuracies; per run, the verbs fraction is below 0.05. A family
 with a failed or missing run fails its check.
 
-GPU time at the defaults: 12 runs x (about 10 s of process start and imports, 2-4 s of warm-up, at most 15 s of
-RL, the start and end evaluations), about 5 minutes. ``--small``: ``run.device=cpu``, a smaller model, 2 seeds,
-20 RL steps: the path and the checks' arithmetic, no accuracy claims (Megatron on the CPU through the test patch,
-``STATESHIFT_MCORE_DEVICE=cpu``). Writes ``<out>/<date>-<h100|h200>-train-families.json`` and ``.png``
+GPU time at the defaults (an estimate, not measured yet): 12 runs x (about 10 s of process start and imports, the
+rollouter's own process with ``executor=auto`` on CUDA, a few seconds of warm-up, at most 15 s of RL, the
+evaluations), 5 to 8 minutes; the result file is rewritten after every run, so a call cut short keeps the runs
+it finished. ``--small``: ``run.device=cpu``, a smaller model, 2 seeds, 20 RL steps: the path and the checks'
+arithmetic, no accuracy claims (Megatron on the CPU through the test patch, ``STATESHIFT_MCORE_DEVICE=cpu``;
+about 1.5 minutes on 2 cores). Writes ``<out>/<date>-<h100|h200>-train-families.json`` and ``.png``
 (``--small``: ``<date>-cpu-small-train-families``).
 
 How long is long enough: the default builtin run on a shared 2-core CPU went 0.20 -> 0.36 held-out in 300 steps
-(the schedule over 300) and 0.20 -> 0.56 in 600 (one seed each); 2,000 steps gave 0.17 -> 0.96-0.98
-over three seeds (``2026-12-03-cpu-train.json``). At 300 steps the rise check may well fail on noise between
-seeds; ``--steps 600 --budget-s 35`` is the next size, about twice the GPU time: run it as two calls of two
-families each (``--families builtin megatron``, then ``--families fsdp2 hf``, each ``--out`` its own directory)
-and merge the two files with ``--combine``.
+(the schedule over 300) and 0.20 -> 0.56 in 600, the hf family's Llama 0.135 -> 0.23 in 300 (one seed each);
+2,000 steps gave 0.17 -> 0.96-0.98 over three seeds (``2026-12-03-cpu-train.json``). At 300 steps the rise check
+may well fail on noise between seeds; ``--steps 600 --budget-s 35`` is the next size, about twice the GPU time:
+run it as two calls of two families each (``--families builtin megatron``, then ``--families fsdp2 hf``, each
+``--out`` its own directory) and merge the two files with ``--combine``.
 """
 
 from __future__ import annotations
