@@ -52,8 +52,8 @@ import torch
 
 from stateshift import ModelState, bench
 from stateshift.checkpoint import async_save, load, save
-from stateshift.models import TinyConfig, batch, build_default, lm_loss
 from stateshift.core.engine import core_of
+from stateshift.models import TinyConfig, batch, build_default, lm_loss
 
 VERIFIED = "safetensors.load_file+crc32"
 """The simplest verified load a user would write (the ``vs_loop`` baseline of the load rows)."""

@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stateshift import ModelState, bench  # noqa: E402
-from stateshift.core.disk import O_DIRECT, DiskHome  # noqa: E402
-from stateshift.rl import PiOldCycle  # noqa: E402
+from stateshift import ModelState, bench
+from stateshift.core.disk import O_DIRECT, DiskHome
 from stateshift.core.engine import core_of
+from stateshift.rl import PiOldCycle
 
 CHUNK = 64 << 20
 

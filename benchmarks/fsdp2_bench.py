@@ -36,8 +36,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from stateshift import ModelState, bench
-from stateshift.models import TinyConfig, TinyTransformer, batch
 from stateshift.core.engine import core_of
+from stateshift.models import TinyConfig, TinyTransformer, batch
 
 #: the rows whose target is >= 0.9 of the pinned ceiling
 TARGETS = (("snapshot", "device"), ("restore", "device"), ("offload", "device"), ("onload", "host"))

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stateshift import ModelState  # noqa: E402
-from stateshift.models import TinyConfig, batch, build_default, lm_loss  # noqa: E402
+from stateshift import ModelState
+from stateshift.models import TinyConfig, batch, build_default, lm_loss
 
 
 def step_time(model, opt, cfg, device, repeat: int) -> float:

@@ -43,9 +43,9 @@ if str(ROOT / "src") not in sys.path:
 import torch  # noqa: E402
 
 from stateshift.train import loop as loop_mod  # noqa: E402
-from stateshift.train.launch import run  # noqa: E402
 from stateshift.train.build import build_policy, build_task  # noqa: E402
 from stateshift.train.config import resolve  # noqa: E402
+from stateshift.train.launch import run  # noqa: E402
 from stateshift.train.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
 
 #: held-out accuracy thresholds, fixed before the runs

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from stateshift.core.engine import core_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,7 +261,7 @@ class PeakRSS:
     allowed and also samples every millisecond, taking the larger.
     """
 
-    def __enter__(self) -> PeakRSS:  # noqa: PYI034
+    def __enter__(self) -> PeakRSS:
         self.start = _rss_bytes()
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -313,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device", file=sys.stderr)
         return 2
-    from stateshift import ModelState
-    from stateshift import bench as sb
+    from stateshift import ModelState, bench as sb
     from stateshift.rl import PiOldCycle, find_rebuild
 
     t_start = time.perf_counter()

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from stateshift import ModelState
-from stateshift.models import TinyConfig, build_default
 from stateshift.core.engine import core_of
+from stateshift.models import TinyConfig, build_default
 
 
 def _torch_state() -> ModelState:

@@ -40,14 +40,22 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "src", ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from verl_sequence import compare, fsdp2_fns, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights  # noqa: E402
+from verl_sequence import (  # noqa: E402
+    compare,
+    fsdp2_fns,
+    megatron_fns,
+    megatron_native_offload,
+    reference_fns,
+    run_sequence,
+    weights,
+)
 
 #: verl modules the two files import at module level whose functions are never called here
 STUB_FIRST = ("verl.workers.config", "verl.utils.model")

@@ -83,7 +83,7 @@ def make_data(root: Path, *, heldout_every: int = 5) -> tuple[Path, Path]:
     return paths
 
 
-def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, extra: tuple[str, ...] = ()):  # noqa: ANN201
+def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, extra: tuple[str, ...] = ()):
     """Make the model and the data under ``out_dir`` (a temporary directory if ``None``) and train; the ``RunResult``."""
     from stateshift.train import resolve, run as train
 

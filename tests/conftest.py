@@ -4,9 +4,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-import gc  # noqa: E402
+import gc
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(autouse=True)

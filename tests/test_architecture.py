@@ -4,8 +4,8 @@ every backend keeps the contract, the public surface stays narrow."""
 from __future__ import annotations
 
 import ast
-import re
 import inspect
+import re
 from pathlib import Path
 
 import pytest

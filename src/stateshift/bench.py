@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .core.state import ModelState
 from .core.engine import core_of
+from .core.state import ModelState
 
 
 @dataclass

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import make
+
 from stateshift import ModelState
 from stateshift.errors import BackendError
 

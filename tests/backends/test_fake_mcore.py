@@ -435,10 +435,8 @@ def test_real_source_has_the_attributes_the_fake_mirrors():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.distributed import distributed_data_parallel as ddp_mod
-        from megatron.core.distributed import param_and_grad_buffer as buf_mod
-        from megatron.core.optimizer import distrib_optimizer as do_mod
-        from megatron.core.optimizer import optimizer as opt_mod
+        from megatron.core.distributed import distributed_data_parallel as ddp_mod, param_and_grad_buffer as buf_mod
+        from megatron.core.optimizer import distrib_optimizer as do_mod, optimizer as opt_mod
         from megatron.core.transformer import module as module_mod
         from megatron.core.transformer.moe import router as router_mod
     if _mcore_version() != MCORE_VERSION:

@@ -26,8 +26,10 @@ try:
 except ImportError:  # tests/ not on sys.path (importlib mode)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dist_harness import run_distributed
-from helpers import capture  # noqa: E402  (tests/ is on sys.path by now)
-from helpers import perturb as shared_perturb  # noqa: E402
+from helpers import (
+    capture,
+    perturb as shared_perturb,
+)
 
 from stateshift import LayoutMismatchError, ModelState, OffloadedStateError, Residency
 from stateshift.core.engine import core_of

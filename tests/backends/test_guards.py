@@ -17,7 +17,7 @@ def _hook_of(check: Callable[..., None]) -> Callable[..., None]:
     hooks = []
     out = torch.ones(2, requires_grad=True) * 2
     out.register_hook = hooks.append  # type: ignore[method-assign]
-    backward_guard(check, lambda: [], "test")(torch.nn.Identity(), (), out)
+    backward_guard(check, list, "test")(torch.nn.Identity(), (), out)
     return hooks[0]
 
 

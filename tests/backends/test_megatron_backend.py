@@ -31,7 +31,7 @@ from fakes.mcore import (
     fake_finalize_model_grads,
     fake_train_step,
 )
-from fakes.mcore.setups import CONFIGS, HIDDEN, _is_expert, _x, after_steps, build, pretend_cuda_engine
+from fakes.mcore.setups import CONFIGS, HIDDEN, _x, after_steps, build, pretend_cuda_engine
 from helpers import one_torch_thread
 
 from stateshift import (
@@ -40,12 +40,10 @@ from stateshift import (
     ModelState,
     OffloadedStateError,
 )
-from stateshift.backends import detect_backends
-from stateshift.backends import megatron as mg
+from stateshift.backends import detect_backends, megatron as mg
 from stateshift.backends.torch import TorchModuleBackend, TorchOptimizerBackend
-from stateshift.core.slot import Entry, NativeHome
 from stateshift.core.engine import core_of
-
+from stateshift.core.slot import Entry, NativeHome
 
 
 @pytest.fixture(autouse=True, scope="module")

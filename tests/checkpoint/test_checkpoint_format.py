@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stateshift.checkpoint import format as format_mod
-from stateshift.checkpoint import verify
+from stateshift.checkpoint import format as format_mod, verify
 from stateshift.checkpoint.commit import read_latest, set_latest
 from stateshift.checkpoint.directory import Checkpoint, write_checkpoint
 from stateshift.checkpoint.format import Record as TensorRecord

@@ -24,10 +24,10 @@ from helpers import (
     SMALL,
     assert_same,
     capture,
+    expected_after,
     make,
     perturb,
     train_step,
-    expected_after,
     warm,
 )
 from torch import nn
@@ -41,18 +41,18 @@ from stateshift import (
 from stateshift.checkpoint import (
     async_save,
     export_hf,
+    format as format_mod,
     init_optimizer_state,
     load,
     save,
     verify,
 )
-from stateshift.checkpoint import format as format_mod
 from stateshift.checkpoint.commit import read_latest
 from stateshift.checkpoint.directory import Checkpoint
 from stateshift.cli.inspect import add_parser
+from stateshift.core.engine import core_of
 from stateshift.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError
 from stateshift.models import TinyConfig
-from stateshift.core.engine import core_of
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ALL = ("params", "buffers", "grads", "optim")

@@ -16,7 +16,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import make, warm
 
 from stateshift import ModelState

@@ -86,8 +86,8 @@ from stateshift import (
 )
 from stateshift.backends import detect_backends
 from stateshift.checkpoint import async_save, load, save
-from stateshift.core.pool import HostPool
 from stateshift.core.engine import core_of
+from stateshift.core.pool import HostPool
 
 DEVICE, HOST, DROPPED = Residency.DEVICE, Residency.HOST, Residency.DROPPED
 #: the groups an optimizer step reads or writes: a step while one is swapped raises ``SwapActiveError``

@@ -15,9 +15,9 @@ from fakes.mcore.setups import _x, after_steps
 from helpers import assert_isolated, assert_same, capture, live, make, warm
 
 from stateshift import ClosedStateError, ForeignStateError, ModelState, PoolBudgetError
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.rl import PiOldCycle
-from stateshift.core.engine import core_of
 
 # ----------------------------------------------------------------------------- 1. an error changes nothing
 

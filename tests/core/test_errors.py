@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import DEVICES, SMALL, assert_same, capture, live, make, train_step, warm
+
 from stateshift import (
     LayoutMismatchError,
     ModelState,
@@ -17,9 +17,9 @@ from stateshift import (
     SwapActiveError,
     UnknownGroupError,
 )
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.models import TinyConfig, TinyTransformer, batch, lm_loss
-from stateshift.core.engine import core_of
 
 
 @pytest.fixture(params=DEVICES)
@@ -59,9 +59,8 @@ def test_snapshot_from_another_model_is_refused(warmed, device, changes, tensor,
         state.restore(foreign)
     assert info.value.tensor == tensor
     assert what in str(info.value)
-    with pytest.raises(LayoutMismatchError):
-        with state.swapped(foreign):
-            pass
+    with pytest.raises(LayoutMismatchError), state.swapped(foreign):
+        pass
     assert_same(capture(state), before)
 
 
@@ -148,9 +147,8 @@ def test_exception_inside_swapped_still_restores(warmed):
     snap = state.snapshot(tag="s")
     train_step(model, opt, 5)
     current = capture(state)
-    with pytest.raises(KeyError):
-        with state.swapped(snap):
-            raise KeyError("boom")
+    with pytest.raises(KeyError), state.swapped(snap):
+        raise KeyError("boom")
     assert_same(capture(state), current)
 
 
@@ -219,8 +217,16 @@ def test_errors_of_the_trainer_keep_their_detail_through_pickling():
     import pickle
 
     from stateshift import StateShiftError
-    from stateshift.errors import (ConfigError, LinkClosedError, MetricsLogError, RunDirBusyError, ShapeError,
-                                   TransferError, UsageError, WeightSyncError)
+    from stateshift.errors import (
+        ConfigError,
+        LinkClosedError,
+        MetricsLogError,
+        RunDirBusyError,
+        ShapeError,
+        TransferError,
+        UsageError,
+        WeightSyncError,
+    )
 
     errors = [ConfigError("trainer.lr", "must be > 0"), WeightSyncError("head.weight", " is not in the rollout model"),
               MetricsLogError("run/metrics.jsonl", 3, "not JSON"), RunDirBusyError("run"),

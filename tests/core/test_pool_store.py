@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import capture, make, one_torch_thread, warm
+
 from stateshift import ModelState
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.core.snapshot import SnapshotStore
 from stateshift.core.transfer import CopyEngine, plan
-from stateshift.core.engine import core_of
 
 
 def test_pool_exact_sizes_and_reuse():

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import DEVICES, MIXES, assert_same, capture, expected_after, make, perturb, train_step, warm
-from stateshift import ModelState, Residency
-from stateshift.models import batch
-from stateshift.core.engine import core_of
 
+from stateshift import ModelState, Residency
+from stateshift.core.engine import core_of
+from stateshift.models import batch
 
 
 @pytest.fixture(params=DEVICES)
@@ -82,9 +81,8 @@ def test_swapped_in_every_mix(warmed, mix):
     MIXES[mix](state)
     residency = state.residency()
     current = capture(state)
-    with state.swapped(pi_old):
-        with torch.no_grad():
-            assert torch.equal(model.eval()(ids), old_logits)
+    with state.swapped(pi_old), torch.no_grad():
+        assert torch.equal(model.eval()(ids), old_logits)
     assert state.residency() == residency
     assert_same(capture(state), current)
 
@@ -255,9 +253,8 @@ def test_swapped_stash_placements_are_exact(warmed, stash):
     with state.swapped(pi_old, stash=stash):
         assert_same(capture(state, state.forward_groups), pi_old.tensors())
     assert_same(capture(state), current)
-    with pytest.raises(ValueError, match="stash"):
-        with state.swapped(pi_old, stash="disk"):
-            pass
+    with pytest.raises(ValueError, match="stash"), state.swapped(pi_old, stash="disk"):
+        pass
 
 
 def test_host_storage_that_cannot_be_resized_stays_in_place():

@@ -53,7 +53,9 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # machines.py, also inside spawned ranks
-from machines import (  # noqa: E402
+from fakes.mcore.setups import CONFIGS
+from helpers import one_torch_thread
+from machines import (
     STATS,
     STEPS,
     FSDP2Target,
@@ -63,9 +65,6 @@ from machines import (  # noqa: E402
     drive,
     hypothesis_machine,
 )
-
-from fakes.mcore.setups import CONFIGS  # noqa: E402
-from helpers import one_torch_thread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("STATESHIFT_MACHINE_EXAMPLES", "12"))
 STEPS_PER_EXAMPLE = int(os.environ.get("STATESHIFT_MACHINE_STEPS", "30"))

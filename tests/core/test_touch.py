@@ -193,9 +193,8 @@ def test_a_refused_touch_changes_nothing_and_other_states_are_not_affected():
     state, _ = ModelState(model, opt), ModelState(other)
     want = model.embed.weight.detach().clone()
     state.offload("params")
-    with pytest.raises(OffloadedStateError, match="params"):
-        with torch.no_grad():
-            model.embed.weight.add_(1.0)
+    with pytest.raises(OffloadedStateError, match="params"), torch.no_grad():
+        model.embed.weight.add_(1.0)
     other.embed.weight.sum()  # another state's resident tensors: no error
     torch.ones(3).add_(1.0)  # nor any other tensor's
     state.onload()

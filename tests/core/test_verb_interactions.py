@@ -9,10 +9,10 @@ random ones of ``test_state_machine.py``.
 from __future__ import annotations
 
 import textwrap
-import torch
 import time
 
 import pytest
+import torch
 from fakes.mcore import fake_train_step
 from fakes.mcore.setups import _x, after_steps
 from helpers import assert_isolated, assert_same, capture, live, make, run_isolated, train_step, warm
@@ -329,9 +329,8 @@ def test_torch_optimizer_step_inside_swapped_is_refused():
     pi_old = state.snapshot(["params"], tag="pi_old")
     train_step(model, opt, 1)
     before = capture(state, ["params", "optim"])
-    with state.swapped(pi_old):
-        with pytest.raises(SwapActiveError, match="optimizer.step"):
-            train_step(model, opt, 2)
+    with state.swapped(pi_old), pytest.raises(SwapActiveError, match="optimizer.step"):
+        train_step(model, opt, 2)
     assert_same(capture(state, ["params", "optim"]), before)
     train_step(model, opt, 2)  # after the context: allowed
 def test_restore_of_what_a_rebuild_reads_is_refused():
@@ -346,9 +345,8 @@ def test_restore_of_what_a_rebuild_reads_is_refused():
     before = capture(state, ["params", "optim"])
     plugin = state.backends[1].rebuild_plugin()
     assert plugin.available() is None
-    with state.swapped(pi_old, rebuild={"params": plugin}):
-        with pytest.raises(SwapActiveError, match="rebuild"):
-            state.restore(masters)
+    with state.swapped(pi_old, rebuild={"params": plugin}), pytest.raises(SwapActiveError, match="rebuild"):
+        state.restore(masters)
     assert_same(capture(state, ["params", "optim"]), before)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stateshift import ModelState
-from stateshift.core.transfer import CopyEngine
 from stateshift.core.engine import core_of
+from stateshift.core.transfer import CopyEngine
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,9 +30,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "backends")) if p not in sys.path]
 
-import test_fsdp2 as cases
-from dist_harness import run_distributed
-from stateshift.core.engine import core_of
+import test_fsdp2 as cases  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+
+from stateshift.core.engine import core_of  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

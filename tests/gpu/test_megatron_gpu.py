@@ -35,9 +35,9 @@ for _p in (ROOT / "src", ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from stateshift import ModelState, OffloadedStateError
-from stateshift.rl import PiOldCycle, find_rebuild
-from stateshift.core.engine import core_of
+from stateshift import ModelState, OffloadedStateError  # noqa: E402
+from stateshift.core.engine import core_of  # noqa: E402
+from stateshift.rl import PiOldCycle, find_rebuild  # noqa: E402
 
 DEVICE = os.environ.get("STATESHIFT_MCORE_DEVICE", "cuda")
 _HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None

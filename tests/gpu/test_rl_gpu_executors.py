@@ -16,10 +16,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
-import policy_checks as pc  # noqa: E402
-from rlkit import tiny  # noqa: E402
+import policy_checks as pc
+from rlkit import tiny
 
-from stateshift.train.launch import run  # noqa: E402
+from stateshift.train.launch import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FAMILIES = ["builtin", "fsdp2", "megatron"]

@@ -11,9 +11,9 @@ import torch
 from rl.sync_kit import ask, model, receiver_main, same, start, start_many, step, stop, values
 
 from stateshift import ModelState
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import WeightPublisher
-from stateshift.core.engine import core_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -23,7 +23,8 @@ from stateshift import LayoutMismatchError, OffloadedStateError, SnapshotHandleE
 from stateshift.integrations.verl.registry import take
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from verl_sequence import compare, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights  # noqa: E402
+from verl_sequence import compare, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights
+
 from stateshift.core.engine import core_of
 
 

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import torch
-
 from rlkit import parked_trainer, tiny
+
 from stateshift.train.build import build_policy, build_task
+from stateshift.train.executors.inprocess import sampling_of
 from stateshift.train.launch import run
 from stateshift.train.rollout import KVRollouter, Wave
 from stateshift.train.trainer import Batch
-from stateshift.train.executors.inprocess import sampling_of
 
 ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
                "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2"]

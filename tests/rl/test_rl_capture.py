@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from stateshift.train.config import AsyncConfig
 from stateshift.train.control import RunControl
 from stateshift.train.executors.hub import QueueHub
 from stateshift.train.executors.inprocess import RolloutWorker
+from stateshift.train.handshake import WeightChannel
 from stateshift.train.rollout import KVRollouter
 from stateshift.train.sampler import BuiltinLM, Sampling
 from stateshift.train.sidecar import read_sidecar, write_sidecar
-from stateshift.train.handshake import WeightChannel
 from stateshift.train.tasks.addition import AdditionTask
 from stateshift.train.tasks.gpt import build_gpt
 

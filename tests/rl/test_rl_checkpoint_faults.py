@@ -50,8 +50,8 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     """A run killed inside the write of a step's record: the resumed log keeps the records up to the checkpoint."""
     import json
 
-    from stateshift.train.metrics import MetricsLog
     from stateshift.errors import MetricsLogError
+    from stateshift.train.metrics import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": k, "loss": 0.5}) + "\n" for k in (1, 2, 3)) + '{"step": 4, "lo')

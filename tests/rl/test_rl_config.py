@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from stateshift.cli import main
-from stateshift.train.config import TrainConfig, field_docs, resolve
 from stateshift.errors import ConfigError
+from stateshift.train.config import TrainConfig, field_docs, resolve
 
 
 def test_unknown_key_fails_naming_it(capsys):

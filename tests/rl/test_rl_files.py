@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stateshift.errors import DataFileError, ModelDirError, RewardError
+from stateshift.errors import ConfigError, DataFileError, ModelDirError, RewardError
 from stateshift.train.build import build_task
 from stateshift.train.config import field_docs, resolve
-from stateshift.errors import ConfigError
 from stateshift.train.reward import Reward, final_number, load_reward_fn
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

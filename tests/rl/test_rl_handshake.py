@@ -50,11 +50,11 @@ def test_the_pause_is_cleared_only_when_no_update_is_pending():
     control = RunControl()
     state = {"paused": False}
     channel = WeightChannel(control, lambda: state.__setitem__("paused", True))
-    first = WeightUpdate(lambda: [], 1)
+    first = WeightUpdate(list, 1)
     channel.post(first, interrupt=True)
     assert state["paused"] and channel.take() is first  # paused before the update was visible
     channel.ack(first, resume=lambda: state.__setitem__("paused", False))
     assert not state["paused"] and channel.take() is None
-    second = WeightUpdate(lambda: [], 2)
+    second = WeightUpdate(list, 2)
     channel.post(second, interrupt=True)
     assert state["paused"]

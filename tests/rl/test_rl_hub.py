@@ -3,7 +3,6 @@ delivers after its death was handled is refused, so nothing is trained twice; th
 
 from __future__ import annotations
 
-
 import torch
 
 from stateshift.train.config import AsyncConfig

@@ -116,8 +116,8 @@ def test_ctrl_c_stops_cleanly(tmp_path):
 
 
 def test_two_runs_cannot_share_a_run_directory(tmp_path):
-    from stateshift.train.launch import _lock_run_dir
     from stateshift.errors import RunDirBusyError
+    from stateshift.train.launch import _lock_run_dir
 
     (tmp_path / "run").mkdir()
     held = _lock_run_dir(tmp_path / "run")  # as a running `stateshift train` holds it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from rlkit import parked_trainer, tiny
+
 from stateshift.train.control import RunControl
 from stateshift.train.executors.base import take_in_slices
 from stateshift.train.rollout import Wave

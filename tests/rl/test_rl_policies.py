@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import policy_checks as pc
 import pytest
 import torch
-
-import policy_checks as pc
 from rlkit import tiny
-from stateshift.train.build import build_policy, build_task
+
 from stateshift.errors import ConfigError
+from stateshift.train.build import build_policy, build_task
 from stateshift.train.policies import Policy
 
 HERE = Path(__file__).resolve().parent

@@ -29,8 +29,7 @@ import torch
 from rl.process_hooks import Boom
 from rl.rlkit import tiny
 
-from stateshift.errors import StallError
-from stateshift.errors import RolloutDiedError
+from stateshift.errors import RolloutDiedError, StallError
 from stateshift.train.executors.process_child import HOOK_ENV
 from stateshift.train.launch import run
 

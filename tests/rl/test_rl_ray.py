@@ -24,8 +24,8 @@ import ray
 import torch
 from rl.rlkit import tiny
 
-from stateshift.train.config import RayConfig
 from stateshift.errors import ConfigError
+from stateshift.train.config import RayConfig
 from stateshift.train.executors.placement import bundles
 from stateshift.train.launch import run
 
@@ -367,8 +367,8 @@ def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainer
     the trainer's death itself still is."""
     import types
 
-    from stateshift.train.executors.ray import _await_trainer
     from stateshift.errors import TrainerDiedError
+    from stateshift.train.executors.ray import _await_trainer
 
     inside = ray.exceptions.RayTaskError("run", "Traceback: ...", ray.exceptions.ActorDiedError()).as_instanceof_cause()
     assert isinstance(inside, ray.exceptions.RayActorError)
@@ -452,8 +452,8 @@ def test_a_replaced_rollouter_generates_with_the_last_weights_sent(side):
 def test_a_rollouter_that_raises_stops_the_run_with_its_error(side, tmp_path):
     """Weights that do not fit the rollouter's model: it raises WeightSyncError; not restarted, the run stops
     with that error (the trainer thread's next wait raises it)."""
-    from stateshift.train.build import build_policy, build_task
     from stateshift.errors import WeightSyncError
+    from stateshift.train.build import build_policy, build_task
     from stateshift.train.trainer import Trainer
 
     cfg = tiny(tmp_path, "model.width=48", "model.heads=2")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateshift.train.rollout import KVRollouter, Rollouter, Wave
 from stateshift.errors import WeightSyncError
+from stateshift.train.rollout import KVRollouter, Rollouter, Wave
 from stateshift.train.sampler import BuiltinLM, HFCausalLM, Sampling, behaviour_logp, positions_of, sequence_logprobs
 from stateshift.train.tasks.addition import PAD, STOP
 from stateshift.train.tasks.gpt import GPTConfig, build_gpt

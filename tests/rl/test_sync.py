@@ -15,6 +15,7 @@ import torch
 from rl.sync_kit import model, same, step, values
 
 from stateshift import LayoutMismatchError, ModelState
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool, remove_stale_files
 from stateshift.rl.sync import (
     MailboxError,
@@ -27,7 +28,6 @@ from stateshift.rl.sync import (
     WeightReceiver,
 )
 from stateshift.rl.sync.manifest import Manifest
-from stateshift.core.engine import core_of
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_offloaded_params_publish_without_a_copy_and_resident_ones_with_one(trai
     assert offloaded.copied_bytes == 0 and offloaded.d2h_bytes == 0
     state.onload(only=["0.weight"])  # mixed: params partly resident, buffers offloaded
     mixed = pub.publish(3).wait(5)
-    assert 0 < mixed.copied_bytes
+    assert mixed.copied_bytes > 0
     rx = WeightReceiver(pub.handle(), name="r")
     target = model(7)
     assert rx.load_into(target) == 3 and same(values(target), want)
@@ -134,16 +134,15 @@ def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(tra
     pub = WeightPublisher(state, name="b", budget_bytes=2 * nbytes, ack_timeout_s=0.3, poll_s=0.01)
     rx = WeightReceiver(pub.handle(), name="stuck")
     pub.publish(1).wait(5)
-    with pytest.raises(VersionReclaimedError) as reclaimed:
-        with rx.receive() as (v, pairs):
-            pub.publish(2).wait(5)
-            with pytest.raises(SyncBudgetError) as budget:
-                pub.publish(3)
-            assert budget.value.holders == (("stuck", 1),)
-            deadline = time.monotonic() + 5
-            while not pub.lost and time.monotonic() < deadline:
-                time.sleep(0.02)
-            pub.publish(3).wait(5)
+    with pytest.raises(VersionReclaimedError) as reclaimed, rx.receive() as (v, pairs):
+        pub.publish(2).wait(5)
+        with pytest.raises(SyncBudgetError) as budget:
+            pub.publish(3)
+        assert budget.value.holders == (("stuck", 1),)
+        deadline = time.monotonic() + 5
+        while not pub.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pub.publish(3).wait(5)
     assert (reclaimed.value.receiver, reclaimed.value.version) == ("stuck", 1)
     lost = pub.lost[0]
     assert (lost.receiver, lost.version, lost.reason) == ("stuck", 1, "timeout")
@@ -155,9 +154,8 @@ def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(tra
 
 def test_receive_times_out_typed_when_no_version_comes(pub):
     rx = WeightReceiver(pub.handle(), name="r")
-    with pytest.raises(SyncTimeoutError) as err:
-        with rx.receive(timeout=0.05):
-            pass
+    with pytest.raises(SyncTimeoutError) as err, rx.receive(timeout=0.05):
+        pass
     assert err.value.publisher_alive
     rx.close()
 

@@ -11,12 +11,25 @@ import time
 
 import pytest
 import torch
-from rl.sync_kit import SPAWN, ask, model, publisher_main, receiver_main, same, shm_files, start, start_many, step, stop, values
+from rl.sync_kit import (
+    SPAWN,
+    ask,
+    model,
+    publisher_main,
+    receiver_main,
+    same,
+    shm_files,
+    start,
+    start_many,
+    step,
+    stop,
+    values,
+)
 
 from stateshift import ModelState
+from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import ReceiverLostError, SyncError, SyncTimeoutError, WeightPublisher, WeightReceiver
-from stateshift.core.engine import core_of
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from rl.sync_kit import model, same, values
+
 from stateshift.core.engine import core_of
 
 ray = pytest.importorskip("ray", reason="the Ray test needs ray (the test extra installs it)")

@@ -46,10 +46,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError, TransferError
 from .collective import Collective
 from .format import open_regular, write_all
-from ..errors import TransferError
 from .manifest import MANIFEST_NAME
 
 LATEST = "latest"

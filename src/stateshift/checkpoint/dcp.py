@@ -32,8 +32,13 @@ from typing import Any
 
 import torch
 
-from ..errors import (CheckpointError, CheckpointMismatchError, CheckpointReadError, CheckpointUntrustedError,
-                      CheckpointWriteError)
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    CheckpointUntrustedError,
+    CheckpointWriteError,
+)
 from . import manifest as mf
 from .collective import Collective
 from .commit import describe_os_error, make_parents, write_error

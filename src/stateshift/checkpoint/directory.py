@@ -25,10 +25,15 @@ from typing import Any
 
 import torch
 
-from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointIncompleteError, CheckpointMismatchError,
-                      CheckpointNotFoundError, CheckpointReadError)
-from . import format as fmt
-from . import manifest as mf
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+)
+from . import format as fmt, manifest as mf
 from .collective import Collective
 from .commit import commit, describe_os_error, fsync_path, read_latest, write_error
 from .format import FileEntry, ProgressFn, Record

@@ -49,10 +49,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from zlib_ng.zlib_ng import (  # the values of zlib.crc32; crc32_combine(crc(a), crc(b), len(b)) = crc(a + b)
+    crc32,
+    crc32_combine,
+)
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, ShapeError, TransferError
-
-from zlib_ng.zlib_ng import crc32, crc32_combine  # the values of zlib.crc32; crc32_combine(crc(a), crc(b), len(b)) = crc(a + b)
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""

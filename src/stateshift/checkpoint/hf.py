@@ -24,10 +24,9 @@ from typing import Any
 import torch
 
 from ..backends.torch import state_dict_names, unwrap
-from ..errors import CheckpointMismatchError, CheckpointWriteError
+from ..errors import CheckpointMismatchError, CheckpointWriteError, TransferError
 from .commit import describe_os_error, make_parents, replacing
 from .format import Record, write_file
-from ..errors import TransferError
 
 
 def _module_of(state: Any) -> torch.nn.Module:

@@ -54,8 +54,23 @@ import torch
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from .format import (MAX_DIM, MAX_HEADER_BYTES, MAX_RANK, FileEntry, ShapeError, TensorEntry, bounded, dtype_from_name,
-                     dtype_name, extent_error, is_utf8, load_json, open_regular, shape_bytes, without_gc)
+from .format import (
+    MAX_DIM,
+    MAX_HEADER_BYTES,
+    MAX_RANK,
+    FileEntry,
+    ShapeError,
+    TensorEntry,
+    bounded,
+    dtype_from_name,
+    dtype_name,
+    extent_error,
+    is_utf8,
+    load_json,
+    open_regular,
+    shape_bytes,
+    without_gc,
+)
 
 FORMAT_NAME = "stateshift-checkpoint"
 FORMAT_VERSION = 2

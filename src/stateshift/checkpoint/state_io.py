@@ -22,16 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.engine import core_of
 from ..core.layout import Layout, dtype_of
 from ..core.snapshot import Snapshot, SnapshotPart
-from ..errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, ClosedStateError, LayoutMismatchError,
-                      ReleasedSnapshotError, UnknownGroupError)
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ClosedStateError,
+    LayoutMismatchError,
+    ReleasedSnapshotError,
+    UnknownGroupError,
+)
 from . import manifest as mf
 from .collective import Collective
 from .commit import make_parents
 from .directory import Checkpoint, check_args, write_checkpoint
 from .format import ProgressFn, Record, without_gc
-from ..core.engine import core_of
 
 if TYPE_CHECKING:
     from ..core.state import ModelState

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ..core.engine import core_of
 
+from ..core.engine import core_of
 from ..errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -32,6 +32,7 @@ import torch
 from ..errors import BackendError
 from .slot import Entry
 
+
 class Check(Protocol):
     """``check(tensors, where)``: raises ``OffloadedStateError`` if a tensor's storage is released.
 

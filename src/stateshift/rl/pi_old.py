@@ -52,12 +52,12 @@ from typing import Any, Literal
 import torch
 
 from ..backends.base import Rebuild
+from ..core.engine import core_of
 from ..core.ranks import on_every_rank
 from ..core.slot import Residency
 from ..core.snapshot import Snapshot
 from ..core.state import ModelState
 from ..errors import DiskTierError, UnknownGroupError
-from ..core.engine import core_of
 
 CyclePlacement = Literal["auto", "host", "device", "disk"]
 

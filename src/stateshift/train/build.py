@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import TrainConfig
 from ..errors import ConfigError
+from .config import TrainConfig
 from .hf_dir import load_tokenizer, weight_files
 from .policies import Policy, build_policy
 from .sampler import CausalLM
@@ -52,7 +52,7 @@ def build_task(cfg: TrainConfig) -> Task:
     return TASKS[cfg.task.name](cfg)
 
 
-def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # noqa: ANN201 - a PreTrainedModel
+def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # -> a PreTrainedModel
     """``AutoModelForCausalLM`` from a local directory: its weights if it has any, else initialised from config.json.
 
     Nothing is downloaded (``local_files_only``). Weights: ``model.safetensors``, or the shards of

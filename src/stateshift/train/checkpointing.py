@@ -41,8 +41,7 @@ from typing import Any
 
 from stateshift.checkpoint import init_optimizer_state, load, save
 from stateshift.checkpoint.commit import describe_os_error, read_latest, write_durable
-from stateshift.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
-                               CheckpointReadError)
+from stateshift.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
 from ..errors import show
 from .executors.base import RolloutCapture

@@ -102,7 +102,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise RewardError(spec, f"is neither a built-in ({', '.join(BUILTIN)}) nor 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's, reported as such
+    except Exception as exc:  # any import failure is the user's module's, reported as such
         raise RewardError(spec, f"module {module_name!r} does not import: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -144,7 +144,7 @@ class Reward:
         t0 = time.perf_counter()
         try:
             out = self._checked(self.fn(response, sample))
-        except Exception as exc:  # noqa: BLE001 - the user's function: any failure is reported with the sample
+        except Exception as exc:  # the user's function: any failure is reported with the sample
             with self._lock:
                 self.seconds += time.perf_counter() - t0
                 if self.on_error != "zero":

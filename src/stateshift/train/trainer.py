@@ -55,9 +55,9 @@ import torch
 
 from stateshift import ModelState, Snapshot
 from stateshift.core.pool import HostPool
-from ..rl.pi_old import PiOldCycle
 
 from ..rl import algo
+from ..rl.pi_old import PiOldCycle
 from .config import TrainerConfig
 from .policies import Policy
 from .rollout import Group

@@ -48,13 +48,26 @@ FP32), ``distributed`` (DistributedOptimizer, ChainedOptimizer), ``models``
 
 from __future__ import annotations
 
-from .buffers import MCORE_VERSION, BufferType, FakeDistributedDataParallelConfig, FakeOptimizerConfig, FakeParamAndGradBucket, FakeParamAndGradBucketGroup, FakeParamAndGradBuffer, fake_partition_buckets
-from .modules import FakeDDP, FakeDistributedDataParallel, FakeFloat16Module
-from .optimizers import FakeFP32Optimizer, FakeFloat16OptimizerWithFloat16Params, FakeMegatronOptimizer, FakeMixedPrecisionOptimizer
+from .buffers import (
+    MCORE_VERSION,
+    BufferType,
+    FakeDistributedDataParallelConfig,
+    FakeOptimizerConfig,
+    FakeParamAndGradBucket,
+    FakeParamAndGradBucketGroup,
+    FakeParamAndGradBuffer,
+    fake_partition_buckets,
+)
+from .builders import build_fake_ddp, build_fake_optimizer, fake_train_step
 from .distributed import FakeChainedOptimizer, FakeDistributedOptimizer, FakeProxyDict
 from .models import FakeDenseModel, FakeMoELayer, FakeMoEModel, FakeTopKRouter, fake_finalize_model_grads
-from .builders import build_fake_ddp, build_fake_optimizer, fake_train_step
-
+from .modules import FakeDDP, FakeDistributedDataParallel, FakeFloat16Module
+from .optimizers import (
+    FakeFloat16OptimizerWithFloat16Params,
+    FakeFP32Optimizer,
+    FakeMegatronOptimizer,
+    FakeMixedPrecisionOptimizer,
+)
 
 __all__ = [
     "MCORE_VERSION",

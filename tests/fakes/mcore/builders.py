@@ -7,10 +7,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .buffers import FakeDistributedDataParallelConfig, FakeOptimizerConfig
-from .modules import FakeDDP, FakeDistributedDataParallel, FakeFloat16Module
-from .optimizers import FakeFP32Optimizer, FakeFloat16OptimizerWithFloat16Params, FakeMegatronOptimizer, _build_param_groups, _is_float16, _make_inner_adam
 from .distributed import FakeChainedOptimizer, FakeDistributedOptimizer
 from .models import fake_finalize_model_grads
+from .modules import FakeDistributedDataParallel, FakeFloat16Module
+from .optimizers import (
+    FakeFloat16OptimizerWithFloat16Params,
+    FakeFP32Optimizer,
+    FakeMegatronOptimizer,
+    _build_param_groups,
+    _is_float16,
+    _make_inner_adam,
+)
 
 
 def build_fake_ddp(

@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-from .buffers import FakeDistributedDataParallelConfig, FakeParamAndGradBucketGroup, FakeParamAndGradBuffer, fake_partition_buckets
+from .buffers import (
+    FakeDistributedDataParallelConfig,
+    FakeParamAndGradBucketGroup,
+    FakeParamAndGradBuffer,
+    fake_partition_buckets,
+)
 
 
 def _fp32_to_float16(val, convert):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from stateshift.core.engine import core_of
+
 from .builders import build_fake_ddp, build_fake_optimizer, fake_train_step
 from .models import FakeDenseModel, FakeMoEModel
-from stateshift.core.engine import core_of
 
 HIDDEN = 16
 

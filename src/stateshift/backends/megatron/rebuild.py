@@ -10,6 +10,7 @@ import torch
 from ...core.ranks import on_every_rank
 from .objects import master_pairs, storage_bytes
 
+
 class MastersOwner(Protocol):
     """What the rebuild reads of the Megatron optimizer backend (``MegatronOptimizerBackend`` is one):
     its model backend, its leaf optimizers, their masters' plan and the signature that keys it."""

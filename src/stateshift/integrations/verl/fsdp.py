@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ... import ModelState
-from ...errors import BackendError, LayoutMismatchError
 from ...core.engine import core_of
+from ...errors import BackendError, LayoutMismatchError
 from .registry import SnapshotHandle, check_handle, model_state, optimizer_state, original, take
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...core.engine import core_of
 from ...core.pool import HostPool
 from ...core.slot import Residency
 from ...core.snapshot import Snapshot
@@ -32,7 +33,6 @@ from ...errors import MailboxError, ReceiverLostError, SyncBudgetError, SyncErro
 from .handle import NAME, TRANSPORTS, SyncHandle
 from .mailbox import Mailbox, new_state
 from .manifest import Manifest, PartEntry, diff, part_entry
-from ...core.engine import core_of
 
 _log = logging.getLogger("stateshift")
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ...backends.torch import named_buffers, named_parameters
-from ...errors import LayoutMismatchError, MailboxError, SyncError, SyncTimeoutError, VersionReclaimedError
 from ...core.layout import dtype_of
+from ...errors import LayoutMismatchError, MailboxError, SyncError, SyncTimeoutError, VersionReclaimedError
 from .handle import NAME, SyncHandle
 from .mailbox import Mailbox
 from .manifest import Manifest

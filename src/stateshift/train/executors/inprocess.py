@@ -32,12 +32,12 @@ import torch
 from stateshift import Snapshot
 
 from ..build import rollout_copy
-from ..policies import Policy
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
+from ..handshake import WeightChannel, WeightUpdate
+from ..policies import Policy
 from ..rollout import Group, KVRollouter, Wave
 from ..sampler import CausalLM, Sampling
-from ..handshake import WeightChannel, WeightUpdate
 from ..tasks.base import Task
 from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport, take_in_slices
 from .hub import QueueHub

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..config import RayConfig
 from ...errors import ConfigError
+from ..config import RayConfig
 
 TRAINER, ROLLOUTER = 0, 1
 

@@ -52,20 +52,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import torch
-
 from stateshift import Snapshot
 
+from ...errors import LinkClosedError, RolloutDiedError
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..policies import Policy
 from ..rollout import Group
 from ..tasks.base import Task
 from .base import RolloutCapture, RolloutStats, SyncOutcome, rollout_seed, take_in_slices
-from ...errors import RolloutDiedError
 from .hub import QueueHub
 from .link import Link
-from ...errors import LinkClosedError
 from .process_child import ChildSpec, child_main
 from .weights import make_publisher, rollout_device
 

@@ -28,17 +28,16 @@ from typing import Any
 
 import torch
 
+from ...errors import LinkClosedError, StoppedError
 from ..build import build_task
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
-from ...errors import StoppedError
 from ..handshake import WeightUpdate
 from ..policies import build_rollout_lm
 from ..rollout import Group
 from .base import WorkerReport
 from .inprocess import RolloutWorker
 from .link import Link, portable_error
-from ...errors import LinkClosedError
 from .weights import HostWeightReceiver, LibraryReceiver, open_receiver
 
 #: tests only: ``module:function`` called first thing in a rollouter process (to patch it as a test needs)

@@ -51,11 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import TrainerDiedError
-
 from ..config import TrainConfig
 from .placement import TRAINER, bundles
 from .ray_common import INTERRUPTED, actor_class, death_reason, wait_ready
-
 
 #: the raylet's setting of its workers' niceness (read from the environment when it starts)
 NICENESS = "RAY_worker_niceness"

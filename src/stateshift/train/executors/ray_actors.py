@@ -29,13 +29,14 @@ import torch
 from ..build import build_task
 from ..config import TrainConfig
 from ..control import RunControl
+from ..handshake import WeightUpdate
 from ..policies import build_rollout_lm
 from ..rollout import Group
-from ..handshake import WeightUpdate
 from .base import RolloutCapture, SyncOutcome, WorkerReport, rollout_seed
 from .hub import QueueHub
 from .inprocess import RolloutWorker
 from .wire import use_wire_format
+
 
 def enter(cwd: str) -> None:
     """Relative paths of the config (run.out_dir, model.hf_path) mean what they meant to the driver."""

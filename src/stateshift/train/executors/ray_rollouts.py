@@ -37,13 +37,13 @@ from typing import Any, TextIO
 
 from stateshift import Snapshot
 
+from ...errors import RolloutDiedError
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
-from ..rollout import Group
 from ..policies import Policy
+from ..rollout import Group
 from ..tasks.base import Task
 from .base import RolloutCapture, RolloutStats, SyncOutcome, take_in_slices
-from ...errors import RolloutDiedError
 from .placement import ROLLOUTER, TRAINER
 from .ray_actors import HubActor, RolloutActor
 from .ray_common import actor_class, cause_of, death_reason, wait_ready

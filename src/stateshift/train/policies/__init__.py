@@ -34,8 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..config import TrainConfig
 from ...errors import ConfigError
+from ..config import TrainConfig
 from ..rollout import check_weight, missing_weights
 from ..sampler import CausalLM
 from ..tasks.base import Task

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import TrainConfig
 from ...errors import ConfigError
+from ..config import TrainConfig
 from ..sampler import CausalLM, HFCausalLM
 from ..tasks.base import Task
 from .plain import TorchPolicy, rollout_lm_of
@@ -52,7 +52,7 @@ def init_world_of_one(device: torch.device) -> None:
                             rank=0, world_size=1)
 
 
-def qwen2_config(cfg: TrainConfig, task: Task):  # noqa: ANN201 - a transformers Qwen2Config
+def qwen2_config(cfg: TrainConfig, task: Task):  # -> a transformers Qwen2Config
     from transformers import Qwen2Config
 
     m = cfg.model

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TrainConfig
 from ...errors import ConfigError
+from ..config import TrainConfig
 from ..tasks.base import Task
 from ..warmup import Stepper
 from . import load_rollout_weights
