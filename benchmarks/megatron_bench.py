@@ -364,13 +364,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- pi_old cycle helper
     n = args.minibatches
-    noop = lambda mb: None
+    def noop(mb: Any) -> None:
+        return None
 
     def cycle_row(placement: str, rebuild: Any, how: str) -> None:
         forced = rebuild not in ("auto", None)
         cycle = PiOldCycle(state, placement=placement, rebuild=rebuild)  # type: ignore[arg-type]
         if how == "run":
-            fn = lambda: cycle.run(range(n), noop, noop)
+            def fn() -> None:
+                cycle.run(range(n), noop, noop)
         else:
             def fn() -> None:
                 cycle.begin()

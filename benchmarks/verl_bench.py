@@ -138,7 +138,7 @@ def _release_megatron(ddp: Any, opt: Any) -> None:
         if st is not None and not st.closed:
             try:
                 st.close()
-            except Exception as exc:  # a run that crashed (verl's functions) may leave what no close can mend
+            except Exception as exc:  # noqa: BLE001 - a run that crashed (verl's functions) may leave what no close can mend
                 print(f"  (closing a state of a failed run: {type(exc).__name__})", flush=True)
     tensors = [*torch.nn.Module.parameters(ddp), *torch.nn.Module.buffers(ddp)]
     for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers):
@@ -177,8 +177,8 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
         ddp, opt = mb.build_gpt(spec, args.device)
         mb.train_step(ddp, opt, mb.batch(spec, 0, args.device))
         nbytes = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
-        res = run_sequence(fns, [ddp], opt, forward=lambda s: mb.logits(ddp, mb.batch(spec, 100 + s, args.device)),
-                           train=lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device)), n=args.n,
+        res = run_sequence(fns, [ddp], opt, forward=lambda s: mb.logits(ddp, mb.batch(spec, 100 + s, args.device)),  # noqa: F821 - runs before the del below
+                           train=lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device)), n=args.n,  # noqa: F821 - runs before the del below
                            cycles=args.cycles, mix=mix, native_offload=megatron_native_offload, sync=_sync)
         final = weights([ddp]) if res.error is None else None
         _release_megatron(ddp, opt)
@@ -247,14 +247,14 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
         def train(step: int) -> None:
-            opt.zero_grad()
-            out = model(ids(step))
+            opt.zero_grad()  # noqa: F821 - runs before the del below
+            out = model(ids(step))  # noqa: F821 - runs before the del below
             torch.nn.functional.nll_loss(out.flatten(0, 1), ids(step).roll(-1, 1).flatten()).backward()
-            opt.step()
+            opt.step()  # noqa: F821 - runs before the del below
 
         def forward(step: int) -> torch.Tensor:
             with torch.no_grad():
-                return model(ids(1000 + step)).clone()
+                return model(ids(1000 + step)).clone()  # noqa: F821 - runs before the del below
 
         train(0)
         nbytes = sum(p._local_tensor.numel() * p._local_tensor.element_size() for p in model.parameters())
@@ -335,7 +335,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         if r.get("pi_old_cycle_seconds"):
             r["median_seconds"] = {**r["median_seconds"], "pi_old_cycle": r["pi_old_cycle_seconds"]}
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 4))
-    for ax, op in zip(axes, ops):
+    for ax, op in zip(axes, ops, strict=True):
         labels = [f"{r['model']}\n{r['mix']}\n{r['impl']}" for r in rows if op in r["median_seconds"]]
         vals = [r["median_seconds"][op] * 1e3 for r in rows if op in r["median_seconds"]]
         ax.barh(labels, vals, color=["tab:red" if lab.endswith("verl") else "tab:blue" for lab in labels])
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every case: a timeout keeps the rest
     try:
         _plot(result, out / f"{stem}.png")
-    except Exception as exc:  # a plot failure must not lose the numbers
+    except Exception as exc:  # noqa: BLE001 - a plot failure must not lose the numbers
         print(f"plot failed: {exc}")
     print(f"wrote {out / stem}.json")
     return 0

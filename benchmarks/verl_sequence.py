@@ -180,7 +180,7 @@ def run_sequence(fns: Fns, model: Any, opt: Any, *, forward: Callable[[int], tor
         load()
         if mix != "device":
             call("load_opt", fns.load_opt, opt)
-    except Exception as exc:  # recorded as it happens: the comparison reports it
+    except Exception as exc:  # noqa: BLE001 - recorded as it happens: the comparison reports it
         result.error = f"{type(exc).__name__}: {exc}"
         result.where = f"{call.step or 'start'}, in {call.where}: {traceback.format_exc(limit=-3)}"
     return result
@@ -189,7 +189,7 @@ def run_sequence(fns: Fns, model: Any, opt: Any, *, forward: Callable[[int], tor
 def compare(got: SequenceResult, ref: SequenceResult, final: dict[str, torch.Tensor] | None, ref_final: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Mismatching old log-probs (of those computed), whether the final weights equal the reference's, the error.
     ``final`` is ``None`` after an error (the weights may be released: reading them would fault)."""
-    wrong = sum(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(got.old, ref.old))
+    wrong = sum(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(got.old, ref.old, strict=True))
     final = final or {}
     same = final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
     differ = sorted(k for k in final if k in ref_final and not torch.equal(final[k], ref_final[k]))

@@ -201,7 +201,7 @@ def _worker_main(job: dict[str, Any]) -> None:
     # this rank's error from reaching the parent.
     try:
         conn.send(msg)
-    except Exception as exc:  # e.g. a result that pickled but cannot be sent
+    except Exception as exc:  # noqa: BLE001 - e.g. a result that pickled but cannot be sent
         conn.send(("error", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
     conn.close()
     if msg[0] == "ok":

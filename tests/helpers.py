@@ -89,7 +89,7 @@ def live(model, opt=None) -> dict[str, torch.Tensor]:
         if p.grad is not None:
             out[f"grad:{k}"] = p.grad.detach().cpu().clone()
     if opt is not None:
-        for i, (p, st) in enumerate(opt.state.items()):
+        for i, st in enumerate(opt.state.values()):
             for key, v in st.items():
                 if isinstance(v, torch.Tensor):
                     out[f"optim:{i}:{key}"] = v.detach().cpu().clone()

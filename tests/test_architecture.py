@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -311,7 +312,7 @@ def _looks_like_a_commit(word: str) -> bool:
     letters, digits = set(word) - set("0123456789"), set(word) & set("0123456789")
     if not letters or not digits or len(set(word)) < 5:
         return False
-    descents = sum(int(a, 16) > int(b, 16) for a, b in zip(word, word[1:]))
+    descents = sum(int(a, 16) > int(b, 16) for a, b in pairwise(word))
     return descents > 1
 
 

@@ -204,12 +204,12 @@ def plain_loops(tensors: list[torch.Tensor], *, repeat: int) -> dict[str, tuple[
     nbytes = sum(sizes)
     cuda = bool(data) and data[0].is_cuda
     block = torch.empty(starts[-1] + sizes[-1] if data else 0, dtype=torch.uint8, pin_memory=cuda)  # one allocation, as a user would
-    host = [block[a : a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, data)]
-    out = {"d2h": (nbytes, timed(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, data)], repeat=repeat)),
-           "h2d": (nbytes, timed(lambda: [t.copy_(h, non_blocking=True) for h, t in zip(host, data)], repeat=repeat))}
+    host = [block[a : a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, data, strict=True)]
+    out = {"d2h": (nbytes, timed(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat)),
+           "h2d": (nbytes, timed(lambda: [t.copy_(h, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat))}
     if cuda:
         dev = [torch.empty_like(t) for t in data]
-        out["d2d"] = (nbytes, timed(lambda: [d.copy_(t) for d, t in zip(dev, data)], repeat=repeat))
+        out["d2d"] = (nbytes, timed(lambda: [d.copy_(t) for d, t in zip(dev, data, strict=True)], repeat=repeat))
     return out
 
 
@@ -227,7 +227,7 @@ def measure_ceilings(nbytes: int, device: torch.device, *, repeat: int = 5) -> d
     host_b = torch.empty(nbytes, dtype=torch.uint8)
     host_a.fill_(1)
     host_b.fill_(2)
-    out = {"host_memcpy_gbps": nbytes / timed(lambda: host_b.copy_(host_a), repeat=repeat) / 1e9}
+    out = {"host_memcpy_gbps": nbytes / timed(lambda: host_b.copy_(host_a), repeat=repeat) / 1e9}  # noqa: F821 - runs before the del below
     if device.type == "cuda":
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -272,7 +272,7 @@ def git_sha() -> str:
     try:
         root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
         return "unknown"
 
 

@@ -329,7 +329,7 @@ def test_float16_optimizer_masters(udo):
     assert opt.fp32_from_fp32_groups == [[] for _ in opt.fp32_from_fp32_groups]
     before = [p.detach().clone() for p in models]
     fake_train_step(ddp, opt, _x())
-    for m, p, b in zip(masters, models, before, strict=True):
+    for m, p in zip(masters, models, strict=True):
         assert p.main_param is m and m.dtype == torch.float32
         assert torch.equal(p.detach(), m.to(torch.bfloat16))
         assert m.grad is p.main_grad  # .float() of an fp32 main_grad is the same tensor

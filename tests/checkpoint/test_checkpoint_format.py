@@ -76,7 +76,7 @@ class _Reader:
         unknown = [n for n in dsts if n not in where]
         if unknown:
             raise CheckpointMismatchError(unknown[0], "not stored in this checkpoint")
-        for f in sorted(set(where[n] for n in dsts)):
+        for f in sorted({where[n] for n in dsts}):
             self.ckpt.read_into(f, {n: d for n, d in dsts.items() if where[n] == f})
 
     def read_tensors(self, names=None) -> dict[str, torch.Tensor]:

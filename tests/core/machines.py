@@ -126,9 +126,9 @@ def first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
     if got.keys() != want.keys():
         return f"names differ: {sorted(got.keys() ^ want.keys())[:6]}"
     names = list(want)
-    if all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape for k in names):
-        if not names or torch.equal(torch.cat([bits(got[k]) for k in names]), torch.cat([bits(want[k]) for k in names])):
-            return None
+    alike = all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape for k in names)
+    if alike and (not names or torch.equal(torch.cat([bits(got[k]) for k in names]), torch.cat([bits(want[k]) for k in names]))):
+        return None
     for k in names:
         if not same(got[k], want[k]):
             return k
@@ -874,7 +874,7 @@ class Machine:
         assert state.closed
         while self.frames:
             frame = self.frames.pop()
-            self._call("exit_swap (after close)", lambda: frame.cm.__exit__(None, None, None))  # a no-op now
+            self._call("exit_swap (after close)", lambda: frame.cm.__exit__(None, None, None))  # noqa: B023 - a no-op now; called at once
             self._left(frame)
         self.wait_saves()
         for k, r in self.res.items():  # close() re-grows everything it released: offloaded values back, dropped as zeros
@@ -971,7 +971,7 @@ class Machine:
             t.snap.wait()
             diff = first_difference(dict(t.snap.views()), t.values)
             assert diff is None, f"live snapshot {t.snap.key} changed at {diff}"
-        keys = {k for k in core_of(self.state).snapshots.keys() if not k[0].startswith("_")}
+        keys = {k for k in core_of(self.state).snapshots if not k[0].startswith("_")}
         assert keys == set(self.stored), f"store holds {sorted(keys, key=str)}, expected {sorted(self.stored, key=str)}"
         for tag in {k[0] for k in self.stored}:
             versions = [v for (t, v) in self.stored if t == tag and v is not None]

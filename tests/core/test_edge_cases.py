@@ -467,7 +467,7 @@ def test_swap_tensors_conversion_works_while_a_state_and_a_snapshot_exist():
     try:
         old = [p.untyped_storage()._cdata for p in model.parameters()]
         model._apply(lambda t: t.clone().add_(1) if t.is_floating_point() else t.clone())  # a move: new storages
-        assert all(p.untyped_storage()._cdata != o for p, o in zip(model.parameters(), old))
+        assert all(p.untyped_storage()._cdata != o for p, o in zip(model.parameters(), old, strict=True))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
     state.restore(snap)

@@ -292,7 +292,7 @@ def _released_slots_with_old_views(n_bytes: list[int]):
     """Slots (storage + byte view cached the way ``Slot.bytes`` caches it) whose storage was then released
     by someone else (as Megatron's ``offload_to_cpu`` does: ``storage().resize_(0)``)."""
     storages = [torch.arange(n, dtype=torch.uint8).untyped_storage() for n in n_bytes]
-    views = [torch.empty(0, dtype=torch.uint8).set_(s, 0, (n,), (1,)) for s, n in zip(storages, n_bytes)]
+    views = [torch.empty(0, dtype=torch.uint8).set_(s, 0, (n,), (1,)) for s, n in zip(storages, n_bytes, strict=True)]
     for s in storages:
         s.resize_(0)
     return storages, views

@@ -201,7 +201,7 @@ def test_staged_runs_never_span_another_item():
     layout = Layout.build(infos)
     moving = [i for i, n in enumerate(sizes) if n != 4]  # the 4-byte items are copied elsewhere
     for run in _plan(sizes, list(layout.offsets), indices=moving).runs:
-        for i, n in enumerate(sizes):
+        for i in range(len(sizes)):
             if i not in moving:
                 assert not (run.start <= layout.offsets[i] < run.end), f"run [{run.start}, {run.end}) covers item {i}"
 

@@ -135,7 +135,7 @@ def test_no_aliasing_save_current_restore_old_restore_current(warmed):
     state.restore(current)
     state.onload()
     got = capture(state, state.forward_groups)
-    assert_same(got, {k: v for k, v in want.items()})
+    assert_same(got, dict(want))
     assert not torch.equal(got["embed.weight"].cpu(), pi_old.tensors()["embed.weight"].cpu())
 
 

@@ -316,9 +316,9 @@ def test_optimizer_step_inside_swapped_is_refused(how):
     fake_train_step(ddp, opt, _x(3))
     before = capture(state, ["params", "optim"])
     plugin = state.backends[1].rebuild_plugin()
-    with state.swapped(pi_old, rebuild={"params": plugin} if how == "rebuild" else None):
-        with pytest.raises(SwapActiveError, match="optimizer"):
-            fake_train_step(ddp, opt, _x(4))
+    rebuild = {"params": plugin} if how == "rebuild" else None
+    with state.swapped(pi_old, rebuild=rebuild), pytest.raises(SwapActiveError, match="optimizer"):
+        fake_train_step(ddp, opt, _x(4))
     assert_same(capture(state, ["params", "optim"]), before)
 
 

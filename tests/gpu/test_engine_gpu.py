@@ -80,7 +80,7 @@ def test_exchange_of_host_stash_and_host_snapshot_is_exact_under_concurrent_comp
     for _ in range(5):
         with state.swapped(snap, stash="host"):
             sums = [p.sum() for p in model]  # compute right after the async swap
-            for p, o, s in zip(model, old, sums, strict=True):
+            for _, o, s in zip(model, old, sums, strict=True):
                 assert torch.equal(s, o.sum())
         _same(model, cur)
         with torch.no_grad():  # a write right after the exit must not be undone by a late copy

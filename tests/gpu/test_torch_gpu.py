@@ -83,7 +83,7 @@ def test_pinned_pool_exact_sizes_and_reuse():
     s = core_of(state).pool.stats
     assert s.held_bytes == state.layout("params").total  # no power-of-two rounding
     assert all(p.host.data.is_pinned() for p in core_of(state).snapshots.get("a").parts)
-    for v in range(3):
+    for _ in range(3):
         state.snapshot("params", tag="a")
     assert core_of(state).pool.stats.allocations == s.allocations
 

@@ -249,7 +249,7 @@ def test_a_stand_in_worker_runs_verls_sequence_on_the_drop_ins_unchanged(fake_ve
     pi_old, got, want = None, [], []
     for step in range(6):
         k = step % 3 + 1
-        got.append(w.compute_old_log_prob(k, lambda: ddp(_x(50 + step)).detach().clone()))
+        got.append(w.compute_old_log_prob(k, lambda: ddp(_x(50 + step)).detach().clone()))  # noqa: B023 - called at once
         if k == 1:  # the current weights are pi_old: computed as they are (the forward's buffer updates stay)
             pi_old = ref.copy([twin])
             want.append(twin(_x(50 + step)).detach().clone())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -237,7 +238,7 @@ def test_fully_async_sequence_equals_a_reference_that_never_moved(config, mix):
     assert report["mismatches"] == 0 and report["computed"] == 6, report
     assert report["final_equal"], report
     # pi_old really is old: the recomputes of a cycle differ from what the current weights would give
-    assert not all(torch.equal(a, b) for a, b in zip(got.old[:3], got.old[1:3]))
+    assert not all(torch.equal(a, b) for a, b in pairwise(got.old[:3]))
 
 
 def test_the_sequence_driver_sees_a_snapshot_that_misses_the_expert_bias():
@@ -275,7 +276,7 @@ def test_random_sequences_of_every_function_against_a_twin_that_never_moves(seed
     models, ref = [ddp], reference_fns()
     handles: list[tuple[object, dict]] = []
     rng = torch.Generator().manual_seed(seed)
-    model_out, opt_out, step = False, False, 10
+    step = 10
 
     def check():
         V.load_megatron_model_to_gpu(models)
@@ -353,7 +354,7 @@ def test_two_threads_share_one_state_and_lose_nothing():
     def guarded(fn):
         try:
             fn()
-        except BaseException as exc:  # reported by the assertion below
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(f,)) for f in (snapshots, moves)]

@@ -92,7 +92,7 @@ def start_many(fn: Callable[..., None], args: list[tuple[Any, ...]], ready: Call
         out.append((proc, parent))
     if ready is not None:
         ready()
-    for proc, parent in out:
+    for _, parent in out:
         first = ask(parent, None)
         assert first[0] == "ready", first
     return out

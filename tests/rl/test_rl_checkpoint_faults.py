@@ -107,7 +107,7 @@ def _saves_until(proc, step: int) -> list[float]:
             durations.append(float(rest[0]))
         elif int(k) == step:
             return durations
-    raise AssertionError("the child ended before save %d: %s" % (step, proc.stderr.read()))
+    raise AssertionError(f"the child ended before save {step}: {proc.stderr.read()}")
 
 
 @pytest.mark.slow

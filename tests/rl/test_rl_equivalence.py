@@ -50,7 +50,7 @@ def test_pi_old_with_param_and_optimizer_offload(tmp_path):
     result = run(cfg)
     s = result.summary
     assert s["status"] == "finished" and result.steps == 8
-    records = [r for r in _records(result.out_dir)]
+    records = list(_records(result.out_dir))
     assert sum(r["pi_old_same_version_tokens"] for r in records) > 0
     assert max(r["pi_old_same_version_max_abs_diff"] for r in records) <= 1e-5
     # pi_old was really used (swaps while offloaded) and really differs from the current weights:

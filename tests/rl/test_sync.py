@@ -169,7 +169,8 @@ def test_publish_refuses_a_version_not_above_the_last(pub):
 
 def _rewrite_manifest(pub, version, edit):
     path = pub.mailbox.manifest_path(version)
-    obj = json.loads(open(path).read())
+    with open(path) as f:
+        obj = json.loads(f.read())
     raw = edit(obj)
     with open(path, "wb") as f:
         f.write(raw if isinstance(raw, bytes) else json.dumps(raw).encode())
@@ -232,7 +233,8 @@ def test_shared_pool_blocks_are_files_removed_when_freed(tmp_path):
     path, offset, nbytes = block.file
     assert os.path.getsize(path) == nbytes == 3 << 20 and offset == 0
     block.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    assert open(path, "rb").read(4) == bytes([1, 2, 3, 4])
+    with open(path, "rb") as f:
+        assert f.read(4) == bytes([1, 2, 3, 4])
     pool.release(block)
     assert pool.acquire(3 << 20) is block  # reused, same file
     pool.release(block)

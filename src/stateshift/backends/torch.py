@@ -217,7 +217,7 @@ class TorchModuleBackend:
         if "grads" not in self._lists or not all(map(operator.is_, grads, self._last_grads)):
             local, meta = self.to_local, self.meta_of
             self._last_grads = grads
-            self._lists["grads"] = [Entry(f"{n}.grad", "grads", local(g), meta(g)) for (n, _), g in zip(self._named, grads) if g is not None]
+            self._lists["grads"] = [Entry(f"{n}.grad", "grads", local(g), meta(g)) for (n, _), g in zip(self._named, grads, strict=True) if g is not None]
         return self._lists["grads"]
 
     def coverage(self) -> dict[str, list[str]]:

@@ -516,7 +516,7 @@ def _outside(m: MemberInfo, nbytes: int) -> str | None:
         return None
     if m.offset % itemsize:
         return f"offset {m.offset} is not a multiple of its element size ({itemsize})"
-    end = m.offset + (sum((n - 1) * st for n, st in zip(m.shape, m.stride)) + 1) * itemsize
+    end = m.offset + (sum((n - 1) * st for n, st in zip(m.shape, m.stride, strict=True)) + 1) * itemsize
     if end > nbytes:
         return f"its bytes [{m.offset}, {end}) lie outside its slot of {nbytes} bytes"
     return None

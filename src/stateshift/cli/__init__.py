@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from .bench import add_parser as _bench_parser
 from .inspect import add_parser as _inspect_parser

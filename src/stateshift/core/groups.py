@@ -368,7 +368,7 @@ class SlotTable:
             changed |= fresh
             seen[key] = slot
             slots.append(slot)
-        if changed or len(slots) != len(gs.slots) or any(a is not b for a, b in zip(slots, gs.slots)):
+        if changed or len(slots) != len(gs.slots) or any(a is not b for a, b in zip(slots, gs.slots, strict=True)):
             layout = Layout.build(tuple(s.info for s in slots))
             if [s.key for s in gs.slots] != [s.key for s in slots] or layout != gs.layout:
                 self._relayout(gs, slots, layout)
@@ -393,7 +393,7 @@ class SlotTable:
             old is not None
             and old.info.group == group
             and len(old.tensors) == len(es)
-            and all(e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members))
+            and all(e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members, strict=True))
         ):
             return old, False  # the same tensor objects under the same names: nothing to re-derive
         first = es[0]

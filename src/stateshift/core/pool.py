@@ -386,7 +386,7 @@ class HostPool:
                 try:
                     block.sync()
                     _cuda_unregister(block.data.data_ptr())
-                except Exception:  # interpreter shutdown: best effort
+                except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
                     pass
 
 

@@ -279,7 +279,7 @@ def _run_rebuild(core: Core, fn: Callable[[], None]) -> None:
         gs = core.groups.get(g)
         if gs is not None:
             moves_whole = core.device.storage.paused(g)  # an address-stable group is mapped back whole
-            idx = gs.select(lambda s: s.residency is Residency.HOST and (moves_whole or matches(s, wanted)))
+            idx = gs.select(lambda s: s.residency is Residency.HOST and (moves_whole or matches(s, wanted)))  # noqa: B023 - select calls it at once
             if idx:
                 lent.append((gs, idx))
     core.device.fill(lent)

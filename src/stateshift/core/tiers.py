@@ -142,7 +142,7 @@ class DeviceTier:
         """Device memory was released: hand it back to the driver if asked (``free_memory``)."""
         if not released or not self.free_memory or self.engine.device is None:
             return
-        if any(not gs.slots[i].device.type == "cpu" for gs, idx in released.items() for i in idx[:1]):
+        if any(gs.slots[i].device.type != "cpu" for gs, idx in released.items() for i in idx[:1]):
             torch.cuda.empty_cache()
 
     @staticmethod
@@ -210,7 +210,7 @@ class HostTier:
         """Copy the device-resident slots ``only`` selects into their homes and release their storage
         (``host``, ``disk`` and ``dropped`` slots stay as they are)."""
         moving = {gs: idx for gs in groups if (idx := gs.releasable(only, checked=True))}
-        fresh = self.reserve([gs for gs in moving])
+        fresh = self.reserve(list(moving))
         transfer = Transfer()
         for gs, idx in moving.items():
             home = self.install(gs, fresh.get(gs.name), rewriting=list(map(gs.slots.__getitem__, idx)))

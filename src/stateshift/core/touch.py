@@ -137,11 +137,10 @@ class _DispatchCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         released = _released
-        if released:
-            if getattr(func, "_overloadpacket", _NO_READ) not in _NO_READ:  # (a higher-order op has none)
-                slot = first_released(args, kwargs, released)
-                if slot is not None:
-                    raise _refuse(slot, str(func))
+        if released and getattr(func, "_overloadpacket", _NO_READ) not in _NO_READ:  # (a higher-order op has none)
+            slot = first_released(args, kwargs, released)
+            if slot is not None:
+                raise _refuse(slot, str(func))
         return func(*args, **(kwargs or {}))
 
 

@@ -115,7 +115,7 @@ class Transfer:
 
     def seconds(self) -> float:
         """Seconds the copies took: the longest timed device span, plus host copy time. Waits first."""
-        for start, end in self.timing:
+        for _, end in self.timing:
             end.synchronize()
         device = max((start.elapsed_time(end) / 1e3 for start, end in self.timing), default=0.0)
         return device + self.host_seconds
@@ -485,7 +485,7 @@ class CopyEngine:
         events = [s.record_event() for s in lanes]
         for e in events[1:]:
             current.wait_event(e)
-        timing = [pair for st, s in zip(starts, lanes) for pair in self._timed_end(st, s)]
+        timing = [pair for st, s in zip(starts, lanes, strict=True) for pair in self._timed_end(st, s)]
         t = Transfer(events, {"d2d": moved}, timing)
         return t.merged(self.copy(pairs)) if pairs else t
 
@@ -534,7 +534,7 @@ class CopyEngine:
         events = [d2h.record_event(), h2d.record_event()]
         for e in events:
             current.wait_event(e)
-        timing = [(st, s.record_event(torch.cuda.Event(enable_timing=True))) for st, s in zip(starts, (d2h, h2d)) if st is not None]
+        timing = [(st, s.record_event(torch.cuda.Event(enable_timing=True))) for st, s in zip(starts, (d2h, h2d), strict=True) if st is not None]
         return Transfer(events, {k: v for k, v in nbytes.items() if v}, timing)
 
     @staticmethod

@@ -128,7 +128,7 @@ def _originals(inst: Installation) -> dict[str, tuple[str, Any, Any]]:
     for modname, names in TARGETS.items():
         try:
             mod = importlib.import_module(modname)
-        except Exception as exc:  # an import of verl's module runs its module-level imports (megatron, peft, ...)
+        except Exception as exc:  # noqa: BLE001 - an import of verl's module runs its module-level imports (megatron, peft, ...)
             inst.skipped[modname] = f"not importable: {type(exc).__name__}: {exc}"
             continue
         for name in names:

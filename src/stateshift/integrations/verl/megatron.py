@@ -42,7 +42,7 @@ from .registry import SnapshotHandle, check_handle, model_state, optimizer_state
 def _flat_grads(name: str) -> bool:
     """The DDP flat grad buffers (and the ``main_grad`` views in them): released without values on offload;
     the ``.grad`` of params outside the buffers (unwrapped chunks) is kept, as verl keeps it."""
-    return name.endswith(".grad_data") or name.endswith(".main_grad")
+    return name.endswith((".grad_data", ".main_grad"))
 
 
 def _is_master(name: str) -> bool:

@@ -155,8 +155,8 @@ class Mailbox:
         paths = {self.path, self.alive_path(None), os.path.join(self.directory, self.prefix + ".lock")}
         paths |= {self.manifest_path(v) for v in versions} | {self.alive_path(r) for r in receivers}
         try:  # and whatever else carries the prefix: a receiver killed mid-write leaves its temporary file
-            paths |= {os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(self.prefix + ".")
-                      or n.startswith(self.prefix + "-v")}
+            ours = (self.prefix + ".", self.prefix + "-v")
+            paths |= {os.path.join(self.directory, n) for n in os.listdir(self.directory) if n.startswith(ours)}
         except OSError:
             pass
         for p in sorted(paths):

@@ -102,7 +102,6 @@ class AdditionTask:
     vocab_size = len(VOCAB)
     stop_token = STOP
     pad_token = PAD
-    max_prompt_len = PROMPT_LEN
 
     #: prompt tokens and the longest answer (the model's positions follow from them)
     max_prompt_len = PROMPT_LEN
