@@ -971,7 +971,7 @@ class Machine:
             t.snap.wait()
             diff = first_difference(dict(t.snap.views()), t.values)
             assert diff is None, f"live snapshot {t.snap.key} changed at {diff}"
-        keys = {k for k in core_of(self.state).snapshots if not k[0].startswith("_")}
+        keys = {k for k in core_of(self.state).snapshots.keys() if not k[0].startswith("_")}  # noqa: SIM118 - iterating gives Snapshots
         assert keys == set(self.stored), f"store holds {sorted(keys, key=str)}, expected {sorted(self.stored, key=str)}"
         for tag in {k[0] for k in self.stored}:
             versions = [v for (t, v) in self.stored if t == tag and v is not None]
