@@ -58,7 +58,7 @@ for _p in (ROOT / "src", ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from rl_gpu_train import verbs_fraction_of_step
+from rl_gpu_train import verbs_fraction_of_step  # noqa: E402
 
 FAMILIES = ("builtin", "megatron", "fsdp2", "hf")
 COMMON = ["trainer.param_offload=true", "trainer.old_logprob=pi_old", "run.progress=none", "run.tensorboard=false",
