@@ -131,6 +131,9 @@ class ModelConfig:
     """builtin, megatron, fsdp2: transformer blocks"""
     heads: int = 4
     """builtin, megatron, fsdp2: attention heads (must divide width)"""
+    positions: Literal["learned", "rotary"] = "learned"
+    """builtin: 'learned' position embeddings, or 'rotary' (attention sees offsets between tokens only: a lookup at
+    a constant distance back, as the long-tail task's copies are, holds at every position, trained or not)"""
     hf_path: str = ""
     """hf: a local directory with config.json and weights (model.safetensors, sharded ones with their index, or
     none: initialised from the config); fsdp2: if set, the initial weights and architecture instead of the built
@@ -140,6 +143,9 @@ class ModelConfig:
         for name in ("width", "layers", "heads"):
             _check(f"model.{name}", getattr(self, name) > 0, "must be > 0")
         _check("model.width", self.width % self.heads == 0, f"must be divisible by model.heads ({self.heads})")
+        _check("model.positions", self.positions in ("learned", "rotary"), "must be 'learned' or 'rotary'")
+        _check("model.positions", self.positions == "learned" or (self.width // self.heads) % 2 == 0,
+               "rotary needs an even head width (model.width / model.heads)")
         _check("model.hf_path", self.family != "hf" or bool(self.hf_path), "is required when model.family=hf")
 
 

@@ -94,7 +94,7 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable
     m = cfg.model
     if m.family == "builtin":
         gpt = GPTConfig(vocab=task.vocab_size, width=m.width, layers=m.layers, heads=m.heads,
-                        max_len=task.max_prompt_len + cfg.rollout.max_new_tokens)
+                        max_len=task.max_prompt_len + cfg.rollout.max_new_tokens, positions=m.positions)
 
         def fresh() -> nn.Module:
             return build_gpt(gpt, seed=cfg.run.seed).to(device)

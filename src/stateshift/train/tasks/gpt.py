@@ -44,6 +44,9 @@ class GPTConfig:
     layers: int = 2
     heads: int = 4
     max_len: int = 16
+    positions: str = "learned"
+    """'learned': an embedding per absolute position added to the input; 'rotary': rotary embeddings of each
+    position in every attention's queries and keys (attention then sees offsets between tokens only)"""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "width", "layers", "heads", "max_len"):
@@ -51,6 +54,28 @@ class GPTConfig:
                 raise ValueError(f"model.{name} must be > 0, not {getattr(self, name)}")
         if self.width % self.heads:
             raise ValueError(f"model.width ({self.width}) must be divisible by model.heads ({self.heads})")
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(f"model.positions must be 'learned' or 'rotary', not {self.positions!r}")
+        if self.positions == "rotary" and (self.width // self.heads) % 2:
+            raise ValueError(f"model.positions=rotary needs an even head width, not {self.width // self.heads}")
+
+
+#: (cos, sin) of each token's rotary angles, (batch, 1, tokens, head dim / 2); ``None`` with learned positions
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def rotary_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of ``positions`` (batch, tokens) times the ``head_dim / 2`` rotary frequencies ``base ** (-2i/d)``."""
+    freqs = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[:, None, :, None].float() * freqs
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x`` (batch, heads, tokens, head dim) with each pair (i, i + d/2) of its features turned by its angle."""
+    cos, sin = rope
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
 
 
 @dataclass(slots=True)
@@ -105,9 +130,11 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | SlotCache | None, layer: int,
-                slots: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+                slots: tuple[torch.Tensor | None, torch.Tensor] | None = None, rope: Rotary = None) -> torch.Tensor:
         b, t, w = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        if rope is not None:  # keys are cached turned: a query's dot product with one depends on their offset only
+            q, k = rotate(q, rope), rotate(k, rope)
         if isinstance(cache, SlotCache):
             assert slots is not None
             att = cache.attend(layer, q, k, v, *slots)
@@ -133,7 +160,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg or GPTConfig()
         self.tok = nn.Embedding(cfg.vocab, cfg.width)
-        self.pos = nn.Embedding(cfg.max_len, cfg.width)
+        self.pos = nn.Embedding(cfg.max_len, cfg.width) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
@@ -156,9 +183,9 @@ class TinyGPT(nn.Module):
             assert positions is not None, "a SlotCache needs positions"
             if int(positions.max()) >= self.cfg.max_len:
                 raise ValueError(f"position {int(positions.max())} is past model.max_len={self.cfg.max_len}")
-            x = self.tok(ids) + self.pos(positions)
+            x, rope = self._embed(ids, positions)
             for i, block in enumerate(self.blocks):
-                x = block(x, None, cache, i, (rows, positions))
+                x = block(x, None, cache, i, (rows, positions), rope)
             return self.head(self.ln_f(x))
         past = cache.length if cache is not None else 0
         if positions is None:
@@ -171,10 +198,16 @@ class TinyGPT(nn.Module):
             own = torch.zeros(t, past + t, dtype=torch.bool, device=ids.device)
             own[:, past:] = torch.eye(t, dtype=torch.bool, device=ids.device)
             mask = (causal & key_mask[:, None, :] | own)[:, None]
-        x = self.tok(ids) + self.pos(positions)
+        x, rope = self._embed(ids, positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, mask, cache, i)
+            x = block(x, mask, cache, i, rope=rope)
         return self.head(self.ln_f(x))
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rotary]:
+        """The blocks' input and rotary angles: token embeddings plus learned position ones, or with rotary angles."""
+        if self.pos is not None:
+            return self.tok(ids) + self.pos(positions), None
+        return self.tok(ids), rotary_angles(positions, self.cfg.width // self.cfg.heads)
 
 
 def build_gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> TinyGPT:
