@@ -27,7 +27,7 @@ Ours runs with the groups resident (``device``) and offloaded (``host``).
 every baseline's GB/s is in the run's ``ceilings``. Every save, ours and the
 baselines', writes a file or directory that does not exist yet (the previous
 one is removed untimed): stateshift never overwrites a checkpoint. The result
-file (``stateshift.bench``: JSON with ``machine``, ``torch``, ``stateshift``,
+file (``_harness.BenchResult``: JSON with ``machine``, ``torch``, ``stateshift``,
 ``ceilings`` and ``rows``, plus a PNG) is the one every benchmark writes. Loads read from the page cache unless ``--cold`` (then
 every file's cached pages are dropped with ``posix_fadvise(DONTNEED)`` before
 each load, for ours and the baselines).
@@ -48,9 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _harness as bench
 import torch
 
-from stateshift import ModelState, bench
+from stateshift import ModelState
 from stateshift.checkpoint import async_save, load, save
 from stateshift.core.engine import core_of
 from stateshift.models import TinyConfig, batch, build_default, lm_loss

@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stateshift import ModelState, bench
+import _harness as bench
+
+from stateshift import ModelState
 from stateshift.core.disk import O_DIRECT, DiskHome
 from stateshift.core.engine import core_of
 from stateshift.rl import PiOldCycle
@@ -151,10 +153,10 @@ def _timed(fn, setup=None, repeat: int = 1) -> float:
     for _ in range(repeat):
         if setup is not None:
             setup()
-        bench._sync()
+        bench.sync()
         t0 = time.perf_counter()
         fn()
-        bench._sync()
+        bench.sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -35,7 +35,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stateshift import ModelState, bench
+import _harness as bench
+
+from stateshift import ModelState
 from stateshift.core.engine import core_of
 from stateshift.models import TinyConfig, TinyTransformer, batch
 

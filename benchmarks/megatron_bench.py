@@ -7,7 +7,7 @@
 Rows (format: docs/design/result-format.md, backend ``megatron``), every ratio against
 ceilings measured in the same process on the params' byte count:
 
-- every verb of ``stateshift.bench.bench_state`` on the params group:
+- every verb of ``_harness.bench_state`` on the params group:
   snapshot / restore of device-resident params (host and device placement),
   offload / onload, snapshot / restore of offloaded params (zero-copy),
   swap, and the engine-level pi_old cycle (stash + write back);
@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device", file=sys.stderr)
         return 2
-    from stateshift import ModelState, bench as sb
+    import _harness as sb
+
+    from stateshift import ModelState
     from stateshift.rl import PiOldCycle, find_rebuild
 
     t_start = time.perf_counter()

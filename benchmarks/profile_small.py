@@ -9,9 +9,9 @@ import pstats
 import time
 
 import torch
+from _harness import ManySmall
 
 from stateshift import ModelState
-from stateshift.bench import ManySmall
 from stateshift.core.engine import core_of
 
 parser = argparse.ArgumentParser(description=__doc__)

@@ -310,7 +310,8 @@ def main() -> None:
         extra += ["trainer.steps=12", "warmup.steps=20", "run.eval_every=4", "task.heldout_size=100"]
     import torch
 
-    from stateshift.bench import git_sha
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _harness import git_sha
 
     work = Path(tempfile.mkdtemp(prefix="rl-gpu-"))
     result: dict[str, Any] = {

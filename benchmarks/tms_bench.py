@@ -26,7 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from stateshift import ModelState, bench  # noqa: E402
+import _harness as bench  # noqa: E402
+
+from stateshift import ModelState  # noqa: E402
 
 
 def _timed(fn, setup, repeat):

@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(combine(args.combine, args.out)))
         return 0
     import torch
-
-    from stateshift.bench import git_sha
+    from _harness import git_sha
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.small else "cpu"
     slug = "cpu-small" if args.small else "h100" if "H100" in device else "h200" if "H200" in device else "gpu"

@@ -316,7 +316,7 @@ def child(args: argparse.Namespace) -> int:
     rows = _fsdp2_case(args, impls) if args.case == "fsdp2" else _megatron_case(args.case, args, impls)
     nbytes = max((r["bytes"] for r in rows), default=0)
     if nbytes:
-        from stateshift.bench import measure_ceilings
+        from _harness import measure_ceilings
 
         info["ceilings"] = measure_ceilings(nbytes, torch.device(args.device))
     Path(args.part).write_text(json.dumps({"rows": rows, **{f"{args.case}_{k}" if k == "ceilings" else k: v for k, v in info.items()}}))
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from stateshift.bench import git_sha, host_facts
+    from _harness import git_sha, host_facts
 
     result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                               "torch": torch.__version__, "stateshift": git_sha(), "host": {"name": socket.gethostname(), **host_facts()},

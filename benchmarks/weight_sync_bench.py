@@ -54,7 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from stateshift import ModelState, bench  # noqa: E402
+import _harness as bench  # noqa: E402
+
+from stateshift import ModelState  # noqa: E402
 from stateshift.core.engine import core_of  # noqa: E402
 from stateshift.core.pool import HostPool  # noqa: E402
 from stateshift.rl.sync import WeightPublisher, WeightReceiver  # noqa: E402

@@ -162,7 +162,6 @@ def test_a_staged_run_without_gaps_moves_in_one_call_and_makes_no_view_per_slot(
     """A staged run whose slots fill it (no padding between them) is gathered by one ``cat`` and scattered
     by one ``split_with_sizes_copy``: a verb makes no Python view per slot (2000 small slots made 2000
     per verb); a run with gaps still splits its span. Values round-trip bit for bit either way."""
-    from stateshift.bench import ManySmall
     from stateshift.core import transfer
     from stateshift.core.transfer import plan
 
@@ -176,7 +175,7 @@ def test_a_staged_run_without_gaps_moves_in_one_call_and_makes_no_view_per_slot(
     views = []
     real = transfer.Run.views
     monkeypatch.setattr(transfer.Run, "views", lambda self, span: views.append(self) or real(self, span))
-    model = ManySmall(300, 1024)
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(512, dtype=torch.bfloat16)) for _ in range(300))
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.fill_(i)

@@ -1,16 +1,21 @@
-"""``stateshift bench``: every verb in every residency on the built-in model, as ratios to ceilings."""
+"""``stateshift bench``: every verb in every residency on the built-in GPT, as ratios to ceilings (``timing``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import __version__
 from ..core.engine import core_of
+from ..core.state import ModelState
 from ..errors import UsageError
+from ..train.tasks.gpt import GPTConfig, build_gpt, next_token_loss, random_ids
+from . import timing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -20,15 +25,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="time every verb in every residency on the built-in model",
         description=(
-            "Build the built-in transformer, take one training step (so grads and Adam state exist), then time "
-            "snapshot / restore / offload / onload / swap / pi_old cycle of its parameters in each residency, and "
-            "print GB/s and the ratio to ceilings measured in the same run (pinned copies of the same bytes; a host "
-            "memcpy on CPU-only machines)."
+            "Build the built-in GPT (the model of 'stateshift train'), take one training step (so grads and Adam "
+            "state exist), then time snapshot / restore / offload / onload / swap / pi_old cycle of its parameters "
+            "in each residency, and print GB/s and the ratio to ceilings measured in the same run (pinned copies of "
+            "the same bytes; a host memcpy on CPU-only machines). Many small tensors, plots and the provenance of "
+            "committed results: benchmarks/verbs_bench.py in the source tree."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's shape, the device, the timing and the output file (``benchmarks/verbs_bench.py`` adds its own)."""
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=256, help="model width")
+    p.add_argument("--width", type=int, default=256, help="model width")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
@@ -36,33 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:N]'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--minibatches", type=int, default=4, help="N of the pi_old cycle")
-    p.add_argument("--small", action="append", default=None, metavar="COUNTxSIZE",
-                   help="also time snapshot/restore/offload/onload of COUNT bf16 tensors of SIZE each beside a plain "
-                   "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none; 'none': no small "
-                   "cases)")
-    p.add_argument("--small-tensors", type=int, default=0, help="one more small case: this many tensors ...")
-    p.add_argument("--small-numel", type=int, default=65536, help="... of this many bf16 elements each")
     p.add_argument("--json", type=Path, default=None,
                    help="write the results here (format: docs/design/result-format.md)")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the ratios here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=cmd_bench)
-
-
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def parse_small(spec: str) -> tuple[int, int]:
-    """``"2000x512KiB"`` -> (2000, 524288)."""
-    count, _, size = spec.partition("x")
-    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if size.endswith(u)), "B")
-    try:
-        n, nbytes = int(count), int(size.removesuffix(unit)) * _UNITS[unit]
-    except ValueError:
-        raise UsageError(f"--small {spec!r}: use COUNTxSIZE, e.g. 2000x512KiB or 20000x16KiB") from None
-    if n < 1 or nbytes < 2:
-        raise UsageError(f"--small {spec!r}: the count must be >= 1 and the size >= 2 bytes")
-    return n, nbytes
 
 
 def _device(spec: str) -> torch.device:
@@ -81,36 +69,28 @@ def _device(spec: str) -> torch.device:
     return device
 
 
-def _check_args(args: argparse.Namespace) -> tuple[torch.device, Any]:
-    """Every value checked before the run: a mistake costs nothing but its error message."""
-    from ..models import TinyConfig
+def check_args(args: argparse.Namespace) -> tuple[torch.device, GPTConfig]:
+    """Every value checked before the run: a mistake costs nothing but its error message.
 
-    for name in ("repeat", "minibatches", "small_numel"):
+    Args:
+        args: the parsed command line (``add_arguments``).
+
+    Returns:
+        The device to run on and the model's shape.
+
+    Raises:
+        UsageError: a value out of range, a device that does not exist, an output that cannot be written.
+    """
+    for name in ("repeat", "minibatches"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
-    if args.small_tensors < 0:
-        raise UsageError(f"--small-tensors must be >= 0, not {args.small_tensors}")
-    if args.small is not None and "none" in args.small and len(args.small) > 1:
-        raise UsageError("--small none cannot be given with other --small cases")
-    args.small_cases = [parse_small(spec) for spec in (args.small or []) if spec != "none"]
-    if args.small_tensors:
-        args.small_cases.append((args.small_tensors, 2 * args.small_numel))
+            raise UsageError(f"--{name} must be >= 1, not {getattr(args, name)}")
     device = _device(args.device)
-    if args.small is None and device.type == "cuda":
-        args.small_cases[:0] = [(2000, 512 << 10), (20000, 16 << 10)]
     try:
-        cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                         dtype=DTYPES[args.dtype])
+        cfg = GPTConfig(vocab=args.vocab, width=args.width, layers=args.layers, heads=args.heads, max_len=args.seq)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'stateshift[bench]'") from None
-    for path in (args.json, args.plot):
-        if path is not None:
-            _check_writable(Path(path))
+        raise UsageError(str(exc).replace("model.", "--").replace("max_len", "seq")) from None
+    if args.json is not None:
+        _check_writable(Path(args.json))
     return device, cfg
 
 
@@ -128,40 +108,37 @@ def _check_writable(path: Path) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .. import bench
-
     try:
-        device, cfg = _check_args(args)
+        device, cfg = check_args(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    state, model_info = _build(cfg, device, args.dtype)
-    nbytes = state.nbytes("params")
-    ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
-    progress = bench.Progress(13 + 4 * len(args.small_cases), enabled=not args.no_progress)
-    result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
-                               ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()})
-    rows, extra = bench.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
-                                    cycle_minibatches=args.minibatches, progress=progress)
-    result.rows += rows
-    result.extra.update(model=model_info, **extra)
-    for count, nbytes in args.small_cases:
-        result.rows += bench.bench_small(count, nbytes, device, repeat=args.repeat, progress=progress)
-    result.extra["full_state"] = bench.memory_handed_back(state)
-    result.extra["pool"] = core_of(state).pool.stats.as_dict()
-    _report(result, state, ceilings)
-    bench.save(result, args.json, args.plot)
+    state, model_info = build(cfg, device, args.dtype)
+    progress = timing.Progress(13, enabled=not args.no_progress)
+    result, ceilings = measure(state, args, progress)
+    result.extra["model"] = model_info
+    finish(result, state)
+    report(result, state, ceilings)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
     return 0
 
 
-def _build(cfg: Any, device: torch.device, dtype: str) -> tuple[Any, dict[str, Any]]:
-    """The built-in model after one training step (grads and Adam state exist), and its ``ModelState``."""
-    from ..core.state import ModelState
-    from ..models import batch, build_default, lm_loss
+def build(cfg: GPTConfig, device: torch.device, dtype: str) -> tuple[ModelState, dict[str, Any]]:
+    """The built-in GPT after one training step (grads and Adam state exist), and its ``ModelState``.
 
-    model = build_default(cfg, device=device)
+    Args:
+        cfg: the model's shape.
+        device: where the model lives.
+        dtype: a key of ``DTYPES``, the parameters' dtype.
+
+    Returns:
+        The state over the model and its optimizer, and the model's facts for the result file.
+    """
+    model = build_gpt(cfg).to(device=device, dtype=DTYPES[dtype])
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    lm_loss(model, batch(cfg, 0, device=device)).backward()
+    next_token_loss(model, random_ids(cfg, 0, device=device)).backward()
     opt.step()
     state = ModelState(model, opt)
     nbytes = state.nbytes("params")
@@ -171,13 +148,44 @@ def _build(cfg: Any, device: torch.device, dtype: str) -> tuple[Any, dict[str, A
     return state, {"params": params, "param_bytes": nbytes, "dtype": dtype}
 
 
-def _report(result: Any, state: Any, ceilings: dict[str, float]) -> None:
+def measure(state: ModelState, args: argparse.Namespace,
+            progress: timing.Progress) -> tuple[timing.BenchResult, dict[str, float]]:
+    """The ceilings on the params' bytes, then every verb in every residency (``timing.bench_state``).
+
+    Args:
+        state: the state from ``build``.
+        args: the parsed command line (``repeat``, ``minibatches``).
+        progress: the progress display, one step per row.
+
+    Returns:
+        The result (its rows, no provenance: ``stateshift`` is the installed version) and the raw ceilings.
+    """
+    device = core_of(state).engine.device or torch.device("cpu")
+    ceilings = timing.measure_ceilings(state.nbytes("params"), device, repeat=args.repeat)
+    result = timing.BenchResult(machine=timing.machine_name(device), torch=torch.__version__, stateshift=__version__,
+                                ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()})
+    rows, extra = timing.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
+                                     cycle_minibatches=args.minibatches, progress=progress)
+    result.rows += rows
+    result.extra.update(extra)
+    return result, ceilings
+
+
+def finish(result: timing.BenchResult, state: ModelState) -> None:
+    """Add one offload of the whole state (``full_state``) and the pinned pool's counters (``pool``)."""
+    result.extra["full_state"] = timing.memory_handed_back(state)
+    result.extra["pool"] = core_of(state).pool.stats.as_dict()
+
+
+def report(result: timing.BenchResult, state: ModelState, ceilings: dict[str, float]) -> None:
+    """Print the rows, the ceilings, the pinned pool and the full offload."""
     stats = core_of(state).pool.stats
     print()
     print(result.table())
     print()
     print("ceilings (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
-    print(f"host: {result.host['cpu']}; Python workload {result.host['python_us']:.0f} us (host-bound rows scale with it)")
+    if result.host:
+        print(f"host: {result.host['cpu']}; Python workload {result.host['python_us']:.0f} us (host-bound rows scale with it)")
     if "d2h_gbps" not in ceilings:
         print("CPU only: 'device' rows are the model's own (CPU) memory, every copy is a host memcpy, "
               "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)")

@@ -1,4 +1,5 @@
-"""A small GPT with a KV cache: the built-in policy of ``stateshift train``.
+"""A small GPT with a KV cache: the built-in policy of ``stateshift train``, the model ``stateshift bench``
+times and the tests' model (``random_ids`` and ``next_token_loss`` drive it outside the trainer).
 
 About 100K parameters at the default shape (2 layers, width 64, 4 heads,
 vocabulary 14). Learned positions, pre-norm blocks, untied output head, no
@@ -215,3 +216,15 @@ def build_gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> TinyGPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TinyGPT(cfg)
+
+
+def random_ids(cfg: GPTConfig, step: int, *, size: int = 4, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``size`` rows of ``cfg.max_len`` random token ids, the same for the same ``step`` (``stateshift bench``, the tests)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, cfg.vocab, (size, cfg.max_len), generator=g).to(device)
+
+
+def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Cross entropy, in float32, of predicting each token of ``ids`` (batch, tokens) from those before it."""
+    logits = model(ids[:, :-1]).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))

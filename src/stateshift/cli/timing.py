@@ -1,4 +1,4 @@
-"""Benchmarks: every verb in every residency, as ratios to ceilings measured in the same run.
+"""Timing of ``stateshift bench``: every verb in every residency, as ratios to ceilings measured in the same run.
 
 Ceilings (same process, same byte count): a pinned device-to-host and
 host-to-device copy between preallocated buffers, a device-to-device copy
@@ -14,25 +14,25 @@ same way (ceiling ``d2d_queued_gbps``). Rows with a ``loop_gbps`` compare with
 the plain ``copy_`` loop a user would write over the same tensors
 (``plain_loops``), timed the same way in the same run.
 
-Result files follow ``docs/design/result-format.md`` (``BenchResult.to_json``).
+Result files follow ``docs/design/result-format.md`` (``BenchResult.to_json``). The provenance of committed
+results (the commit, the host's CPU and Python speed), plots and the probes of many small tensors live in
+``benchmarks/_harness.py``: the library runs no subprocess and imports no plotting package.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .core.engine import core_of
-from .core.state import ModelState
+from ..core.engine import core_of
+from ..core.state import ModelState
 
 
 @dataclass
@@ -66,8 +66,8 @@ class BenchResult:
     ceilings: dict[str, float]
     rows: list[Row] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    #: the host CPU and its Python speed (``host_facts``): verbs on many small tensors are bound by it
-    host: dict[str, Any] = field(default_factory=lambda: host_facts())
+    #: the host CPU and its Python speed (``benchmarks/_harness.py: host_facts``; empty from ``stateshift bench``)
+    host: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -119,7 +119,7 @@ class Progress:
         sys.stderr.flush()
 
 
-def _sync() -> None:
+def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -130,10 +130,10 @@ def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = 1, setup: Callabl
     for i in range(warmup + repeat):
         if setup is not None:
             setup()
-        _sync()
+        sync()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -171,15 +171,15 @@ def timed_device(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> floa
     device = torch.device("cuda", torch.cuda.current_device())
     host = []
     for _ in range(max(1, warmup)):
-        _sync()
+        sync()
         t0 = time.perf_counter()
         fn()
         host.append(time.perf_counter() - t0)
-        _sync()
+        sync()
     lead = int(max(2e-3, 3 * max(host)) * _sleep_rate(device))
     times = []
     for _ in range(repeat):
-        _sync()
+        sync()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(lead)
         start.record()
@@ -187,7 +187,7 @@ def timed_device(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> floa
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    _sync()
+    sync()
     return statistics.median(times)
 
 
@@ -263,49 +263,12 @@ def _both_ways(pinned: torch.Tensor, dev_a: torch.Tensor, dev_b: torch.Tensor) -
     torch.cuda.current_stream(dev).wait_stream(s2)
 
 
-def git_sha() -> str:
-    """The commit measured: $STATESHIFT_GIT_SHA (set where the tree travels without .git), else git."""
-    import os
-
-    if os.environ.get("STATESHIFT_GIT_SHA"):
-        return os.environ["STATESHIFT_GIT_SHA"]
-    try:
-        root = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-        return "unknown"
-
-
-def host_facts() -> dict[str, Any]:
-    """The host CPU's model name and ``python_us``: the median time of a fixed pure-Python workload (a walk
-    over 2000 small objects, the kind of work a verb does per slot). Two runs on hosts whose figures differ
-    are not comparable for host-bound rows (many small tensors, isolated device-placed verbs)."""
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    objs = [Row("", "", "", "", i, 0.0, 0.0, 0.0, "") for i in range(2000)]
-
-    def work() -> int:
-        return sum(r.bytes for r in objs if r.ratio == 0.0) + len([r for r in objs if r.note == ""])
-
-    times = []
-    for _ in range(21):
-        t0 = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - t0)
-    return {"cpu": cpu, "python_us": round(sorted(times)[len(times) // 2] * 1e6, 1)}
-
-
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).replace("NVIDIA ", "")
         return f"{torch.cuda.device_count()}x {name}"
-    import os
-
     return f"cpu ({os.cpu_count()} cores)"
+
 
 
 @dataclass
@@ -392,7 +355,7 @@ class VerbBench:
         mem_before = torch.cuda.memory_allocated(self.dev) if self.cuda else 0
         self.add("offload", "device", timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r), self.d2h, d2h_name, loop="d2h")
         if self.cuda:
-            _sync()
+            sync()
             self.extra.update(gpu_allocated_before_offload=mem_before, tracked_bytes=self.nbytes,
                               gpu_allocated_after_offload=torch.cuda.memory_allocated(self.dev))
         self.add("onload", "host", timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r), self.h2d, h2d_name, loop="h2d")
@@ -446,7 +409,7 @@ class VerbBench:
         for key in [("bench", None), ("bench-saved", None), ("bench-saved-dev", None), ("pi_old", None)]:
             if key in core_of(self.state).snapshots:
                 self.state.release(core_of(self.state).snapshots.get(*key))
-        _sync()
+        sync()
 
 
 def bench_state(
@@ -471,45 +434,6 @@ def bench_state(
     return b.rows, b.extra
 
 
-def write_plot(result: BenchResult, path: Path) -> bool:
-    """A bar chart of ratios to the ceiling; returns False (and says why) when matplotlib is missing."""
-    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}" for r in result.rows]
-    return plot_ratios(labels, [r.ratio for r in result.rows], f"stateshift {result.stateshift} on {result.machine}", path)
-
-
-def plot_ratios(labels: list[str], ratios: list[float], title: str, path: Path, *,
-                ylabel: str = "throughput / ceiling", target: float = 0.9) -> bool:
-    """Bars of ratios (default: throughput over ceiling, 0.9 drawn as the target line); False (said on
-    stderr) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no plot written to {path} (pip install 'stateshift[bench]')", file=sys.stderr)
-        return False
-    capped = [min(r, 2.0) for r in ratios]
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5))
-    ax.bar(range(len(labels)), capped, color=["tab:green" if r >= target else "tab:orange" for r in capped])
-    ax.axhline(target, color="gray", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel(f"{ylabel} (capped at 2)")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) -> None:
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=1))
-    if plot_path is not None:
-        write_plot(result, plot_path)
-
-
 def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One offload of ``groups`` (default all) as configured (``free_device_memory``): what PyTorch's
     allocator and the driver got back, and the speed of the onload that follows. ``{}`` without CUDA.
@@ -520,73 +444,21 @@ def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None)
     if dev is None:
         return {}
     total = state.nbytes(groups)
-    _sync()
+    sync()
     a0, r0, f0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
     held = core_of(state).pool.stats.held_bytes
     t0 = time.perf_counter()
     state.offload(groups)
-    _sync()
+    sync()
     t_off = time.perf_counter() - t0
     pinned = core_of(state).pool.stats.held_bytes - held
     a1, r1, f1 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
     t0 = time.perf_counter()
     state.onload(groups)
-    _sync()
+    sync()
     t_on = time.perf_counter() - t0
     return {"bytes": total, "allocated_drop_bytes": a0 - a1, "reserved_drop_bytes": r0 - r1, "driver_free_gain_bytes": f1 - f0,
             "free_device_memory": state.free_device_memory, "offload_gbps": total / t_off / 1e9, "homes_pinned_bytes": pinned,
             "onload_after_gbps": total / t_on / 1e9}
 
 
-# --------------------------------------------------------------------------- many small tensors
-
-
-class ManySmall(torch.nn.Module):
-    """``count`` parameters of ``nbytes`` bytes each (bf16): the worst case for per-copy overhead."""
-
-    def __init__(self, count: int, nbytes: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__()
-        numel = max(1, nbytes // dtype.itemsize)
-        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(numel, dtype=dtype, device=device)) for _ in range(count))
-
-
-def size_label(nbytes: int) -> str:
-    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= div and nbytes % div == 0:
-            return f"{nbytes // div}{unit}"
-    return f"{nbytes}B"
-
-
-def bench_small(count: int, nbytes: int, device: torch.device, *, repeat: int = 5,
-                progress: Progress | None = None) -> list[Row]:
-    """Snapshot, restore, offload and onload of ``count`` tensors of ``nbytes``, each beside the plain loop
-    a user would write: ``copy_(non_blocking=True)`` per tensor into (or from) preallocated host memory.
-    The ratios are to ceilings measured here, on this case's own byte count (named in each row's note)."""
-    model = ManySmall(count, nbytes, device)
-    params = list(model.parameters())
-    state = ModelState(model, free_device_memory=False)  # the copies alone, like the loop (memory: see full_state)
-    total = state.nbytes("params")
-    ceilings = measure_ceilings(total, device, repeat=repeat)
-    loops = plain_loops(params, repeat=repeat)
-    snap = state.snapshot("params", tag="small")
-    ops = {
-        "snapshot": ("d2h", lambda: state.snapshot("params", tag="small-b"), None),
-        "restore": ("h2d", lambda: state.restore(snap), None),
-        "offload": ("d2h", lambda: state.offload("params"), lambda: state.onload("params")),
-        "onload": ("h2d", lambda: state.onload("params"), lambda: state.offload("params")),
-    }
-    case = f"small-{size_label(nbytes)}"
-    rows = []
-    for op, (direction, fn, setup) in ops.items():
-        t = timed(fn, repeat=repeat, setup=setup)
-        ceiling = ceilings.get(f"{direction}_gbps", ceilings["host_memcpy_gbps"])
-        gbps, loop = total / t / 1e9, loops[direction][0] / loops[direction][1] / 1e9
-        rows.append(Row("torch", op, "device" if op in ("snapshot", "offload", "restore") else "host", device.type, total, t,
-                        gbps, gbps / ceiling, direction if device.type == "cuda" else "host_memcpy",
-                        f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s; ceiling {ceiling:.1f} GB/s",
-                        case, loop, gbps / loop))
-        if progress is not None:
-            progress.step(f"{op} ({case})")
-    state.onload()
-    state.close()
-    return rows
