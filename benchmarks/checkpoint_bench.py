@@ -54,7 +54,7 @@ import torch
 from stateshift import ModelState
 from stateshift.checkpoint import async_save, load, save
 from stateshift.core.engine import core_of
-from stateshift.models import TinyConfig, batch, build_default, lm_loss
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt, next_token_loss, random_ids
 
 VERIFIED = "safetensors.load_file+crc32"
 """The simplest verified load a user would write (the ``vs_loop`` baseline of the load rows)."""
@@ -151,16 +151,15 @@ class _Many(torch.nn.Module):
 
 
 def _build(args: argparse.Namespace, device: torch.device) -> tuple[ModelState, dict[str, torch.Tensor], tuple[str, ...]]:
-    cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                     dtype=DTYPES[args.dtype])
+    cfg = GPTConfig(vocab=args.vocab, width=args.hidden, layers=args.layers, heads=args.heads, max_len=args.seq)
     if args.many:
         model: torch.nn.Module = _Many(args.many, args.many_kib, DTYPES[args.dtype], device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         sum(p.sum() for p in model.parameters()).backward()
     else:
-        model = build_default(cfg, device=device)
+        model = build_gpt(cfg).to(device=device, dtype=DTYPES[args.dtype])
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        lm_loss(model, batch(cfg, 0, size=1, device=device)).backward()
+        next_token_loss(model, random_ids(cfg, 0, size=1, device=device)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     groups = ("params", "buffers", "optim") if args.groups == "all" else ("params", "buffers")

@@ -39,7 +39,7 @@ import _harness as bench
 
 from stateshift import ModelState
 from stateshift.core.engine import core_of
-from stateshift.models import TinyConfig, TinyTransformer, batch
+from stateshift.train.tasks.gpt import GPTConfig, TinyGPT, random_ids
 
 #: the rows whose target is >= 0.9 of the pinned ceiling
 TARGETS = (("snapshot", "device"), ("restore", "device"), ("offload", "device"), ("onload", "host"))
@@ -82,20 +82,20 @@ def init_distributed(device: torch.device) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def build(cfg: TinyConfig, device: torch.device) -> torch.nn.Module:
-    """The default transformer, initialised on the device, ``fully_shard`` per block and at the root."""
+def build(cfg: GPTConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The built-in GPT in ``dtype``, initialised on the device, ``fully_shard`` per block and at the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = TinyTransformer(cfg)
+        model = TinyGPT(cfg).to(dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     with torch.no_grad():  # lazy init; leaves the root unsharded, as an RL log-prob pass does
-        model(batch(cfg, 0, device=device))
+        model(random_ids(cfg, 0, device=device))
     return model
 
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     try:
-        cfg = TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, dtype=DTYPES[args.dtype])
+        cfg = GPTConfig(vocab=args.vocab, width=args.hidden, layers=args.layers, heads=args.heads, max_len=32)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         t0 = time.perf_counter()
-        model = build(cfg, device)
+        model = build(cfg, DTYPES[args.dtype], device)
         state = ModelState(model)
         assert [b.name for b in state.backends] == ["fsdp2"], state.backends
         nbytes = state.nbytes("params")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         result.extra.update(
             what="fsdp2",
             world_size=world,
-            model={"kind": "TinyTransformer, fully_shard per block + root", "params": params, "param_bytes_per_rank": nbytes,
+            model={"kind": "TinyGPT, fully_shard per block + root", "params": params, "param_bytes_per_rank": nbytes,
                    "dtype": args.dtype, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
             pool=stats.as_dict(),
             **extra,

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from stateshift import ModelState
-from stateshift.models import TinyConfig, batch, build_default, lm_loss
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt, next_token_loss, random_ids
 
 
 def step_time(model, opt, cfg, device, repeat: int) -> float:
@@ -31,12 +31,12 @@ def step_time(model, opt, cfg, device, repeat: int) -> float:
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
     times = []
     for i in range(repeat + 3):
-        ids = batch(cfg, i, size=8, device=device)
+        ids = random_ids(cfg, i, size=8, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = clock()
         opt.zero_grad()
-        lm_loss(model, ids).backward()
+        next_token_loss(model, ids).backward()
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -68,10 +68,10 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    cfg = TinyConfig(vocab=1024, hidden=args.hidden, layers=args.layers, heads=4, seq=64)
-    model = build_default(cfg, device=device)
+    cfg = GPTConfig(vocab=1024, width=args.hidden, layers=args.layers, heads=4, max_len=64)
+    model = build_gpt(cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    other = ModelState(build_default(TinyConfig(vocab=64, hidden=32, layers=1, heads=4, seq=8), device=device))
+    other = ModelState(build_gpt(GPTConfig(vocab=64, width=32, layers=1, heads=4, max_len=8)).to(device))
     rows = []
     for round_ in range(3):  # alternate, so drift on a shared machine hits all three
         plain = step_time(model, opt, cfg, device, args.repeat)

@@ -20,12 +20,12 @@ import torch
 
 from stateshift import ModelState
 from stateshift.core.engine import core_of
-from stateshift.models import TinyConfig, build_default
+from stateshift.train.tasks.gpt import GPTConfig, build_gpt
 
 
 def _torch_state() -> ModelState:
-    cfg = TinyConfig(vocab=64, hidden=64, layers=6, heads=4, seq=8, dtype=torch.bfloat16)
-    return ModelState(build_default(cfg))
+    cfg = GPTConfig(vocab=64, width=64, layers=6, heads=4, max_len=8)
+    return ModelState(build_gpt(cfg).to(torch.bfloat16))
 
 
 def _megatron_state() -> ModelState:

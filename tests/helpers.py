@@ -7,20 +7,54 @@ same correctness suite runs in CI and on the GPU machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from stateshift import ModelState
-from stateshift.models import TinyConfig, batch, build_default, lm_loss
+from stateshift.train.tasks.gpt import GPTConfig, TinyGPT, next_token_loss as lm_loss, random_ids as batch
 
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
-SMALL = TinyConfig(vocab=64, hidden=32, layers=2, heads=4, seq=16)
+SMALL = GPTConfig(vocab=64, width=32, layers=2, heads=4, max_len=16)
+
+
+class CountingGPT(TinyGPT):
+    """The built-in GPT (``stateshift.train.tasks.gpt``) with what the tests need of a model's state beyond it.
+
+    The output head tied to the token embedding (one storage, two names: ``tok.weight``, ``head.weight``), a
+    persistent buffer updated in forward in training mode (``tokens_seen``, a running token count: the same
+    kind of state as an MoE router's ``expert_bias``) and a non-persistent buffer (``causal``, never saved).
+    """
+
+    def __init__(self, cfg: GPTConfig, *, tied: bool = True) -> None:
+        super().__init__(cfg)
+        if tied:
+            self.head.weight = self.tok.weight
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("causal", torch.ones(cfg.max_len, cfg.max_len, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.training:
+            self.tokens_seen += ids.numel()
+        return super().forward(ids, *args, **kwargs)
+
+
+def build_model(cfg: GPTConfig = SMALL, *, seed: int = 0, device: str | torch.device = "cpu", tied: bool = True,
+                dtype: torch.dtype = torch.float32) -> CountingGPT:
+    """A ``CountingGPT`` whose weights depend on ``seed`` only, its parameters in ``dtype`` (the token count stays fp32)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CountingGPT(cfg, tied=tied)
+    model.to(device=device, dtype=dtype)
+    model.tokens_seen = model.tokens_seen.float()
+    return model
 
 
 @contextlib.contextmanager
@@ -52,8 +86,10 @@ def assert_isolated(code: str, *printed: str, args: tuple[str, ...] = (), timeou
         proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
 
 
-def make(device: str = "cpu", *, seed: int = 0, cfg: TinyConfig = SMALL, lr: float = 1e-2):
-    model = build_default(cfg, seed=seed, device=device)
+def make(device: str = "cpu", *, seed: int = 0, cfg: GPTConfig = SMALL, lr: float = 1e-2, tied: bool = True,
+         dtype: torch.dtype = torch.float32, **shape: Any):
+    """``build_model`` and its Adam; ``shape``: fields of ``cfg`` to change (``width=48``, ``layers=3``, ...)."""
+    model = build_model(dataclasses.replace(cfg, **shape), seed=seed, device=device, tied=tied, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     return model, opt
 

@@ -6,6 +6,7 @@ full-disk tests use a real SIGKILL of a subprocess and a real 4 MiB tmpfs.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -23,8 +24,11 @@ from helpers import (
     MIXES,
     SMALL,
     assert_same,
+    batch,
+    build_model,
     capture,
     expected_after,
+    lm_loss,
     make,
     perturb,
     train_step,
@@ -52,7 +56,6 @@ from stateshift.checkpoint.directory import Checkpoint
 from stateshift.cli.inspect import add_parser
 from stateshift.core.engine import core_of
 from stateshift.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointWriteError
-from stateshift.models import TinyConfig
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ALL = ("params", "buffers", "grads", "optim")
@@ -64,8 +67,8 @@ def device(request):
     return request.param
 
 
-def _warmed(device: str, seed: int = 0, cfg: TinyConfig = SMALL):
-    model, opt = make(device, seed=seed, cfg=cfg)
+def _warmed(device: str, seed: int = 0, **changes):
+    model, opt = make(device, seed=seed, **changes)
     warm(model, opt)
     if seed:
         perturb(model, opt, 0.1 * seed)
@@ -78,10 +81,6 @@ def read_manifest(path):
 
 def list_tensors(path):
     return [t for e in read_manifest(path).files.values() for t in e.tensors]
-
-
-def _cfg(**changes) -> TinyConfig:
-    return TinyConfig(**{**{f: getattr(SMALL, f) for f in SMALL.__slots__}, **changes})
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -215,15 +214,15 @@ def test_manifest_and_format(tmp_path):
     assert all(e.checksum.startswith("crc32:") for e in m.files.values())
     assert m.layout["format"] == "stateshift-state/1" and m.layout["world_size"] == 1
     slots = {s["slot"]: s for s in m.layout["ranks"][0]["groups"]["params"]["slots"]}
-    tied = slots["embed.weight"]
-    assert not tied["typed"] and [x["name"] for x in tied["members"]] == ["embed.weight", "head.weight"]
+    tied = slots["tok.weight"]
+    assert not tied["typed"] and [x["name"] for x in tied["members"]] == ["tok.weight", "head.weight"]
     assert slots["blocks.0.fc1.weight"]["typed"]
     verify(tmp_path / "ck")
     # plain safetensors: typed tensors under their usual names, the tied storage as raw bytes
     params = load_file(tmp_path / "ck" / "params.safetensors")
     assert torch.equal(params["blocks.0.fc1.weight"], model.blocks[0].fc1.weight.detach())
-    assert params["embed.weight"].dtype == torch.uint8
-    assert torch.equal(params["embed.weight"].view(torch.float32).view(SMALL.vocab, SMALL.hidden), model.embed.weight.detach())
+    assert params["tok.weight"].dtype == torch.uint8
+    assert torch.equal(params["tok.weight"].view(torch.float32).view(SMALL.vocab, SMALL.width), model.tok.weight.detach())
     optim = load_file(tmp_path / "ck" / "optim.safetensors")
     assert torch.equal(optim["blocks.1.qkv.weight.exp_avg"], opt.state[model.blocks[1].qkv.weight]["exp_avg"])
 
@@ -498,25 +497,24 @@ def test_truncated_file_is_an_error_naming_the_file_and_the_model_is_unchanged(t
     [
         ({"layers": 1}, "blocks.1.ln1.weight", "in the checkpoint \\(group 'params'\\) but not in the model"),
         ({"layers": 3}, "blocks.2.ln1.weight", "in the model \\(group 'params'\\) but not in the checkpoint"),
-        ({"hidden": 48}, "embed.weight", "shape is \\[64, 48\\] in the model but \\[64, 32\\]"),
-        ({"dtype": torch.bfloat16}, "embed.weight", "dtype is bfloat16 in the model but float32.*cast=True"),
-        ({"tied": False}, "embed.weight", "storage sharing differs"),
+        ({"width": 48}, "tok.weight", "shape is \\[64, 48\\] in the model but \\[64, 32\\]"),
+        ({"dtype": torch.bfloat16}, "tok.weight", "dtype is bfloat16 in the model but float32.*cast=True"),
+        ({"tied": False}, "tok.weight", "storage sharing differs"),
     ],
 )
 def test_mismatched_model_is_an_error_naming_the_tensor(tmp_path, changes, tensor, what):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck")
-    _, _, other = _warmed("cpu", seed=1, cfg=_cfg(**changes))
+    _, _, other = _warmed("cpu", seed=1, **changes)
     err = _loaded_unchanged(other, tmp_path / "ck", CheckpointMismatchError, what)
     assert err.tensor == tensor
     assert isinstance(err, LayoutMismatchError)  # the library's mismatch type too
 
 
 def test_fp32_checkpoint_into_bf16_model_with_cast(tmp_path):
-    untied = _cfg(tied=False)
-    model, _opt, state = _warmed("cpu", cfg=untied)
+    model, _opt, state = _warmed("cpu", tied=False)
     save(state, tmp_path / "ck", "params")
-    model2, _opt2, state2 = _warmed("cpu", seed=1, cfg=_cfg(tied=False, dtype=torch.bfloat16))
+    model2, _opt2, state2 = _warmed("cpu", seed=1, tied=False, dtype=torch.bfloat16)
     state2.offload("params")
     with pytest.raises(CheckpointMismatchError, match="cast=True"):
         load(state2, tmp_path / "ck")
@@ -527,9 +525,9 @@ def test_fp32_checkpoint_into_bf16_model_with_cast(tmp_path):
     # a tied storage is raw bytes: it cannot be converted, and the error says so
     _, _, tied_state = _warmed("cpu")
     save(tied_state, tmp_path / "tied", "params")
-    _, _, bf16 = _warmed("cpu", seed=1, cfg=_cfg(dtype=torch.bfloat16))
+    _, _, bf16 = _warmed("cpu", seed=1, dtype=torch.bfloat16)
     err = _loaded_unchanged(bf16, tmp_path / "tied", CheckpointMismatchError, "raw bytes", cast=True)
-    assert err.tensor == "embed.weight"
+    assert err.tensor == "tok.weight"
 
 
 def test_groups_are_checked(tmp_path):
@@ -562,12 +560,10 @@ def test_resume_from_fresh_optimizer_is_bit_identical(tmp_path):
 
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     path, path2 = tmp_path / "ck", tmp_path / "ck2"
-    big = "TinyConfig(vocab=512, hidden=128, layers=2, heads=4, seq=16)"  # ~5 MB with Adam state
+    big = "dataclasses.replace(SMALL, vocab=512, width=128)"  # ~5 MB with Adam state
 
     def build(seed: int):
-        from stateshift.models import batch, build_default, lm_loss
-
-        model = build_default(TinyConfig(vocab=512, hidden=128, layers=2, heads=4, seq=16), seed=seed)
+        model = build_model(dataclasses.replace(SMALL, vocab=512, width=128), seed=seed)
         opt = torch.optim.Adam(model.parameters())
         lm_loss(model, batch(model.cfg, 0)).backward()
         opt.step()
@@ -577,13 +573,14 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     want = capture(state1, ("params", "buffers", "optim"))
     save(state1, path, version=1, update_latest=True)
     code = f"""
-        import sys, time, torch
+        import dataclasses, sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from helpers import SMALL, batch, build_model, lm_loss
         from stateshift import ModelState
         from stateshift.checkpoint import save
         from stateshift.checkpoint import format as fmt
-        from stateshift.models import TinyConfig, build_default, batch, lm_loss
         fmt.CHUNK_BYTES = 256 << 10
-        model = build_default({big}, seed=2)
+        model = build_model({big}, seed=2)
         opt = torch.optim.Adam(model.parameters())
         lm_loss(model, batch(model.cfg, 0)).backward(); opt.step()
         state = ModelState(model, opt)
@@ -776,7 +773,7 @@ def test_export_hf_usual_names_from_an_offloaded_model(tmp_path):
     fresh, _ = make("cpu", seed=3)
     missing, unexpected = fresh.load_state_dict(got, strict=False)
     assert missing == ["head.weight"] and unexpected == []
-    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.head.weight, want["head.weight"])
+    assert fresh.head.weight is fresh.tok.weight and torch.equal(fresh.head.weight, want["head.weight"])
     # a plain module works too, and the export replaces the file in place
     path2 = export_hf(model.__class__(model.cfg), tmp_path / "hf")
     assert path2 == path and sorted(load_file(path)) == sorted(got)

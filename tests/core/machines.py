@@ -168,10 +168,10 @@ class Target:
 
 
 class TorchTarget(Target):
-    """The built-in model (``stateshift.models``: tied embedding, a persistent buffer) with Adam."""
+    """The tests' built-in GPT (``helpers.CountingGPT``: tied embedding, a persistent buffer) with Adam."""
 
     groups = ("params", "buffers", "grads", "optim")
-    prefixes = ("blocks.0.", "blocks.1.", "embed.")
+    prefixes = ("blocks.0.", "blocks.1.", "tok.")
 
     def __init__(self, device: str | None = None) -> None:
         self.device = device or os.environ.get("STATESHIFT_TEST_DEVICE", "cpu")
@@ -190,7 +190,7 @@ class TorchTarget(Target):
         return train_step(model, opt, step)
 
     def forward(self, model, step):
-        from stateshift.models import batch
+        from helpers import batch
 
         return model(batch(model.cfg, step, device=self.device)[:, :-1])
 

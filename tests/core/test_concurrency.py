@@ -32,9 +32,8 @@ _RACE = textwrap.dedent(
     seconds = float(os.environ.get("STATESHIFT_RACE_SECONDS", sys.argv[3]))
     import torch
     torch.set_num_threads(1)
-    from helpers import make, warm
+    from helpers import batch, lm_loss, make, warm
     from stateshift import ModelState, OffloadedStateError
-    from stateshift.models import batch, lm_loss
 
     device = sys.argv[4]
     model, opt = make(device)

@@ -116,7 +116,7 @@ def test_a_storage_released_by_user_code_is_not_blamed_on_another_state():
     warm(model, opt)
     state = ModelState(model, opt, guard=False)
     core_of(state).slots()
-    storage = model.embed.weight.untyped_storage()
+    storage = model.tok.weight.untyped_storage()
     size = storage.nbytes()
     storage.resize_(0)
     with pytest.raises(ForeignStateError, match="released outside stateshift") as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, SMALL, assert_same, capture, live, make, train_step, warm
+from helpers import DEVICES, SMALL, assert_same, batch, build_model, capture, live, lm_loss, make, train_step, warm
 
 from stateshift import (
     LayoutMismatchError,
@@ -19,7 +19,6 @@ from stateshift import (
 )
 from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
-from stateshift.models import TinyConfig, TinyTransformer, batch, lm_loss
 
 
 @pytest.fixture(params=DEVICES)
@@ -35,19 +34,18 @@ def warmed(device):
 
 
 def _other(device, **changes):
-    cfg = TinyConfig(**{**{f: getattr(SMALL, f) for f in SMALL.__slots__}, **changes})
-    model, opt = make(device, cfg=cfg, seed=1)
+    model, opt = make(device, seed=1, **changes)
     return model, ModelState(model, opt)
 
 
 @pytest.mark.parametrize(
     "changes, tensor, what",
     [
-        ({"hidden": 48}, "embed.weight", "shape"),
-        ({"dtype": torch.float64}, "embed.weight", "dtype"),
+        ({"width": 48}, "tok.weight", "shape"),
+        ({"dtype": torch.float64}, "tok.weight", "dtype"),
         ({"layers": 3}, "blocks.2.ln1.weight", "in the snapshot (group 'params') but not in the model"),
         ({"layers": 1}, "blocks.1.ln1.weight", "in the model (group 'params') but not in the snapshot"),
-        ({"tied": False}, "embed.weight", "tied or shared tensors differ"),
+        ({"tied": False}, "tok.weight", "tied or shared tensors differ"),
     ],
 )
 def test_snapshot_from_another_model_is_refused(warmed, device, changes, tensor, what):
@@ -68,7 +66,7 @@ def test_snapshot_from_identical_model_is_accepted(warmed, device):
     model, opt, state = warmed
     other_model, other_state = _other(device)
     state.restore(other_state.snapshot(tag="x"))
-    assert torch.equal(model.embed.weight, other_model.embed.weight)
+    assert torch.equal(model.tok.weight, other_model.tok.weight)
 
 
 def test_released_snapshot_is_refused(warmed):
@@ -157,7 +155,7 @@ def test_pinning_impossible_without_accelerator():
         pytest.skip("this machine has CUDA, so pinning is possible")
     with pytest.raises(PinningUnavailableError):
         HostPool(pin=True)
-    model = TinyTransformer(SMALL)
+    model = build_model(SMALL)
     with pytest.raises(PinningUnavailableError):
         ModelState(model, pin=True)
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, MIXES, assert_same, capture, expected_after, make, perturb, train_step, warm
+from helpers import DEVICES, MIXES, assert_same, batch, capture, expected_after, make, perturb, train_step, warm
 
 from stateshift import ModelState, Residency
 from stateshift.core.engine import core_of
-from stateshift.models import batch
 
 
 @pytest.fixture(params=DEVICES)
@@ -27,7 +26,7 @@ def warmed(device):
 def test_capture_matches_live_values(warmed):
     model, opt, state = warmed
     got = capture(state)
-    assert torch.equal(got["embed.weight"].cpu(), model.embed.weight.detach().cpu())
+    assert torch.equal(got["tok.weight"].cpu(), model.tok.weight.detach().cpu())
     assert torch.equal(got["blocks.1.fc1.bias.grad"], model.blocks[1].fc1.bias.grad.cpu())
     exp_avg = opt.state[model.blocks[0].qkv.weight]["exp_avg"]
     assert torch.equal(got["blocks.0.qkv.weight.exp_avg"], exp_avg.cpu())
@@ -118,7 +117,7 @@ def test_restore_while_offloaded_writes_home_and_onload_shows_it(warmed):
     state.restore(snap)
     assert state.residency()["params"]["device"] == 0
     state.onload()
-    assert torch.equal(model.embed.weight.detach().cpu(), want["embed.weight"].cpu())
+    assert torch.equal(model.tok.weight.detach().cpu(), want["tok.weight"].cpu())
     assert torch.equal(model.blocks[1].fc2.bias.detach().cpu(), want["blocks.1.fc2.bias"].cpu())
 
 
@@ -136,21 +135,21 @@ def test_no_aliasing_save_current_restore_old_restore_current(warmed):
     state.onload()
     got = capture(state, state.forward_groups)
     assert_same(got, dict(want))
-    assert not torch.equal(got["embed.weight"].cpu(), pi_old.tensors()["embed.weight"].cpu())
+    assert not torch.equal(got["tok.weight"].cpu(), pi_old.tensors()["tok.weight"].cpu())
 
 
 def test_tied_weights_stay_tied(warmed):
     model, opt, state = warmed
-    assert model.head.weight is model.embed.weight
+    assert model.head.weight is model.tok.weight
     state.offload()
     state.onload()
-    assert model.head.weight is model.embed.weight
-    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
-    slot = next(s for s in core_of(state).slots("params") if s.name == "embed.weight")
-    assert [m.name for m in slot.info.members] == ["embed.weight", "head.weight"]
+    assert model.head.weight is model.tok.weight
+    assert model.head.weight.data_ptr() == model.tok.weight.data_ptr()
+    slot = next(s for s in core_of(state).slots("params") if s.name == "tok.weight")
+    assert [m.name for m in slot.info.members] == ["tok.weight", "head.weight"]
     with torch.no_grad():
-        model.embed.weight.add_(1)
-    assert torch.equal(model.head.weight, model.embed.weight)
+        model.tok.weight.add_(1)
+    assert torch.equal(model.head.weight, model.tok.weight)
 
 
 def test_tensor_identity_survives_moves(warmed):
@@ -238,7 +237,7 @@ def test_swapped_with_rebuild_skips_the_stash(warmed):
 
     allocations = core_of(state).pool.stats.in_use_bytes
     with state.swapped(pi_old, rebuild={"params": rebuild}):
-        assert torch.equal(model.embed.weight.cpu(), pi_old.tensors()["embed.weight"].cpu())
+        assert torch.equal(model.tok.weight.cpu(), pi_old.tensors()["tok.weight"].cpu())
         assert core_of(state).pool.stats.in_use_bytes - allocations < state.layout("params").total  # no params stash
     assert calls == [1]
     assert all(torch.equal(p, current[k]) for k, p in model.named_parameters())
@@ -289,7 +288,7 @@ def test_slots_and_nbytes_of_one_group_after_a_storage_moved_in_from_another_gro
     state = ModelState(model, opt)
     total = state.nbytes("params")
     core_of(state).slots()
-    p = model.embed.weight
+    p = model.tok.weight
     moved = opt.state[p]["exp_avg"]
     opt.state[p]["exp_avg"] = moved.clone()
     p.data = moved
@@ -305,7 +304,7 @@ def test_a_verb_on_one_group_after_a_storage_moved_in_from_another_group():
     warm(model, opt)
     state = ModelState(model, opt)
     core_of(state).slots()
-    p = model.embed.weight
+    p = model.tok.weight
     moved = opt.state[p]["exp_avg"]
     opt.state[p]["exp_avg"] = fresh = moved.clone().add_(1)
     p.data = moved

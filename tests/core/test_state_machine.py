@@ -2,7 +2,7 @@
 
 One rule set (``machines.py``) drives three backends:
 
-* the plain torch backend (``stateshift.models``' tied-embedding transformer, Adam) and
+* the plain torch backend (the built-in GPT with a tied embedding and a buffer, ``helpers.CountingGPT``, Adam) and
 * the Megatron CPU fake (all four ``fakes.mcore.setups`` configurations; with
   Megatron's own ``offload_to_cpu`` / ``reload_from_cpu`` and the master rebuild
   plug-in), each as a seeded random walk (weighted rules, every config) and as a

@@ -28,13 +28,12 @@ _TOUCHES = textwrap.dedent(
     sys.path[:0] = sys.argv[1:3]
     import torch
     torch.set_num_threads(1)
-    from helpers import make, warm
+    from helpers import batch, lm_loss, make, warm
     from stateshift import ModelState, OffloadedStateError
     from stateshift.core import touch
-    from stateshift.models import batch, lm_loss
 
     dev = sys.argv[4]
-    def P(m): return m.embed.weight
+    def P(m): return m.tok.weight
     def buf(m): return m.tokens_seen
     def loss_then_offload(m, s):
         loss = lm_loss(m, batch(m.cfg, 1, device=dev)); s.offload("params"); loss.backward()
@@ -57,7 +56,7 @@ _TOUCHES = textwrap.dedent(
         "p.copy_()": ("params", lambda m, o, s: (s.offload("params"), P(m).data.copy_(torch.zeros(P(m).shape, device=dev)))),
         "model.to(float64)": ("params", lambda m, o, s: (s.offload("params"), m.to(torch.float64))),
         "model.half()": ("params", lambda m, o, s: (s.offload("params"), m.half())),
-        "model.state_dict() before, read after": ("params", lambda m, o, s: (sd := m.state_dict(), s.offload("params"), sd["embed.weight"].clone())),
+        "model.state_dict() before, read after": ("params", lambda m, o, s: (sd := m.state_dict(), s.offload("params"), sd["tok.weight"].clone())),
         "optimizer.state_dict() before, read after": ("optim", lambda m, o, s: (sd := o.state_dict(), s.offload("optim"), sd["state"][0]["exp_avg"].sum())),
         "print(p)": ("params", lambda m, o, s: (s.offload("params"), print(P(m), file=io.StringIO()))),
         "repr(p.grad)": ("grads", lambda m, o, s: (s.offload("grads"), repr(P(m).grad))),
@@ -191,14 +190,14 @@ def test_a_refused_touch_changes_nothing_and_other_states_are_not_affected():
     warm(model, opt)
     other, _ = make(seed=1)
     state, _ = ModelState(model, opt), ModelState(other)
-    want = model.embed.weight.detach().clone()
+    want = model.tok.weight.detach().clone()
     state.offload("params")
     with pytest.raises(OffloadedStateError, match="params"), torch.no_grad():
-        model.embed.weight.add_(1.0)
-    other.embed.weight.sum()  # another state's resident tensors: no error
+        model.tok.weight.add_(1.0)
+    other.tok.weight.sum()  # another state's resident tensors: no error
     torch.ones(3).add_(1.0)  # nor any other tensor's
     state.onload()
-    assert torch.equal(model.embed.weight, want)
+    assert torch.equal(model.tok.weight, want)
 
 
 def test_verbs_still_move_state_while_the_check_is_on():

@@ -98,8 +98,9 @@ def test_refused_forward_changes_nothing(backend):
     buffers updated in forward have changed (the built-in model's ``tokens_seen``; the MoE router's
     ``local_tokens_per_expert``, whose counts set ``expert_bias`` at the next step). A retry after
     ``onload`` counts twice. (The FSDP2 backend checks the whole tree before the root's forward.)"""
+    from helpers import batch
+
     from stateshift import OffloadedStateError
-    from stateshift.models import batch
 
     if backend == "torch":
         model, opt = make()

@@ -50,7 +50,7 @@ if [[ $WHAT == *tms* ]]; then
 fi
 if [[ $WHAT == *bench* ]]; then
   step torch bench
-  python3 -m stateshift.cli bench --no-progress --layers 6 --hidden 4096 --heads 32 --vocab 32000 --dtype bf16 \
+  python3 benchmarks/verbs_bench.py --no-progress --layers 6 --width 4096 --heads 32 --vocab 32000 --dtype bf16 \
     --small-tensors 2000 --small-numel 262144 --repeat 5 \
     --json "$RES/$DAY-h200-torch.json" --plot "$RES/$DAY-h200-torch.png" 2>&1 || status=1
   for b in ${BENCHES:-megatron fsdp2 checkpoint}; do

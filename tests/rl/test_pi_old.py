@@ -9,12 +9,11 @@ import pytest
 import torch
 from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
 from fakes.mcore.setups import _x, build, pretend_cuda_engine
-from helpers import SMALL, make, one_torch_thread, train_step
+from helpers import SMALL, batch, make, one_torch_thread, train_step
 
 from stateshift import DiskTierError, ModelState, UnknownGroupError
 from stateshift.backends.megatron import MasterRebuild
 from stateshift.core.engine import core_of
-from stateshift.models import batch
 from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
 
 N = 4

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=256, help="model width")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
-    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (the model's max_len)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype")
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:N]'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
