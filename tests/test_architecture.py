@@ -170,6 +170,32 @@ def test_the_library_imports_nothing_from_the_application():
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
+def _provenance_and_plots(path: Path) -> list[str]:
+    """What ``path`` (a module of ``src/``) does that belongs to ``benchmarks/``: a ``git`` command line, a read
+    of ``/proc/cpuinfo``, an import of matplotlib."""
+    found = [f"imports {n}" for n in _imports(path) if n.split(".")[0] == "matplotlib"]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.List | ast.Tuple) and node.elts and getattr(node.elts[0], "value", None) == "git":
+            found.append(f"line {node.lineno}: runs git")
+        elif isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo":
+            found.append(f"line {node.lineno}: reads /proc/cpuinfo")
+    return found
+
+
+def test_the_library_records_no_provenance_and_draws_no_plot():
+    """Benchmark provenance (the commit through ``git rev-parse``, the host's CPU) and plots live in
+    ``benchmarks/_harness.py``: no module of ``src/`` runs git or reads ``/proc/cpuinfo``, and none imports
+    matplotlib but the trainer application's curves (``stateshift.train``, the 'rl' extra)."""
+    bad = {}
+    for path in sorted(SRC.rglob("*.py")):
+        found = _provenance_and_plots(path)
+        if path.relative_to(SRC).parts[0] == "train":
+            found = [f for f in found if not f.startswith("imports matplotlib")]
+        if found:
+            bad[str(path.relative_to(SRC))] = found
+    assert not bad, bad
+
+
 def _exception_classes(tree: ast.AST, known: set[str]) -> list[ast.ClassDef]:
     """Classes of ``tree`` deriving (by the name of a base) from an exception class in ``known``."""
     out = []
