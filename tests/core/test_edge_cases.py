@@ -275,25 +275,25 @@ def test_zero_grad_to_none_with_grads_offloaded_is_allowed():
 def test_module_added_after_the_state_was_built_is_guarded():
     model, opt = make()
     state = ModelState(model, opt)
-    model.blocks[0].adapter = torch.nn.Linear(model.cfg.hidden, model.cfg.hidden)  # a LoRA-like adapter
+    model.blocks[0].adapter = torch.nn.Linear(model.cfg.width, model.cfg.width)  # a LoRA-like adapter
     old_forward = model.blocks[0].forward
     model.blocks[0].forward = lambda x, mask: old_forward(x, mask) + model.blocks[0].adapter(x)
     state.offload("params")
     from stateshift import OffloadedStateError
 
     with pytest.raises(OffloadedStateError, match="params"):
-        model.blocks[0].adapter(torch.zeros(1, model.cfg.hidden))
+        model.blocks[0].adapter(torch.zeros(1, model.cfg.width))
 
 
 def test_parameter_replaced_by_a_new_object_is_guarded():
     model, opt = make()
     state = ModelState(model, None)
-    model.ln_f.weight = torch.nn.Parameter(torch.ones(model.cfg.hidden))  # a new object, not yet listed
+    model.ln_f.weight = torch.nn.Parameter(torch.ones(model.cfg.width))  # a new object, not yet listed
     state.offload("params")
     from stateshift import OffloadedStateError
 
     with pytest.raises(OffloadedStateError, match="params"):
-        model.ln_f(torch.zeros(1, model.cfg.hidden))
+        model.ln_f(torch.zeros(1, model.cfg.width))
 
 
 _UNFROZEN = textwrap.dedent(

@@ -69,7 +69,7 @@ _TOUCHES = textwrap.dedent(
         "p[0, 0].item()": ("params", lambda m, o, s: (s.offload("params"), P(m)[0, 0].item())),
         "p[index tensor]": ("params", lambda m, o, s: (s.offload("params"), P(m)[torch.tensor([0, 1], device=dev)])),
         "torch.cat([p, p])": ("params", lambda m, o, s: (s.offload("params"), torch.cat([P(m), P(m)]))),
-        "F.linear(x, p)": ("params", lambda m, o, s: (s.offload("params"), torch.nn.functional.linear(torch.ones(1, m.cfg.hidden, device=dev), P(m)))),
+        "F.linear(x, p)": ("params", lambda m, o, s: (s.offload("params"), torch.nn.functional.linear(torch.ones(1, m.cfg.width, device=dev), P(m)))),
         "p.grad.mul_() by hand": ("grads", lambda m, o, s: (s.offload("grads"), P(m).grad.mul_(0.5))),
         "foreach over exp_avg": ("optim", lambda m, o, s: (s.offload("optim"), torch._foreach_mul_([st["exp_avg"] for st in o.state.values()], 0.9))),
         "backward after an offload": ("params", lambda m, o, s: loss_then_offload(m, s)),
