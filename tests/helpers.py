@@ -30,7 +30,7 @@ class CountingGPT(TinyGPT):
 
     The output head tied to the token embedding (one storage, two names: ``tok.weight``, ``head.weight``), a
     persistent buffer updated in forward in training mode (``tokens_seen``, a running token count: the same
-    kind of state as an MoE router's ``expert_bias``) and a non-persistent buffer (``causal``, never saved).
+    kind of state as an MoE router's ``expert_bias``) and a non-persistent buffer (``mask``, the causal mask: never saved).
     """
 
     def __init__(self, cfg: GPTConfig, *, tied: bool = True) -> None:
@@ -38,7 +38,7 @@ class CountingGPT(TinyGPT):
         if tied:
             self.head.weight = self.tok.weight
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("causal", torch.ones(cfg.max_len, cfg.max_len, dtype=torch.bool).tril(), persistent=False)
+        self.register_buffer("mask", torch.ones(cfg.max_len, cfg.max_len, dtype=torch.bool).tril(), persistent=False)
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.training:
