@@ -37,6 +37,7 @@ import gc
 import itertools
 import json
 import math
+import mmap
 import os
 import stat
 import struct
@@ -331,10 +332,63 @@ def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
 
-def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
-             names: Sequence[str] | None = None) -> list[int]:
-    """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
+SUB_BYTES = 1 << 20
+"""Bytes copied out of a mapped file and then hashed while still in the CPU's cache."""
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in now, an I/O error returned instead of SIGBUS later
+
+
+class _Mapped:
+    """A file mapped for reading (private, never written): its address and a byte view of it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)
+        self.view = memoryview(self.map)
+        self.fd = fd
+
+    def populate(self, start: int, length: int) -> None:
+        """Fault the pages of ``[start, start + length)`` in now: a read error (EIO) is an ``OSError`` here,
+        where touching an unreadable page of a mapping would kill the process with SIGBUS."""
+        start, length = start - start % mmap.PAGESIZE, length + start % mmap.PAGESIZE
+        try:
+            self.map.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # (an older kernel: no populate, fault on access)
+                raise
+
+    def close(self) -> None:
+        self.view.release()
+        del self._anchor
+        self.map.close()
+
+
+def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
+    """One task of a mapped read: its pages faulted in (an I/O error is a ``TransferError``, not a SIGBUS),
+    then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
+    cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
+    out = []
+    for idx, offset, n, mem in task:
+        try:
+            mapped.populate(offset, n)
+        except OSError as e:
+            raise TransferError(e, path, None if names is None else names[idx]) from e
+        if mem is None:
+            out.append((idx, crc32(mapped.view[offset : offset + n]), n))
+            continue
+        crc, dst = 0, ctypes.addressof(ctypes.c_char.from_buffer(mem))
+        for k in range(0, n, SUB_BYTES):
+            m = min(SUB_BYTES, n - k)
+            ctypes.memmove(dst + k, mapped.address + offset + k, m)
+            crc = crc32(mem[k : k + m], crc)
+        out.append((idx, crc, n))
+    return out
+
+
+def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], path: str,
+             progress: ProgressFn | None = None, names: Sequence[str] | None = None) -> list[int]:
+    """Move ``spans`` between memory and ``fd`` (``os.pwritev``, or a mapping of the file to read) on a
+    thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
     it (an error it raises stops the transfer promptly).
 
@@ -342,8 +396,10 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
+    run = (functools.partial(_run_mapped, op) if isinstance(op, _Mapped)
+           else functools.partial(_run_task, op, fd))
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
-        running = deque(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
+        running = deque(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
             while running:
                 moved = 0
@@ -353,7 +409,7 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
                     moved += n
                 if progress is not None:
                     progress(moved)
-                running.extend(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 1))
+                running.extend(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 1))
         except BaseException:
             for f in running:
                 f.cancel()
@@ -545,19 +601,30 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
                 raise CheckpointMismatchError(name, f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}")
         chosen.append(t)
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:  # advice only
-            pass
-    crcs = transfer(os.preadv, fd, spans, path, progress, [t.name for t in chosen])
+    crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
             raise CheckpointCorruptError(path, f"checksum mismatch in tensor {t.name!r}: manifest says "
                                          f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}", t.name)
 
 
+def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
+                names: Sequence[str] | None = None) -> list[int]:
+    """``transfer`` of ``spans`` out of the ``size``-byte file ``fd`` through a memory map (no private copy
+    of the file: the page cache's pages are copied once, into the caller's memory, and hashed there)."""
+    if size == 0 or not spans:
+        return [0] * len(spans)
+    try:
+        mapped = _Mapped(fd, size)
+    except OSError as e:
+        raise TransferError(e, path, None) from e
+    try:
+        return transfer(mapped, fd, spans, path, progress, names)
+    finally:
+        mapped.close()
+
+
 def file_crc32(fd: int, size: int, path: str) -> int:
     """The crc32 of a whole file, hashed in parallel."""
-    (crc,) = transfer(os.preadv, fd, [(0, size, None)], path)
+    (crc,) = read_mapped(fd, size, [(0, size, None)], path)
     return crc
