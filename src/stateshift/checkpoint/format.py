@@ -6,11 +6,13 @@ each starts at a multiple of its element size). What a file cannot say about its
 manifest as its ``FileEntry``: size and crc32 of the file, of its header, and of each tensor.
 
 Why not ``safetensors.torch.save_file`` / ``load_file``: they copy every tensor through a fresh
-allocation; here bytes go straight between a pinned pool block and the file (``pwritev`` /
-``preadv`` on memoryviews of the caller's tensors). The bytes are cut into tasks of about
-``CHUNK_BYTES`` (a large tensor into several, small neighbours into one); each task -- one
-positioned call and the ``zlib.crc32`` of its pieces, both releasing the GIL -- runs on a thread
-pool, and a tensor's crc32 is combined from its pieces' (``crc32_combine``). So the manifest holds
+allocation; here bytes go straight between a pinned pool block and the file: ``pwritev`` from
+memoryviews of the caller's tensors, and reads out of a memory map of the file, copied into the
+caller's memory ``SUB_BYTES`` at a time and hashed there while in the cache (so what is verified is
+what the caller got, even if the file changed meanwhile). The bytes are cut into tasks of about
+``CHUNK_BYTES`` (a large tensor into several, small neighbours into one); each task -- its moves and
+the ``zlib.crc32`` of its pieces, all releasing the GIL -- runs on a thread pool, and a tensor's
+crc32 is combined from its pieces' (``crc32_combine``). So the manifest holds
 exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names its bad tensor.
 
 Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
@@ -272,9 +274,6 @@ Span = tuple[int, int, "memoryview | None"]
 Piece = tuple[int, int, int, "memoryview | None"]
 """``(span index, file offset, length, memory)``: part of a span inside one task."""
 
-_scratch = threading.local()
-
-
 def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     """Cut spans into tasks of at most ``CHUNK_BYTES`` contiguous bytes, in file order."""
     chunk = CHUNK_BYTES
@@ -318,16 +317,8 @@ def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int
 
 def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
               names: Sequence[str] | None) -> list[tuple[int, int, int]]:
-    """One task: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
-    hashed = sum(n for _, _, n, mem in task if mem is None)
-    scratch = getattr(_scratch, "buf", None)
-    if hashed and (scratch is None or len(scratch) < hashed):
-        scratch = _scratch.buf = memoryview(bytearray(hashed))
-    bufs, pos = [], 0
-    for _, _, n, mem in task:
-        if mem is None:
-            mem, pos = scratch[pos : pos + n], pos + n  # type: ignore[index]
-        bufs.append(mem)
+    """One task of a write: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
+    bufs = [mem for _, _, _, mem in task]
     _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
