@@ -358,12 +358,12 @@ def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[s
     """One task of a mapped read: its pages faulted in (an I/O error is a ``TransferError``, not a SIGBUS),
     then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
     cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
+    try:
+        mapped.populate(task[0][1], task[-1][1] + task[-1][2] - task[0][1])  # a task's bytes are contiguous
+    except OSError as e:
+        raise TransferError(e, path, None if names is None else names[task[0][0]]) from e
     out = []
     for idx, offset, n, mem in task:
-        try:
-            mapped.populate(offset, n)
-        except OSError as e:
-            raise TransferError(e, path, None if names is None else names[idx]) from e
         if mem is None:
             out.append((idx, crc32(mapped.view[offset : offset + n]), n))
             continue
