@@ -1,33 +1,12 @@
 """Safetensors files with a crc32 per tensor, written from and read into caller memory, in parallel.
 
-Every data file is plain safetensors (``safetensors.torch.load_file`` reads it): a u64 header
-length, the JSON header padded to 8, then the tensors without gaps, largest element size first (so
-each starts at a multiple of its element size). What a file cannot say about itself goes into the
-manifest as its ``FileEntry``: size and crc32 of the file, of its header, and of each tensor.
-
-Why not ``safetensors.torch.save_file`` / ``load_file``: they copy every tensor through a fresh
-allocation; here bytes go straight between a pinned pool block and the file: ``pwritev`` from
-memoryviews of the caller's tensors, and reads out of a memory map of the file, copied into the
-caller's memory ``SUB_BYTES`` at a time and hashed there while in the cache (so what is verified is
-what the caller got, even if the file changed meanwhile). The bytes are cut into tasks of about
-``CHUNK_BYTES`` (a large tensor into several, small neighbours into one); each task -- its moves and
-the ``zlib.crc32`` of its pieces, all releasing the GIL -- runs on a thread pool, and a tensor's
-crc32 is combined from its pieces' (``crc32_combine``). So the manifest holds
-exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names its bad tensor.
-
-Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
-signed, so a cryptographic digest would not stop someone who can rewrite the directory. The crc32
-is ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: the same values as ``zlib.crc32``,
-about 7x faster with PCLMUL on x86 and PMULL on ARM, where the standard one's 5-7 GB/s per core
-would bound a load on a machine with few cores), and ``zlib_ng.crc32_combine`` joins pieces' crc32s
-(the standard library has no ``crc32_combine``).
-
-Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
-``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
-that are not symbolic links, without blocking on a FIFO (``open_regular``). A shape read from a
-file (or a manifest) is checked by ``shape_bytes`` before any product of it: at most ``MAX_RANK``
-dimensions, each below ``MAX_DIM``, its bytes within what the file can hold; error messages are
-built from ``bounded`` values only (never the digits of a huge integer or a long list).
+Every data file is plain safetensors (``safetensors.torch.load_file`` reads it), tensors largest element
+size first; what a file cannot say about itself (its crc32s) is its ``FileEntry`` in the manifest. Bytes
+move between the caller's memory and the file without a private copy (``pwritev``; reads out of a memory
+map, copied ``SUB_BYTES`` at a time and hashed in the caller's memory while in the cache), in tasks of
+about ``CHUNK_BYTES`` on a thread pool, a tensor's crc32 combined from its pieces' (``zlib_ng``: the
+values of ``zlib.crc32``, about 7x faster). Untrusted input is bounded: ``MAX_HEADER_BYTES``, ``MAX_RANK``,
+``MAX_DIM``, ``open_regular``, ``bounded`` (docs/guide/checkpoints.md, "Untrusted checkpoints").
 """
 
 from __future__ import annotations
