@@ -588,6 +588,8 @@ def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: 
         mapped = _Mapped(fd, size)
     except OSError as e:
         raise TransferError(e, path, None) from e
+    except ValueError:  # (mmap refuses a length past the end: the file shrank since it was checked)
+        raise CheckpointCorruptError(path, "file truncated while reading") from None
     try:
         return transfer(mapped, fd, spans, path, progress, names)
     finally:
