@@ -288,7 +288,7 @@ def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
 
 _INT_ONLY, _HEX, _ABSENT = {int}, frozenset("0123456789abcdef"), object()
 _TOPS = {"shape": MAX_DIM, "stride": _MAX_INT, "ints": _MAX_INT}
-_TYPES = {"bool": bool, "list": list, "dict": dict, "str": str}
+_TYPES = {"bool": bool, "list": list, "dict": dict}
 
 
 def _all_ints(v: list[Any], top: int) -> bool:
@@ -312,11 +312,15 @@ def _valid(v: Any, kind: str, where: str, key: str = "") -> Any:
     elif kind == "crc":
         if type(v) is str and len(v) == 14 and v.startswith("crc32:") and _HEX.issuperset(v[6:]):
             return int(v[6:], 16)
-    elif kind == "dtype":
+    elif kind in ("dtype", "torch_dtype"):
         try:
-            return dtype_from_name(v)
+            dtype = dtype_from_name(v) if kind == "dtype" else dtype_of(v)
+            return dtype if kind == "dtype" else v  # (a member keeps its torch dtype's name)
         except (KeyError, TypeError):
             pass
+    elif kind in _TYPES:
+        if type(v) is _TYPES[kind]:
+            return v
     elif kind == "meta" and v == []:
         return ()
     return _invalid(v, kind, f"{where}.{key}" if key else where)
@@ -358,7 +362,7 @@ def _invalid(v: Any, kind: str, at: str) -> Any:
     elif kind == "number":
         ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
     else:
-        ok = kind in _TYPES and isinstance(v, _TYPES[kind])
+        ok = isinstance(v, _TYPES.get(kind, ()))
     if not ok:
         raise _Bad(f"{at} is not {'a non-negative' if kind == 'int' else 'a'} {kind}: {bounded(v)}")
     return v
@@ -382,7 +386,14 @@ def _fields(d: Any, where: str, spec: Spec) -> list[Any]:
     """The values of the object ``d`` (``where`` names it) that ``spec`` lists, each through ``_valid``."""
     if type(d) is not dict:
         raise _Bad(f"{where} is not an object")
-    return [_valid(d.get(key, _ABSENT), kind, where, key) for key, kind in spec]
+    out = []
+    for key, kind in spec:  # (str and int fields inline: the bulk of a manifest of many tensors)
+        v = d.get(key, _ABSENT)
+        if (kind == "str" and type(v) is str and v.isascii()) or (kind == "int" and type(v) is int and 0 <= v < _MAX_INT):
+            out.append(v)
+        else:
+            out.append(_valid(v, kind, where, key))
+    return out
 
 
 def _meta(v: Any, where: str, depth: int = 0) -> Any:
