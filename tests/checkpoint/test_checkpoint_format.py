@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stateshift.checkpoint import format as format_mod, verify
+from stateshift.checkpoint import format as format_mod, manifest as manifest_mod, verify
 from stateshift.checkpoint.commit import read_latest, set_latest
 from stateshift.checkpoint.directory import Checkpoint, write_checkpoint
 from stateshift.checkpoint.format import Record as TensorRecord
@@ -102,7 +102,7 @@ def read_header(path: Path):
     """Parse a bare safetensors file's header (no manifest to compare it with)."""
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else 0
-    return format_mod.parse_header(raw[: 8 + n], len(raw), str(path))
+    return manifest_mod.parse_header(raw[: 8 + n], len(raw), str(path))
 
 
 def _records(ts: dict[str, torch.Tensor]) -> list[TensorRecord]:

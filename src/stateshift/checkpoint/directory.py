@@ -124,7 +124,7 @@ class Checkpoint:
             try:
                 with _reading(self.path / name):
                     fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
-                    self._headers[name] = fmt.check_file(fd, size, entry, path, self._headers.get(name))
+                    self._headers[name] = mf.check_file(fd, size, entry, path, self._headers.get(name))
             except FileNotFoundError:
                 raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
             yield fd, entry, path

@@ -36,7 +36,7 @@ from zlib_ng.zlib_ng import (  # the values of zlib.crc32; crc32_combine(crc(a),
     crc32_combine,
 )
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, ShapeError, TransferError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, TransferError
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -101,26 +101,6 @@ def bounded(v: Any, limit: int = 60) -> str:
     if isinstance(v, str) and len(v) > limit:
         v = v[:limit]
     return repr(v)[:limit] if isinstance(v, (str, int, float, bool, type(None))) else f"<a {type(v).__name__}>"
-
-
-def shape_bytes(shape: Sequence[Any], itemsize: int, limit: int) -> int:
-    """The bytes of a tensor of ``shape`` (``itemsize`` bytes per element), checked in time linear in
-    ``MAX_RANK`` whatever ``shape`` holds: at most ``MAX_RANK`` dimensions (checked first), each an int in
-    ``[0, MAX_DIM)``, and at most ``limit`` bytes (the product computed once, stopping as soon as it passes
-    ``limit``). Raises ``ShapeError`` otherwise."""
-    if len(shape) > MAX_RANK:
-        raise ShapeError(f"shape has {len(shape)} dimensions (at most {MAX_RANK})")
-    for i, d in enumerate(shape):
-        if type(d) is not int or not 0 <= d < MAX_DIM:
-            raise ShapeError(f"dimension {i} of the shape is {bounded(d)}, not an integer in [0, 2**48)")
-    if 0 in shape:
-        return 0
-    n = itemsize
-    for d in shape:
-        n *= d
-        if n > limit:
-            raise ShapeError(f"shape {bounded(list(shape))} holds more than the {limit} bytes it can have here")
-    return n
 
 
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -483,74 +463,9 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
 # --------------------------------------------------------------------------- reading
 
 
-@without_gc
-def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ...]:
-    """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order,
-    checked against the file's size (their ``crc32`` is 0: a header does not record it)."""
-    if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
-    header = load_json(raw[8:], path, "safetensors header")
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    found = []
-    for name, ent in header.items():
-        why = ""
-        try:
-            dtype, shape, (b, e) = _DTYPES[ent["dtype"]], tuple(ent["shape"]), ent["data_offsets"]
-            ok = all(type(x) is int and x >= 0 for x in (b, e)) and e - b == shape_bytes(shape, dtype.itemsize, file_size)
-        except ShapeError as err:
-            ok, why = False, f": {err}"
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}{why}", name)
-        found.append(TensorEntry(name, dtype, shape, b, e - b, 0))
-    found.sort(key=lambda t: (t.start, t.nbytes))
-    bad = extent_error(found, len(raw), file_size)
-    if bad is not None:
-        raise CheckpointCorruptError(path, *bad)
-    return tuple(found)
-
-
-def extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
-    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
-    ``(what, the tensor at fault or None)``, or ``None``. Shared by ``parse_header`` and the manifest's decoder."""
-    pos = 0
-    for t in tensors:
-        if t.start != pos:
-            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
-        pos += t.nbytes
-    if header_bytes + pos != file_size:
-        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
-        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
-    return None
-
-
-def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
-    """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
-    ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
-    header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
-    if size != entry.bytes:
-        what = "truncated" if size < entry.bytes else "longer than recorded"
-        raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
-    if entry.header is None:
-        return None
-    raw = os.pread(fd, entry.header[0], 0)
-    if raw == checked:
-        return raw
-    if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
-        raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
-    found = parse_header(raw, size, path)
-    want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
-    if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
-        raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
-    return raw
-
-
 def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None], path: str,
               progress: ProgressFn | None = None) -> None:
-    """Read the named tensors of a checked file (``check_file``) into ``dsts`` and verify each crc32.
+    """Read the named tensors of a checked file (``manifest.check_file``) into ``dsts`` and verify each crc32.
 
     A destination is a contiguous CPU tensor of exactly the stored bytes (``uint8``, or the stored
     dtype and shape); ``None`` verifies the tensor without keeping it. All are checked before a

@@ -18,14 +18,16 @@ import functools
 import json
 import math
 import os
+import struct
 import sys
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
@@ -35,16 +37,13 @@ from .format import (
     MAX_HEADER_BYTES,
     MAX_RANK,
     FileEntry,
-    ShapeError,
     TensorEntry,
     bounded,
     dtype_from_name,
     dtype_name,
-    extent_error,
     is_utf8,
     load_json,
     open_regular,
-    shape_bytes,
     without_gc,
 )
 
@@ -421,8 +420,12 @@ def check_file_name(name: Any, where: str = "file name") -> str:
     return name
 
 
-def _tensor(d: Any, where: str, size: int) -> TensorEntry:
-    name, dtype, shape, offsets, crc = _fields(d, where, _TENSOR)
+def _tensor(d: Any, where: str, size: int, name: str | None = None) -> TensorEntry:
+    """A tensor entry of the manifest, or (``name`` given) of a safetensors header, which has no checksum."""
+    if name is None:
+        name, dtype, shape, offsets, crc = _fields(d, where, _TENSOR)
+    else:
+        (dtype, shape, offsets), crc = _fields(d, where, _TENSOR[1:4]), 0
     nbytes = math.prod(shape) * dtype.itemsize  # (bounded: at most MAX_RANK dimensions below MAX_DIM)
     if nbytes > size:
         raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than the {size} bytes of its file")
@@ -438,7 +441,7 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
     header, raw = _fields(d, where, (("header", "dict"), ("tensors", "list")))
     hsize, hcrc = _fields(header, f"{where}.header", _SIZED)
     tensors = tuple(_tensor(t, f"{where}.tensors[{i}]", size) for i, t in enumerate(raw))
-    bad = extent_error(tensors, hsize, size)
+    bad = _extent_error(tensors, hsize, size)
     if bad is not None:
         raise _Bad(f"{where}: {bad[0]}")
     if not 8 <= hsize <= MAX_HEADER_BYTES or len({t.name for t in tensors}) != len(tensors):
@@ -519,10 +522,8 @@ def _dcp(tensors: Any) -> dict[str, DcpTensor]:
         where = f"dcp_tensors[{bounded(name)}]"
         _valid(name, "str", where)
         shape, dtype = _fields(t, where, (("shape", "shape"), ("dtype", "torch_dtype")))
-        try:
-            shape_bytes(shape, dtype_of(dtype).itemsize, _MAX_INT)
-        except ShapeError as e:
-            raise _Bad(f"{where}: {e}") from None
+        if math.prod(shape) * dtype_of(dtype).itemsize >= _MAX_INT:
+            raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than 2**62 bytes")
         out[name] = DcpTensor(shape, dtype)
     return out
 
@@ -545,6 +546,69 @@ def _decode(d: Any) -> Manifest:
         total_bytes=total, library_version=lib, torch_version=torch_v, created=created, created_unix=float(created_unix),
         dcp_tensors=_dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}, format_version=fv,
     )
+
+
+# --------------------------------------------------------------------------- a data file against its entry
+
+
+@without_gc
+def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ...]:
+    """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order, each entry
+    through the manifest's validator and checked against the file's size (``crc32`` 0: a header has none)."""
+    if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
+    header = load_json(raw[8:], path, "safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    found = []
+    for name, ent in header.items():
+        try:
+            found.append(_tensor(ent, "the entry", file_size, name))
+        except _Bad as e:
+            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}: {e}", name) from None
+    found.sort(key=lambda t: (t.start, t.nbytes))
+    bad = _extent_error(found, len(raw), file_size)
+    if bad is not None:
+        raise CheckpointCorruptError(path, *bad)
+    return tuple(found)
+
+
+def _extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
+    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
+    ``(what, the tensor at fault or None)``, or ``None``."""
+    pos = 0
+    for t in tensors:
+        if t.start != pos:
+            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
+        pos += t.nbytes
+    if header_bytes + pos != file_size:
+        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
+        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
+    return None
+
+
+def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
+    """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
+    ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
+    header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
+    if size != entry.bytes:
+        what = "truncated" if size < entry.bytes else "longer than recorded"
+        raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
+    if entry.header is None:
+        return None
+    raw = os.pread(fd, entry.header[0], 0)
+    if raw == checked:
+        return raw
+    if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
+        raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
+    found = parse_header(raw, size, path)
+    want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
+    if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
+        raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
+    return raw
+
+
 
 
 @without_gc
