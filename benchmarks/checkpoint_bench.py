@@ -30,7 +30,9 @@ one is removed untimed): stateshift never overwrites a checkpoint. The result
 file (``_harness.BenchResult``: JSON with ``machine``, ``torch``, ``stateshift``,
 ``ceilings`` and ``rows``, plus a PNG) is the one every benchmark writes. Loads read from the page cache unless ``--cold`` (then
 every file's cached pages are dropped with ``posix_fadvise(DONTNEED)`` before
-each load, for ours and the baselines).
+each load, for ours and the baselines). ``--loads-only`` writes each file once,
+untimed, and times only the loads (short rounds, for a machine quiet only for
+moments); a row's note gives the load average when it exceeds the core count.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--many", type=int, default=0, metavar="N",
                    help="instead of the transformer: N parameters of --many-kib KiB each (result file: ...-checkpoint-many)")
     p.add_argument("--many-kib", type=int, default=16)
+    p.add_argument("--loads-only", action="store_true",
+                   help="time only the loads (ours, safetensors.load_file and the verified loop): short rounds, "
+                        "for a machine that is quiet only for moments")
     return p
 
 
@@ -224,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     fresh = lambda p: (lambda: shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True))  # noqa: E731
     fns = {k: (fn, lambda setup=setup: (state.onload(groups), setup and setup()))  # the baselines need it resident
            for k, (fn, setup) in _baselines(tensors, work, device, cold, fresh).items()}
+    if args.loads_only:  # each file is written once, untimed; the rounds time only the loads
+        for k in ("torch.save", "safetensors.save_file"):
+            fns.pop(k)[0]()
+        del fns["torch.load"]
     base_names = list(fns)
     blocked: dict[str, list[float]] = {"device": [], "host": []}
 
@@ -239,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         def place() -> None:
             state.offload(groups) if residency == "host" else state.onload(groups)
 
-        fns[f"save/{residency}"] = (lambda: save(state, path, groups), lambda: (place(), fresh(path)()))
+        if args.loads_only:
+            save(state, path, groups)
+        else:
+            fns[f"save/{residency}"] = (lambda: save(state, path, groups), lambda: (place(), fresh(path)()))
+            fns[f"async/{residency}"] = (start_async, lambda: (place(), fresh(path_async)()))
         fns[f"load/{residency}"] = (lambda: load(state, path, groups), lambda: (place(), (cold(path) or (lambda: None))()))
-        fns[f"async/{residency}"] = (start_async, lambda: (place(), fresh(path_async)()))
 
     ours("device")
     ours("host")
@@ -254,12 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
                                ceilings=ceilings)
     warm = "" if args.cold else "; page cache warm"
+    busy = max(load_before[0], os.getloadavg()[0])
+    if busy > (os.cpu_count() or 1):  # ratios on a shared machine are not those of a quiet one: say so in every row
+        warm += f"; shared machine, load average {busy:.1f} on {os.cpu_count()} cores"
     for residency in ("device", "host"):
         for op, key, bound, note in (
             ("save", f"save/{residency}", "safetensors.save_file", "fsynced"),
             ("load", f"load/{residency}", "safetensors.load_file", f"checksums verified{warm}"),
             ("async_save_blocking", None, "safetensors.save_file", "caller blocked until staged; write continues in a thread"),
         ):
+            if (key or f"async/{residency}") not in fns:
+                continue
             seconds = med[key] if key else statistics.median(blocked[residency][1:])
             gbps = nbytes / seconds / 1e9
             plain = base_gbps[VERIFIED] if op == "load" else None
@@ -274,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         timing="round-robin: each round times every baseline and every op of ours once; medians over rounds",
         load_average={"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         cold=args.cold,
+        loads_only=args.loads_only,
         pool=core_of(state).pool.stats.as_dict(),
     )
     print(result.table())

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stateshift.checkpoint import format as format_mod, verify
+from stateshift.checkpoint import format as format_mod, manifest as manifest_mod, verify
 from stateshift.checkpoint.commit import read_latest, set_latest
 from stateshift.checkpoint.directory import Checkpoint, write_checkpoint
 from stateshift.checkpoint.format import Record as TensorRecord
@@ -102,7 +102,7 @@ def read_header(path: Path):
     """Parse a bare safetensors file's header (no manifest to compare it with)."""
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else 0
-    return format_mod.parse_header(raw[: 8 + n], len(raw), str(path))
+    return manifest_mod.parse_header(raw[: 8 + n], len(raw), str(path))
 
 
 def _records(ts: dict[str, torch.Tensor]) -> list[TensorRecord]:
@@ -337,6 +337,51 @@ def test_truncated_file(tmp_path: Path) -> None:
         read_header(f)
     with pytest.raises(CheckpointCorruptError):
         verify(tmp_path / "ck")
+
+
+def _populate_supported() -> bool:
+    import mmap
+
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        m.madvise(format_mod._MADV_POPULATE_READ, 0, mmap.PAGESIZE)
+    except OSError:
+        return False
+    finally:
+        m.close()
+    return True
+
+
+@pytest.mark.parametrize("when", ["before the mapping", "after the mapping"])
+def test_file_truncated_during_a_mapped_read_is_a_typed_error_not_sigbus(tmp_path: Path, monkeypatch, when) -> None:
+    """A file cut short once it was checked: mmap refuses the length, or faulting the pages in fails (EFAULT)
+    where touching them would raise SIGBUS."""
+    f = tmp_path / "big.bin"
+    size = 8 << 20
+    f.write_bytes(os.urandom(size))
+    if when == "before the mapping":
+        os.truncate(f, 1 << 20)
+    else:
+        made = format_mod._Mapped.__init__
+
+        def shrink(mapped, fd, n):
+            made(mapped, fd, n)
+            os.truncate(f, 1 << 20)
+
+        monkeypatch.setattr(format_mod._Mapped, "__init__", shrink)
+    if when == "after the mapping" and not _populate_supported():
+        pytest.skip("MADV_POPULATE_READ needs Linux 5.14: without it a page cut off under a mapping is SIGBUS")
+    dst = torch.empty(size, dtype=torch.uint8)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        with pytest.raises((CheckpointCorruptError, OSError)) as ei:
+            format_mod.read_mapped(fd, size, [(0, size, format_mod.byte_view(dst, size))], str(f), names=["t"])
+    finally:
+        os.close(fd)
+    if when == "before the mapping":
+        assert "truncated" in str(ei.value)
+    else:
+        assert isinstance(ei.value, format_mod.TransferError) and ei.value.errno == errno.EFAULT
 
 
 def test_what_is_not_a_checkpoint_is_said(tmp_path: Path) -> None:

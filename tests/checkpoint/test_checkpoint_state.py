@@ -305,16 +305,17 @@ def test_io_error_while_reading_is_a_typed_error_naming_the_file_and_tensor_and_
     _, _, state2 = _warmed("cpu", seed=1)
     if residency == "offloaded":
         state2.offload()
-    real = os.preadv
+    real = format_mod._Mapped.populate
     fails_at: list[int] = []
 
-    def preadv(fd, bufs, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("optim.safetensors") and not fails_at:
-            fails_at.append(offset)
+    def populate(mapped, start, length):
+        """(the kernel's answer when a page of the mapped file cannot be read)"""
+        if os.readlink(f"/proc/self/fd/{mapped.fd}").endswith("optim.safetensors") and not fails_at:
+            fails_at.append(start)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, bufs, offset)
+        return real(mapped, start, length)
 
-    monkeypatch.setattr(format_mod.os, "preadv", preadv)
+    monkeypatch.setattr(format_mod._Mapped, "populate", populate)
     err = _loaded_unchanged(state2, tmp_path / "ck", CheckpointReadError, "EIO")
     assert fails_at, "the fault was never injected"
     assert isinstance(err, OSError) and err.errno == errno.EIO
@@ -337,7 +338,7 @@ def test_io_error_reading_the_manifest_or_verifying_is_a_typed_error(tmp_path, m
         with pytest.raises(CheckpointReadError, match="manifest.json") as ei:
             verify(tmp_path / "ck")
         assert ei.value.errno == errno.EIO and ei.value.tensor is None
-    monkeypatch.setattr(format_mod.os, "preadv", eio)
+    monkeypatch.setattr(format_mod._Mapped, "populate", eio)
     with pytest.raises(CheckpointReadError, match="EIO") as ei:
         verify(tmp_path / "ck")
     assert ei.value.tensor is not None and ei.value.path.endswith(".safetensors")

@@ -1,14 +1,8 @@
 """The one "all ranks agree" step of every collective checkpoint operation.
 
-Per-rank save, per-rank load and both DCP wrappers are sequences of local steps (write my files,
-read my shard, hash my share of the files) separated by ``Collective.agree``: every rank reports
-its outcome, and if any rank failed, every rank raises -- the failing rank its own error, the others
-one naming the failing rank -- so no rank goes on (installs a checkpoint, changes its model) alone.
-In one process (no process group, or ``enabled=False``) ``agree`` is just "raise my error, if any".
-
-A background writer cannot use the caller's process group (an NCCL communicator must not be used
-from two threads at once), so ``for_writer_thread`` gives it a gloo group of the same ranks, made
-once per group (collectively, on the calling thread) and forgotten with the group.
+Each operation is local steps separated by ``Collective.agree``: if any rank failed, every rank raises,
+so no rank installs a checkpoint or changes its model alone. A background writer talks over a gloo
+group of the same ranks (``for_writer_thread``): an NCCL communicator must not be used from two threads.
 """
 
 from __future__ import annotations

@@ -1,36 +1,9 @@
-"""Committing a checkpoint: a fresh directory, fsync, rename, and the ``latest`` pointer written last.
+"""Committing a checkpoint: a fresh locked temporary directory, fsync, rename, and ``latest`` written last.
 
-Checkpoints are immutable: a save creates a new directory and never writes into an existing
-checkpoint. ``commit``, for one process or every rank: (1) rank 0 refuses a path that exists
-(anything but an empty directory), removes what a crashed write to the same path left
-(``.<name>.tmp-*``, and ``.latest.tmp-*``: see below) and creates ``.<name>.tmp-<random>`` beside it,
-holding an ``flock`` on it; (2) every rank writes and fsyncs its files there; (3) rank 0 writes
-``manifest.json`` (temporary name, fsync, rename), fsyncs the directory, renames it to ``<name>`` in
-one atomic step and fsyncs the parent; only then does ``latest`` move (temporary file, fsync,
-rename, fsync), so it never names a checkpoint that is not complete and durable. A crash or a full
-disk at any point leaves no ``<name>`` or the complete one, and touches nothing that existed before:
-the previous checkpoint and ``latest`` survive.
-
-Several writers at once (two ranks both saving with ``distributed=False``, a restarted job racing
-the old one): each writer holds an exclusive ``flock`` on its temporary directory (and on the
-temporary file of a pointer it replaces) from the moment it is created until it is renamed, and a
-leftover is removed only by a writer that takes that lock itself -- which no live writer's lock lets
-it, while a dead writer's lock died with its process. The final rename never replaces a checkpoint
-(a directory is renamed over an empty directory only), so of writers racing to one path exactly one
-succeeds; the others fail with ``CheckpointWriteError`` (or ``FileExistsError``, if the path was
-complete when they began), and none touches the winner's checkpoint. Where the file system has no
-``flock`` (NFS without lock support), leftovers are never removed automatically: nothing can tell a
-live writer's from a dead one's.
-
-Dropped, and why: replacing a checkpoint in place needed an atomic directory swap
-(``renameat2(RENAME_EXCHANGE)`` through ctypes) or two renames with a window in which the path is
-missing -- hence readers picking the newest complete sibling, recovery renaming it back, and
-pid-liveness checks telling a crashed writer's leftovers from a live one's. With fresh directories
-there is no such window, and none of it is needed (a lock held by the live writer tells its leftovers
-apart instead: pids are reused, and mean nothing across hosts).
-
-Reading ``latest``: it holds one plain name, of a real directory beside it (a symbolic link, or a
-name leaving the directory, is refused).
+A save never writes into an existing checkpoint; a crash or a full disk at any point leaves no ``<name>`` or
+the complete one, and writers racing to one path are told apart by an ``flock`` on each temporary name
+(docs/guide/checkpoints.md, "Atomic, never overwritten"). ``latest`` holds one plain name of a real
+directory beside it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Resharding through ``torch.distributed.checkpoint`` (DCP), made atomic, verified and safe to inspect.
 
-``save`` writes each rank's own shard and loads on the same world size only. To load onto another
-number of ranks (2 -> 1, FSDP2 -> a plain model) use these thin wrappers over DCP and its
-``get_state_dict`` / ``set_state_dict`` helpers::
-
-    save_dcp(path, model, optimizer)                  # on every rank
-    load_dcp(path, model, optimizer, trusted=True)    # on every rank of the new world, or one process
-
-What they add to DCP:
-
-* atomic: DCP writes into the fresh temporary directory of ``commit.commit``; the ranks hash their
-  share of the files; rank 0 writes the manifest -- every file's crc32 and every tensor's name,
-  global shape and dtype -- and renames the directory into place, as ``save`` does;
-* no silent changes: DCP casts a tensor to the model's dtype on load and ignores checkpoint keys
-  the model lacks; ``load_dcp`` first compares every tensor with the manifest and raises
-  ``CheckpointMismatchError`` naming the first difference (a dtype one only without ``cast``);
-* no code from a directory nobody vouched for: DCP's ``.metadata`` is a Python pickle, and
-  unpickling a crafted one runs arbitrary code. The checks above read only the JSON manifest;
-  ``load_dcp`` verifies the crc32 of every file, ``.metadata`` included, and then refuses
-  (``CheckpointUntrustedError``) to let DCP open them unless ``trusted=True``. ``verify`` and
-  ``stateshift inspect`` never open ``.metadata``.
+``save_dcp`` / ``load_dcp`` wrap DCP with the commit of ``commit.commit`` and a manifest of every file's
+crc32 and every tensor's global shape and dtype: ``load_dcp`` compares the model with it (no silent cast,
+no ignored key), verifies every file, and lets DCP unpickle its ``.metadata`` only when ``trusted=True``
+(docs/guide/checkpoints.md, "Sharded models").
 """
 
 from __future__ import annotations

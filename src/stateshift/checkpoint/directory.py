@@ -1,16 +1,8 @@
 """A checkpoint directory: found, opened safely, read and verified -- and written.
 
-Reading (``Checkpoint.open``): ``path`` is a checkpoint (it holds ``manifest.json``) or a
-directory whose ``latest`` names one. Anything else is said for what it is
-(``CheckpointNotFoundError``: nothing there, an empty directory, a Hugging Face export, a DCP
-directory without a manifest, other files; ``CheckpointIncompleteError``: a write that never
-finished). The manifest is decoded once (``manifest.py``), and every file the caller will use is
-opened only as a regular file inside the directory (no symbolic link, no FIFO) and checked against
-it -- size, then header crc32, then the header itself -- before a byte of data is read.
-
-Writing (``write_checkpoint``): records are checked, then ``commit.commit`` writes each rank's
-files into a fresh directory and rank 0 assembles the manifest from every rank's report
-(``commit_checkpoint``, which ``dcp.save_dcp`` shares).
+``Checkpoint.open`` resolves a checkpoint (or what ``latest`` names), says what anything else is, decodes
+the manifest once and checks each file it will use (regular file, size, header crc32, header) before a
+byte of data is read. ``write_checkpoint`` checks the records, then ``commit.commit`` writes them.
 """
 
 from __future__ import annotations
@@ -132,7 +124,7 @@ class Checkpoint:
             try:
                 with _reading(self.path / name):
                     fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
-                    self._headers[name] = fmt.check_file(fd, size, entry, path, self._headers.get(name))
+                    self._headers[name] = mf.check_file(fd, size, entry, path, self._headers.get(name))
             except FileNotFoundError:
                 raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
             yield fd, entry, path

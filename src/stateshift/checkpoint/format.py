@@ -1,31 +1,12 @@
 """Safetensors files with a crc32 per tensor, written from and read into caller memory, in parallel.
 
-Every data file is plain safetensors (``safetensors.torch.load_file`` reads it): a u64 header
-length, the JSON header padded to 8, then the tensors without gaps, largest element size first (so
-each starts at a multiple of its element size). What a file cannot say about itself goes into the
-manifest as its ``FileEntry``: size and crc32 of the file, of its header, and of each tensor.
-
-Why not ``safetensors.torch.save_file`` / ``load_file``: they copy every tensor through a fresh
-allocation; here bytes go straight between a pinned pool block and the file (``pwritev`` /
-``preadv`` on memoryviews of the caller's tensors). The bytes are cut into tasks of about
-``CHUNK_BYTES`` (a large tensor into several, small neighbours into one); each task -- one
-positioned call and the ``zlib.crc32`` of its pieces, both releasing the GIL -- runs on a thread
-pool, and a tensor's crc32 is combined from its pieces' (``crc32_combine``). So the manifest holds
-exactly ``zlib.crc32`` of each tensor and of each file, and a damaged file names its bad tensor.
-
-Why crc32 only: it detects damage (bit flips, torn writes) at memory speed; the manifest is not
-signed, so a cryptographic digest would not stop someone who can rewrite the directory. The crc32
-is ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: the same values as ``zlib.crc32``,
-about 7x faster with PCLMUL on x86 and PMULL on ARM, where the standard one's 5-7 GB/s per core
-would bound a load on a machine with few cores), and ``zlib_ng.crc32_combine`` joins pieces' crc32s
-(the standard library has no ``crc32_combine``).
-
-Untrusted input: headers are capped at ``MAX_HEADER_BYTES``, JSON nested too deeply is
-``CheckpointCorruptError`` (never ``RecursionError``), and files are opened only as regular files
-that are not symbolic links, without blocking on a FIFO (``open_regular``). A shape read from a
-file (or a manifest) is checked by ``shape_bytes`` before any product of it: at most ``MAX_RANK``
-dimensions, each below ``MAX_DIM``, its bytes within what the file can hold; error messages are
-built from ``bounded`` values only (never the digits of a huge integer or a long list).
+Every data file is plain safetensors (``safetensors.torch.load_file`` reads it), tensors largest element
+size first; what a file cannot say about itself (its crc32s) is its ``FileEntry`` in the manifest. Bytes
+move between the caller's memory and the file without a private copy (``pwritev``; reads out of a memory
+map, copied ``SUB_BYTES`` at a time and hashed in the caller's memory while in the cache), in tasks of
+about ``CHUNK_BYTES`` on a thread pool, a tensor's crc32 combined from its pieces' (``zlib_ng``: the
+values of ``zlib.crc32``, about 7x faster). Untrusted input is bounded: ``MAX_HEADER_BYTES``, ``MAX_RANK``,
+``MAX_DIM``, ``open_regular``, ``bounded`` (docs/guide/checkpoints.md, "Untrusted checkpoints").
 """
 
 from __future__ import annotations
@@ -37,6 +18,7 @@ import gc
 import itertools
 import json
 import math
+import mmap
 import os
 import stat
 import struct
@@ -54,7 +36,7 @@ from zlib_ng.zlib_ng import (  # the values of zlib.crc32; crc32_combine(crc(a),
     crc32_combine,
 )
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, ShapeError, TransferError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, TransferError
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -119,26 +101,6 @@ def bounded(v: Any, limit: int = 60) -> str:
     if isinstance(v, str) and len(v) > limit:
         v = v[:limit]
     return repr(v)[:limit] if isinstance(v, (str, int, float, bool, type(None))) else f"<a {type(v).__name__}>"
-
-
-def shape_bytes(shape: Sequence[Any], itemsize: int, limit: int) -> int:
-    """The bytes of a tensor of ``shape`` (``itemsize`` bytes per element), checked in time linear in
-    ``MAX_RANK`` whatever ``shape`` holds: at most ``MAX_RANK`` dimensions (checked first), each an int in
-    ``[0, MAX_DIM)``, and at most ``limit`` bytes (the product computed once, stopping as soon as it passes
-    ``limit``). Raises ``ShapeError`` otherwise."""
-    if len(shape) > MAX_RANK:
-        raise ShapeError(f"shape has {len(shape)} dimensions (at most {MAX_RANK})")
-    for i, d in enumerate(shape):
-        if type(d) is not int or not 0 <= d < MAX_DIM:
-            raise ShapeError(f"dimension {i} of the shape is {bounded(d)}, not an integer in [0, 2**48)")
-    if 0 in shape:
-        return 0
-    n = itemsize
-    for d in shape:
-        n *= d
-        if n > limit:
-            raise ShapeError(f"shape {bounded(list(shape))} holds more than the {limit} bytes it can have here")
-    return n
 
 
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,9 +233,6 @@ Span = tuple[int, int, "memoryview | None"]
 Piece = tuple[int, int, int, "memoryview | None"]
 """``(span index, file offset, length, memory)``: part of a span inside one task."""
 
-_scratch = threading.local()
-
-
 def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     """Cut spans into tasks of at most ``CHUNK_BYTES`` contiguous bytes, in file order."""
     chunk = CHUNK_BYTES
@@ -317,24 +276,69 @@ def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int
 
 def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
               names: Sequence[str] | None) -> list[tuple[int, int, int]]:
-    """One task: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
-    hashed = sum(n for _, _, n, mem in task if mem is None)
-    scratch = getattr(_scratch, "buf", None)
-    if hashed and (scratch is None or len(scratch) < hashed):
-        scratch = _scratch.buf = memoryview(bytearray(hashed))
-    bufs, pos = [], 0
-    for _, _, n, mem in task:
-        if mem is None:
-            mem, pos = scratch[pos : pos + n], pos + n  # type: ignore[index]
-        bufs.append(mem)
+    """One task of a write: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
+    bufs = [mem for _, _, _, mem in task]
     _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
 
-def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
-             names: Sequence[str] | None = None) -> list[int]:
-    """Move ``spans`` between memory and ``fd`` (``os.preadv`` or ``os.pwritev``) on a thread pool;
-    returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
+SUB_BYTES = 1 << 20
+"""Bytes copied out of a mapped file and then hashed while still in the CPU's cache."""
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in now, an I/O error returned instead of SIGBUS later
+
+
+class _Mapped:
+    """A file mapped for reading (private, never written): its address and a byte view of it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)
+        self.view = memoryview(self.map)
+        self.fd = fd
+
+    def populate(self, start: int, length: int) -> None:
+        """Fault the pages of ``[start, start + length)`` in now: a read error (EIO) is an ``OSError`` here,
+        where touching an unreadable page of a mapping would kill the process with SIGBUS."""
+        start, length = start - start % mmap.PAGESIZE, length + start % mmap.PAGESIZE
+        try:
+            self.map.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # (an older kernel: no populate, fault on access)
+                raise
+
+    def close(self) -> None:
+        self.view.release()
+        del self._anchor
+        self.map.close()
+
+
+def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
+    """One task of a mapped read: its pages faulted in (an I/O error is a ``TransferError``, not a SIGBUS),
+    then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
+    cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
+    try:
+        mapped.populate(task[0][1], task[-1][1] + task[-1][2] - task[0][1])  # a task's bytes are contiguous
+    except OSError as e:
+        raise TransferError(e, path, None if names is None else names[task[0][0]]) from e
+    out = []
+    for idx, offset, n, mem in task:
+        if mem is None:
+            out.append((idx, crc32(mapped.view[offset : offset + n]), n))
+            continue
+        crc, dst = 0, ctypes.addressof(ctypes.c_char.from_buffer(mem))
+        for k in range(0, n, SUB_BYTES):
+            m = min(SUB_BYTES, n - k)
+            ctypes.memmove(dst + k, mapped.address + offset + k, m)
+            crc = crc32(mem[k : k + m], crc)
+        out.append((idx, crc, n))
+    return out
+
+
+def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], path: str,
+             progress: ProgressFn | None = None, names: Sequence[str] | None = None) -> list[int]:
+    """Move ``spans`` between memory and ``fd`` (``os.pwritev``, or a mapping of the file to read) on a
+    thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
     it (an error it raises stops the transfer promptly).
 
@@ -342,8 +346,10 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
+    run = (functools.partial(_run_mapped, op) if isinstance(op, _Mapped)
+           else functools.partial(_run_task, op, fd))
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
-        running = deque(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
+        running = deque(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
             while running:
                 moved = 0
@@ -353,7 +359,7 @@ def transfer(op: Callable[..., int], fd: int, spans: Sequence[Span], path: str, 
                     moved += n
                 if progress is not None:
                     progress(moved)
-                running.extend(pool.submit(_run_task, op, fd, t, path, names) for t in itertools.islice(tasks, 1))
+                running.extend(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 1))
         except BaseException:
             for f in running:
                 f.cancel()
@@ -457,74 +463,9 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
 # --------------------------------------------------------------------------- reading
 
 
-@without_gc
-def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ...]:
-    """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order,
-    checked against the file's size (their ``crc32`` is 0: a header does not record it)."""
-    if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
-    header = load_json(raw[8:], path, "safetensors header")
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    found = []
-    for name, ent in header.items():
-        why = ""
-        try:
-            dtype, shape, (b, e) = _DTYPES[ent["dtype"]], tuple(ent["shape"]), ent["data_offsets"]
-            ok = all(type(x) is int and x >= 0 for x in (b, e)) and e - b == shape_bytes(shape, dtype.itemsize, file_size)
-        except ShapeError as err:
-            ok, why = False, f": {err}"
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}{why}", name)
-        found.append(TensorEntry(name, dtype, shape, b, e - b, 0))
-    found.sort(key=lambda t: (t.start, t.nbytes))
-    bad = extent_error(found, len(raw), file_size)
-    if bad is not None:
-        raise CheckpointCorruptError(path, *bad)
-    return tuple(found)
-
-
-def extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
-    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
-    ``(what, the tensor at fault or None)``, or ``None``. Shared by ``parse_header`` and the manifest's decoder."""
-    pos = 0
-    for t in tensors:
-        if t.start != pos:
-            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
-        pos += t.nbytes
-    if header_bytes + pos != file_size:
-        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
-        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
-    return None
-
-
-def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
-    """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
-    ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
-    header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
-    if size != entry.bytes:
-        what = "truncated" if size < entry.bytes else "longer than recorded"
-        raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
-    if entry.header is None:
-        return None
-    raw = os.pread(fd, entry.header[0], 0)
-    if raw == checked:
-        return raw
-    if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
-        raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
-    found = parse_header(raw, size, path)
-    want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
-    if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
-        raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
-    return raw
-
-
 def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None], path: str,
               progress: ProgressFn | None = None) -> None:
-    """Read the named tensors of a checked file (``check_file``) into ``dsts`` and verify each crc32.
+    """Read the named tensors of a checked file (``manifest.check_file``) into ``dsts`` and verify each crc32.
 
     A destination is a contiguous CPU tensor of exactly the stored bytes (``uint8``, or the stored
     dtype and shape); ``None`` verifies the tensor without keeping it. All are checked before a
@@ -545,19 +486,32 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
                 raise CheckpointMismatchError(name, f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}")
         chosen.append(t)
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:  # advice only
-            pass
-    crcs = transfer(os.preadv, fd, spans, path, progress, [t.name for t in chosen])
+    crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
             raise CheckpointCorruptError(path, f"checksum mismatch in tensor {t.name!r}: manifest says "
                                          f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}", t.name)
 
 
+def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
+                names: Sequence[str] | None = None) -> list[int]:
+    """``transfer`` of ``spans`` out of the ``size``-byte file ``fd`` through a memory map (no private copy
+    of the file: the page cache's pages are copied once, into the caller's memory, and hashed there)."""
+    if size == 0 or not spans:
+        return [0] * len(spans)
+    try:
+        mapped = _Mapped(fd, size)
+    except OSError as e:
+        raise TransferError(e, path, None) from e
+    except ValueError:  # (mmap refuses a length past the end: the file shrank since it was checked)
+        raise CheckpointCorruptError(path, "file truncated while reading") from None
+    try:
+        return transfer(mapped, fd, spans, path, progress, names)
+    finally:
+        mapped.close()
+
+
 def file_crc32(fd: int, size: int, path: str) -> int:
     """The crc32 of a whole file, hashed in parallel."""
-    (crc,) = transfer(os.preadv, fd, [(0, size, None)], path)
+    (crc,) = read_mapped(fd, size, [(0, size, None)], path)
     return crc

@@ -1,15 +1,8 @@
-"""Export a plain torch / Hugging Face model's weights under their usual names.
+"""Export a plain torch / Hugging Face model's weights under their ``state_dict`` names (``model.safetensors``).
 
-``export_hf(model_or_state, directory)`` writes ``<directory>/model.safetensors``: every parameter
-and persistent buffer under its ``state_dict`` name, typed and contiguous, tied duplicates once
-(the name ``transformers`` declares tied is dropped, as ``save_pretrained`` does; otherwise the
-first name is kept). It loads with ``safetensors.torch.load_file`` and, next to the model's
-``config.json``, with ``transformers``' ``from_pretrained``.
-
-Values come from a host snapshot, so the model may be on the GPU, offloaded or mixed; nothing is
-brought back to the device. The file replaces any previous one atomically (``commit.replacing``:
-temporary name, fsync, rename); other files of the directory (``config.json``, tokenizer files)
-are left alone. Which module to export, or why not, comes from the backends' ``checkpoint_facts``.
+Tied duplicates are written once (the name ``transformers`` declares tied is dropped, as ``save_pretrained``
+does); values come from a host snapshot, so the model may live anywhere; the file replaces any previous
+one atomically (``commit.replacing``).
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
-"""The manifest: ``manifest.json`` <-> typed objects, checked against one schema, in one place.
+"""The manifest: ``manifest.json`` <-> frozen dataclasses, checked against one schema by one validator.
 
-``manifest.json`` is written last into a checkpoint directory and is the only description of the
-other files that is believed. ``loads`` is the one way in: it refuses anything over
-``MAX_MANIFEST_BYTES`` before reading it, JSON nested too deeply, a manifest whose ``seal`` (the
-crc32 of the canonical JSON of everything else) does not match, and every field that is not exactly
-the schema below -- always with ``CheckpointCorruptError`` naming the manifest and the field --
-so the code after it meets only typed, consistent objects (``Manifest``, ``StoredGroup``,
-``SlotInfo``).
-
-Schema (``format_version`` 2)::
-
-    {"format": "stateshift-checkpoint", "format_version": 2, "seal": "crc32:<hex>",
-     "backend": str, "tag": str | null, "version": int | null, "extra": {str: str},
-     "checksum_algorithm": "crc32", "total_bytes": int, "library_version": str,
-     "torch_version": str, "created": str, "created_unix": number,
-     "files": {plain name: {"bytes": int, "checksum": "crc32:<hex>",
-               ".safetensors" files also: "header": {"bytes": int, "checksum": ...},
-                                          "tensors": [{"name", "dtype", "shape", "data_offsets", "checksum"}]}},
-     "layout": {"format": "stateshift-state/1", "groups": [str], "world_size": int,
-                "ranks": [{"rank": int, "groups": {group: {"file": name, "slots": [
-                    {"slot": str, "nbytes": int, "record": str, "typed": bool,
-                     "members": [{"name", "shape", "dtype", "stride", "offset", "meta"}]}]}}}]}
-             | {"format": "dcp", "world_size": int}   (then also "dcp_tensors": {name: {"shape", "dtype"}})
-             | any other object: written by the disk layer alone; ``load`` refuses it}
-
-Consistency is part of the schema: ``world_size`` ranks, every rank holding every group, each
-group's file a safetensors file of the checkpoint, each slot's record stored there with the
-slot's dtype and shape (``typed``) or as its raw bytes (``U8 [nbytes]``), tensors laid out without
-gaps up to the file's size, every member of a slot inside the slot's bytes (aligned to its element size).
-``meta`` is JSON nested at most ``MAX_META_DEPTH`` deep.
-
-Bounded work: a manifest may have been written (and resealed: the seal is a crc32) by anyone, so every
-shape is checked -- at most ``MAX_RANK`` dimensions, each below ``MAX_DIM`` -- before any product of it,
-a tensor's bytes within its file's and a member's within its slot's, and every error message is built
-from bounded values (``format.bounded``): decoding costs time linear in the manifest's size.
+``manifest.json`` is written last and is the only description of the other files that is believed.
+``loads`` is the one way in: it refuses a manifest over ``MAX_MANIFEST_BYTES`` unread, JSON nested too
+deeply, a ``seal`` (the crc32 of the canonical JSON of everything else) that does not match, and any field
+that is not the schema -- the ``Spec`` tables (``_MANIFEST``, ``_SIZED``, ``_TENSOR``, ``_LAYOUT``, ``_SLOT``,
+``_MEMBER``), each field through ``_valid`` -- with ``CheckpointCorruptError`` naming the field. Consistency is
+part of the schema: ``world_size`` ranks each holding every group, each group's file a safetensors file of the
+checkpoint holding each slot's record typed or as raw ``U8`` bytes, tensors without gaps up to the file's size,
+members inside their slot. A layout of another ``format`` (``dcp``: with ``dcp_tensors``) is kept as JSON.
+Work is linear in the manifest's size whoever resealed it: shapes are bounded (``MAX_RANK``, ``MAX_DIM``)
+before any product of them, and error messages are built from bounded values.
 """
 
 from __future__ import annotations
@@ -42,14 +18,16 @@ import functools
 import json
 import math
 import os
+import struct
 import sys
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
@@ -59,16 +37,13 @@ from .format import (
     MAX_HEADER_BYTES,
     MAX_RANK,
     FileEntry,
-    ShapeError,
     TensorEntry,
     bounded,
     dtype_from_name,
     dtype_name,
-    extent_error,
     is_utf8,
     load_json,
     open_regular,
-    shape_bytes,
     without_gc,
 )
 
@@ -257,8 +232,8 @@ def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
     """A member as the manifest stores it, checked with the reader's own rules first (text that is not valid
     UTF-8, meta nested too deeply or holding NaN): a save must never commit a manifest that no load accepts."""
     try:
-        _check(m.name, "str", "its name")
-        _check(slot, "str", "its slot's name")
+        _valid(m.name, "str", "its name")
+        _valid(slot, "str", "its slot's name")
     except _Bad as e:
         raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}") from None
     return {"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride), "offset": m.offset,
@@ -308,72 +283,116 @@ def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
         raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}", "meta") from None
 
 
-# --------------------------------------------------------------------------- reading: the schema
+# --------------------------------------------------------------------------- reading: one validator
+
+_INT_ONLY, _HEX, _ABSENT = {int}, frozenset("0123456789abcdef"), object()
+_TOPS = {"shape": MAX_DIM, "stride": _MAX_INT, "ints": _MAX_INT}
+_TYPES = {"bool": bool, "list": list, "dict": dict}
 
 
-def _check(v: Any, kind: str, where: str) -> Any:
-    if kind == "int":
-        ok = type(v) is int and 0 <= v < _MAX_INT
-    elif kind == "signed":
-        ok = type(v) is int and -_MAX_INT < v < _MAX_INT
-    elif kind == "str":
-        ok = isinstance(v, str)
-        if ok and not is_utf8(v):
-            raise _Bad(f"{where} is not valid UTF-8 text")
-    elif kind == "number":
-        ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
-    else:
-        ok = isinstance(v, {"bool": bool, "list": list, "dict": dict}[kind])
-    if not ok:
-        raise _Bad(f"{where} is not {'a' if kind != 'int' else 'a non-negative'} {kind}: {bounded(v)}")
-    return v
-
-
-_INT_ONLY, _HEX = {int}, frozenset("0123456789abcdef")
-
-
-def _get(d: Any, key: str, kind: str, where: str, *, optional: bool = False) -> Any:
-    if not isinstance(d, dict):
-        raise _Bad(f"{where} is not an object")
-    v = d.get(key)
-    if v is None:
-        if optional:
-            return None
-        if key not in d:
-            raise _Bad(f"{where}.{key} is missing")
-    if kind == "int" and type(v) is int and 0 <= v < _MAX_INT:  # (the common case, without building a path)
-        return v
-    return _check(v, kind, f"{where}.{key}")
-
-
-def _all_ints(v: list[Any], top: int = _MAX_INT) -> bool:
+def _all_ints(v: list[Any], top: int) -> bool:
     """Every value a non-negative int below ``top``, checked in C."""
     return not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) < top)
 
 
-def _shape(d: Any, key: str, where: str, top: int = MAX_DIM) -> tuple[int, ...]:
-    """A shape (or strides): at most ``MAX_RANK`` values (checked before any other), each an int in ``[0, top)``."""
-    v = _get(d, key, "list", where)
-    if len(v) > MAX_RANK:
-        raise _TooLarge(f"{where}.{key} has {len(v)} dimensions (at most {MAX_RANK})")
-    if _all_ints(v, top):
-        return tuple(v)
-    i, x = next((i, x) for i, x in enumerate(v) if type(x) is not int or not 0 <= x < top)
-    raise _Bad(f"dimension {i} of {where}.{key} is {bounded(x)}, not an integer in [0, 2**{top.bit_length() - 1})")
+def _valid(v: Any, kind: str, where: str, key: str = "") -> Any:
+    """The one validator of the schema: ``v`` as a value of ``kind``, normalised (shapes as tuples, a checksum as
+    its int, a safetensors dtype name as its ``torch.dtype``, meta as tuples), or ``_Bad`` naming the field
+    (``where.key``). The valid common case returns without building the field's path."""
+    if kind == "str":
+        if type(v) is str and v.isascii():
+            return v
+    elif kind == "int":
+        if type(v) is int and 0 <= v < _MAX_INT:
+            return v
+    elif kind in _TOPS:
+        if type(v) is list and (len(v) <= MAX_RANK or kind == "ints") and _all_ints(v, _TOPS[kind]):
+            return tuple(v)
+    elif kind == "crc":
+        if type(v) is str and len(v) == 14 and v.startswith("crc32:") and _HEX.issuperset(v[6:]):
+            return int(v[6:], 16)
+    elif kind in ("dtype", "torch_dtype"):
+        try:
+            dtype = dtype_from_name(v) if kind == "dtype" else dtype_of(v)
+            return dtype if kind == "dtype" else v  # (a member keeps its torch dtype's name)
+        except (KeyError, TypeError):
+            pass
+    elif kind in _TYPES:
+        if type(v) is _TYPES[kind]:
+            return v
+    elif kind == "meta" and v == []:
+        return ()
+    return _invalid(v, kind, f"{where}.{key}" if key else where)
 
 
-def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
-    v = _get(d, key, "list", where)
-    if _all_ints(v):
-        return tuple(v)
-    return tuple(_check(x, "int", f"{where}.{key}") for x in v)  # raises naming the value
+def _invalid(v: Any, kind: str, at: str) -> Any:
+    """``_valid`` past its common cases: the value normalised, or ``_Bad`` saying what is wrong with it."""
+    if v is _ABSENT:
+        if kind[-1] == "?":
+            return None
+        raise _Bad(f"{at} is missing")
+    if kind[-1] == "?":
+        kind = kind[:-1]
+        if v is None:
+            return None
+    if kind in _TOPS:
+        if type(v) is not list:
+            raise _Bad(f"{at} is not a list: {bounded(v)}")
+        if len(v) > MAX_RANK and kind != "ints":
+            raise _TooLarge(f"{at} has {len(v)} dimensions (at most {MAX_RANK})")
+        i, x = next((i, x) for i, x in enumerate(v) if type(x) is not int or not 0 <= x < _TOPS[kind])
+        raise _Bad(f"dimension {i} of {at} is {bounded(x)}, not an integer in [0, 2**{_TOPS[kind].bit_length() - 1})")
+    if kind in ("crc", "dtype"):
+        raise _Bad(f"{at} is not {'crc32:<8 hex digits>' if kind == 'crc' else 'a safetensors dtype'}: {bounded(v)}")
+    if kind == "torch_dtype":
+        try:
+            dtype_of(v)
+        except (KeyError, TypeError):
+            raise _Bad(f"{at} is not a torch dtype: {bounded(v)}") from None
+        return v
+    if kind == "meta":
+        return _meta(_invalid(v, "list", at), at)
+    if kind == "str" and isinstance(v, str):
+        if not is_utf8(v):
+            raise _Bad(f"{at} is not valid UTF-8 text")
+        return v
+    if kind == "signed":
+        ok = type(v) is int and -_MAX_INT < v < _MAX_INT
+    elif kind == "number":
+        ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
+    else:
+        ok = isinstance(v, _TYPES.get(kind, ()))
+    if not ok:
+        raise _Bad(f"{at} is not {'a non-negative' if kind == 'int' else 'a'} {kind}: {bounded(v)}")
+    return v
 
 
-def _crc(d: Any, where: str) -> int:
-    text = _get(d, "checksum", "str", where)
-    if not (text.startswith("crc32:") and len(text) == 14 and _HEX.issuperset(text[6:])):
-        raise _Bad(f"{where}.checksum is not crc32:<8 hex digits>: {text[:40]!r}")
-    return int(text[6:], 16)
+Spec = tuple[tuple[str, str], ...]
+"""The fields of one object of the schema: ``(key, kind)``; a kind ending in ``?`` may be null or absent."""
+_TENSOR: Spec = (("name", "str"), ("dtype", "dtype"), ("shape", "shape"), ("data_offsets", "ints"), ("checksum", "crc"))
+_MEMBER: Spec = (("name", "str"), ("shape", "shape"), ("dtype", "torch_dtype"), ("stride", "stride"), ("offset", "int"),
+                 ("meta", "meta"))
+_SLOT: Spec = (("slot", "str"), ("nbytes", "int"), ("typed", "bool"), ("record", "str"), ("members", "list"))
+_SIZED: Spec = (("bytes", "int"), ("checksum", "crc"))
+_LAYOUT: Spec = (("groups", "list"), ("world_size", "int"), ("ranks", "list"))
+_MANIFEST: Spec = (("format", "str"), ("format_version", "int"), ("checksum_algorithm", "str"), ("files", "dict"),
+                   ("layout", "dict"), ("extra", "dict"), ("backend", "str"), ("tag", "str?"), ("version", "signed?"),
+                   ("total_bytes", "int"), ("library_version", "str"), ("torch_version", "str"), ("created", "str"),
+                   ("created_unix", "number"))
+
+
+def _fields(d: Any, where: str, spec: Spec) -> list[Any]:
+    """The values of the object ``d`` (``where`` names it) that ``spec`` lists, each through ``_valid``."""
+    if type(d) is not dict:
+        raise _Bad(f"{where} is not an object")
+    out = []
+    for key, kind in spec:  # (str and int fields inline: the bulk of a manifest of many tensors)
+        v = d.get(key, _ABSENT)
+        if (kind == "str" and type(v) is str and v.isascii()) or (kind == "int" and type(v) is int and 0 <= v < _MAX_INT):
+            out.append(v)
+        else:
+            out.append(_valid(v, kind, where, key))
+    return out
 
 
 def _meta(v: Any, where: str, depth: int = 0) -> Any:
@@ -383,9 +402,9 @@ def _meta(v: Any, where: str, depth: int = 0) -> Any:
     if isinstance(v, list):
         return tuple(_meta(x, where, depth + 1) for x in v)
     if isinstance(v, dict):
-        return tuple((_check(k, "str", where), _meta(x, where, depth + 1)) for k, x in v.items())
+        return tuple((_valid(k, "str", where), _meta(x, where, depth + 1)) for k, x in v.items())
     if isinstance(v, str):
-        return _check(v, "str", where)
+        return _valid(v, "str", where)
     if v is None or type(v) in (bool, int, float):
         return v
     raise _Bad(f"{where} holds a {type(v).__name__}")
@@ -393,7 +412,7 @@ def _meta(v: Any, where: str, depth: int = 0) -> Any:
 
 def check_file_name(name: Any, where: str = "file name") -> str:
     """A file of a checkpoint is a plain name inside it (``ValueError`` otherwise)."""
-    _check(name, "str", where)
+    _valid(name, "str", where)
     bad = (not name or name in (".", "..", MANIFEST_NAME) or len(name.encode()) > 255
            or (name.startswith(".") and name != DCP_METADATA) or any(c in name for c in "/\\\0"))
     if bad:
@@ -401,46 +420,28 @@ def check_file_name(name: Any, where: str = "file name") -> str:
     return name
 
 
-def _tensor(d: Any, where: str, i: int, size: int) -> TensorEntry:
-    """A tensor entry; the common, valid case without a Python call per field (``_tensor_checked`` says
-    what is wrong with any other, or decodes it the same way)."""
-    try:
-        name, dname, shape, offsets, crc = d["name"], d["dtype"], d["shape"], d["data_offsets"], d["checksum"]
-        dtype = dtype_from_name(dname)
-    except (KeyError, TypeError):
-        return _tensor_checked(d, f"{where}.tensors[{i}]", size)
-    if (type(name) is str and name.isascii() and type(shape) is list and type(offsets) is list and len(offsets) == 2
-            and type(crc) is str and len(crc) == 14 and crc.startswith("crc32:") and _HEX.issuperset(crc[6:])
-            and len(shape) <= MAX_RANK and _all_ints(shape, MAX_DIM) and _all_ints(offsets)):
-        nbytes = math.prod(shape) * dtype.itemsize  # (bounded: MAX_RANK dimensions below MAX_DIM)
-        if offsets[1] - offsets[0] == nbytes:
-            return TensorEntry(name, dtype, tuple(shape), offsets[0], nbytes, int(crc[6:], 16))
-    return _tensor_checked(d, f"{where}.tensors[{i}]", size)
-
-
-def _tensor_checked(d: Any, where: str, size: int) -> TensorEntry:
-    try:
-        dtype = dtype_from_name(_get(d, "dtype", "str", where))
-    except KeyError:
-        raise _Bad(f"{where}.dtype is not a safetensors dtype") from None
-    shape, offsets = _shape(d, "shape", where), _ints(d, "data_offsets", where)
-    try:
-        nbytes = shape_bytes(shape, dtype.itemsize, size)
-    except ShapeError as e:
-        raise _Bad(f"{where}: {e} (a file of {size} bytes)") from None
+def _tensor(d: Any, where: str, size: int, name: str | None = None) -> TensorEntry:
+    """A tensor entry of the manifest, or (``name`` given) of a safetensors header, which has no checksum."""
+    if name is None:
+        name, dtype, shape, offsets, crc = _fields(d, where, _TENSOR)
+    else:
+        (dtype, shape, offsets), crc = _fields(d, where, _TENSOR[1:4]), 0
+    nbytes = math.prod(shape) * dtype.itemsize  # (bounded: at most MAX_RANK dimensions below MAX_DIM)
+    if nbytes > size:
+        raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than the {size} bytes of its file")
     if len(offsets) != 2 or offsets[1] - offsets[0] != nbytes:
         raise _Bad(f"{where}.data_offsets do not hold {nbytes} bytes")
-    return TensorEntry(_get(d, "name", "str", where), dtype, shape, offsets[0], nbytes, _crc(d, where))
+    return TensorEntry(name, dtype, shape, offsets[0], nbytes, crc)
 
 
 def _file(name: str, d: Any, where: str) -> FileEntry:
-    size, crc = _get(d, "bytes", "int", where), _crc(d, where)
+    size, crc = _fields(d, where, _SIZED)
     if not name.endswith(".safetensors"):
         return FileEntry(size, crc)
-    header = _get(d, "header", "dict", where)
-    hsize, hcrc = _get(header, "bytes", "int", f"{where}.header"), _crc(header, f"{where}.header")
-    tensors = tuple(_tensor(t, where, i, size) for i, t in enumerate(_get(d, "tensors", "list", where)))
-    bad = extent_error(tensors, hsize, size)
+    header, raw = _fields(d, where, (("header", "dict"), ("tensors", "list")))
+    hsize, hcrc = _fields(header, f"{where}.header", _SIZED)
+    tensors = tuple(_tensor(t, f"{where}.tensors[{i}]", size) for i, t in enumerate(raw))
+    bad = _extent_error(tensors, hsize, size)
     if bad is not None:
         raise _Bad(f"{where}: {bad[0]}")
     if not 8 <= hsize <= MAX_HEADER_BYTES or len({t.name for t in tensors}) != len(tensors):
@@ -448,50 +449,16 @@ def _file(name: str, d: Any, where: str) -> FileEntry:
     return FileEntry(size, crc, (hsize, hcrc), tensors)
 
 
-def _torch_dtype(d: Any, where: str) -> str:
-    """``d["dtype"]``, the name of a torch dtype (``"bfloat16"``)."""
-    dtype = _get(d, "dtype", "str", where)
-    try:
-        dtype_of(dtype)
-    except KeyError:
-        raise _Bad(f"{where}.dtype {dtype!r} is not a torch dtype") from None
-    return dtype
-
-
-def _member(d: Any, where: str, k: int) -> MemberInfo:
-    """A slot member; the common, valid case (no ``meta``) without a Python call per field."""
-    try:
-        name, shape, dtype, stride, offset, meta = d["name"], d["shape"], d["dtype"], d["stride"], d["offset"], d["meta"]
-        dtype_of(dtype)
-    except (KeyError, TypeError):
-        return _member_checked(d, f"{where}.members[{k}]")
-    if (type(name) is str and name.isascii() and type(offset) is int and 0 <= offset < _MAX_INT and meta == []
-            and type(shape) is list and type(stride) is list and len(stride) == len(shape) <= MAX_RANK
-            and _all_ints(shape, MAX_DIM) and _all_ints(stride)):
-        return MemberInfo(name, tuple(shape), dtype, tuple(stride), offset, ())
-    return _member_checked(d, f"{where}.members[{k}]")
-
-
-def _member_checked(d: Any, where: str) -> MemberInfo:
-    dtype = _torch_dtype(d, where)
-    shape, stride = _shape(d, "shape", where), _shape(d, "stride", where, _MAX_INT)
+def _member(d: Any, where: str) -> MemberInfo:
+    name, shape, dtype, stride, offset, meta = _fields(d, where, _MEMBER)
     if len(stride) != len(shape):
         raise _Bad(f"{where}: stride and shape differ in length")
-    meta = _meta(_get(d, "meta", "list", where), f"{where}.meta")
-    return MemberInfo(_get(d, "name", "str", where), shape, dtype, stride, _get(d, "offset", "int", where), meta)
+    return MemberInfo(name, shape, dtype, stride, offset, meta)
 
 
 def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> StoredSlot:
-    try:  # (the common, valid case without a Python call per field; ``_get`` names what is wrong otherwise)
-        raw, name, nbytes, typed, record = d["members"], d["slot"], d["nbytes"], d["typed"], d["record"]
-        fast = (type(raw) is list and type(name) is str and name.isascii() and type(nbytes) is int
-                and 0 <= nbytes < _MAX_INT and type(typed) is bool and type(record) is str and record.isascii())
-    except (KeyError, TypeError):
-        fast = False
-    if not fast:
-        raw, name, nbytes = _get(d, "members", "list", where), _get(d, "slot", "str", where), _get(d, "nbytes", "int", where)
-        typed, record = _get(d, "typed", "bool", where), _get(d, "record", "str", where)
-    members = tuple(_member(m, where, k) for k, m in enumerate(raw))
+    name, nbytes, typed, record, raw = _fields(d, where, _SLOT)
+    members = tuple(_member(m, f"{where}.members[{k}]") for k, m in enumerate(raw))
     if not members:
         raise _Bad(f"{where}.members is empty")
     info = SlotInfo(name, group, nbytes, members)
@@ -523,25 +490,24 @@ def _outside(m: MemberInfo, nbytes: int) -> str | None:
 
 
 def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, StoredGroup], ...]:
-    groups = [_check(g, "str", "layout.groups[]") for g in _get(layout, "groups", "list", "layout")]
-    world, ranks = _get(layout, "world_size", "int", "layout"), _get(layout, "ranks", "list", "layout")
+    groups, world, ranks = _fields(layout, "layout", _LAYOUT)
+    groups = [_valid(g, "str", "layout.groups[]") for g in groups]
     if world < 1 or len(ranks) != world:
         raise _Bad(f"layout.world_size is {world} but layout.ranks holds {len(ranks)} ranks")
     out = []
     for i, r in enumerate(ranks):
         where = f"layout.ranks[{i}]"
-        stored = _get(r, "groups", "dict", where)
-        if _get(r, "rank", "int", where) != i or sorted(stored) != sorted(groups):
+        rank, stored = _fields(r, where, (("rank", "int"), ("groups", "dict")))
+        if rank != i or sorted(stored) != sorted(groups):
             raise _Bad(f"{where} is not rank {i} holding the groups {groups}")
         decoded = {}
         for g in groups:
             gw = f"{where}.groups.{g}"
-            fname = _get(stored[g], "file", "str", gw)
+            fname, slots = _fields(stored[g], gw, (("file", "str"), ("slots", "list")))
             entry = files.get(fname)
             if entry is None or entry.header is None:
                 raise _Bad(f"{gw}.file {fname!r} is not a safetensors file of this checkpoint")
             by_name = {t.name: t for t in entry.tensors}
-            slots = _get(stored[g], "slots", "list", gw)
             decoded[g] = StoredGroup(fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots)))
             names = [m.name for s in decoded[g].slots for m in s.info.members]
             if len(set(names)) != len(names):
@@ -550,46 +516,99 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
     return tuple(out)
 
 
-def _dcp(d: Mapping[str, Any]) -> dict[str, DcpTensor]:
+def _dcp(tensors: Any) -> dict[str, DcpTensor]:
     out = {}
-    for name, t in _get(d, "dcp_tensors", "dict", "manifest").items():
+    for name, t in _valid(tensors, "dict", "manifest.dcp_tensors").items():
         where = f"dcp_tensors[{bounded(name)}]"
-        _check(name, "str", where)
-        shape, dtype = _shape(t, "shape", where), _torch_dtype(t, where)
-        try:
-            shape_bytes(shape, dtype_of(dtype).itemsize, _MAX_INT)
-        except ShapeError as e:
-            raise _Bad(f"{where}: {e}") from None
+        _valid(name, "str", where)
+        shape, dtype = _fields(t, where, (("shape", "shape"), ("dtype", "torch_dtype")))
+        if math.prod(shape) * dtype_of(dtype).itemsize >= _MAX_INT:
+            raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than 2**62 bytes")
         out[name] = DcpTensor(shape, dtype)
     return out
 
 
 def _decode(d: Any) -> Manifest:
-    if _get(d, "format", "str", "manifest") != FORMAT_NAME:
-        raise _Bad(f"not a {FORMAT_NAME} manifest")
-    fv = _get(d, "format_version", "int", "manifest")
+    (fmt_name, fv, algorithm, files, layout, extra, backend, tag, version, total, lib, torch_v, created,
+     created_unix) = _fields(d, "manifest", _MANIFEST)
+    if fmt_name != FORMAT_NAME or algorithm != "crc32":
+        raise _Bad(f"not a {FORMAT_NAME} manifest with crc32 checksums")
     if fv != FORMAT_VERSION:
         raise _Bad(f"format_version {fv}: this stateshift reads format {FORMAT_VERSION} only")
-    if _get(d, "checksum_algorithm", "str", "manifest") != "crc32":
-        raise _Bad("checksum_algorithm is not crc32")
-    files = {check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in _get(d, "files", "dict", "manifest").items()}
-    layout = _get(d, "layout", "dict", "manifest")
     kind = layout.get("format")
-    if kind == DCP_FORMAT and _get(layout, "world_size", "int", "layout") < 1:
+    if kind == DCP_FORMAT and _fields(layout, "layout", (("world_size", "int"),))[0] < 1:
         raise _Bad("layout.world_size is 0")
     if kind not in (STATE_FORMAT, DCP_FORMAT):
         _meta(layout, "layout")
-    extra = _get(d, "extra", "dict", "manifest")
     return Manifest(
-        backend=_get(d, "backend", "str", "manifest"), layout=layout, files=files,
-        tag=_get(d, "tag", "str", "manifest", optional=True), version=_get(d, "version", "signed", "manifest", optional=True),
-        extra={_check(k, "str", "extra"): _check(v, "str", f"extra[{k!r}]") for k, v in extra.items()},
-        total_bytes=_get(d, "total_bytes", "int", "manifest"),
-        library_version=_get(d, "library_version", "str", "manifest"), torch_version=_get(d, "torch_version", "str", "manifest"),
-        created=_get(d, "created", "str", "manifest"), created_unix=float(_get(d, "created_unix", "number", "manifest")),
-        dcp_tensors=_dcp(d) if kind == DCP_FORMAT else {},
-        format_version=fv,
+        backend=backend, layout=layout, files={check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in files.items()},
+        tag=tag, version=version, extra={_valid(k, "str", "extra"): _valid(v, "str", f"extra[{k!r}]") for k, v in extra.items()},
+        total_bytes=total, library_version=lib, torch_version=torch_v, created=created, created_unix=float(created_unix),
+        dcp_tensors=_dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}, format_version=fv,
     )
+
+
+# --------------------------------------------------------------------------- a data file against its entry
+
+
+@without_gc
+def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ...]:
+    """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order, each entry
+    through the manifest's validator and checked against the file's size (``crc32`` 0: a header has none)."""
+    if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
+    header = load_json(raw[8:], path, "safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    found = []
+    for name, ent in header.items():
+        try:
+            found.append(_tensor(ent, "the entry", file_size, name))
+        except _Bad as e:
+            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}: {e}", name) from None
+    found.sort(key=lambda t: (t.start, t.nbytes))
+    bad = _extent_error(found, len(raw), file_size)
+    if bad is not None:
+        raise CheckpointCorruptError(path, *bad)
+    return tuple(found)
+
+
+def _extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: int) -> tuple[str, str | None] | None:
+    """Why ``tensors`` (in file order) after ``header_bytes`` do not fill a ``file_size``-byte file without gaps:
+    ``(what, the tensor at fault or None)``, or ``None``."""
+    pos = 0
+    for t in tensors:
+        if t.start != pos:
+            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
+        pos += t.nbytes
+    if header_bytes + pos != file_size:
+        what = "truncated" if header_bytes + pos > file_size else "trailing bytes"
+        return f"header and tensors describe {header_bytes + pos} bytes, the file holds {file_size} ({what})", None
+    return None
+
+
+def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
+    """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
+    ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
+    header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
+    if size != entry.bytes:
+        what = "truncated" if size < entry.bytes else "longer than recorded"
+        raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
+    if entry.header is None:
+        return None
+    raw = os.pread(fd, entry.header[0], 0)
+    if raw == checked:
+        return raw
+    if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
+        raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
+    found = parse_header(raw, size, path)
+    want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
+    if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
+        raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
+    return raw
+
+
 
 
 @without_gc
