@@ -1,15 +1,41 @@
-"""Typed errors.
+"""Typed errors: ten classes, each with a ``kind`` and its detail in attributes.
 
 Every error raised for bad input is raised *before* anything is changed, so a
 caught error leaves the model, its homes and every snapshot as they were.
 Messages name the first offending tensor or setting.
+
+A class covers one family; ``kind`` (a short string, one of the class's ``kinds``) says which case it is,
+so a caller catches the family and tests the kind where it cares::
+
+    try:
+        load(state, path)
+    except CheckpointError as e:
+        if e.kind != "not_found":
+            raise
+
+==================  ======================  ==================================================================
+class               also a                  covers
+==================  ======================  ==================================================================
+``StateError``      ``RuntimeError``        a verb or compute meets state it cannot act on
+``LayoutError``     ``ValueError``          values that do not fit a model's layout
+``ObjectError``     ``TypeError``           an object no backend knows, not a snapshot handle
+``BudgetError``     ``MemoryError``         a pool, snapshot store or publisher would pass its byte budget
+``DiskError``       ``OSError``             the disk tier cannot act; an OS error moving bytes
+``CheckpointError`` ``OSError``             a checkpoint missing, damaged, incomplete, unreadable, unwritable
+``SyncError``       ``RuntimeError``        publishing weights to other processes
+``ConfigError``     ``ValueError``          a bad setting, command-line value, data file or model directory
+``RunError``        ``RuntimeError``        the ``stateshift train`` application cannot go on
+==================  ======================  ==================================================================
+
+and ``StateShiftError``, the base of them all.
 """
 
 from __future__ import annotations
 
+import errno as errno_mod
 import os
 import reprlib
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 
 def _bounded_repr() -> reprlib.Repr:
@@ -33,464 +59,361 @@ def show(value: Any) -> str:
         return f"<a {type(value).__name__}>"
 
 
+def _rebuild(cls: type[StateShiftError], args: tuple[Any, ...]) -> StateShiftError:
+    """An error of ``cls`` with ``args``, its ``__init__`` not called (its attributes come as pickled state).
+    (``BaseException.__new__``: ``MemoryError``'s own one refuses a class whose first base is not it.)"""
+    return (OSError if issubclass(cls, OSError) else BaseException).__new__(cls, *args)
+
+
 class StateShiftError(Exception):
-    """Base class of every error raised by stateshift."""
+    """Base class of every error raised by stateshift.
 
-
-class UnknownGroupError(StateShiftError, ValueError):
-    """A group name that the model state does not have; the message lists the valid ones."""
-
-    def __init__(self, group: str, valid: tuple[str, ...]) -> None:
-        self.group = group
-        self.valid = valid
-        super().__init__(f"unknown group {group!r}; valid groups: {', '.join(valid) or '(none)'}")
-
-
-class LayoutMismatchError(StateShiftError, ValueError):
-    """A snapshot (or checkpoint) does not fit the model it is applied to.
-
-    ``tensor`` names the first offending tensor; ``reason`` says what differs;
-    ``field`` is what kind of difference it is (``"missing"``, ``"extra"``,
-    ``"shape"``, ``"dtype"``, ``"stride"``, ``"offset"``, ``"meta"``,
-    ``"sharing"``, ``"nbytes"``, or ``"layout"`` for anything else).
+    ``kind`` is one of the class's ``kinds``; the message is built from the attributes (bounded where a value
+    comes from untrusted input). Every error pickles whole, attributes included (it may cross a process or a
+    Ray actor).
     """
 
-    def __init__(self, tensor: str, reason: str, field: str = "layout") -> None:
-        self.tensor = tensor
-        self.reason = reason
-        self.field = field
-        super().__init__(f"layout mismatch at tensor {tensor!r}: {reason}")
+    kinds: ClassVar[tuple[str, ...]] = ()
 
-
-class ReleasedSnapshotError(StateShiftError, RuntimeError):
-    """The snapshot was released; its memory may already hold other values."""
-
-
-class OffloadedStateError(StateShiftError, RuntimeError):
-    """Compute touched state whose device storage is released.
-
-    Raised from hooks before any kernel runs, so the process (and its CUDA
-    context) stays healthy: reading released storage from a kernel would be a
-    sticky illegal-address fault on CUDA and a segmentation fault on the CPU.
-    """
-
-    def __init__(self, group: str, slot: str, residency: str, where: str) -> None:
-        self.group = group
-        self.slot = slot
-        self.residency = residency
-        super().__init__(
-            f"{where} needs group {group!r} on the device, but it is not resident "
-            f"(first: {slot!r} is {residency}); call onload({group!r}) first"
-        )
-
-
-class PinningUnavailableError(StateShiftError, RuntimeError):
-    """Pinned host memory was asked for explicitly on a machine without an accelerator."""
-
-
-class PoolBudgetError(StateShiftError, MemoryError):
-    """The pinned host pool would exceed its byte budget."""
-
-
-class SnapshotBudgetError(StateShiftError, MemoryError):
-    """The snapshot store would exceed its byte budget."""
-
-
-class AddressStableError(StateShiftError, RuntimeError):
-    """The address-stable mode cannot do what was asked (torch_memory_saver missing, a partial move
-    of an address-stable group, too little free memory to map a group back)."""
-
-
-class DiskTierError(StateShiftError, OSError):
-    """The disk tier cannot do what was asked: no directory configured, a full disk, an I/O error.
-    Raised before anything changed residency: the values are still where they were."""
-
-
-class ClosedStateError(StateShiftError, RuntimeError):
-    """A verb was called on a ``ModelState`` after ``close()``."""
-
-
-class SwapActiveError(StateShiftError, RuntimeError):
-    """A verb touched groups that a ``swapped`` context currently holds."""
-
-
-class VerbInsideComputeError(StateShiftError, RuntimeError):
-    """A verb that releases storage was called from inside compute that reads it, on the same thread.
-
-    A forward (or an optimizer step) of a guarded model holds the state's storage until it returns;
-    ``offload``, ``drop`` or a ``swapped()`` exit called from inside it (a hook) would release storage
-    the running forward still reads. From another thread the verb waits instead; on the same thread
-    it would wait for ever, so it raises, before anything changed.
-    """
-
-    def __init__(self, verb: str, compute: str) -> None:
-        self.verb = verb
-        self.compute = compute
-        super().__init__(
-            f"{verb}() was called from inside {compute} on the same thread: it would release storage that "
-            f"the running computation reads. Call {verb}() after it returns"
-        )
-
-
-class ForeignStateError(StateShiftError, RuntimeError):
-    """A tensor's device storage was released by someone else and no values can be found for it."""
-
-    def __init__(self, tensor: str, detail: str) -> None:
-        self.tensor = tensor
-        super().__init__(f"tensor {tensor!r}: {detail}")
-
-
-class BackendError(StateShiftError, TypeError):
-    """No backend knows the object, or a backend was given an object it cannot handle."""
-
-
-class NotReleasableError(StateShiftError, RuntimeError):
-    """A device tensor's storage cannot be resized in place, so it cannot be released."""
-
-    def __init__(self, tensor: str, detail: str) -> None:
-        self.tensor = tensor
-        super().__init__(f"tensor {tensor!r}: {detail}")
-
-
-class FSDP2StateError(StateShiftError, RuntimeError):
-    """FSDP2 is in a state in which its shards cannot be moved (a forward or backward is running)."""
-
-
-class SnapshotHandleError(StateShiftError, TypeError):
-    """A restore was handed something that is not a live snapshot handle of that model.
-
-    Raised by the drop-ins of ``stateshift.integrations`` (e.g. verl's
-    ``restore_megatron_model_from_cpu``) before anything changes: ``function``
-    is the function called, ``got`` the type of what it was given, ``reason``
-    what is wrong (not a handle -- e.g. a dict from the framework's own copy
-    function --, a handle of another model, a handle of the other kind, or one
-    whose model state was closed).
-    """
-
-    def __init__(self, function: str, got: str, reason: str) -> None:
-        self.function = function
-        self.got = got
-        self.reason = reason
-        super().__init__(f"{function}: {reason} (got {got})")
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-class CheckpointError(StateShiftError):
-    """Base class of every checkpoint error (a ``stateshift.errors.StateShiftError``)."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is damaged or malformed: checksum mismatch, truncated, bad header or manifest,
-    a file that is not a regular file inside the checkpoint directory, an input over a size or depth limit.
-
-    ``path`` names the offending file; ``tensor`` the offending tensor when one is known; ``detail``
-    says what is wrong.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], detail: str, tensor: str | None = None) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        self.tensor = tensor
-        super().__init__(f"corrupt checkpoint file '{self.path}': {detail}")
-
-
-class CheckpointIncompleteError(CheckpointError):
-    """A checkpoint directory whose write never finished (its manifest, written last, is missing)."""
-
-    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        super().__init__(f"incomplete checkpoint '{self.path}': {detail}")
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No stateshift checkpoint at a path: nothing there, an empty directory, a Hugging Face export,
-    a directory of other files. Also a ``FileNotFoundError``."""
-
-    def __init__(self, path: str | os.PathLike[str], detail: str) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        super().__init__(f"no stateshift checkpoint at '{self.path}': {detail}")
+    def __init__(self, kind: str, *args: Any) -> None:
+        if kind not in self.kinds:
+            raise ValueError(f"{type(self).__name__}: unknown kind {kind!r}; one of {', '.join(self.kinds)}")
+        self.kind = kind
+        super().__init__(*args)
 
     def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class CheckpointUntrustedError(CheckpointError):
-    """Loading would unpickle a file of the checkpoint (DCP's ``.metadata``) that the caller has not
-    said it trusts; unpickling can run arbitrary code."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (ENOSPC, EDQUOT, EFBIG, EIO, ...).
-
-    ``errno`` is the OS error number (None if not an OS error).  The message
-    says whether the previous checkpoint at ``path`` is intact.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], detail: str, errno: int | None = None) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        self.errno = errno
-        super().__init__(f"cannot write checkpoint '{self.path}': {detail}")
-
-
-class CheckpointReadError(CheckpointError, OSError):
-    """Reading a checkpoint failed with an OS error (EIO from a failing disk, a file system gone away, ...).
-
-    ``path`` names the file, ``tensor`` the tensor whose bytes failed (``None``: a header, or the whole
-    file's hash), ``errno`` the OS error number. Raised before anything of the model changed. Also an
-    ``OSError``.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], detail: str, errno: int | None = None,
-                 tensor: str | None = None) -> None:
-        self.path = os.fspath(path)
-        self.detail = detail
-        self.tensor = tensor
-        super().__init__(f"cannot read checkpoint file '{self.path}': {detail}")
-        self.errno = errno
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class CheckpointMismatchError(CheckpointError, LayoutMismatchError):
-    """Bad input: unknown tensor name, wrong byte count / dtype, non-contiguous data.
-
-    Raised before any byte is read or written; ``name`` is the first offending
-    tensor.  Also a ``stateshift.errors.LayoutMismatchError`` (and ``ValueError``).
-    """
-
-    def __init__(self, name: str, detail: str, field: str = "layout") -> None:
-        self.name = self.tensor = name
-        self.detail = self.reason = detail
-        self.field = field
-        Exception.__init__(self, f"tensor '{name}': {detail}")
-
-
-class ShapeError(StateShiftError, ValueError):
-    """A stored shape that is not one (``checkpoint.format.shape_bytes``); its message is built from bounded
-    values. Turned into ``CheckpointCorruptError`` naming the file where a checkpoint is read."""
-
-
-class TransferError(StateShiftError, OSError):
-    """An OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename``; ``tensor`` names
-    the tensor whose bytes failed (``None``: a header, or bytes of no named tensor). Also an ``OSError``
-    with the original ``errno`` and ``strerror``; the checkpoint code turns it into
-    ``CheckpointWriteError`` / ``CheckpointReadError``."""
-
-    def __init__(self, e: OSError, path: str, tensor: str | None) -> None:
-        super().__init__(e.errno, e.strerror, path)
-        self.tensor = tensor
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (OSError(self.errno, self.strerror), self.filename, self.tensor)
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            state.update(args=self.args, errno=self.errno, strerror=self.strerror, filename=self.filename)
+        return _rebuild, (type(self), self.args), state
+
+
+StateKind = Literal["offloaded", "closed", "swap_active", "inside_compute", "foreign", "released",
+                    "not_releasable", "address_stable", "fsdp2", "no_pinning"]
+
+
+class StateError(StateShiftError, RuntimeError):
+    """A verb, or compute, met state it cannot act on. Raised before anything changed.
+
+    ``kind``:
+
+    - ``"offloaded"``: compute (``reason``, e.g. ``"forward"``) touched a group whose device storage is
+      released (``group``, ``tensor`` the first such, ``residency`` where it is). Raised from hooks before any kernel runs, so the process (and
+      its CUDA context) stays healthy: a kernel reading released storage is a sticky illegal-address fault on
+      CUDA and a segmentation fault on the CPU.
+    - ``"closed"``: a verb was called on a ``ModelState`` after ``close()``.
+    - ``"swap_active"``: a verb touched groups that a ``swapped`` context holds.
+    - ``"inside_compute"``: a verb that releases storage (``verb``) was called from inside compute that reads
+      it (a forward or an optimizer step, ``compute``) on the same thread; from another thread the verb
+      would wait instead, on the same thread it would wait for ever.
+    - ``"foreign"``: a tensor's device storage was released by someone else and no values can be found for it.
+    - ``"released"``: the snapshot was released; its memory may already hold other values.
+    - ``"not_releasable"``: a device tensor's storage cannot be resized in place, so it cannot be released.
+    - ``"address_stable"``: the address-stable mode cannot do what was asked (torch_memory_saver missing, a
+      partial move of an address-stable group, too little free memory to map a group back).
+    - ``"fsdp2"``: FSDP2 is in a state in which its shards cannot be moved (a forward or backward runs).
+    - ``"no_pinning"``: pinned host memory was asked for explicitly where it cannot be had.
+    """
+
+    kinds = get_args(StateKind)
+
+    def __init__(self, kind: StateKind, reason: str = "", *, group: str | None = None, tensor: str | None = None,
+                 residency: str | None = None, verb: str | None = None, compute: str | None = None) -> None:
+        self.reason = reason
+        self.group, self.tensor, self.residency, self.verb, self.compute = group, tensor, residency, verb, compute
+        if kind == "offloaded":
+            reason = (f"{reason} needs group {group!r} on the device, but it is not resident (first: {tensor!r} is "
+                      f"{residency}); call onload({group!r}) first")
+        elif kind == "inside_compute":
+            reason = (f"{verb}() was called from inside {compute} on the same thread: it would release storage "
+                      f"that the running computation reads. Call {verb}() after it returns")
+        elif tensor is not None and kind in ("foreign", "not_releasable"):
+            reason = f"tensor {tensor!r}: {reason}"
+        super().__init__(kind, reason)
+
+
+LayoutKind = Literal["unknown_group", "mismatch", "checkpoint_mismatch", "shape"]
+
+
+class LayoutError(StateShiftError, ValueError):
+    """Values that do not fit a model's layout. Raised before anything changed.
+
+    ``kind``:
+
+    - ``"unknown_group"``: a group name (``group``) the model state does not have; ``valid`` lists its groups.
+    - ``"mismatch"``: a snapshot does not fit the model it is applied to.
+    - ``"checkpoint_mismatch"``: a checkpoint does not fit the model, or tensors cannot be written to or read
+      from a checkpoint as given (unknown name, wrong byte count or dtype, not contiguous).
+    - ``"shape"``: a stored shape that is not one (``checkpoint.format.shape_bytes``); its message is built
+      from bounded values. Turned into a ``CheckpointError`` of kind ``"corrupt"`` where a checkpoint is read.
+
+    ``tensor`` names the first offending tensor; ``reason`` says what differs; ``field`` is what kind of
+    difference it is (``"missing"``, ``"extra"``, ``"shape"``, ``"dtype"``, ``"stride"``, ``"offset"``,
+    ``"meta"``, ``"sharing"``, ``"nbytes"``, or ``"layout"`` for anything else).
+    """
+
+    kinds = get_args(LayoutKind)
+
+    def __init__(self, kind: LayoutKind, reason: str = "", *, tensor: str | None = None, field: str = "layout",
+                 group: str | None = None, valid: tuple[str, ...] = ()) -> None:
+        self.tensor, self.reason, self.field, self.group, self.valid = tensor, reason, field, group, valid
+        if kind == "unknown_group":
+            message = f"unknown group {group!r}; valid groups: {', '.join(valid) or '(none)'}"
+        elif kind == "mismatch":
+            message = f"layout mismatch at tensor {tensor!r}: {reason}"
+        elif kind == "checkpoint_mismatch":
+            message = f"tensor '{tensor}': {reason}"
+        else:
+            message = reason
+        super().__init__(kind, message)
+
+
+ObjectKind = Literal["backend", "snapshot_handle"]
+
+
+class ObjectError(StateShiftError, TypeError):
+    """An object stateshift cannot act on. Raised before anything changed.
+
+    ``kind``:
+
+    - ``"backend"``: no backend knows the object, or a backend was given an object it cannot handle.
+    - ``"snapshot_handle"``: a restore of ``stateshift.integrations`` (e.g. verl's
+      ``restore_megatron_model_from_cpu``, the ``function``) was handed something that is not a live snapshot
+      handle of that model (``got`` is its type; ``reason`` says what is wrong: not a handle -- e.g. a dict from
+      the framework's own copy function --, a handle of another model or of the other kind, or one whose model
+      state was closed).
+    """
+
+    kinds = get_args(ObjectKind)
+
+    def __init__(self, kind: ObjectKind, reason: str, *, function: str | None = None, got: str | None = None) -> None:
+        self.reason, self.function, self.got = reason, function, got
+        super().__init__(kind, f"{function}: {reason} (got {got})" if kind == "snapshot_handle" else reason)
+
+
+BudgetKind = Literal["pool", "snapshot", "sync"]
+
+
+class BudgetError(StateShiftError, MemoryError):
+    """Memory would pass a byte budget; nothing was allocated and nothing changed.
+
+    ``kind``: ``"pool"`` (the pinned host pool), ``"snapshot"`` (the snapshot store) or ``"sync"`` (a weight
+    publisher, because receivers still hold older versions: ``holders`` lists ``(receiver, version)``).
+    """
+
+    kinds = get_args(BudgetKind)
+
+    def __init__(self, kind: BudgetKind, reason: str, *, holders: tuple[tuple[str, int], ...] = ()) -> None:
+        self.reason, self.holders = reason, holders
+        super().__init__(kind, reason)
+
+
+DiskKind = Literal["tier", "transfer"]
+
+
+class DiskError(StateShiftError, OSError):
+    """The disk cannot do what was asked. Also an ``OSError``.
+
+    ``kind``:
+
+    - ``"tier"``: the disk tier cannot act (no directory configured, a full disk, an I/O error); raised before
+      anything changed residency: the values are still where they were.
+    - ``"transfer"``: an OS error (ENOSPC, EFBIG, EIO, ...) moving the bytes of the file ``filename`` (also
+      ``path``), with the original ``errno`` and ``strerror``; ``tensor`` names the tensor whose bytes failed
+      (``None``: a header, or bytes of no named tensor). The checkpoint code turns it into a
+      ``CheckpointError`` of kind ``"write"`` or ``"read"``.
+    """
+
+    kinds = get_args(DiskKind)
+
+    def __init__(self, kind: DiskKind, reason: str, *, path: str | None = None, tensor: str | None = None,
+                 errno: int | None = None) -> None:
+        self.reason, self.path, self.tensor = reason, path, tensor
+        if errno is None:
+            super().__init__(kind, reason)
+        else:
+            super().__init__(kind, errno, reason, path)
+
+    @staticmethod
+    def from_os_error(e: OSError, path: str, tensor: str | None) -> DiskError:
+        """The ``"transfer"`` error of the OS error ``e`` moving bytes of ``path`` (of ``tensor``)."""
+        return DiskError("transfer", e.strerror or str(e), path=path, tensor=tensor, errno=e.errno)
 
     @staticmethod
     def tensor_of(e: BaseException) -> str | None:
         """The tensor whose bytes failed, where the error knows it."""
-        return e.tensor if isinstance(e, TransferError) else None
+        return e.tensor if isinstance(e, DiskError) else None
 
 
-# --------------------------------------------------------------------------- weight sync (stateshift.rl.sync)
+CheckpointKind = Literal["corrupt", "incomplete", "not_found", "untrusted", "write", "read", "failed"]
+
+
+class CheckpointError(StateShiftError, OSError):
+    """A checkpoint that cannot be read or written. Also an ``OSError`` (``errno`` is the OS error number
+    where there is one; ``ENOENT`` for ``"not_found"``).
+
+    ``path`` names the checkpoint or the offending file, ``tensor`` the offending tensor where one is known,
+    ``reason`` what is wrong. ``kind``:
+
+    - ``"corrupt"``: a file is damaged or malformed: checksum mismatch, truncated, bad header or manifest, a
+      file that is not a regular file inside the checkpoint directory, an input over a size or depth limit.
+    - ``"incomplete"``: a directory whose write never finished (its manifest, written last, is missing).
+    - ``"not_found"``: no stateshift checkpoint at ``path``: nothing there, an empty directory, a Hugging Face
+      export, a directory of other files.
+    - ``"untrusted"``: loading would unpickle a file of the checkpoint (DCP's ``.metadata``) that the caller has
+      not said it trusts; unpickling can run arbitrary code.
+    - ``"write"``: writing failed (ENOSPC, EDQUOT, EFBIG, EIO, ...); the message says whether the previous
+      checkpoint at ``path`` is intact.
+    - ``"read"``: reading failed with an OS error (EIO from a failing disk, a file system gone away, ...);
+      raised before anything of the model changed.
+    - ``"failed"``: a collective save or load failed on another rank, or DCP failed.
+
+    A checkpoint that does not fit the model is a ``LayoutError`` of kind ``"checkpoint_mismatch"``.
+    """
+
+    kinds = get_args(CheckpointKind)
+
+    def __init__(self, kind: CheckpointKind, reason: str, *, path: str | os.PathLike[str] | None = None,
+                 tensor: str | None = None, errno: int | None = None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.reason, self.tensor = reason, tensor
+        where = {"corrupt": "corrupt checkpoint file '{}': ", "incomplete": "incomplete checkpoint '{}': ",
+                 "not_found": "no stateshift checkpoint at '{}': ", "write": "cannot write checkpoint '{}': ",
+                 "read": "cannot read checkpoint file '{}': "}.get(kind, "")
+        super().__init__(kind, where.format(self.path) + reason)
+        self.errno = errno_mod.ENOENT if kind == "not_found" and errno is None else errno
+
+
+SyncKind = Literal["receiver_lost", "reclaimed", "timeout", "mailbox", "closed", "broadcast", "failed", "reentrant"]
 
 
 class SyncError(StateShiftError, RuntimeError):
-    """Base class of every weight-sync error: weights published by one process to others."""
+    """Weights published by one process to others (``stateshift.rl.sync``) could not be.
 
+    ``kind``:
 
-class ReceiverLostError(SyncError):
-    """A receiver died, hung or lagged past the publisher's timeout; the publisher reclaimed what it held.
+    - ``"receiver_lost"``: a receiver (``receiver``) died, hung or lagged past the publisher's timeout
+      (``cause``: ``"died"`` or ``"timeout"``); the publisher reclaimed the ``version`` it held (``None``: none),
+      records it (``WeightPublisher.lost``) and goes on.
+    - ``"reclaimed"``: the ``version`` a receiver read was reclaimed by the publisher meanwhile (it held it past
+      the timeout): what it read may mix versions and must be discarded.
+    - ``"timeout"``: no version at least ``min_version`` became visible within the receiver's timeout
+      (``publisher_alive`` says whether the publisher still runs).
+    - ``"mailbox"``: a sync handle or the publisher's mailbox/manifest holds something a receiver refuses to act
+      on (bad JSON, a file name outside the sync directory, sizes past a file's end, an unknown dtype); ``path``
+      names the file, ``field`` the offending entry. Nothing was read or mapped past the check.
+    - ``"closed"``: the publisher or receiver was closed.
+    - ``"broadcast"``: the broadcast group is full, or ended.
+    - ``"failed"``: the publisher's thread failed.
+    - ``"reentrant"``: a receive was called inside another on the same thread.
 
-    ``receiver`` is the receiver's name, ``version`` the version it held (``None`` if none), ``reason``
-    one of ``"died"`` or ``"timeout"``. The publisher records it (``WeightPublisher.lost``) and goes on.
+    A publish past the publisher's byte budget is a ``BudgetError`` of kind ``"sync"``.
     """
 
-    def __init__(self, receiver: str, version: int | None, reason: str, detail: str = "") -> None:
-        self.receiver = receiver
-        self.version = version
-        self.reason = reason
-        held = f"holding version {version}" if version is not None else "holding no version"
-        super().__init__(f"weight receiver {receiver!r} {reason} ({held}){': ' + detail if detail else ''}")
+    kinds = get_args(SyncKind)
+
+    def __init__(self, kind: SyncKind, reason: str = "", *, receiver: str | None = None, version: int | None = None,
+                 cause: str | None = None, min_version: int | None = None, publisher_alive: bool = True,
+                 path: str | None = None, field: str | None = None) -> None:
+        self.reason, self.receiver, self.version, self.cause = reason, receiver, version, cause
+        self.min_version, self.publisher_alive, self.path, self.field = min_version, publisher_alive, path, field
+        detail = f": {reason}" if reason else ""
+        if kind == "receiver_lost":
+            held = f"holding version {version}" if version is not None else "holding no version"
+            message = f"weight receiver {receiver!r} {cause} ({held}){detail}"
+        elif kind == "reclaimed":
+            message = (f"version {version} held by weight receiver {receiver!r} was reclaimed by the publisher"
+                       f"{detail}; read it again")
+        elif kind == "mailbox":
+            message = f"sync mailbox {path!r}: {field}: {reason}"
+        else:
+            message = reason
+        super().__init__(kind, message)
 
 
-class VersionReclaimedError(SyncError):
-    """A receiver's version was reclaimed by the publisher while the receiver read it (it held it past
-    the timeout): what it read may mix versions and must be discarded. ``receiver`` and ``version`` name it."""
-
-    def __init__(self, receiver: str, version: int, detail: str = "") -> None:
-        self.receiver = receiver
-        self.version = version
-        super().__init__(f"version {version} held by weight receiver {receiver!r} was reclaimed by the publisher"
-                         f"{': ' + detail if detail else ''}; read it again")
-
-
-class SyncBudgetError(SyncError, MemoryError):
-    """Publishing would exceed the publisher's byte budget because receivers still hold older versions.
-    ``holders`` lists ``(receiver, version)``; nothing was published and nothing changed."""
-
-    def __init__(self, message: str, holders: tuple[tuple[str, int], ...] = ()) -> None:
-        self.holders = holders
-        super().__init__(message)
-
-
-class SyncTimeoutError(SyncError, TimeoutError):
-    """No version at least ``min_version`` became visible within the receiver's timeout
-    (``publisher_alive`` says whether the publisher still runs)."""
-
-    def __init__(self, message: str, min_version: int | None = None, publisher_alive: bool = True) -> None:
-        self.min_version = min_version
-        self.publisher_alive = publisher_alive
-        super().__init__(message)
-
-
-class MailboxError(SyncError, ValueError):
-    """A sync handle or the publisher's mailbox/manifest holds something a receiver refuses to act on
-    (bad JSON, a file name outside the sync directory, sizes past a file's end, an unknown dtype).
-    ``path`` names the file, ``field`` the offending entry. Nothing was read or mapped past the check."""
-
-    def __init__(self, path: str, field: str, reason: str) -> None:
-        self.path = path
-        self.field = field
-        super().__init__(f"sync mailbox {path!r}: {field}: {reason}")
-
-
-# --------------------------------------------------------------------------- stateshift train on one's own files
-
-
-class DataFileError(StateShiftError, ValueError):
-    """A prompt file of ``task.name=file`` that cannot be read as the config says.
-
-    ``path`` names the file, ``line`` the 1-based line (JSONL) or row (Parquet) at fault (``None``: the whole
-    file), ``key`` the config key or record field involved (``None`` if none), ``reason`` what is wrong.
-    Raised while the task is built, before any model is built or anything trained.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], reason: str, *, line: int | None = None,
-                 key: str | None = None) -> None:
-        self.path = os.fspath(path)
-        self.line = line
-        self.key = key
-        self.reason = reason
-        where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"{where}: {reason}" + (f" (field {key!r})" if key else ""))
-
-
-class RewardError(StateShiftError, RuntimeError):
-    """A reward function could not be loaded, raised, or returned something that is not a finite score.
-
-    ``fn`` is the ``reward.fn`` value, ``sample`` the sample's id in its file (``'<file>:<line>'``; ``None``
-    when loading), ``reason`` what went wrong. Raised on the rollout side; it stops the run (unless
-    ``reward.on_error=zero``, which counts a zero reward instead).
-    """
-
-    def __init__(self, fn: str, reason: str, *, sample: str | None = None) -> None:
-        self.fn = fn
-        self.sample = sample
-        self.reason = reason
-        at = f" on sample {sample}" if sample else ""
-        super().__init__(f"reward.fn={fn!r}{at}: {reason}")
-
-
-class ModelDirError(StateShiftError, FileNotFoundError):
-    """A local model directory (``model.hf_path``) lacks a file the run needs, or its tokenizer lacks a token.
-
-    ``path`` is the directory, ``file`` the missing file (or the tokenizer's file, for a missing special
-    token), ``reason`` what is missing. Nothing is downloaded: every file must be in the directory.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], file: str, reason: str) -> None:
-        self.path = os.fspath(path)
-        self.file = file
-        self.reason = reason
-        super().__init__(f"model directory {self.path!r}: {file}: {reason}")
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class UsageError(StateShiftError, ValueError):
-    """A bad command-line value of ``stateshift bench``: printed as ``error: ...`` with exit status 2, before
-    any work starts."""
-
-
-# --------------------------------------------------------------------------- the stateshift train application
+ConfigKind = Literal["config", "usage", "weight_sync", "data_file", "model_dir", "metrics_log"]
 
 
 class ConfigError(StateShiftError, ValueError):
-    """A config key that does not exist, or a value of the wrong type or range; ``key`` is the dotted name.
+    """A setting, a command-line value or a file named by one that cannot be used. Raised before any work
+    that depends on it starts.
 
-    The message is built from bounded reprs (``show``): a value of any size, a YAML alias bomb included,
-    gives a message of a few hundred characters."""
+    ``reason`` says what is wrong. ``kind``:
 
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(f"config key {show(key)}: {reason}")
+    - ``"config"``: a config key (``key``, dotted) that does not exist, or a value of the wrong type or range.
+      The message is built from bounded reprs (``show``): a value of any size, a YAML alias bomb included,
+      gives a message of a few hundred characters.
+    - ``"usage"``: a bad command-line value of ``stateshift bench`` (printed as ``error: ...``, exit status 2).
+    - ``"weight_sync"``: weights sent to a rollouter do not match its model; ``name`` is the first offending
+      weight.
+    - ``"data_file"``: a prompt file (``path``) of ``task.name=file`` that cannot be read as the config says;
+      ``line`` is the 1-based line (JSONL) or row (Parquet) at fault (``None``: the whole file), ``key`` the
+      config key or record field involved.
+    - ``"model_dir"``: a local model directory (``path``, ``model.hf_path``) lacks a file the run needs
+      (``name``), or its tokenizer lacks a token. Nothing is downloaded.
+    - ``"metrics_log"``: ``metrics.jsonl`` (``path``) has a line (``line``, 1-based) that is not a step record
+      (and is not a last line cut short by a kill).
+    """
 
-    def __reduce__(self) -> tuple[Any, ...]:  # (pickled whole, across a process or a Ray actor)
-        return type(self), (self.key, self.reason)
+    kinds = get_args(ConfigKind)
 
-
-class WeightSyncError(StateShiftError, ValueError):
-    """Weights sent to a rollouter do not match its model; ``name`` is the first offending weight."""
-
-    def __init__(self, name: str, detail: str) -> None:
-        self.name = name
-        self.detail = detail
-        super().__init__(f"weight {name!r}{detail}")
-
-    def __reduce__(self) -> tuple[Any, ...]:  # (raised in a rollouter process or actor, re-raised by the trainer)
-        return type(self), (self.name, self.detail)
-
-
-class MetricsLogError(StateShiftError, ValueError):
-    """``metrics.jsonl`` has a line that is not a step record (and is not a last line cut short by a kill);
-    ``path`` and ``line`` (1-based) name it."""
-
-    def __init__(self, path: str | os.PathLike[str], line: int, detail: str) -> None:
-        self.path, self.line, self.detail = path, line, detail
-        super().__init__(f"{path}, line {line}: {detail}; a resume keeps the records up to its checkpoint from this "
-                         "file: repair or remove that line")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.line, self.detail)
-
-
-class RunDirBusyError(StateShiftError, RuntimeError):
-    """Another process is training into the same run directory ``path``."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        super().__init__(f"{self.path} is in use by another `stateshift train` (run.lock is held)")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path,)
+    def __init__(self, kind: ConfigKind, reason: str, *, key: str | None = None, name: str | None = None,
+                 path: str | os.PathLike[str] | None = None, line: int | None = None) -> None:
+        self.reason, self.key, self.name, self.line = reason, key, name, line
+        self.path = None if path is None else os.fspath(path)
+        if kind == "config":
+            message = f"config key {show(key)}: {reason}"
+        elif kind == "weight_sync":
+            message = f"weight {name!r}: {reason}"
+        elif kind == "data_file":
+            where = f"{self.path}:{line}" if line is not None else self.path
+            message = f"{where}: {reason}" + (f" (field {key!r})" if key else "")
+        elif kind == "model_dir":
+            message = f"model directory {self.path!r}: {name}: {reason}"
+        elif kind == "metrics_log":
+            message = (f"{self.path}, line {line}: {reason}; a resume keeps the records up to its checkpoint from "
+                       "this file: repair or remove that line")
+        else:
+            message = reason
+        super().__init__(kind, message)
 
 
-class StallError(StateShiftError, RuntimeError):
-    """Nothing moved for ``run.stall_timeout_s`` seconds; the message says what each side was waiting for."""
+RunKind = Literal["stall", "stopped", "rollout_died", "trainer_died", "actor_start", "link_closed", "run_dir_busy",
+                  "reward"]
 
 
-class StoppedError(StateShiftError, RuntimeError):
-    """Raised in a waiting thread when the run was stopped without an error (end of run, Ctrl-C)."""
+class RunError(StateShiftError, RuntimeError):
+    """The ``stateshift train`` application cannot go on; ``reason`` says why.
 
+    ``kind``:
 
-class RolloutDiedError(StateShiftError, RuntimeError):
-    """The rollout side is gone for good: a rollouter died more often than ``ray.max_rollout_restarts`` allows,
-    could not be restarted, or the queue actor died (the message says which, and why)."""
+    - ``"stall"``: nothing moved for ``run.stall_timeout_s`` seconds; the message says what each side waited for.
+    - ``"stopped"``: raised in a waiting thread when the run was stopped without an error (end of run, Ctrl-C).
+    - ``"rollout_died"``: the rollout side is gone for good: a rollouter died more often than
+      ``ray.max_rollout_restarts`` allows, could not be restarted, or the queue actor died.
+    - ``"trainer_died"``: the trainer actor died (killed, OOM, its node lost); the message names the checkpoint
+      to resume from.
+    - ``"actor_start"``: the placement group or an actor did not come up within ``ray.ready_timeout_s``.
+    - ``"link_closed"``: the process at the other end of a rollouter's pipe (``executors/link.py``) is gone.
+    - ``"run_dir_busy"``: another process is training into the same run directory ``path``.
+    - ``"reward"``: a reward function (``fn``, the ``reward.fn`` value) could not be loaded, raised, or returned
+      something that is not a finite score; ``sample`` is the sample's id in its file (``'<file>:<line>'``;
+      ``None`` when loading). It stops the run (unless ``reward.on_error=zero``).
+    """
 
+    kinds = get_args(RunKind)
 
-class LinkClosedError(StateShiftError, EOFError):
-    """The process at the other end of a rollouter's pipe (``executors/link.py``) is gone (its end closed)."""
-
-
-class TrainerDiedError(StateShiftError, RuntimeError):
-    """The trainer actor died (killed, OOM, its node lost); the message names the checkpoint to resume from."""
-
-
-class ActorStartError(StateShiftError, RuntimeError):
-    """The placement group or an actor did not come up within ``ray.ready_timeout_s`` (the cluster lacks room)."""
+    def __init__(self, kind: RunKind, reason: str = "", *, path: str | os.PathLike[str] | None = None,
+                 fn: str | None = None, sample: str | None = None) -> None:
+        self.reason, self.fn, self.sample = reason, fn, sample
+        self.path = None if path is None else os.fspath(path)
+        if kind == "run_dir_busy":
+            message = f"{self.path} is in use by another `stateshift train` (run.lock is held)"
+        elif kind == "reward":
+            message = f"reward.fn={fn!r}{f' on sample {sample}' if sample else ''}: {reason}"
+        else:
+            message = reason
+        super().__init__(kind, message)

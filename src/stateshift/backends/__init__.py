@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn  # (not ``import torch``: importing the submodule ``backends.torch`` rebinds that name here)
 
 from ..core.source import set_detector
-from ..errors import BackendError
+from ..errors import ObjectError
 from .base import Backend, CheckpointFacts, Detector, Rebuild
 
 #: detection order: the most specific framework first
@@ -34,7 +34,7 @@ def _describe(obj: Any) -> str:
 def detect_backends(model: Any, optimizer: Any = None) -> list[Backend]:
     """The backends for ``model`` (and ``optimizer``), by the first registered module that recognises them.
 
-    Raises ``BackendError`` naming what was not recognised: the model, or the
+    Raises ``ObjectError("backend")`` naming what was not recognised: the model, or the
     optimizer when the model alone is known.
     """
     for module_path in REGISTRY.values():
@@ -45,13 +45,14 @@ def detect_backends(model: Any, optimizer: Any = None) -> list[Backend]:
     if optimizer is not None:
         for module_path in REGISTRY.values():
             if importlib.import_module(module_path).detect(model, None) is not None:
-                raise BackendError(
+                raise ObjectError(
+                    "backend",
                     f"the model is known, but no backend knows an optimizer of type {_describe(optimizer)} "
-                    "(a torch.optim.Optimizer or a Megatron optimizer is expected)"
+                    "(a torch.optim.Optimizer or a Megatron optimizer is expected)",
                 )
     kind = "a list of modules" if isinstance(model, (list, tuple)) else f"a model of type {_describe(model)}"
     hint = "" if isinstance(model, nn.Module) else " (an nn.Module, Megatron chunks or an FSDP2 model is expected)"
-    raise BackendError(f"no backend knows {kind}{hint}")
+    raise ObjectError("backend", f"no backend knows {kind}{hint}")
 
 
 set_detector(detect_backends)

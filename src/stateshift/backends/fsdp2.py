@@ -21,7 +21,7 @@ user is in ``docs/guide/fsdp2.md``. In short:
   not sharded, so only shard storage is ever moved. This is safe between a forward and its backward
   (FSDP all-gathers again in the pre-backward hook, as it does for
   ``reshard_after_forward=True``). A verb called *during* a forward or
-  backward (from a hook) raises ``FSDP2StateError`` and changes nothing.
+  backward (from a hook) raises ``StateError("fsdp2")`` and changes nothing.
   The exit of ``swapped()`` calls ``prepare()`` too, so no all-gathered
   copy of the snapshot's values outlives the context (the next forward
   would otherwise reuse it: stale weights).
@@ -31,7 +31,7 @@ user is in ``docs/guide/fsdp2.md``. In short:
   registered with ``prepend=True`` (after ``fully_shard``, so it runs first)
   and a forward post-hook, also prepended, that puts a gradient hook on the
   module's outputs ahead of FSDP's pre-backward hook: forward, backward and
-  ``optimizer.step()`` on released state raise ``OffloadedStateError``.
+  ``optimizer.step()`` on released state raise ``StateError("offloaded")``.
 - **Never aliasing.** Under ``CPUOffloadPolicy`` the shards already live in
   host memory; they are still ``device`` slots (their own storage holds the
   values) and a snapshot copies their bytes into a pool block, never keeps a
@@ -45,7 +45,7 @@ user is in ``docs/guide/fsdp2.md``. In short:
 - **Same mesh, same placements.** The fingerprint of a DTensor carries the
   mesh (device type, rank layout, dim names, this rank's coordinate and
   process-group ranks: FSDP picks its chunk by the latter), the placements and the global shape and stride; a snapshot restored onto
-  anything else raises ``LayoutMismatchError`` naming the tensor.
+  anything else raises ``LayoutError("mismatch")`` naming the tensor.
   Resharding belongs to checkpoints.
 """
 
@@ -62,7 +62,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..core.source import Check, Handle
-from ..errors import FSDP2StateError
+from ..errors import StateError
 from .base import CheckpointFacts
 from .torch import TorchModuleBackend, TorchOptimizerBackend, named_parameters, unwrap
 
@@ -127,7 +127,7 @@ def meta_of(t: torch.Tensor) -> tuple[Any, ...]:
     """Fingerprint items of a DTensor: mesh, this rank's place in it, placements, global shape and stride.
 
     A tuple of ``(key, value)`` pairs, hashable, so a mismatch reads plainly in
-    ``LayoutMismatchError``. Plain tensors have none (``()``).
+    ``LayoutError("mismatch")``. Plain tensors have none (``()``).
     """
     if DTensor is None or not isinstance(t, DTensor):
         return ()
@@ -218,7 +218,7 @@ class FSDP2ModuleBackend(TorchModuleBackend):
     """Lists the local shards of an FSDP2 model's parameters and gradients, and its buffers.
 
     Before listing, reshards every FSDP module that is not sharded (see the
-    module docstring); raises ``FSDP2StateError`` during a forward/backward.
+    module docstring); raises ``StateError("fsdp2")`` during a forward/backward.
     """
 
     to_local: Any = field(default=to_local, repr=False)
@@ -257,10 +257,11 @@ class FSDP2ModuleBackend(TorchModuleBackend):
             busy = [g for g in unit.groups() if g._training_state != TrainingState.IDLE]
             if busy or unit.state._training_state != TrainingState.IDLE:
                 state = busy[0]._training_state if busy else unit.state._training_state
-                raise FSDP2StateError(
+                raise StateError(
+                    "fsdp2",
                     f"FSDP module {unit.label} is in training state {state.name}: a stateshift verb was called "
                     "during a forward or backward (from a hook?). Call it before the forward or after the "
-                    "backward; after an exception inside a forward/backward, call reset_iter_state() on the root"
+                    "backward; after an exception inside a forward/backward, call reset_iter_state() on the root",
                 )
             todo.extend(g for g in unit.groups() if not g.is_sharded or g._all_gather_result is not None)
         for g in todo:
@@ -374,7 +375,7 @@ class FSDP2ModuleBackend(TorchModuleBackend):
         return needs
 
     def install_guards(self, check: Check) -> list[Handle]:
-        """Forward, backward and (through the optimizer backend) ``step()`` on released state raise ``OffloadedStateError``.
+        """Forward, backward and (through the optimizer backend) ``step()`` on released state raise ``StateError("offloaded")``.
 
         Registered after ``fully_shard`` with ``prepend=True``, so they run
         before FSDP's own hooks read the shards.
@@ -477,4 +478,4 @@ def detect(model: Any, optimizer: Any = None) -> list[Any] | None:
     return backends
 
 
-__all__ = ["FSDP2ModuleBackend", "FSDP2OptimizerBackend", "FSDP2StateError", "detect", "is_fsdp2", "meta_of", "to_local"]
+__all__ = ["FSDP2ModuleBackend", "FSDP2OptimizerBackend", "detect", "is_fsdp2", "meta_of", "to_local"]

@@ -204,7 +204,7 @@ def backward_guard(check: Check, tensors: Callable[[], Iterable[torch.Tensor]], 
     """A forward hook that puts a hook on the outputs a backward starts from: when the backward reaches
     them it enters the reader gate (left when that backward ends: ``queue_callback``) and checks
     ``tensors()`` -- the parameters the forward saved for it. An offload between a forward and its
-    backward then raises ``OffloadedStateError`` instead of a crash, and one from another thread
+    backward then raises ``StateError("offloaded")`` instead of a crash, and one from another thread
     during the backward waits for it. (Entered only where the backward runs on a Python thread: the
     CPU; on CUDA the hook runs on the engine's device thread, and the check alone is made.)"""
     enter, leave = getattr(check, "enter", None), getattr(check, "leave", None)

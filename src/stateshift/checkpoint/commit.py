@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError, TransferError
+from ..errors import CheckpointError, DiskError
 from .collective import Collective
 from .format import open_regular, write_all
 from .manifest import MANIFEST_NAME
@@ -40,16 +40,16 @@ def describe_os_error(e: OSError) -> str:
     return _SPACE.get(code, f"{os.strerror(code) if code else e} ({errno_mod.errorcode.get(code, 'error')})")
 
 
-def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointWriteError:
+def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointError:
     """The typed error for an OS error while ``doing`` part of a write of ``final`` (e.g. "writing 'f'"),
     naming the tensor whose bytes failed where the error knows it."""
-    if (tensor := TransferError.tensor_of(e)) is not None:
+    if (tensor := DiskError.tensor_of(e)) is not None:
         doing += f" (tensor '{tensor}')"
     msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
            "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
     if e.errno in _SPACE and nbytes:
         msg += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
-    return CheckpointWriteError(final, msg, e.errno)
+    return CheckpointError("write", msg, path=final, errno=e.errno)
 
 
 def fsync_path(path: Path) -> None:
@@ -186,17 +186,18 @@ def make_parents(directory: Path) -> None:
 def set_latest(path: str | os.PathLike[str]) -> Path:
     """Point ``<parent>/latest`` at the complete checkpoint ``path``; returns the pointer file.
 
-    On failure the pointer still names the previous checkpoint and ``CheckpointWriteError`` says so.
+    On failure the pointer still names the previous checkpoint and ``CheckpointError("write")`` says so.
     """
     final = Path(os.path.abspath(path))
     if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
-        raise CheckpointIncompleteError(final, f"no {MANIFEST_NAME}: only a complete checkpoint can become latest")
+        raise CheckpointError("incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest",
+                              path=final)
     pointer = final.parent / LATEST
     try:
         write_durable(pointer, (final.name + "\n").encode())
     except OSError as e:
-        raise CheckpointWriteError(pointer, f"{describe_os_error(e)} while updating the pointer; it still names the "
-                                   "previous checkpoint", e.errno) from e
+        raise CheckpointError("write", f"{describe_os_error(e)} while updating the pointer; it still names the "
+                                   "previous checkpoint", path=pointer, errno=e.errno) from e
     return pointer
 
 
@@ -209,9 +210,11 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
     except FileNotFoundError:
         return None
     if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
-        raise CheckpointCorruptError(path, "latest does not hold the plain name of a checkpoint in this directory")
+        raise CheckpointError("corrupt", "latest does not hold the plain name of a checkpoint in this directory",
+                              path=path)
     if os.path.islink(root_p / name):
-        raise CheckpointCorruptError(root_p / name, f"latest names a symbolic link ({name!r}); refusing to follow it")
+        raise CheckpointError("corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it",
+                              path=root_p / name)
     return root_p / name
 
 
@@ -252,16 +255,18 @@ def _rename(tmp: Path, final: Path) -> None:
     except OSError as e:
         if e.errno not in (errno_mod.ENOTEMPTY, errno_mod.EEXIST, errno_mod.ENOTDIR, errno_mod.EISDIR):
             raise
-        raise CheckpointWriteError(final, f"another writer created '{final.name}' while this one wrote it; checkpoints "
+        raise CheckpointError("write", f"another writer created '{final.name}' while this one wrote it; checkpoints "
                                    "are never overwritten: this write was discarded (its temporary directory removed) and "
                                    "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
-                                   "distributed=True on every rank)", e.errno) from e
+                                   "distributed=True on every rank)", path=final, errno=e.errno) from e
     fsync_path(final.parent)
 
 
 def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
+    except CheckpointError:
+        raise
     except OSError as e:
         raise write_error(final, e, doing, nbytes) from e
 
@@ -273,14 +278,14 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
     ``write(tmp)`` writes this rank's files into the temporary directory and returns a picklable
     report; ``manifest(reports)`` (rank 0 only, every rank's report in rank order) returns the
     manifest's bytes. ``nbytes``: what this rank writes (checked against the free space first).
-    Any failure raises on every rank (``CheckpointWriteError`` naming the failing rank on the
+    Any failure raises on every rank (``CheckpointError("write")`` naming the failing rank on the
     others), after the temporary directory was removed.
     """
     tmp: list[Path] = []
     lock: list[int] = []  # rank 0: the descriptor holding the temporary directory's lock
 
     def failed(rank: int, text: str) -> BaseException:
-        return CheckpointWriteError(final, f"rank {rank} failed ({text})")
+        return CheckpointError("write", f"rank {rank} failed ({text})", path=final)
 
     def cleanup() -> None:
         if comm.rank == 0 and tmp:

@@ -16,13 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointReadError,
-    CheckpointUntrustedError,
-    CheckpointWriteError,
-)
+from ..errors import CheckpointError, LayoutError
 from . import manifest as mf
 from .collective import Collective
 from .commit import describe_os_error, make_parents, write_error
@@ -95,10 +89,11 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
     unchanged = "; the model and optimizer are unchanged"
     os_error = _os_error_in(e)
     if os_error is None:
-        return CheckpointError(f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
+        return CheckpointError("failed",
+                               f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
     where = root / os.path.basename(os_error.filename) if os_error.filename else root
-    return CheckpointReadError(where, f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
-                               os_error.errno)
+    return CheckpointError("read", f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
+                           path=where, errno=os_error.errno)
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -142,8 +137,8 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
             if os_error is not None:
                 name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
                 raise write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}") from e
-            raise CheckpointWriteError(final, f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
-                                       "checkpoint was created") from e
+            raise CheckpointError("write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
+                                       "checkpoint was created", path=final) from e
         return {"files": _hash_share(tmp, comm)}
 
     return commit_checkpoint(final, comm, write, layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
@@ -158,16 +153,19 @@ def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast:
     for key, t in want.items():
         md = stored.get(key)
         if md is None:
-            raise CheckpointMismatchError(key, "in the model but not in the checkpoint", "extra")
+            raise LayoutError("checkpoint_mismatch", "in the model but not in the checkpoint",
+                              tensor=key, field="extra")
         if md.shape != tuple(t.shape):
-            raise CheckpointMismatchError(key, f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint", "shape")
+            raise LayoutError("checkpoint_mismatch", f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint",
+                              tensor=key, field="shape")
         if md.dtype != _dtype(t) and not cast:
-            raise CheckpointMismatchError(key, f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
-                                          "pass cast=True to convert on load", "dtype")
+            raise LayoutError("checkpoint_mismatch", f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
+                                          "pass cast=True to convert on load", tensor=key, field="dtype")
     tops = {k.split(".", 1)[0] for k in state_dict}
     for key in stored:
         if key.split(".", 1)[0] in tops and key not in want:
-            raise CheckpointMismatchError(key, "in the checkpoint but not in the model", "missing")
+            raise LayoutError("checkpoint_mismatch", "in the checkpoint but not in the model",
+                              tensor=key, field="missing")
 
 
 def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, cast: bool = False,
@@ -176,18 +174,18 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
 
     DCP keeps its metadata (``.metadata``) as a Python pickle, and unpickling a crafted file runs
     arbitrary code: pass ``trusted=True`` only for a directory you wrote or otherwise trust;
-    without it this raises ``CheckpointUntrustedError`` before DCP opens anything.
+    without it this raises ``CheckpointError("untrusted")`` before DCP opens anything.
 
     Checks first, changing nothing on failure: every tensor's name, global shape and dtype against
-    the manifest (``CheckpointMismatchError``; a dtype difference is allowed with ``cast``), then
-    the crc32 of every file, ``.metadata`` first (``CheckpointCorruptError``; each rank checks
+    the manifest (``LayoutError("checkpoint_mismatch")``; a dtype difference is allowed with ``cast``), then
+    the crc32 of every file, ``.metadata`` first (``CheckpointError("corrupt")``; each rank checks
     ``.metadata`` and its share of the rest), then ``trusted``. Then DCP reads and reshards the
     values and ``set_model_state_dict`` / ``set_optimizer_state_dict`` put them in place. The model
     must be resident.
 
     DCP reads into the live tensors, so each rank first takes a host copy of its local tensors (one
     device-to-host copy, and host memory for this rank's state); if DCP fails part-way (EIO:
-    ``CheckpointReadError`` naming the file; anything else: ``CheckpointError``) they are put back,
+    ``CheckpointError("read")`` naming the file; anything else: ``CheckpointError``) they are put back,
     and the model and optimizer are unchanged.
     """
     import torch.distributed.checkpoint as dcp
@@ -196,8 +194,8 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
     comm = Collective(group)
     ckpt = Checkpoint.open(path, files=())
     if ckpt.manifest.kind != mf.DCP_FORMAT:
-        raise CheckpointMismatchError("(checkpoint)", f"'{ckpt.path}' was not written by save_dcp (layout format "
-                                      f"{ckpt.manifest.kind!r}); use load")
+        raise LayoutError("checkpoint_mismatch", f"'{ckpt.path}' was not written by save_dcp (layout format "
+                                      f"{ckpt.manifest.kind!r}); use load", tensor="(checkpoint)")
     state_dict = _state_dicts(model, optimizer)
 
     def check() -> None:
@@ -205,8 +203,7 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
         others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
         ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
         if not trusted:
-            raise CheckpointUntrustedError(
-                f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
+            raise CheckpointError("untrusted", f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
                 "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust")
 
     comm.run(check, share=False, what=f"checking '{ckpt.path}'")

@@ -17,14 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointIncompleteError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-)
+from ..errors import CheckpointError, DiskError, LayoutError
 from . import format as fmt, manifest as mf
 from .collective import Collective
 from .commit import commit, describe_os_error, fsync_path, read_latest, write_error
@@ -37,46 +30,50 @@ def _not_a_checkpoint(p: Path) -> Exception:
     """Why the directory ``p`` (no manifest, no ``latest``) is not a checkpoint."""
     names = sorted(os.listdir(p))
     if re.match(r"^\..+\.tmp-[0-9a-f]+$", p.name):
-        return CheckpointIncompleteError(p, "the temporary directory of a write that never finished, or is still "
+        return CheckpointError("incomplete", "the temporary directory of a write that never finished, or is still "
                                             "under way (the manifest is written last); the next write to the same "
-                                            "path removes it once its writer is gone")
+                                            "path removes it once its writer is gone", path=p)
     if not names:
-        return CheckpointNotFoundError(p, "an empty directory")
+        return CheckpointError("not_found", "an empty directory", path=p)
     if any(_HF_FILES.match(n) for n in names):
-        return CheckpointNotFoundError(p, "a Hugging Face export (model.safetensors / config.json), not a stateshift "
-                                          "checkpoint; load it with safetensors or transformers' from_pretrained")
+        return CheckpointError("not_found", "a Hugging Face export (model.safetensors / config.json), not a stateshift "
+                                          "checkpoint; load it with safetensors or transformers' from_pretrained", path=p)
     if mf.DCP_METADATA in names:
-        return CheckpointNotFoundError(p, "a torch.distributed.checkpoint directory without a stateshift manifest")
+        return CheckpointError("not_found", "a torch.distributed.checkpoint directory without a stateshift manifest",
+                               path=p)
     if any(n.endswith(".safetensors") for n in names):
-        return CheckpointIncompleteError(p, f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)")
-    return CheckpointNotFoundError(p, f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries")
+        return CheckpointError("incomplete", f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)",
+                               path=p)
+    return CheckpointError("not_found", f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries",
+                           path=p)
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory ``path`` stands for: itself, or what its ``latest`` names."""
     p = Path(os.path.abspath(path))
     if not p.is_dir():
-        raise CheckpointNotFoundError(p, "nothing there" if not os.path.lexists(p) else "not a directory")
+        raise CheckpointError("not_found", "nothing there" if not os.path.lexists(p) else "not a directory", path=p)
     if os.path.lexists(p / mf.MANIFEST_NAME):
         return p
     latest = read_latest(p)
     if latest is None:
         raise _not_a_checkpoint(p)
     if not os.path.lexists(latest / mf.MANIFEST_NAME):
-        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointNotFoundError(latest, "latest names nothing")
+        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointError("not_found", "latest names nothing",
+                                                                                path=latest)
     return latest
 
 
-def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointReadError:
-    tensor = fmt.TransferError.tensor_of(e)
+def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointError:
+    tensor = DiskError.tensor_of(e)
     where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
-    return CheckpointReadError(path, f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
-                               e.errno, tensor)
+    return CheckpointError("read", f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
+                           path=path, errno=e.errno, tensor=tensor)
 
 
 @contextmanager
 def _reading(path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OSError], ...] = OSError) -> Iterator[None]:
-    """Our own reads inside: an OS error (of ``errors``) is ``CheckpointReadError`` naming ``path``; a
+    """Our own reads inside: an OS error (of ``errors``) is ``CheckpointError("read")`` naming ``path``; a
     ``CheckpointError`` or a missing file passes as it is. Wraps no caller code: an OS error raised by a
     caller's callback is the caller's, not a read's."""
     try:
@@ -100,7 +97,7 @@ class Checkpoint:
     @fmt.without_gc
     def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc. An OS error
-        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointReadError``."""
+        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointError("read")``."""
         with _reading(os.path.abspath(path)):
             root = resolve(path)
         with _reading(root / mf.MANIFEST_NAME):
@@ -119,38 +116,38 @@ class Checkpoint:
         """``(fd, entry, path)`` of one file, its size and header checked against the manifest."""
         entry = self.manifest.files.get(name)
         if entry is None:
-            raise CheckpointMismatchError(name, f"no such file in checkpoint '{self.path}'")
+            raise LayoutError("checkpoint_mismatch", f"no such file in checkpoint '{self.path}'", tensor=name)
         with ExitStack() as opened:
             try:
                 with _reading(self.path / name):
                     fd, size, path = opened.enter_context(fmt.open_regular(self.path, name))
                     self._headers[name] = mf.check_file(fd, size, entry, path, self._headers.get(name))
             except FileNotFoundError:
-                raise CheckpointCorruptError(self.path / name, "listed in the manifest but missing") from None
+                raise CheckpointError("corrupt", "listed in the manifest but missing", path=self.path / name) from None
             yield fd, entry, path
 
     def read_into(self, file: str, dsts: Mapping[str, torch.Tensor | None], progress: ProgressFn | None = None) -> None:
         """Read tensors of ``file`` straight into caller buffers and verify them (``format.read_into``:
         pass staging memory, since a corrupt file leaves them unspecified). A failing read (EIO, ...) is
-        ``CheckpointReadError`` naming the file and the tensor; what ``progress`` raises passes as it is."""
-        with self.file(file) as (fd, entry, path), _reading(path, fmt.TransferError):
+        ``CheckpointError("read")`` naming the file and the tensor; what ``progress`` raises passes as it is."""
+        with self.file(file) as (fd, entry, path), _reading(path, DiskError):
             fmt.read_into(fd, entry, dsts, path, progress)
 
     def verify(self, files: Iterable[str] | None = None) -> mf.Manifest:
-        """Hash every file (or ``files``) against the manifest; ``CheckpointCorruptError`` naming the first bad one."""
+        """Hash every file (or ``files``) against the manifest; ``CheckpointError("corrupt")`` naming the first bad one."""
         for name in self.manifest.files if files is None else files:
-            with self.file(name) as (fd, entry, path), _reading(path, fmt.TransferError):
+            with self.file(name) as (fd, entry, path), _reading(path, DiskError):
                 if entry.header is not None:
                     fmt.read_into(fd, entry, {t.name: None for t in entry.tensors}, path)
                 elif fmt.file_crc32(fd, entry.bytes, path) != entry.crc32:
-                    raise CheckpointCorruptError(path, f"checksum mismatch: manifest says {entry.checksum}")
+                    raise CheckpointError("corrupt", f"checksum mismatch: manifest says {entry.checksum}", path=path)
         return self.manifest
 
 
 @fmt.without_gc
 def verify(path: str | os.PathLike[str]) -> mf.Manifest:
     """Check a checkpoint against its manifest, reading every byte: every file's size, header and
-    checksums (a crc32 per tensor). Returns the manifest; raises ``CheckpointCorruptError`` naming
+    checksums (a crc32 per tensor). Returns the manifest; raises ``CheckpointError("corrupt")`` naming
     the first bad file (and tensor), and what ``Checkpoint.open`` raises for what is not a checkpoint.
     Never unpickles anything (a DCP checkpoint's files are only hashed)."""
     return Checkpoint.open(path).verify()
@@ -171,7 +168,8 @@ def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]
         for r in plan[fname]:
             r.validate()
             if r.name in seen:
-                raise CheckpointMismatchError(r.name, f"appears in both '{seen[r.name]}' and '{fname}'")
+                raise LayoutError("checkpoint_mismatch", f"appears in both '{seen[r.name]}' and '{fname}'",
+                                  tensor=r.name)
             seen[r.name] = fname
     return plan, sum(r.nbytes for recs in plan.values() for r in recs)
 
@@ -209,7 +207,8 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
         for rank, report in enumerate(reports):
             for name, entry in report["files"].items():
                 if name in files:
-                    raise CheckpointMismatchError(name, f"file written by two ranks (rank {rank} and another)")
+                    raise LayoutError("checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)",
+                                      tensor=name)
                 files[name] = entry
         full = dict(layout)
         if per_rank:
@@ -252,6 +251,8 @@ def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[
                 for fname, done in synced:
                     doing = f"syncing '{fname}'"
                     done.result()
+        except CheckpointError:
+            raise
         except OSError as e:
             raise write_error(final, e, doing, nbytes) from e
         return {"files": entries, "layout": rank_layout}

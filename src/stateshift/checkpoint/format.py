@@ -36,7 +36,7 @@ from zlib_ng.zlib_ng import (  # the values of zlib.crc32; crc32_combine(crc(a),
     crc32_combine,
 )
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, TransferError
+from ..errors import CheckpointError, DiskError, LayoutError
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -193,29 +193,32 @@ class Record:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def validate(self) -> None:
-        """Raise ``CheckpointMismatchError`` naming the tensor if it cannot be written."""
+        """Raise ``LayoutError("checkpoint_mismatch")`` naming the tensor if it cannot be written."""
         if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
-            raise CheckpointMismatchError(str(self.name), "invalid tensor name")
+            raise LayoutError("checkpoint_mismatch", "invalid tensor name", tensor=str(self.name))
         if not is_utf8(self.name):
-            raise CheckpointMismatchError(self.name, "tensor name is not valid UTF-8 text")
+            raise LayoutError("checkpoint_mismatch", "tensor name is not valid UTF-8 text", tensor=self.name)
         if self.dtype not in _NAMES:
-            raise CheckpointMismatchError(self.name, f"dtype {self.dtype} cannot be stored in safetensors")
+            raise LayoutError("checkpoint_mismatch", f"dtype {self.dtype} cannot be stored in safetensors",
+                              tensor=self.name)
         if not all(type(d) is int and d >= 0 for d in self.shape):
-            raise CheckpointMismatchError(self.name, f"invalid shape {self.shape!r}")
+            raise LayoutError("checkpoint_mismatch", f"invalid shape {self.shape!r}", tensor=self.name)
         check_buffer(self.name, self.data, self.nbytes, "data")
 
 
 def check_buffer(name: str, t: Any, nbytes: int, what: str) -> None:
     """``t`` must be a dense contiguous CPU tensor with ``nbytes`` bytes of live storage."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        raise CheckpointMismatchError(name, f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}")
+        raise LayoutError("checkpoint_mismatch", f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}",
+                          tensor=name)
     if not t.is_contiguous():
-        raise CheckpointMismatchError(name, f"{what} must be contiguous")
+        raise LayoutError("checkpoint_mismatch", f"{what} must be contiguous", tensor=name)
     have = t.numel() * t.element_size()
     if have != nbytes:
-        raise CheckpointMismatchError(name, f"{what} holds {have} bytes, the tensor has {nbytes}")
+        raise LayoutError("checkpoint_mismatch", f"{what} holds {have} bytes, the tensor has {nbytes}", tensor=name)
     if have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
-        raise CheckpointMismatchError(name, f"{what} has released storage (size 0); it holds no values")
+        raise LayoutError("checkpoint_mismatch", f"{what} has released storage (size 0); it holds no values",
+                          tensor=name)
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -255,15 +258,15 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
 def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,
             names: Sequence[str] | None = None) -> None:
     """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers;
-    an OS error becomes ``TransferError`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
+    an OS error becomes ``DiskError("transfer")`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
     i = 0
     while i < len(bufs):
         try:
             n = op(fd, bufs[i : i + _IOV_MAX], offset)
         except OSError as e:
-            raise TransferError(e, path, None if names is None else names[i]) from e
+            raise DiskError.from_os_error(e, path, None if names is None else names[i]) from e
         if n <= 0:
-            raise CheckpointCorruptError(path, "file truncated while reading")
+            raise CheckpointError("corrupt", "file truncated while reading", path=path)
         offset += n
         while n:
             if n >= len(bufs[i]):
@@ -314,13 +317,13 @@ class _Mapped:
 
 
 def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
-    """One task of a mapped read: its pages faulted in (an I/O error is a ``TransferError``, not a SIGBUS),
+    """One task of a mapped read: its pages faulted in (an I/O error is a ``DiskError("transfer")``, not a SIGBUS),
     then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
     cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
     try:
         mapped.populate(task[0][1], task[-1][1] + task[-1][2] - task[0][1])  # a task's bytes are contiguous
     except OSError as e:
-        raise TransferError(e, path, None if names is None else names[task[0][0]]) from e
+        raise DiskError.from_os_error(e, path, None if names is None else names[task[0][0]]) from e
     out = []
     for idx, offset, n, mem in task:
         if mem is None:
@@ -338,7 +341,7 @@ def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[s
 def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], path: str,
              progress: ProgressFn | None = None, names: Sequence[str] | None = None) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.pwritev``, or a mapping of the file to read) on a
-    thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``TransferError``.
+    thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``DiskError("transfer")``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
     it (an error it raises stops the transfer promptly).
 
@@ -374,7 +377,7 @@ def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], p
 def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, str]]:
     """Open the file ``name`` inside the directory ``root`` for reading: ``(fd, size, path)``, closed on exit.
 
-    Refuses (``CheckpointCorruptError``) a symbolic link and anything that is not a regular file
+    Refuses (``CheckpointError("corrupt")``) a symbolic link and anything that is not a regular file
     (a FIFO is opened non-blocking, so it cannot hang us). ``FileNotFoundError`` if absent.
     """
     path = os.path.join(root, name)
@@ -384,14 +387,16 @@ def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, 
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # the last component is a symbolic link
-            raise CheckpointCorruptError(path, "is a symbolic link; a checkpoint holds only its own regular files") from None
+            raise CheckpointError("corrupt", "is a symbolic link; a checkpoint holds only its own regular files",
+                                  path=path) from None
         raise
     finally:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(path, "not a regular file (a FIFO, device or directory); refusing to read it")
+            raise CheckpointError("corrupt", "not a regular file (a FIFO, device or directory); refusing to read it",
+                                  path=path)
         os.set_blocking(fd, True)
         yield fd, st.st_size, path
     finally:
@@ -399,20 +404,20 @@ def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, 
 
 
 def load_json(raw: bytes, path: str, what: str) -> Any:
-    """Parse untrusted JSON: any failure, deep nesting included, is ``CheckpointCorruptError``."""
+    """Parse untrusted JSON: any failure, deep nesting included, is ``CheckpointError("corrupt")``."""
     try:
         return json.loads(raw)
     except RecursionError:
-        raise CheckpointCorruptError(path, f"{what} is nested too deeply") from None
+        raise CheckpointError("corrupt", f"{what} is nested too deeply", path=path) from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointCorruptError(path, f"{what} is not valid JSON ({e})") from None
+        raise CheckpointError("corrupt", f"{what} is not valid JSON ({e})", path=path) from None
 
 
 # --------------------------------------------------------------------------- writing
 
 
 def write_all(fd: int, data: bytes, path: str) -> None:
-    """All of ``data`` to ``fd`` from offset 0 (an OS error is ``TransferError`` naming ``path``)."""
+    """All of ``data`` to ``fd`` from offset 0 (an OS error is ``DiskError("transfer")`` naming ``path``)."""
     _io_all(os.pwritev, fd, [memoryview(data)], 0, path)
 
 
@@ -434,7 +439,7 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     (``fsync=False``: the caller does, e.g. while it writes the next file).
 
     Records must have been validated (``Record.validate``) with unique names. OS errors (ENOSPC,
-    EFBIG, ...) propagate as ``OSError`` (``TransferError`` naming the file and the tensor where the
+    EFBIG, ...) propagate as ``OSError`` (``DiskError("transfer")`` naming the file and the tensor where the
     bytes failed); the partial file is left for the caller to remove.
     """
     ordered = sorted(records, key=lambda r: -r.dtype.itemsize)  # stable: each tensor aligned to its element size
@@ -469,8 +474,8 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
 
     A destination is a contiguous CPU tensor of exactly the stored bytes (``uint8``, or the stored
     dtype and shape); ``None`` verifies the tensor without keeping it. All are checked before a
-    byte is read (``CheckpointMismatchError``). Destinations hold valid data only once this
-    returns: on ``CheckpointCorruptError`` (naming the first bad tensor) their bytes are
+    byte is read (``LayoutError("checkpoint_mismatch")``). Destinations hold valid data only once this
+    returns: on ``CheckpointError("corrupt")`` (naming the first bad tensor) their bytes are
     unspecified, so pass staging memory, never live state.
     """
     by_name = {t.name: t for t in entry.tensors}
@@ -479,18 +484,19 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
     for name, dst in dsts.items():
         t = by_name.get(name)
         if t is None:
-            raise CheckpointMismatchError(name, f"not stored in '{path}'")
+            raise LayoutError("checkpoint_mismatch", f"not stored in '{path}'", tensor=name)
         if dst is not None:
             check_buffer(name, dst, t.nbytes, "destination")
             if dst.dtype not in (torch.uint8, t.dtype) or (dst.dtype == t.dtype and tuple(dst.shape) != t.shape):
-                raise CheckpointMismatchError(name, f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}")
+                raise LayoutError("checkpoint_mismatch", f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}",
+                                  tensor=name)
         chosen.append(t)
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
-            raise CheckpointCorruptError(path, f"checksum mismatch in tensor {t.name!r}: manifest says "
-                                         f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}", t.name)
+            raise CheckpointError("corrupt", f"checksum mismatch in tensor {t.name!r}: manifest says "
+                                         f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}", path=path, tensor=t.name)
 
 
 def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
@@ -502,9 +508,9 @@ def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: 
     try:
         mapped = _Mapped(fd, size)
     except OSError as e:
-        raise TransferError(e, path, None) from e
+        raise DiskError.from_os_error(e, path, None) from e
     except ValueError:  # (mmap refuses a length past the end: the file shrank since it was checked)
-        raise CheckpointCorruptError(path, "file truncated while reading") from None
+        raise CheckpointError("corrupt", "file truncated while reading", path=path) from None
     try:
         return transfer(mapped, fd, spans, path, progress, names)
     finally:

@@ -4,7 +4,7 @@
 ``loads`` is the one way in: it refuses a manifest over ``MAX_MANIFEST_BYTES`` unread, JSON nested too
 deeply, a ``seal`` (the crc32 of the canonical JSON of everything else) that does not match, and any field
 that is not the schema -- the ``Spec`` tables (``_MANIFEST``, ``_SIZED``, ``_TENSOR``, ``_LAYOUT``, ``_SLOT``,
-``_MEMBER``), each field through ``_valid`` -- with ``CheckpointCorruptError`` naming the field. Consistency is
+``_MEMBER``), each field through ``_valid`` -- with ``CheckpointError("corrupt")`` naming the field. Consistency is
 part of the schema: ``world_size`` ranks each holding every group, each group's file a safetensors file of the
 checkpoint holding each slot's record typed or as raw ``U8`` bytes, tensors without gaps up to the file's size,
 members inside their slot. A layout of another ``format`` (``dcp``: with ``dcp_tensors``) is kept as JSON.
@@ -31,7 +31,7 @@ from zlib_ng.zlib_ng import crc32
 
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..errors import CheckpointError, LayoutError
 from .format import (
     MAX_DIM,
     MAX_HEADER_BYTES,
@@ -60,7 +60,7 @@ _MAX_INT = 1 << 62
 
 
 class _Bad(ValueError):
-    """A schema violation at a field (turned into ``CheckpointCorruptError`` once, in ``loads``)."""
+    """A schema violation at a field (turned into ``CheckpointError("corrupt")`` once, in ``loads``)."""
 
 
 class _TooLarge(_Bad):
@@ -124,7 +124,7 @@ class Manifest:
         try:
             return self._ranks()
         except _Bad as e:  # (only a manifest that was not read through ``loads``)
-            raise CheckpointCorruptError(MANIFEST_NAME, f"malformed manifest: {e}") from None
+            raise CheckpointError("corrupt", f"malformed manifest: {e}", path=MANIFEST_NAME) from None
 
     def _ranks(self) -> tuple[Mapping[str, StoredGroup], ...]:
         """``ranks`` from ``layout`` and ``files``; ``_Bad`` where they disagree."""
@@ -235,7 +235,7 @@ def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
         _valid(m.name, "str", "its name")
         _valid(slot, "str", "its slot's name")
     except _Bad as e:
-        raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}") from None
+        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name) from None
     return {"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride), "offset": m.offset,
             "meta": _stored_meta(m)[0] if m.meta else []}
 
@@ -275,12 +275,13 @@ def as_stored(layout: Layout) -> Layout:
 
 def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
     """A member's meta as a manifest stores it (JSON) and as a load gives it back, checked with the reader's
-    own rules; ``CheckpointMismatchError`` if no checkpoint can hold it (NaN, text that is not UTF-8, too deep)."""
+    own rules; ``LayoutError("checkpoint_mismatch")`` if no checkpoint can hold it (NaN, text that is not UTF-8, too deep)."""
     try:
         stored = _meta_json(m.meta)
         return stored, _meta(stored, "its meta")
     except _Bad as e:
-        raise CheckpointMismatchError(m.name, f"cannot be stored in a checkpoint: {e}", "meta") from None
+        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}",
+                          tensor=m.name, field="meta") from None
 
 
 # --------------------------------------------------------------------------- reading: one validator
@@ -556,21 +557,23 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
     """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order, each entry
     through the manifest's validator and checked against the file's size (``crc32`` 0: a header has none)."""
     if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointCorruptError(path, f"file truncated or header length impossible for a {file_size}-byte file")
+        raise CheckpointError("corrupt", f"file truncated or header length impossible for a {file_size}-byte file",
+                              path=path)
     header = load_json(raw[8:], path, "safetensors header")
     if not isinstance(header, dict):
-        raise CheckpointCorruptError(path, "safetensors header is not a JSON object")
+        raise CheckpointError("corrupt", "safetensors header is not a JSON object", path=path)
     header.pop("__metadata__", None)
     found = []
     for name, ent in header.items():
         try:
             found.append(_tensor(ent, "the entry", file_size, name))
         except _Bad as e:
-            raise CheckpointCorruptError(path, f"bad header entry for tensor {bounded(name)}: {e}", name) from None
+            raise CheckpointError("corrupt", f"bad header entry for tensor {bounded(name)}: {e}",
+                                  path=path, tensor=name) from None
     found.sort(key=lambda t: (t.start, t.nbytes))
     bad = _extent_error(found, len(raw), file_size)
     if bad is not None:
-        raise CheckpointCorruptError(path, *bad)
+        raise CheckpointError("corrupt", bad[0], path=path, tensor=bad[1])
     return tuple(found)
 
 
@@ -589,23 +592,24 @@ def _extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: 
 
 
 def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes | None = None) -> bytes | None:
-    """Raise ``CheckpointCorruptError`` unless the open file's size and header are exactly what
+    """Raise ``CheckpointError("corrupt")`` unless the open file's size and header are exactly what
     ``entry`` records (header crc32 first, so a damaged header is never interpreted). Returns the
     header's bytes; a header identical to ``checked`` (bytes this check passed before) is not parsed again."""
     if size != entry.bytes:
         what = "truncated" if size < entry.bytes else "longer than recorded"
-        raise CheckpointCorruptError(path, f"file {what}: {size} bytes, manifest says {entry.bytes}")
+        raise CheckpointError("corrupt", f"file {what}: {size} bytes, manifest says {entry.bytes}", path=path)
     if entry.header is None:
         return None
     raw = os.pread(fd, entry.header[0], 0)
     if raw == checked:
         return raw
     if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
-        raise CheckpointCorruptError(path, "header checksum mismatch: the header is not the one the manifest records")
+        raise CheckpointError("corrupt", "header checksum mismatch: the header is not the one the manifest records",
+                              path=path)
     found = parse_header(raw, size, path)
     want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
     if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
-        raise CheckpointCorruptError(path, "header describes other tensors than the manifest records")
+        raise CheckpointError("corrupt", "header describes other tensors than the manifest records", path=path)
     return raw
 
 
@@ -615,26 +619,26 @@ def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes |
 def loads(raw: bytes, path: str) -> Manifest:
     """Decode the bytes of ``manifest.json`` (``path`` names it in errors); see the module doc."""
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+        raise CheckpointError("corrupt", f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=path)
     d = load_json(raw, path, "manifest")
     if not isinstance(d, dict):
-        raise CheckpointCorruptError(path, "manifest is not a JSON object")
+        raise CheckpointError("corrupt", "manifest is not a JSON object", path=path)
     bad: _Bad | None = None
     try:  # decoded first: a field over a cap is refused at once, without the seal's pass over everything
         manifest = _decode(d)
         manifest.__dict__["ranks"] = manifest._ranks()  # (the cached property's value, checked now)
     except _TooLarge as e:
-        raise CheckpointCorruptError(path, f"malformed manifest: {e}") from None
+        raise CheckpointError("corrupt", f"malformed manifest: {e}", path=path) from None
     except _Bad as e:
         bad = e
     try:
         expected = _seal_of(d)
     except (RecursionError, ValueError):
-        raise CheckpointCorruptError(path, "manifest is nested too deeply (or holds NaN)") from None
+        raise CheckpointError("corrupt", "manifest is nested too deeply (or holds NaN)", path=path) from None
     if d.get("seal") != expected:  # (damage is said as damage, before what it broke)
-        raise CheckpointCorruptError(path, "manifest does not match its seal (damaged or edited)")
+        raise CheckpointError("corrupt", "manifest does not match its seal (damaged or edited)", path=path)
     if bad is not None:
-        raise CheckpointCorruptError(path, f"malformed manifest: {bad}") from None
+        raise CheckpointError("corrupt", f"malformed manifest: {bad}", path=path) from None
     return manifest
 
 
@@ -642,6 +646,6 @@ def read(root: os.PathLike[str]) -> Manifest:
     """Read and decode ``manifest.json`` of the directory ``root``; ``FileNotFoundError`` if there is none."""
     with open_regular(root, MANIFEST_NAME) as (fd, size, path):
         if size > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(path, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})")
+            raise CheckpointError("corrupt", f"manifest is larger than {MAX_MANIFEST_BYTES} bytes ({size})", path=path)
         with os.fdopen(fd, "rb", closefd=False) as f:
             return loads(f.read(MAX_MANIFEST_BYTES + 1), path)  # loads refuses one that grew past the limit

@@ -25,15 +25,7 @@ import torch
 from ..core.engine import core_of
 from ..core.layout import Layout, dtype_of
 from ..core.snapshot import Snapshot, SnapshotPart
-from ..errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    ClosedStateError,
-    LayoutMismatchError,
-    ReleasedSnapshotError,
-    UnknownGroupError,
-)
+from ..errors import CheckpointError, LayoutError, StateError
 from . import manifest as mf
 from .collective import Collective
 from .commit import make_parents
@@ -53,7 +45,7 @@ def _group_names(state: ModelState, groups: str | Iterable[str] | None) -> tuple
     names = (groups,) if isinstance(groups, str) else tuple(groups)
     for g in names:
         if g not in state.groups:
-            raise UnknownGroupError(g, state.groups)
+            raise LayoutError("unknown_group", group=g, valid=state.groups)
     if not names or len(set(names)) != len(names):
         raise ValueError(f"groups must name each group once, got {list(names)}")
     return names
@@ -110,7 +102,7 @@ def _after_last(finished: threading.Event) -> threading.Event | None:
 
 class SaveHandle:
     """A save under way: the values were staged at the call; ``wait()`` returns the manifest once the
-    checkpoint is durable, or raises the writer's error (e.g. ``CheckpointWriteError``)."""
+    checkpoint is durable, or raises the writer's error (e.g. ``CheckpointError("write")``)."""
 
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = path
@@ -142,8 +134,11 @@ def _guarded(snapshot: Snapshot, progress: ProgressFn | None) -> ProgressFn:
 
     def check(n: int) -> None:
         if snapshot.released:
-            raise ReleasedSnapshotError("the staged snapshot of this checkpoint was released while it was written "
-                                        "(ModelState.close() or snapshots.clear() during an async save?); the write was aborted")
+            raise StateError(
+                "released",
+                "the staged snapshot of this checkpoint was released while it was written "
+                "(ModelState.close() or snapshots.clear() during an async save?); the write was aborted",
+            )
         if progress is not None:
             progress(n)
 
@@ -153,7 +148,9 @@ def _guarded(snapshot: Snapshot, progress: ProgressFn | None) -> ProgressFn:
 def _give_back(state: ModelState, snap: Snapshot) -> None:
     try:
         state.release(snap)
-    except ClosedStateError:
+    except StateError as e:
+        if e.kind != "closed":
+            raise
         snap.release()  # close() released it already; idempotent
 
 
@@ -170,7 +167,8 @@ def _stage_everywhere(state: ModelState, final: Path, groups: str | Iterable[str
         staged.append(_stage(state, names, comm))
 
     def failed(rank: int, text: str) -> BaseException:
-        return CheckpointWriteError(final, f"rank {rank} failed while staging its values ({text}); nothing was written")
+        return CheckpointError("write", f"rank {rank} failed while staging its values ({text}); nothing was written",
+                               path=final)
 
     comm.run(stage, what="staging its values", share=False, error=failed,
              cleanup=lambda: [state.release(st.snapshot) for st in staged])
@@ -227,7 +225,7 @@ def save(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     Default: on under ``torch.distributed`` with several ranks and a sharded backend (FSDP2,
     Megatron's distributed optimizer). A replicated model (torch DDP): one rank, ``distributed=False``.
 
-    Raises ``CheckpointWriteError`` (full disk, quota, a failing rank, ...); no checkpoint is then
+    Raises ``CheckpointError("write")`` (full disk, quota, a failing rank, ...); no checkpoint is then
     created and the previous one (and ``latest``) is intact. ``FileExistsError`` if ``path`` exists.
     """
     handle = _start(state, path, groups, background=False, distributed=distributed, group=group, progress=progress,
@@ -246,7 +244,7 @@ def async_save(state: ModelState, path: str | os.PathLike[str], groups: str | It
     the checkpoint holds the values of the moment of the call. Saves in this process are written
     one at a time, in call order; ``latest`` (``update_latest``) moves only once the checkpoint is
     durable. The writer returns the staged memory to the pool when it is done; releasing the
-    state's snapshots under it (``state.close()``) aborts the write (``ReleasedSnapshotError``).
+    state's snapshots under it (``state.close()``) aborts the write (``StateError("released")``).
 
     Distributed: call on every rank; the writer threads talk over a gloo group of the same ranks
     (created collectively by the first call). ``progress`` runs on the writer thread.
@@ -258,7 +256,7 @@ def async_save(state: ModelState, path: str | os.PathLike[str], groups: str | It
 # --------------------------------------------------------------------------- load
 
 
-def _mismatch(e: LayoutMismatchError, group: str, model: Layout, cast: bool) -> CheckpointMismatchError:
+def _mismatch(e: LayoutError, group: str, model: Layout, cast: bool) -> LayoutError:
     """The engine's layout error, with what to do about it in a checkpoint's terms."""
     hint = ""
     if e.field == "dtype":
@@ -269,7 +267,7 @@ def _mismatch(e: LayoutMismatchError, group: str, model: Layout, cast: bool) -> 
     elif e.field == "missing" and group == "optim" and not model.slots:
         hint = ("; the optimizer has no state yet (its first step creates it): call "
                 "stateshift.checkpoint.init_optimizer_state(optimizer) before loading")
-    return CheckpointMismatchError(e.tensor, e.reason + hint, e.field)
+    return LayoutError("checkpoint_mismatch", e.reason + hint, tensor=e.tensor, field=e.field)
 
 
 Plan = list[tuple[mf.StoredSlot, bool]]
@@ -280,13 +278,14 @@ def _plan(group: str, model: Layout, stored: mf.StoredGroup, cast: bool) -> Plan
     model = mf.as_stored(model)
     try:
         casting = model.check_compatible(stored.layout(), source="checkpoint", cast=cast)
-    except LayoutMismatchError as e:
+    except LayoutError as e:
         raise _mismatch(e, group, model, cast) from None
     by_first = {s.info.members[0].name: s for s in stored.slots}
     plan = [(by_first[s.members[0].name], i in casting) for i, s in enumerate(model.slots)]
     for slot, needs_cast in plan:
         if needs_cast and not slot.typed:
-            raise CheckpointMismatchError(slot.record, "stored as raw bytes of a dtype safetensors lacks: it cannot be cast", "dtype")
+            raise LayoutError("checkpoint_mismatch", "stored as raw bytes of a dtype safetensors lacks: it cannot be cast",
+                              tensor=slot.record, field="dtype")
     return plan
 
 
@@ -321,10 +320,14 @@ def _read(state: ModelState, ckpt: Checkpoint, stored: Mapping[str, mf.StoredGro
     names = tuple(stored) if groups is None else groups
     for g in names:
         if g not in state.groups:
-            raise UnknownGroupError(g, state.groups)
+            raise LayoutError("unknown_group", group=g, valid=state.groups)
         if g not in stored:
-            raise CheckpointMismatchError(f"(group {g})", f"group {g!r} is not in the checkpoint (it holds "
-                                          f"{', '.join(stored) or 'nothing'})", "missing")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                f"group {g!r} is not in the checkpoint (it holds {', '.join(stored) or 'nothing'})",
+                tensor=f"(group {g})",
+                field="missing",
+            )
     plans = {}
     for g in names:
         layout = state.layout(g)
@@ -339,9 +342,13 @@ def _my_rank(manifest: mf.Manifest, root: Path, group: Any) -> int:
     if world == 1:
         return 0
     if now != world:
-        raise CheckpointMismatchError("(checkpoint)", f"'{root}' holds the shards of {world} ranks; it loads on {world} ranks "
-                                      f"only (now: {'one process' if now is None else f'{now} ranks'}). To change the "
-                                      "world size, save with save_dcp and load with load_dcp (torch.distributed.checkpoint)")
+        raise LayoutError(
+            "checkpoint_mismatch",
+            f"'{root}' holds the shards of {world} ranks; it loads on {world} ranks "
+            f"only (now: {'one process' if now is None else f'{now} ranks'}). To change the "
+            "world size, save with save_dcp and load with load_dcp (torch.distributed.checkpoint)",
+            tensor="(checkpoint)",
+        )
     return Collective(group).rank
 
 
@@ -353,9 +360,9 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     ``path`` is a checkpoint or a directory whose ``latest`` names one. Checked before a byte is
     read: the manifest (one schema), and every group's layout against the model's -- a tensor
     missing, extra, of another shape, dtype or sharding, or shared differently raises
-    ``CheckpointMismatchError`` naming it. A dtype difference is an error unless ``cast=True``
+    ``LayoutError("checkpoint_mismatch")`` naming it. A dtype difference is an error unless ``cast=True``
     (plain tensors only; shared storages are raw bytes). Then every file is read straight into
-    pooled host memory and every tensor's crc32 verified (``CheckpointCorruptError`` naming the file
+    pooled host memory and every tensor's crc32 verified (``CheckpointError("corrupt")`` naming the file
     and tensor); only then are the values restored, wherever each slot lives (in place on the
     device; into the home -- a pointer copy -- when a group is offloaded; dropped slots become
     offloaded with the values). On any error the model is unchanged.
@@ -368,8 +375,11 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     manifest = ckpt.manifest
     if manifest.kind != mf.STATE_FORMAT:
         hint = " (a torch.distributed.checkpoint directory: use load_dcp)" if manifest.kind == mf.DCP_FORMAT else ""
-        raise CheckpointMismatchError("(checkpoint)", f"'{ckpt.path}' is not a stateshift model-state checkpoint "
-                                      f"(layout format {manifest.kind!r}){hint}")
+        raise LayoutError(
+            "checkpoint_mismatch",
+            f"'{ckpt.path}' is not a stateshift model-state checkpoint (layout format {manifest.kind!r}){hint}",
+            tensor="(checkpoint)",
+        )
     names = None if groups is None else ((groups,) if isinstance(groups, str) else tuple(groups))
     rank = _my_rank(manifest, ckpt.path, group)
     read: list[Snapshot] = []
@@ -381,7 +391,8 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     Collective(group, enabled=manifest.world_size > 1).run(
         read_mine,
         what=f"loading '{ckpt.path}'", share=False, cleanup=lambda: [state.release(s) for s in read],
-        error=lambda r, text: CheckpointError(f"loading '{ckpt.path}' failed on rank {r} ({text}); no rank changed its model"))
+        error=lambda r, text: CheckpointError(
+            "failed", f"loading '{ckpt.path}' failed on rank {r} ({text}); no rank changed its model"))
     snap = read[0]
     try:
         state.restore(snap)

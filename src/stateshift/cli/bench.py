@@ -13,7 +13,7 @@ import torch
 from .. import __version__
 from ..core.engine import core_of
 from ..core.state import ModelState
-from ..errors import UsageError
+from ..errors import ConfigError
 from ..train.tasks.gpt import GPTConfig, build_gpt, next_token_loss, random_ids
 from . import timing
 
@@ -59,13 +59,13 @@ def _device(spec: str) -> torch.device:
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
-        raise UsageError(f"--device {spec!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'") from None
+        raise ConfigError("usage", f"--device {spec!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'") from None
     if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {spec!r}: only 'cpu' and 'cuda' are supported")
+        raise ConfigError("usage", f"--device {spec!r}: only 'cpu' and 'cuda' are supported")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {spec!r} but no CUDA device is available")
+        raise ConfigError("usage", f"--device {spec!r} but no CUDA device is available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        raise ConfigError("usage", f"--device {spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
     return device
 
 
@@ -79,16 +79,16 @@ def check_args(args: argparse.Namespace) -> tuple[torch.device, GPTConfig]:
         The device to run on and the model's shape.
 
     Raises:
-        UsageError: a value out of range, a device that does not exist, an output that cannot be written.
+        ConfigError("usage"): a value out of range, a device that does not exist, an output that cannot be written.
     """
     for name in ("repeat", "minibatches"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be >= 1, not {getattr(args, name)}")
+            raise ConfigError("usage", f"--{name} must be >= 1, not {getattr(args, name)}")
     device = _device(args.device)
     try:
         cfg = GPTConfig(vocab=args.vocab, width=args.width, layers=args.layers, heads=args.heads, max_len=args.seq)
     except ValueError as exc:
-        raise UsageError(str(exc).replace("model.", "--").replace("max_len", "seq")) from None
+        raise ConfigError("usage", str(exc).replace("model.", "--").replace("max_len", "seq")) from None
     if args.json is not None:
         _check_writable(Path(args.json))
     return device, cfg
@@ -102,7 +102,7 @@ def _check_writable(path: Path) -> None:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+        raise ConfigError("usage", f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     if not existed:
         path.unlink()
 
@@ -110,7 +110,7 @@ def _check_writable(path: Path) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         device, cfg = check_args(args)
-    except UsageError as exc:
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     state, model_info = build(cfg, device, args.dtype)

@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """Run ``stateshift train``; 0 on success, 2 for a fault the user can fix (a bad config, a damaged or missing
     checkpoint, a run directory that cannot be used: one line naming the file and what to do), 130 on Ctrl-C, 1 when
-    the run failed (a ``TrainerDiedError`` as one line naming the checkpoint to resume from, other errors with their
+    the run failed (a ``RunError("trainer_died")`` as one line naming the checkpoint to resume from, other errors with their
     traceback)."""
     import yaml
 
@@ -99,7 +99,7 @@ _DIR_FAULTS = {PermissionError: "check its permissions, or choose another run.ou
 
 
 def _run(cfg: Any, resume: Path | None) -> int:
-    from ..errors import CheckpointError, MetricsLogError, RunDirBusyError, TrainerDiedError
+    from ..errors import CheckpointError, LayoutError, RunError
     from ..train.launch import run
 
     summary = Path(resume if resume is not None else cfg.run.out_dir) / "summary.json"
@@ -111,16 +111,21 @@ def _run(cfg: Any, resume: Path | None) -> int:
         print("\ninterrupted: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote else
               "it stopped before the run started (no summary.json written)"), file=sys.stderr)
         return 130
-    except (CheckpointError, RunDirBusyError, ConfigError, MetricsLogError) as exc:
+    except (CheckpointError, LayoutError, ConfigError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except RunError as exc:
+        if exc.kind == "run_dir_busy":
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        if exc.kind != "trainer_died":
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # no summary.json from a dead trainer: the message says how to go on
+        return 1
     except tuple(_DIR_FAULTS) as exc:
         advice = next(text for cls, text in _DIR_FAULTS.items() if isinstance(exc, cls))
         print(f"error: {exc.filename or ''}: {exc.strerror or _one_line(exc)}; {advice}", file=sys.stderr)
         return 2
-    except TrainerDiedError as exc:  # no summary.json from a dead trainer: the message says how to go on
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 

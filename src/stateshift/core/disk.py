@@ -24,7 +24,7 @@ aligned file offsets meet aligned addresses, so nearly every byte of a large tra
 direct. Page cache: direct reads come from the disk and direct writes leave nothing cached; the
 buffered bytes are pushed out by ``settle()`` (``fdatasync`` + ``POSIX_FADV_DONTNEED``).
 
-Errors: a full disk or an I/O error while writing raises ``DiskTierError`` before any
+Errors: a full disk or an I/O error while writing raises ``DiskError("tier")`` before any
 slot changes residency (the values are still where they were), in either mode; a direct
 transfer refused with ``EINVAL`` is redone through the buffered descriptor.
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DiskTierError
+from ..errors import DiskError
 from .pool import HostBlock, HostPool, pid_alive
 from .transfer import MAX_GAP, CopyEngine, Plan, Run, Transfer
 
@@ -156,7 +156,8 @@ class DiskHome:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise DiskTierError(f"cannot use {str(self.directory)!r} for disk homes: {exc.strerror or exc}") from None
+            raise DiskError("tier",
+                            f"cannot use {str(self.directory)!r} for disk homes: {exc.strerror or exc}") from None
         sweep_stale(self.directory)
         host = socket.gethostname().replace("-", "_")
         self.path = self.directory / f"stateshift-{host}-{os.getpid()}-{secrets.token_hex(6)}.disk"
@@ -165,7 +166,8 @@ class DiskHome:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             _LIVE.discard(self.path.name)
-            raise DiskTierError(f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
+            raise DiskError("tier",
+                            f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
         self.align = alignment(self.fd)
         if direct is None:
             direct = os.environ.get("STATESHIFT_DISK_DIRECT", "1") != "0"
@@ -250,18 +252,19 @@ class DiskHome:
         return [p for p in ((0, lo, False), (lo, hi, True), (hi, nbytes, False)) if p[1] > p[0]]
 
     def write(self, offset: int, data: torch.Tensor) -> None:
-        """Write a contiguous CPU uint8 tensor at ``offset`` (all of it, or ``DiskTierError``)."""
+        """Write a contiguous CPU uint8 tensor at ``offset`` (all of it, or ``DiskError("tier")``)."""
         mv = _byte_view(data)
         try:
             for a, b, direct in self.pieces(offset, data.data_ptr(), mv.nbytes):
                 self._io(mv[a:b], offset + a, direct, write=True)
         except OSError as exc:
-            raise DiskTierError(f"writing the disk home {str(self.path)!r} failed: {_what(exc)}; nothing was moved") from None
+            raise DiskError("tier",
+                            f"writing the disk home {str(self.path)!r} failed: {_what(exc)}; nothing was moved") from None
 
     def _io(self, mv: memoryview, offset: int, direct: bool, write: bool) -> None:
         """All of ``mv`` to (``write``) or from the file at ``offset``: through the ``O_DIRECT`` descriptor
         where ``direct`` and the length is aligned, else (or once the kernel refuses it: ``EINVAL``) the
-        buffered one. A read that ends early raises ``DiskTierError``."""
+        buffered one. A read that ends early raises ``DiskError("tier")``."""
         what = "write" if write else "read"
         while mv.nbytes:
             use_direct = direct and mv.nbytes % self.align == 0
@@ -280,19 +283,19 @@ class DiskHome:
             else:
                 self.bytes_buffered += max(n, 0)
             if n <= 0:
-                raise DiskTierError(f"the disk home {str(self.path)!r} ended early at byte {offset}")
+                raise DiskError("tier", f"the disk home {str(self.path)!r} ended early at byte {offset}")
             mv, offset = mv[n:], offset + n
 
     def read(self, offset: int, out: torch.Tensor) -> None:
-        """Fill a contiguous CPU uint8 tensor from ``offset`` (all of it, or ``DiskTierError``)."""
+        """Fill a contiguous CPU uint8 tensor from ``offset`` (all of it, or ``DiskError("tier")``)."""
         mv = _byte_view(out)
         try:
             for a, b, direct in self.pieces(offset, out.data_ptr(), mv.nbytes):
                 self._io(mv[a:b], offset + a, direct, write=False)
-        except DiskTierError:
+        except DiskError:
             raise
         except OSError as exc:
-            raise DiskTierError(f"reading the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
+            raise DiskError("tier", f"reading the disk home {str(self.path)!r} failed: {exc.strerror or exc}") from None
 
     def settle(self, offset: int, nbytes: int) -> None:
         """Push written pages to the disk and out of the page cache (a disk tier saves host memory), and
@@ -305,7 +308,7 @@ class DiskHome:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
-            raise DiskTierError(f"flushing the disk home {str(self.path)!r} failed: {_what(exc)}") from None
+            raise DiskError("tier", f"flushing the disk home {str(self.path)!r} failed: {_what(exc)}") from None
 
 
 def windows(spans: list[tuple[int, int]], size: int) -> Iterator[tuple[int, int, list[int]]]:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import DiskTierError
+from ..errors import DiskError
 from .disk import DiskHome, StagedIO
 from .groups import GroupState, Only, SlotTable, matches
 from .pool import HostBlock
@@ -31,7 +31,7 @@ class DiskTier:
     on first use in ``directory``; and disk snapshot parts, spans of the same file.
 
     Every write goes through the staging windows and is flushed (``settle``) before any slot changes
-    residency, so a full disk raises ``DiskTierError`` with every value where it was."""
+    residency, so a full disk raises ``DiskError("tier")`` with every value where it was."""
 
     residency = Residency.DISK
 
@@ -44,11 +44,12 @@ class DiskTier:
         """The state's disk home (its file is made now if it was not yet).
 
         Raises:
-            DiskTierError: no disk directory was given to the state.
+            DiskError("tier"): no disk directory was given to the state.
         """
         if self.disk is None:
             if self.directory is None:
-                raise DiskTierError("offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set")
+                raise DiskError("tier",
+                                "offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set")
             self.disk = self.table.disk = DiskHome(self.directory)
         return self.disk
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import OffloadedStateError, SwapActiveError, UnknownGroupError
+from ..errors import LayoutError, StateError
 from . import touch
 from .disk import DiskHome, StagedIO
 from .disk_tier import DiskTier
@@ -106,9 +106,9 @@ class Core:
         """Group names from a verb's argument (``None``: all), checked.
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
+            LayoutError("unknown_group"): a name is not a group of this state.
             ValueError: an empty list, or a group named twice.
-            SwapActiveError: ``check_swap`` and a group is inside a ``swapped()`` context.
+            StateError("swap_active"): ``check_swap`` and a group is inside a ``swapped()`` context.
         """
         if groups is None:
             names: tuple[str, ...] = self.names
@@ -120,13 +120,13 @@ class Core:
                 raise ValueError(f"no groups given (an empty list); valid groups: {', '.join(self.names)}")
         for g in names:
             if g not in self.groups:
-                raise UnknownGroupError(g, self.names)
+                raise LayoutError("unknown_group", group=g, valid=self.names)
         if len(set(names)) != len(names):
             raise ValueError(f"a group is named twice in {list(names)}")
         if check_swap:
             busy = [g for g in names if g in self.swapping]
             if busy:
-                raise SwapActiveError(f"group(s) {busy} are inside a swapped() context")
+                raise StateError("swap_active", f"group(s) {busy} are inside a swapped() context")
         return names
 
     def listed(self, groups: GroupArg, *, check_swap: bool = True) -> list[GroupState]:
@@ -139,12 +139,15 @@ class Core:
         """``drop`` and ``restore`` would change values an active context's rebuild reads on exit.
 
         Raises:
-            SwapActiveError: naming the groups a rebuild reads.
+            StateError("swap_active"): naming the groups a rebuild reads.
         """
         busy = [g for g in names if self.rebuild_reads[g] > 0]
         if busy:
-            raise SwapActiveError(f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context "
-                                  "(its exit recomputes values from them)")
+            raise StateError(
+                "swap_active",
+                f"group(s) {sorted(busy)} are read by the rebuild of an active swapped() context "
+                "(its exit recomputes values from them)",
+            )
 
     # -- the internal API ------------------------------------------------------------------------------
     @locked
@@ -223,11 +226,11 @@ class Core:
         return adopt, rewrite
 
     def check_resident(self, tensors: Iterable[torch.Tensor], where: str, *, writes: bool = False) -> None:
-        """Raise ``OffloadedStateError`` if any tensor's storage is released (cheap: no refresh, no lock).
+        """Raise ``StateError("offloaded")`` if any tensor's storage is released (cheap: no refresh, no lock).
 
         A paused address-stable storage keeps its size but not its memory: it is looked up by key.
         ``writes``: an optimizer step; inside a ``swapped()`` context of its tensors' groups it raises
-        ``SwapActiveError``."""
+        ``StateError("swap_active")``."""
         touch.sync_thread()
         paused, swapping = self.device.paused_keys, self.swapping if writes else None
         for t in tensors:
@@ -239,16 +242,18 @@ class Core:
             if storage.nbytes() == 0 or (paused and storage._cdata in paused):
                 slot = self.table.slots.get(storage_key(t))
                 if slot is None:
-                    raise OffloadedStateError("(untracked)", "(a tensor)", "released", where)
-                raise OffloadedStateError(slot.info.group, slot.name, slot.residency.value, where)
+                    raise StateError("offloaded", where, group="(untracked)", tensor="(a tensor)", residency="released")
+                raise StateError("offloaded", where,
+                                 group=slot.info.group, tensor=slot.name, residency=slot.residency.value)
 
     def _check_not_swapped(self, t: torch.Tensor, where: str) -> None:
         slot = self.table.slots.get(storage_key(t))
         if slot is not None and slot.info.group in self.swapping:
-            raise SwapActiveError(
+            raise StateError(
+                "swap_active",
                 f"{where} inside a swapped() context of group {slot.info.group!r} ({slot.name}): it would update "
                 "the optimizer from the snapshot's values, and the exit would discard what it wrote there; "
-                "step after the context"
+                "step after the context",
             )
 
     # -- memory and snapshots ---------------------------------------------------------------------------
@@ -295,7 +300,7 @@ class Core:
 
     def publish_released(self) -> None:
         """Tell ``touch`` which storages of this state are released now (none once closed): any tensor
-        operation on them raises ``OffloadedStateError`` from then on."""
+        operation on them raises ``StateError("offloaded")`` from then on."""
         released: dict[int, Slot] = {}
         paused = self.device.paused_keys  # address-stable storages keep their size, not their memory
         if not self.closed:

@@ -12,7 +12,7 @@ Storages released or re-grown by the framework itself since the last look
 (Megatron's ``offload_to_cpu`` / ``reload_from_cpu``) are followed: the
 framework's host copy is adopted as the slot's home (``NativeHome``), or its
 reload is taken as the truth. A storage released by someone else with no
-known copy of its values raises ``ForeignStateError``.
+known copy of its values raises ``StateError("foreign")``.
 
 Only the verbs change residency (through the tiers, ``tiers.py``); the table changes what exists.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import BackendError, ForeignStateError
+from ..errors import ObjectError, StateError
 from .disk import DiskHome
 from .layout import Layout
 from .pool import HostBlock, HostPool
@@ -76,24 +76,25 @@ def _adopt_native(slot: Slot, es: list[Entry], table: SlotTable) -> None:
     """A storage released outside ``table``: host-resident in the framework's copy, or dropped if it kept none."""
     native = next((e.native_home for e in es if e.native_home is not None), None)
     if native is None and holder(slot.key, besides=table) is not None:
-        raise ForeignStateError(
-            es[0].name,
+        raise StateError(
+            "foreign",
             "its storage was released by another ModelState that is still alive and holds its values; get that "
             "state with ModelState.owner(tensor) and onload() or close() it first",
+            tensor=es[0].name,
         )
     if native is None:
-        raise ForeignStateError(
-            es[0].name,
+        raise StateError(
+            "foreign",
             "its storage was released outside stateshift and its backend knows no copy of its values; "
             "reload it with the code that released it, or drop it explicitly",
+            tensor=es[0].name,
         )
     if native.values is None:
         slot.residency = Residency.DROPPED
     else:
         if native.values.numel() * native.values.element_size() != slot.nbytes:
-            raise ForeignStateError(
-                es[0].name, f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}"
-            )
+            raise StateError("foreign", f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}",
+                             tensor=es[0].name)
         slot.residency = Residency.HOST
     slot.native_home = native
 
@@ -293,7 +294,7 @@ class SlotTable:
         for b in sources:
             for g in b.groups:
                 if g in owner:
-                    raise BackendError(f"group {g!r} is listed by both backend {owner[g]!r} and {b.name!r}")
+                    raise ObjectError("backend", f"group {g!r} is listed by both backend {owner[g]!r} and {b.name!r}")
                 owner[g] = b.name
         self.sources = sources
         self.pool = pool
@@ -344,7 +345,8 @@ class SlotTable:
                     entries = by_group[g] = b.entries(g)
                     bad = next((e for e in entries if e.group != g), None) if entries is not self.groups[g].entries else None
                     if bad is not None:
-                        raise BackendError(f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}")
+                        raise ObjectError("backend",
+                                          f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}")
         return by_group
 
     def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], keys: list[int], seen: dict[int, Slot]) -> None:
@@ -360,9 +362,10 @@ class SlotTable:
         changed = False
         for key, es in members.items():
             if key in seen:
-                raise BackendError(
+                raise ObjectError(
+                    "backend",
                     f"tensor {es[0].name!r} (group {gs.name!r}) shares storage with {seen[key].name!r} "
-                    f"(group {seen[key].info.group!r}); a storage belongs to one group"
+                    f"(group {seen[key].info.group!r}); a storage belongs to one group",
                 )
             slot, fresh = self._slot_for(key, gs.name, es)
             changed |= fresh

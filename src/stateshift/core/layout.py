@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import LayoutMismatchError
+from ..errors import LayoutError
 from .slot import MemberInfo, SlotInfo
 from .transfer import SMALL_BYTES
 
@@ -66,7 +66,7 @@ class Layout:
         return [arena[off : off + s.nbytes] for off, s in zip(self.offsets, self.slots, strict=True)]
 
     def check_compatible(self, expected: Layout, *, source: str = "snapshot", cast: bool = False) -> frozenset[int]:
-        """Raise ``LayoutMismatchError`` naming the first tensor where ``self`` (the model now) differs.
+        """Raise ``LayoutError("mismatch")`` naming the first tensor where ``self`` (the model now) differs.
 
         ``expected`` is how the values were laid out when they were taken
         (a snapshot's layout, or one decoded from a checkpoint manifest);
@@ -84,53 +84,56 @@ class Layout:
         casting: set[int] = set()
         for name, (ws, wm) in want.items():
             if name not in have:
-                raise LayoutMismatchError(name, f"in the {source} (group {ws.group!r}) but not in the model", "missing")
+                raise LayoutError("mismatch", f"in the {source} (group {ws.group!r}) but not in the model",
+                                  tensor=name, field="missing")
             i, hm = have[name]
             if _member_differs(name, hm, wm, source, cast and self.slots[i].covers_storage and ws.covers_storage):
                 casting.add(i)
         for name, (i, _) in have.items():
             if name not in want:
-                raise LayoutMismatchError(name, f"in the model (group {self.slots[i].group!r}) but not in the {source}", "extra")
+                raise LayoutError("mismatch", f"in the model (group {self.slots[i].group!r}) but not in the {source}",
+                                  tensor=name, field="extra")
         self._check_sharing(expected, source, casting)
         return frozenset(casting)
 
     def _check_sharing(self, expected: Layout, source: str, casting: set[int]) -> None:
         """Same storages holding the same members, of the same sizes (cast slots excepted)."""
         if len(self.slots) != len(expected.slots):
-            raise LayoutMismatchError(
-                self.slots[0].name if self.slots else "(none)",
+            raise LayoutError(
+                "mismatch",
                 f"storage sharing differs: the model has {len(self.slots)} storages, the {source} {len(expected.slots)} "
                 "(tied or shared tensors differ)",
-                "sharing",
+                tensor=self.slots[0].name if self.slots else "(none)",
+                field="sharing",
             )
         by_first = {s.members[0].name: s for s in expected.slots if s.members}
         for i, hs in enumerate(self.slots):
             ws = by_first.get(hs.members[0].name) if hs.members else None
             if ws is None or [m.name for m in hs.members] != [m.name for m in ws.members]:
                 theirs = [m.name for m in ws.members] if ws is not None else "another grouping"
-                raise LayoutMismatchError(
-                    hs.name,
-                    f"storage sharing differs: the model's storage holds {[m.name for m in hs.members]}, the {source}'s {theirs}",
-                    "sharing",
-                )
+                raise LayoutError("mismatch", f"storage sharing differs: the model's storage holds {[m.name for m in hs.members]}, the {source}'s {theirs}",
+                                  tensor=hs.name, field="sharing")
             if i not in casting and hs.nbytes != ws.nbytes:
-                raise LayoutMismatchError(hs.name, f"storage holds {hs.nbytes} bytes in the model, {ws.nbytes} in the {source}", "nbytes")
+                raise LayoutError("mismatch", f"storage holds {hs.nbytes} bytes in the model, {ws.nbytes} in the {source}",
+                                  tensor=hs.name, field="nbytes")
 
 
 def _member_differs(name: str, have: MemberInfo, want: MemberInfo, source: str, castable: bool) -> bool:
     """Raise on the first field that differs; ``True`` when only the dtype differs and a cast is allowed."""
     if have.shape != want.shape:
-        raise LayoutMismatchError(name, f"shape is {list(have.shape)} in the model but {list(want.shape)} in the {source}", "shape")
+        raise LayoutError("mismatch", f"shape is {list(have.shape)} in the model but {list(want.shape)} in the {source}",
+                          tensor=name, field="shape")
     cast = False
     if have.dtype != want.dtype:
         if not castable:
-            raise LayoutMismatchError(name, f"dtype is {have.dtype} in the model but {want.dtype} in the {source}", "dtype")
+            raise LayoutError("mismatch", f"dtype is {have.dtype} in the model but {want.dtype} in the {source}",
+                              tensor=name, field="dtype")
         cast = True
     elif have.stride != want.stride or have.offset != want.offset:
         field = "stride" if have.stride != want.stride else "offset"
-        raise LayoutMismatchError(
-            name, f"{field} is {getattr(have, field)} in the model but {getattr(want, field)} in the {source}", field
-        )
+        raise LayoutError("mismatch", f"{field} is {getattr(have, field)} in the model but {getattr(want, field)} in the {source}",
+                          tensor=name, field=field)
     if have.meta != want.meta:
-        raise LayoutMismatchError(name, f"meta is {have.meta} in the model but {want.meta} in the {source}", "meta")
+        raise LayoutError("mismatch", f"meta is {have.meta} in the model but {want.meta} in the {source}",
+                          tensor=name, field="meta")
     return cast

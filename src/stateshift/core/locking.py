@@ -13,7 +13,7 @@ The rule, which holds for every verb, not for a list of cases:
   starve it);
 - on the thread of a running reader (a hook), a verb that releases storage
   (``offload``, ``drop``, a ``swapped()`` exit) raises
-  ``VerbInsideComputeError`` -- waiting for itself would never end -- and the
+  ``StateError("inside_compute")`` -- waiting for itself would never end -- and the
   other verbs run at once (they free nothing the reader reads).
 
 Why a reader left behind cannot block verbs for ever: each reader is keyed
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, TypeVar
 
-from ..errors import ClosedStateError, VerbInsideComputeError
+from ..errors import StateError
 from . import touch
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -124,12 +124,12 @@ class ReaderGate:
     def exclusive(self, verb: str) -> Iterator[None]:
         """Run a verb (with the state's lock held) once no other thread is inside a reader.
 
-        Raises ``VerbInsideComputeError`` when ``verb`` releases storage and this thread is inside a reader."""
+        Raises ``StateError("inside_compute")`` when ``verb`` releases storage and this thread is inside a reader."""
         stack = self._stack()
         if stack:
             self._forget_stale(stack, sys._getframe())
             if stack and verb in RELEASING:
-                raise VerbInsideComputeError(verb, stack[0][1])
+                raise StateError("inside_compute", verb=verb, compute=stack[0][1])
             if stack:  # a reader itself: waiting for other readers could wait for one that waits for it
                 yield
                 return
@@ -173,11 +173,11 @@ def verb_scope(core: Any, verb: str) -> Iterator[None]:
     released storages are published (``touch``).
 
     Raises:
-        ClosedStateError: the state was closed.
+        StateError("closed"): the state was closed.
     """
     with core.lock:
         if core.closed:
-            raise ClosedStateError(f"ModelState was closed; {verb}() needs a new one")
+            raise StateError("closed", f"ModelState was closed; {verb}() needs a new one")
         with core.gate.exclusive(verb), touch.unchecked():
             try:
                 yield

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..errors import PinningUnavailableError, PoolBudgetError
+from ..errors import BudgetError, StateError
 
 if TYPE_CHECKING:
     from .layout import Layout
@@ -140,7 +140,7 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
     rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     code = int(getattr(rc, "value", rc))
     if code != 0:
-        raise PinningUnavailableError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+        raise StateError("no_pinning", f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
 
 
 def _touch(ptr: int, nbytes: int) -> None:
@@ -167,11 +167,11 @@ class HostPool:
 
     Args:
         pin: ``"auto"`` pins when CUDA is available; ``True`` requires pinning
-            (``PinningUnavailableError`` on a machine without CUDA); ``False``
+            (``StateError("no_pinning")`` on a machine without CUDA); ``False``
             never pins.
         budget_bytes: the most bytes the pool may hold (in use plus idle).
             Idle blocks are freed to make room; past that ``acquire`` raises
-            ``PoolBudgetError`` and changes nothing.
+            ``BudgetError("pool")`` and changes nothing.
         shared: back every block by a file in ``shm_dir`` that other processes
             can map (``HostBlock.file``; module doc).
         shm_dir: where shared blocks' files live.
@@ -191,9 +191,8 @@ class HostPool:
             raise ValueError(f"budget_bytes must be >= 0, not {budget_bytes}")
         cuda = torch.cuda.is_available()
         if pin is True and not cuda:
-            raise PinningUnavailableError(
-                "pin=True but no CUDA device is available; use pin='auto' to fall back to plain host memory"
-            )
+            raise StateError("no_pinning",
+                             "pin=True but no CUDA device is available; use pin='auto' to fall back to plain host memory")
         self.pinned: bool = cuda if pin == "auto" else bool(pin)
         self.budget_bytes = budget_bytes
         self.shared = bool(shared)
@@ -238,7 +237,7 @@ class HostPool:
         return block
 
     def check_room(self, nbytes: int, *, freeing: int = 0) -> None:
-        """Raise ``PoolBudgetError`` now if blocks of ``nbytes`` bytes in all could not be acquired.
+        """Raise ``BudgetError("pool")`` now if blocks of ``nbytes`` bytes in all could not be acquired.
 
         ``freeing``: bytes of blocks the caller will release before acquiring.
         Verbs call this before they change anything, so a budget error leaves
@@ -248,9 +247,10 @@ class HostPool:
             return
         with self._lock:
             if self._in_use_bytes - freeing + nbytes > self.budget_bytes:
-                raise PoolBudgetError(
+                raise BudgetError(
+                    "pool",
                     f"host pool budget {self.budget_bytes} bytes: {self._in_use_bytes} in use, "
-                    f"{nbytes} more needed{f' ({freeing} to be freed first)' if freeing else ''}"
+                    f"{nbytes} more needed{f' ({freeing} to be freed first)' if freeing else ''}",
                 )
 
     def retain(self, block: HostBlock) -> HostBlock:
@@ -299,9 +299,10 @@ class HostPool:
             return
         idle = self._held - self._in_use_bytes
         if self._in_use_bytes + nbytes > self.budget_bytes:
-            raise PoolBudgetError(
+            raise BudgetError(
+                "pool",
                 f"host pool budget {self.budget_bytes} bytes: {self._in_use_bytes} in use, "
-                f"{nbytes} more asked ({idle} idle bytes could be freed, not enough)"
+                f"{nbytes} more asked ({idle} idle bytes could be freed, not enough)",
             )
         freed = self._trim_locked(max(0, self.budget_bytes - self._in_use_bytes - nbytes))
         _log.info("host pool: freed %d idle bytes to stay within its budget of %d bytes", freed, self.budget_bytes)
@@ -323,7 +324,8 @@ class HostPool:
         """A new file of exactly ``nbytes`` bytes in ``shm_dir``, mapped shared (private to this user)."""
         vfs = os.statvfs(self.shm_dir)
         if vfs.f_bavail * vfs.f_frsize < nbytes:  # a mapped page past a full tmpfs is a SIGBUS, not an error: ask first
-            raise PoolBudgetError(f"shared host block of {nbytes} bytes: {self.shm_dir} has {vfs.f_bavail * vfs.f_frsize} bytes free")
+            raise BudgetError("pool",
+                              f"shared host block of {nbytes} bytes: {self.shm_dir} has {vfs.f_bavail * vfs.f_frsize} bytes free")
         self._serial += 1
         path = os.path.join(self.shm_dir, f"{SHARED_PREFIX}{os.getpid()}-{id(self):x}-{self._serial}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -353,7 +355,7 @@ class HostPool:
             try:
                 _cuda_register(data.data_ptr(), nbytes)
                 pinned = True
-            except PinningUnavailableError as exc:
+            except StateError as exc:  # (of kind "no_pinning": all that _cuda_register raises)
                 warnings.warn(f"{exc}; this block stays pageable (copies to and from it are slower)", stacklevel=3)
         block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm, path=path)
         self._blocks[id(block)] = block

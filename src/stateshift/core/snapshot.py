@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..errors import ReleasedSnapshotError, SnapshotBudgetError
+from ..errors import BudgetError, StateError
 from .layout import Layout, dtype_of
 from .slot import SlotInfo
 from .transfer import Transfer
@@ -139,12 +139,12 @@ class Snapshot:
 
     def check_alive(self) -> None:
         if self._released:
-            raise ReleasedSnapshotError(f"snapshot {self.tag!r} (version {self.version}) was released")
+            raise StateError("released", f"snapshot {self.tag!r} (version {self.version}) was released")
 
     @staticmethod
     def given(snapshot: object, verb: str) -> Snapshot:
         """What a verb was handed, checked before anything reads it: a ``Snapshot`` (``TypeError``
-        naming what came instead) that is not released (``ReleasedSnapshotError``)."""
+        naming what came instead) that is not released (``StateError("released")``)."""
         if not isinstance(snapshot, Snapshot):
             raise TypeError(f"{verb} needs a Snapshot (from ModelState.snapshot), got {type(snapshot).__name__}")
         snapshot.check_alive()
@@ -226,15 +226,16 @@ class SnapshotStore:
         return sum(s.nbytes for s in self._items.values())
 
     def check_budget(self, nbytes: int, replacing: tuple[str, int | None] | None = None) -> None:
-        """Raise ``SnapshotBudgetError`` if adding ``nbytes`` (minus the snapshot replaced) would exceed the budget."""
+        """Raise ``BudgetError("snapshot")`` if adding ``nbytes`` (minus the snapshot replaced) would exceed the budget."""
         if self.budget_bytes is None:
             return
         freed = self._items[replacing].nbytes if replacing in self._items else 0
         total = self.nbytes - freed + nbytes
         if total > self.budget_bytes:
-            raise SnapshotBudgetError(
+            raise BudgetError(
+                "snapshot",
                 f"snapshot store budget {self.budget_bytes} bytes: holding {self.nbytes}, "
-                f"a new snapshot of {nbytes} bytes would make {total}"
+                f"a new snapshot of {nbytes} bytes would make {total}",
             )
 
     def find(self, tag: str, version: int | None = None) -> Snapshot | None:

@@ -12,7 +12,7 @@ asks its *sources* (the backends, ``stateshift/backends/``) three things:
   same sequence object may come back while nothing changed: the engine then
   re-checks only that each tensor still has its storage.
 - ``install_guards(check)``: hooks that call ``check(tensors, where)`` before
-  compute reads or writes state; ``check`` raises ``OffloadedStateError``
+  compute reads or writes state; ``check`` raises ``StateError("offloaded")``
   naming the group when a tensor's storage is released.
 
 ``backends/base.py`` states the whole contract (these three plus the
@@ -29,14 +29,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import BackendError
+from ..errors import ObjectError
 from .slot import Entry
 
 
 class Check(Protocol):
-    """``check(tensors, where)``: raises ``OffloadedStateError`` if a tensor's storage is released.
+    """``check(tensors, where)``: raises ``StateError("offloaded")`` if a tensor's storage is released.
 
-    ``writes=True`` (an optimizer step): also raises ``SwapActiveError`` if a
+    ``writes=True`` (an optimizer step): also raises ``StateError("swap_active")`` if a
     tensor belongs to a group a ``swapped()`` context holds -- the step would
     update the optimizer from the snapshot's values, and the exit would
     discard what it wrote to the swapped groups.
@@ -89,5 +89,6 @@ def set_detector(detector: Detector) -> None:
 def detect(model: Any, optimizer: Any) -> list[Source]:
     """The sources for ``model`` and ``optimizer``, by the registered detector."""
     if _detector is None:
-        raise BackendError("no backend registry is loaded: import stateshift (or pass backends=[...] explicitly)")
+        raise ObjectError("backend",
+                          "no backend registry is loaded: import stateshift (or pass backends=[...] explicitly)")
     return _detector(model, optimizer)

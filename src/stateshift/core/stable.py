@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import AddressStableError
+from ..errors import StateError
 from .slot import Slot, regrow_all, release_all
 
 
@@ -59,9 +59,8 @@ def _tms() -> Any:
     try:
         from torch_memory_saver import torch_memory_saver  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise AddressStableError(
-            f"address_stable=True needs torch_memory_saver ({exc}): pip install 'stateshift[tms]'"
-        ) from None
+        raise StateError("address_stable",
+                         f"address_stable=True needs torch_memory_saver ({exc}): pip install 'stateshift[tms]'") from None
     try:
         torch_memory_saver.hook_mode = "torch"  # in-process pluggable allocator, no LD_PRELOAD
     except AttributeError:
@@ -94,7 +93,8 @@ class AddressStable:
             need = sum(s.nbytes for s in slots)
             free, _ = torch.cuda.mem_get_info(self.device)
             if free < need:
-                raise AddressStableError(f"group {group!r}: {need} bytes to map back, {free} free on {self.device}")
+                raise StateError("address_stable",
+                                 f"group {group!r}: {need} bytes to map back, {free} free on {self.device}")
             self.tms.resume(self.tag(group))
             self._paused.discard(group)
             return
@@ -114,9 +114,8 @@ class AddressStable:
 
     def _whole(self, group: str, whole: bool, verb: str) -> None:
         if not whole:
-            raise AddressStableError(
-                f"group {group!r} is address-stable: {verb} moves it whole (no only=, no partly resident group)"
-            )
+            raise StateError("address_stable",
+                             f"group {group!r} is address-stable: {verb} moves it whole (no only=, no partly resident group)")
 
 
 def make_policy(address_stable: bool, device: torch.device | None, prefix: str) -> StoragePolicy:

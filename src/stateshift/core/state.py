@@ -20,14 +20,14 @@ home or a byte of the model.
 Threads: verbs on one ``ModelState`` are serialised by a lock, so a
 rollout thread and a training thread may both call them; ``swapped()``
 holds it on entry and exit, not while its body runs (verbs on the swapped
-groups raise ``SwapActiveError`` meanwhile). Guarded forwards, backwards and
+groups raise ``StateError("swap_active")`` meanwhile). Guarded forwards, backwards and
 optimizer steps are readers of the state's ``ReaderGate`` (``locking.py``): a verb
 waits for those running in other threads, and they wait for a running verb;
 ``offload``/``drop`` from inside one on its own thread raise
-``VerbInsideComputeError``.
+``StateError("inside_compute")``.
 
 Direct touches: while any storage is released, every tensor operation on
-it (not only the hooked ones) raises ``OffloadedStateError`` (``touch.py``).
+it (not only the hooked ones) raises ``StateError("offloaded")`` (``touch.py``).
 
 Homes: each group has one host arena (``home``) laid out like its
 snapshots, taken from the pool the first time the group is offloaded and
@@ -93,7 +93,7 @@ class ModelState:
         pin: passed to a new ``HostPool`` when ``pool`` is not given.
         device: the accelerator the copy engine drives (default: current CUDA device, if any).
         snapshot_budget_bytes: byte budget of the state's snapshot store (every snapshot it holds).
-        guard: install hooks that raise ``OffloadedStateError`` when compute
+        guard: install hooks that raise ``StateError("offloaded")`` when compute
             touches released state (forward, backward into released grads,
             optimizer step, ``state_dict``) and order forwards and steps
             against verbs in other threads. (Direct tensor operations on
@@ -111,7 +111,7 @@ class ModelState:
         address_stable: keep device addresses across offload and onload (CUDA
             graphs captured before an offload replay correctly after it), with
             the optional ``torch_memory_saver`` (``pip install 'stateshift[tms]'``;
-            ``AddressStableError`` without it). A group becomes address-stable
+            ``StateError("address_stable")`` without it). A group becomes address-stable
             the first time it is onloaded, and then moves whole. Accepted with
             a warning, and a no-op, on a machine without CUDA. See ``stable.py``.
         disk_dir: where ``offload(..., to="disk")`` keeps values: one scratch file per state
@@ -122,8 +122,8 @@ class ModelState:
 
     Raises:
         ValueError: ``disk_window_bytes`` below one byte.
-        BackendError: no backend knows the model (detection).
-        AddressStableError: ``address_stable=True`` without ``torch_memory_saver`` on a CUDA machine.
+        ObjectError("backend"): no backend knows the model (detection).
+        StateError("address_stable"): ``address_stable=True`` without ``torch_memory_saver`` on a CUDA machine.
     """
 
 
@@ -234,7 +234,7 @@ class ModelState:
         """Bytes of the slots of ``groups`` (default all), wherever they live.
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
+            LayoutError("unknown_group"): a name is not a group of this state.
         """
         return sum(s.nbytes for gs in self._core.listed(groups, check_swap=False) for s in gs.slots)
 
@@ -243,7 +243,7 @@ class ModelState:
         """The group's layout now: names, shapes, dtypes and offsets of its slots (a snapshot's fingerprint).
 
         Raises:
-            UnknownGroupError: ``group`` is not a group of this state.
+            LayoutError("unknown_group"): ``group`` is not a group of this state.
         """
         return self._core.layouts(group)[group]
 
@@ -275,12 +275,12 @@ class ModelState:
             The transfer; a host home is safe to read on the host after its ``wait()``.
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
-            SwapActiveError: a group is inside a ``swapped()`` context.
-            NotReleasableError: an accelerator slot's storage cannot be resized (nothing moved).
-            PoolBudgetError: the homes do not fit the pool's budget (nothing moved).
-            DiskTierError: no ``disk_dir``, or a full disk (every value where it was).
-            VerbInsideComputeError: called from inside a guarded forward or step on this thread.
+            LayoutError("unknown_group"): a name is not a group of this state.
+            StateError("swap_active"): a group is inside a ``swapped()`` context.
+            StateError("not_releasable"): an accelerator slot's storage cannot be resized (nothing moved).
+            BudgetError("pool"): the homes do not fit the pool's budget (nothing moved).
+            DiskError("tier"): no ``disk_dir``, or a full disk (every value where it was).
+            StateError("inside_compute"): called from inside a guarded forward or step on this thread.
         """
         transfer, plan = verbs.offload(self._core, groups, only, to)
         if plan is not None:
@@ -302,7 +302,7 @@ class ModelState:
             An ``OffloadPlan``: a decision per group, the host peak and the bytes to disk.
 
         Raises:
-            PoolBudgetError: naming the group that fits nowhere.
+            BudgetError("pool"): naming the group that fits nowhere.
         """
         return verbs.plan_offload(self._core, groups, only, host_budget_bytes)
 
@@ -315,10 +315,10 @@ class ModelState:
             only: the slots to drop; ``None``: all.
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
-            SwapActiveError: a group is inside a ``swapped()`` context, or read by an active context's rebuild.
-            NotReleasableError: an accelerator slot's storage cannot be resized (nothing dropped).
-            VerbInsideComputeError: called from inside a guarded forward or step on this thread.
+            LayoutError("unknown_group"): a name is not a group of this state.
+            StateError("swap_active"): a group is inside a ``swapped()`` context, or read by an active context's rebuild.
+            StateError("not_releasable"): an accelerator slot's storage cannot be resized (nothing dropped).
+            StateError("inside_compute"): called from inside a guarded forward or step on this thread.
         """
         verbs.drop(self._core, groups, only)
 
@@ -337,9 +337,9 @@ class ModelState:
             The transfer (device-side; nothing to wait for before compute).
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
-            SwapActiveError: a group is inside a ``swapped()`` context.
-            DiskTierError: the disk cannot be read (the storage re-grown for it is released again).
+            LayoutError("unknown_group"): a name is not a group of this state.
+            StateError("swap_active"): a group is inside a ``swapped()`` context.
+            DiskError("tier"): the disk cannot be read (the storage re-grown for it is released again).
         """
         transfer = verbs.onload(self._core, groups, only)
         if groups is None and only is None:
@@ -367,10 +367,10 @@ class ModelState:
             The snapshot; its values are safe to read on the host after ``snapshot.wait()``.
 
         Raises:
-            UnknownGroupError: a name is not a group of this state.
-            SnapshotBudgetError: the snapshot store's budget would be exceeded.
-            PoolBudgetError: the host blocks do not fit the pool's budget.
-            DiskTierError: ``placement="disk"`` without ``disk_dir``, or a full disk (the old snapshot stays).
+            LayoutError("unknown_group"): a name is not a group of this state.
+            BudgetError("snapshot"): the snapshot store's budget would be exceeded.
+            BudgetError("pool"): the host blocks do not fit the pool's budget.
+            DiskError("tier"): ``placement="disk"`` without ``disk_dir``, or a full disk (the old snapshot stays).
         """
         return verbs.snapshot(self._core, groups, tag, version, placement)
 
@@ -391,11 +391,11 @@ class ModelState:
             The transfer; a home it wrote is safe to read on the host after its ``wait()``.
 
         Raises:
-            LayoutMismatchError: a group's layout differs (names the tensor; nothing changed).
-            ReleasedSnapshotError: the snapshot was released.
-            SwapActiveError: a group is inside a ``swapped()`` context or read by its rebuild.
-            PoolBudgetError: private homes do not fit the pool's budget (nothing changed).
-            DiskTierError: a full disk (nothing changed), or a disk snapshot that cannot be read part way
+            LayoutError("mismatch"): a group's layout differs (names the tensor; nothing changed).
+            StateError("released"): the snapshot was released.
+            StateError("swap_active"): a group is inside a ``swapped()`` context or read by its rebuild.
+            BudgetError("pool"): private homes do not fit the pool's budget (nothing changed).
+            DiskError("tier"): a full disk (nothing changed), or a disk snapshot that cannot be read part way
                 (its groups' device and host slots partly restored: restore again once it reads).
         """
         transfer = verbs.restore(self._core, snapshot)
@@ -416,7 +416,7 @@ class ModelState:
         slots get device storage filled from the snapshot and are released
         again on exit, their homes untouched. Changes made inside (e.g. an
         optimizer step) are discarded. Other verbs on these groups raise
-        ``SwapActiveError`` inside.
+        ``StateError("swap_active")`` inside.
 
         Args:
             snapshot: a snapshot of this state's groups.
@@ -436,9 +436,9 @@ class ModelState:
 
         Raises:
             ValueError: an unknown ``stash``.
-            LayoutMismatchError: a group's layout differs (nothing changed).
-            UnknownGroupError: a rebuild names a group outside the snapshot.
-            SwapActiveError: a group is already inside a ``swapped()`` context.
+            LayoutError("mismatch"): a group's layout differs (nothing changed).
+            LayoutError("unknown_group"): a rebuild names a group outside the snapshot.
+            StateError("swap_active"): a group is already inside a ``swapped()`` context.
         """
         if stash not in ("auto", "device", "host"):
             raise ValueError(f"stash must be 'auto', 'device' or 'host', not {stash!r}")
@@ -469,7 +469,7 @@ class ModelState:
         re-grown -- offloaded values come back to the device, dropped ones as
         zeros (``drop()`` before a close does not save device memory after
         it). Values kept in a framework's own host copy stay there.
-        Idempotent; other verbs raise ``ClosedStateError`` afterwards.
+        Idempotent; other verbs raise ``StateError("closed")`` afterwards.
         """
         core = self._core
         with core.lock:

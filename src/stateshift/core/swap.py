@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import UnknownGroupError
+from ..errors import LayoutError
 from .engine import Core
 from .groups import GroupState, disown, matches
 from .locking import verb_scope
@@ -89,7 +89,7 @@ def swap_in(core: Core, snapshot: Snapshot, rebuild: dict[str, Callable[[], None
     names = core.select(snapshot.groups)
     unknown = [g for g in rebuild if g not in names]
     if unknown:
-        raise UnknownGroupError(unknown[0], names)
+        raise LayoutError("unknown_group", group=unknown[0], valid=names)
     core.table.refresh(names)
     for part in snapshot.parts:
         core.groups[part.group].layout.check_compatible(part.layout)

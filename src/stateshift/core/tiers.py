@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import NotReleasableError
+from ..errors import StateError
 from .groups import GroupState, Only, disown, matches
 from .pool import HostBlock, HostPool
 from .slot import Residency, Slot
@@ -152,16 +152,18 @@ class DeviceTier:
         on an accelerator -- raised before anything moves.
 
         Raises:
-            NotReleasableError: naming the first accelerator slot whose storage cannot be resized.
+            StateError("not_releasable"): naming the first accelerator slot whose storage cannot be resized.
         """
         for gs in groups:
             if gs.all_releasable():
                 continue
             for s in gs.slots:
                 if s.residency is Residency.DEVICE and s.device.type != "cpu" and not s.releasable and matches(s, only):
-                    raise NotReleasableError(
-                        s.name, f"its {s.device.type} storage is not resizable (allocated outside torch's caching "
-                        "allocator?), so it cannot be released in place"
+                    raise StateError(
+                        "not_releasable",
+                        f"its {s.device.type} storage is not resizable (allocated outside torch's caching "
+                        "allocator?), so it cannot be released in place",
+                        tensor=s.name,
                     )
 
     def device_for(self, gs: GroupState) -> torch.device:
@@ -179,7 +181,7 @@ class DeviceTier:
 class HostTier:
     """Pooled pinned homes (one per group, laid out as its snapshots, kept for reuse) and framework copies.
 
-    A home write has two phases: ``reserve`` (every block acquired, or ``PoolBudgetError``, before
+    A home write has two phases: ``reserve`` (every block acquired, or ``BudgetError("pool")``, before
     anything changes) and ``install`` (the block becomes the home)."""
 
     residency = Residency.HOST
@@ -246,7 +248,7 @@ class HostTier:
         """Phase one of a home write: a fresh block for every group whose home is missing or shared.
 
         Raises:
-            PoolBudgetError: the blocks do not fit the pool's budget (nothing was acquired).
+            BudgetError("pool"): the blocks do not fit the pool's budget (nothing was acquired).
         """
         self.pool.check_room(self.home_bytes(groups))
         return {gs.name: self.pool.acquire(gs.layout.total) for gs in self.needs_home(groups)}

@@ -1,4 +1,4 @@
-"""Any tensor operation on released storage raises ``OffloadedStateError`` (rule 8, beyond the hooks).
+"""Any tensor operation on released storage raises ``StateError("offloaded")`` (rule 8, beyond the hooks).
 
 The guard hooks cover what torch has hooks for (a module's forward, a
 backward into a gradient, an optimizer's step, ``state_dict``). Everything
@@ -14,10 +14,10 @@ mode stacks of the threads that use stateshift:
 - a ``TorchDispatchMode`` that looks up each operator's tensor arguments
   (and the local tensors of a DTensor) among the released storages
   (``publish``: every verb publishes its state's, under its lock) and raises
-  ``OffloadedStateError`` naming the group before the kernel runs;
+  ``StateError("offloaded")`` naming the group before the kernel runs;
   ``detach``, ``alias`` and the ``*_like`` factories read no values and pass
   (other views of released storage fail torch's own bounds check anyway: they
-  raise ``OffloadedStateError`` too);
+  raise ``StateError("offloaded")`` too);
 - a ``TorchFunctionMode`` for the few reads that bypass the dispatcher:
   ``repr``/``print``, ``tolist()``, ``numpy()``, ``__array__``, ``__dlpack__``.
 
@@ -53,7 +53,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from ..errors import OffloadedStateError
+from ..errors import StateError
 from .slot import Slot
 
 #: storage key -> slot, of every state's released storages (replaced whole, so a reader sees one version)
@@ -124,8 +124,9 @@ def first_released(args: Any, kwargs: Mapping[str, Any] | None, released: Mappin
     return _first_in(args, released) or (_first_in(kwargs.values(), released) if kwargs else None)
 
 
-def _refuse(slot: Slot, what: str) -> OffloadedStateError:
-    return OffloadedStateError(slot.info.group, slot.name, slot.residency.value, f"{what} (a direct read or write)")
+def _refuse(slot: Slot, what: str) -> StateError:
+    return StateError("offloaded", f"{what} (a direct read or write)",
+                      group=slot.info.group, tensor=slot.name, residency=slot.residency.value)
 
 
 class _DispatchCheck(TorchDispatchMode):

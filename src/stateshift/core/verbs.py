@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import PoolBudgetError
+from ..errors import BudgetError
 from .disk import OffloadDecision, OffloadPlan
 from .engine import Core, GroupArg
 from .groups import GroupState, Only, matches
@@ -76,7 +76,8 @@ def _plan(core: Core, gss: list[GroupState], only: Only, budget: int | None) -> 
             to_disk += gs.layout.total
         else:
             where = "and no disk tier is set (disk_dir)" if directory is None else "and the disk is too full"
-            raise PoolBudgetError(f"group {gs.name!r} ({need} bytes) fits in neither the host budget ({budget} bytes for homes, {held} held) {where}")
+            raise BudgetError("pool",
+                              f"group {gs.name!r} ({need} bytes) fits in neither the host budget ({budget} bytes for homes, {held} held) {where}")
         peak = max(peak, held + (2 * core.disk.io.window if to_disk else 0))
     return OffloadPlan(tuple(decisions), peak, to_disk)
 

@@ -57,7 +57,7 @@ from ..core.ranks import on_every_rank
 from ..core.slot import Residency
 from ..core.snapshot import Snapshot
 from ..core.state import ModelState
-from ..errors import DiskTierError, UnknownGroupError
+from ..errors import DiskError, LayoutError
 
 CyclePlacement = Literal["auto", "host", "device", "disk"]
 
@@ -147,12 +147,12 @@ class PiOldCycle:
         if placement not in ("auto", "host", "device", "disk"):
             raise ValueError(f"placement must be 'auto', 'host', 'device' or 'disk', not {placement!r}")
         if placement == "disk" and state.disk_dir is None:
-            raise DiskTierError("placement='disk' needs a state with a disk tier: ModelState(..., disk_dir=...)")
+            raise DiskError("tier", "placement='disk' needs a state with a disk tier: ModelState(..., disk_dir=...)")
         self.state = state
         self.groups = tuple(groups) if groups is not None else default_groups(state)
         unknown = [g for g in self.groups if g not in state.groups]
         if unknown:
-            raise UnknownGroupError(unknown[0], state.groups)  # now, not at the first swap
+            raise LayoutError("unknown_group", group=unknown[0], valid=state.groups)  # now, not at the first swap
         self.placement = placement
         self.rebuild: Rebuild | None = find_rebuild(state) if rebuild == "auto" else rebuild  # type: ignore[assignment]
         if self.rebuild is not None and not isinstance(self.rebuild, Rebuild):

@@ -60,7 +60,7 @@ def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # ->
     vocabulary must hold the task's tokens and, if its config says, ``positions`` positions (prompt + response).
 
     Raises:
-        ModelDirError: ``config.json`` or a listed shard is missing (named).
+        ConfigError("model_dir"): ``config.json`` or a listed shard is missing (named).
         ConfigError: ``model.hf_path``: the vocabulary or the positions are too small.
     """
     import torch
@@ -70,10 +70,15 @@ def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # ->
     has_weights = bool(weight_files(root))
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
-        raise ConfigError("model.hf_path", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens")
+        raise ConfigError("config", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens",
+                          key="model.hf_path")
     if getattr(config, "max_position_embeddings", positions) < positions:
-        raise ConfigError("model.hf_path", f"max_position_embeddings {config.max_position_embeddings} < "
-                                           f"{positions} (task.max_prompt_len + rollout.max_new_tokens)")
+        raise ConfigError(
+            "config",
+            f"max_position_embeddings {config.max_position_embeddings} < "
+            f"{positions} (task.max_prompt_len + rollout.max_new_tokens)",
+            key="model.hf_path",
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if has_weights:

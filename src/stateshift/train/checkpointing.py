@@ -41,7 +41,7 @@ from typing import Any
 
 from stateshift.checkpoint import init_optimizer_state, load, save
 from stateshift.checkpoint.commit import describe_os_error, read_latest, write_durable
-from stateshift.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from stateshift.errors import CheckpointError, LayoutError
 
 from ..errors import show
 from .executors.base import RolloutCapture
@@ -101,8 +101,8 @@ def latest_checkpoint(root: Path) -> Path:
     """The checkpoint ``root/latest`` names: a plain ``step-<n>`` name inside ``root``, not a symbolic link.
 
     Raises:
-        CheckpointNotFoundError: no ``latest`` (no checkpoint was saved). CheckpointCorruptError: ``latest`` holds
-            anything but such a name. CheckpointReadError: an OS error reading it.
+        CheckpointError("not_found"): no ``latest`` (no checkpoint was saved). CheckpointError("corrupt"): ``latest`` holds
+            anything but such a name. CheckpointError("read"): an OS error reading it.
     """
     root = Path(os.path.abspath(root))
     try:
@@ -110,12 +110,17 @@ def latest_checkpoint(root: Path) -> Path:
     except CheckpointError:
         raise
     except OSError as e:
-        raise CheckpointReadError(root / "latest", describe_os_error(e), e.errno) from e
+        raise CheckpointError("read", describe_os_error(e), path=root / "latest", errno=e.errno) from e
     if named is None:
-        raise CheckpointNotFoundError(root, "no 'latest' file: no checkpoint was saved (was run.checkpoint_every set?)")
+        raise CheckpointError("not_found", "no 'latest' file: no checkpoint was saved (was run.checkpoint_every set?)",
+                              path=root)
     if not _STEP_NAME.fullmatch(named.name):
-        raise CheckpointCorruptError(root / "latest", f"names {show(named.name)}, not a step-<n> checkpoint of this "
-                                                      "run; write the name of one (e.g. step-4) into it")
+        raise CheckpointError(
+            "corrupt",
+            f"names {show(named.name)}, not a step-<n> checkpoint of this "
+            "run; write the name of one (e.g. step-4) into it",
+            path=root / "latest",
+        )
     return named
 
 
@@ -131,9 +136,10 @@ def load_checkpoint(path: Path, trainer: Trainer) -> Resumed:
     """
     path = Path(os.path.abspath(path))
     if path.is_symlink() or (path / "state").is_symlink():
-        raise CheckpointCorruptError(path, "is (or holds) a symbolic link; a checkpoint holds only its own files")
+        raise CheckpointError("corrupt", "is (or holds) a symbolic link; a checkpoint holds only its own files",
+                              path=path)
     if not path.is_dir():
-        raise CheckpointNotFoundError(path, "no such checkpoint directory")
+        raise CheckpointError("not_found", "no such checkpoint directory", path=path)
     side = read_sidecar(path)
     init_optimizer_state(trainer.optimizer)
     load(trainer.state, path / "state")
@@ -152,8 +158,8 @@ def resume_checkpoint(root: Path, trainer: Trainer, warn: Callable[[str], None])
     Checkpoints newer than ``latest`` are never used: a run killed before ``latest`` moved may have left one.
 
     Raises:
-        CheckpointNotFoundError: no ``latest``, or no checkpoint is intact (one line naming each and why).
-        CheckpointCorruptError: ``latest`` is not a plain step name.
+        CheckpointError("not_found"): no ``latest``, or no checkpoint is intact (one line naming each and why).
+        CheckpointError("corrupt"): ``latest`` is not a plain step name.
     """
     latest = latest_checkpoint(root)
     newest = int(latest.name[5:])
@@ -162,11 +168,15 @@ def resume_checkpoint(root: Path, trainer: Trainer, warn: Callable[[str], None])
     for path in candidates:
         try:
             resumed = load_checkpoint(path, trainer)
-        except CheckpointError as e:
+        except (CheckpointError, LayoutError) as e:  # (a LayoutError: it does not fit the model)
             skipped.append(f"{path.name} ({_one_line(e)})")
             continue
         for what in skipped:
             warn(f"warning: skipped checkpoint {what}; resuming from {path.name}")
         return resumed
-    raise CheckpointNotFoundError(root, f"none of its checkpoints is intact: {'; '.join(skipped)}. Start a new run "
-                                        "(without --resume), or put back an intact step-<n> from a copy")
+    raise CheckpointError(
+        "not_found",
+        f"none of its checkpoints is intact: {'; '.join(skipped)}. Start a new run "
+        "(without --resume), or put back an intact step-<n> from a copy",
+        path=root,
+    )

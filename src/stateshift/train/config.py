@@ -30,7 +30,7 @@ from ..errors import ConfigError, show
 
 def _check(key: str, ok: bool, reason: str) -> None:
     if not ok:
-        raise ConfigError(key, reason)
+        raise ConfigError("config", reason, key=key)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +108,7 @@ class RewardConfig:
     the ground truth as a number), or 'package.module:function', called as fn(response: str, sample: mapping of the
     record's fields plus ground_truth) -> float or {'score': float, 'acc': bool (optional)}; imported once"""
     on_error: Literal["raise", "zero"] = "raise"
-    """a reward that raises or returns a non-finite score: 'raise' stops the run with RewardError naming the
+    """a reward that raises or returns a non-finite score: 'raise' stops the run with RunError("reward") naming the
     sample; 'zero' scores it 0 and counts it (reward_zeroed_total in the metrics)"""
     correct_at: float = 1.0
     """a response counts as correct (accuracy, held-out accuracy) when its score is at least this, unless the
@@ -199,7 +199,7 @@ class RolloutConfig:
     file the trainer copies each sync into"""
     max_restarts: int = 3
     """executor=process: a rollouter process that dies (killed, OOM) is reported and restarted with the newest
-    weights at most this many times per run; the next death stops the run with RolloutDiedError"""
+    weights at most this many times per run; the next death stops the run with RunError("rollout_died")"""
 
     def __post_init__(self) -> None:
         _check("rollout.n", self.n >= 2, "must be >= 2 (GRPO needs a group)")
@@ -407,7 +407,7 @@ class RayConfig:
     """Ray placement-group strategy for the trainer and rollouter bundles"""
     max_rollout_restarts: int = 3
     """a rollouter actor that dies (killed, OOM, its node lost) is reported and restarted from the last weights
-    it was sent, at most this many times per run; the next death stops the run with RolloutDiedError"""
+    it was sent, at most this many times per run; the next death stops the run with RunError("rollout_died")"""
     ready_timeout_s: float = 120.0
     """seconds the placement group and each actor may take to come up (a cluster without room fails after this)"""
 
@@ -495,7 +495,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is Literal:
         if value not in typing.get_args(hint):
-            raise ConfigError(key, f"must be one of {list(typing.get_args(hint))}, not {show(value)}")
+            raise ConfigError("config", f"must be one of {list(typing.get_args(hint))}, not {show(value)}", key=key)
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -505,19 +505,20 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return _coerce(key, value, next(a for a in args if a is not type(None)))
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(key, f"must be true or false, not {show(value)}")
+            raise ConfigError("config", f"must be true or false, not {show(value)}", key=key)
         return value
     if hint is int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(key, f"must be an integer, not {show(value)}")
+            raise ConfigError("config", f"must be an integer, not {show(value)}", key=key)
         return value
     if hint is float:
         return _finite(key, value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(key, f"must be a string, not {show(value)}")
+            raise ConfigError("config", f"must be a string, not {show(value)}", key=key)
         return value
-    raise ConfigError(key, f"unsupported type {hint!r}")  # pragma: no cover - every field is one of the above
+    raise ConfigError("config", f"unsupported type {hint!r}",
+                      key=key)  # pragma: no cover - every field is one of the above
 
 
 def _finite(key: str, value: Any) -> float:
@@ -529,13 +530,14 @@ def _finite(key: str, value: Any) -> float:
         except ValueError:
             pass
     if not isinstance(number, (int, float)) or isinstance(number, bool):
-        raise ConfigError(key, f"must be a number, not {show(value)}")
+        raise ConfigError("config", f"must be a number, not {show(value)}", key=key)
     try:
         number = float(number)
     except OverflowError:
-        raise ConfigError(key, f"must be a finite number, not {show(value)} (too large for a float)") from None
+        raise ConfigError("config", f"must be a finite number, not {show(value)} (too large for a float)",
+                          key=key) from None
     if not math.isfinite(number):
-        raise ConfigError(key, f"must be a finite number, not {number}")
+        raise ConfigError("config", f"must be a finite number, not {number}", key=key)
     return number
 
 
@@ -546,14 +548,14 @@ def _hints(cls: type) -> dict[str, Any]:
 def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """An instance of the config dataclass ``cls`` from nested dicts; unknown keys raise ``ConfigError``."""
     if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "(root)", f"must be a mapping, not {show(data)}")
+        raise ConfigError("config", f"must be a mapping, not {show(data)}", key=prefix.rstrip(".") or "(root)")
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key if isinstance(key, str) and len(key) <= 200 else show(key)}"
         if key not in names:
-            raise ConfigError(dotted, f"unknown key (known here: {', '.join(sorted(names))})")
+            raise ConfigError("config", f"unknown key (known here: {', '.join(sorted(names))})", key=dotted)
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build(hint, value if value is not None else {}, f"{dotted}.")
@@ -564,7 +566,7 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
-        raise ConfigError(prefix.rstrip(".") or "(root)", str(exc)) from exc
+        raise ConfigError("config", str(exc), key=prefix.rstrip(".") or "(root)") from exc
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:
@@ -588,8 +590,12 @@ def _no_alias_loader() -> type:
         def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent):
                 event = self.peek_event()
-                raise ConfigError("(root)", f"{self.where}, line {event.start_mark.line + 1}: YAML aliases "
-                                            f"(*{show(event.anchor)}) are not allowed in a config; write the value out")
+                raise ConfigError(
+                    "config",
+                    f"{self.where}, line {event.start_mark.line + 1}: YAML aliases "
+                    f"(*{show(event.anchor)}) are not allowed in a config; write the value out",
+                    key="(root)",
+                )
             return super().compose_node(parent, index)
 
     return NoAliasLoader
@@ -603,7 +609,7 @@ def load_yaml(text: str, where: str) -> Any:
     try:
         return loader.get_single_data()
     except RecursionError:
-        raise ConfigError("(root)", f"{where} is nested too deeply") from None
+        raise ConfigError("config", f"{where} is nested too deeply", key="(root)") from None
     finally:
         loader.dispose()
 
@@ -612,18 +618,18 @@ def _read_config(path: str | Path) -> Any:
     with Path(path).open("rb") as f:
         raw = f.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError("(root)", f"{path} is larger than {MAX_CONFIG_BYTES} bytes: not a config file")
+        raise ConfigError("config", f"{path} is larger than {MAX_CONFIG_BYTES} bytes: not a config file", key="(root)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError("(root)", f"{path} is not UTF-8 text (byte {e.start})") from None
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {e.start})", key="(root)") from None
     return load_yaml(text, str(path))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], value parsed as YAML: numbers, true/false, null, strings)."""
     if "=" not in text:
-        raise ConfigError(text, "an override is key=value (e.g. trainer.lr=1e-3)")
+        raise ConfigError("config", "an override is key=value (e.g. trainer.lr=1e-3)", key=text)
     key, _, raw = text.partition("=")
     path = key.strip().split(".")
     _check(key, all(path), "empty key")
@@ -642,7 +648,7 @@ def resolve(path: str | Path | None = None, overrides: list[str] | tuple[str, ..
     if path is not None:
         loaded = _read_config(path)
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("(root)", f"{path} must hold a mapping of sections")
+            raise ConfigError("config", f"{path} must hold a mapping of sections", key="(root)")
         data = loaded or {}
     for text in overrides:
         keys, value = parse_override(text)
@@ -650,7 +656,7 @@ def resolve(path: str | Path | None = None, overrides: list[str] | tuple[str, ..
         for k in keys[:-1]:
             child = node.setdefault(k, {})
             if not isinstance(child, dict):
-                raise ConfigError(".".join(keys), f"{show(k)} is a value, not a section")
+                raise ConfigError("config", f"{show(k)} is a value, not a section", key=".".join(keys))
             node = child
         node[keys[-1]] = value
     return build(TrainConfig, data)

@@ -11,7 +11,7 @@ The watchdog thread reads ``last_progress`` (set by ``progress()`` whenever a
 group is generated, a step is trained or weights are synced): after
 ``watchdog_s`` without progress it prints what each side is waiting for, the
 queue depth and the versions; after ``stall_timeout_s`` it stops the run with
-``StallError``.
+``RunError("stall")``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..errors import StallError, StoppedError
+from ..errors import RunError
 
 SLICE_S = 0.05
 
@@ -62,11 +62,11 @@ class RunControl:
             fn()
 
     def check(self) -> None:
-        """Raise the other side's error (or ``StoppedError``) if the run is stopping."""
+        """Raise the other side's error (or ``RunError("stopped")``) if the run is stopping."""
         if self._stopping:
             if self.error is not None:
                 raise self.error
-            raise StoppedError("the run was stopped")
+            raise RunError("stopped", "the run was stopped")
 
     def wait_for(self, ready: Callable[[], bool], side: str, what: str) -> None:
         """Wait (holding ``cond`` between checks) until ``ready()``; raise as ``check`` does when stopping.
@@ -106,7 +106,7 @@ class Watchdog:
             time.sleep(min(1.0, self.report_s / 4))
             idle = time.monotonic() - self.control.last_progress
             if idle >= self.stall_s:
-                self.control.fail("watchdog", StallError(f"nothing moved for {idle:.0f} s: {self.describe()}"))
+                self.control.fail("watchdog", RunError("stall", f"nothing moved for {idle:.0f} s: {self.describe()}"))
                 return
             if idle >= self.report_s and time.monotonic() - reported_at >= self.report_s:
                 reported_at = time.monotonic()

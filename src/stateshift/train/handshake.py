@@ -72,7 +72,7 @@ class WeightChannel:
     visible, and the rollout thread clears the pause in ``ack`` under the same lock, right after it emptied
     ``pending``. So a pause is set only while an update is (about to be) pending, and cleared only when none
     is: a pause that landed after the rollouter took the weights and resumed would stop it for good (every
-    ``generate`` would return after its prefill, no group made, until the watchdog's ``StallError``).
+    ``generate`` would return after its prefill, no group made, until the watchdog's ``RunError("stall")``).
     """
 
     def __init__(self, control: RunControl, pause: Any) -> None:

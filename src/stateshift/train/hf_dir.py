@@ -5,7 +5,7 @@ holds ``config.json``, weights as ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json`` (or ``pytorch_model.bin``; none at all: the
 model is initialised from the config), and a tokenizer (``tokenizer.json``
 and/or ``tokenizer_config.json`` with its vocabulary files). A missing file
-raises ``ModelDirError`` naming it, before transformers is asked to load.
+raises ``ConfigError("model_dir")`` naming it, before transformers is asked to load.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stateshift.errors import ModelDirError
+from stateshift.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -23,20 +23,22 @@ def weight_files(path: str | Path) -> list[Path]:
     """The weight files of the model directory ``path`` (empty: none, initialise from ``config.json``).
 
     Raises:
-        ModelDirError: no ``config.json``, an unreadable shard index, or a shard it lists is missing.
+        ConfigError("model_dir"): no ``config.json``, an unreadable shard index, or a shard it lists is missing.
     """
     root = Path(path)
     if not (root / "config.json").is_file():
-        raise ModelDirError(root, "config.json", "missing (model.hf_path must be a local model directory)")
+        raise ConfigError("model_dir", "missing (model.hf_path must be a local model directory)",
+                          path=root, name="config.json")
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelDirError(root, index.name, f"not a shard index ({type(exc).__name__}: {exc})") from None
+            raise ConfigError("model_dir", f"not a shard index ({type(exc).__name__}: {exc})",
+                              path=root, name=index.name) from None
         for shard in shards:
             if not (root / shard).is_file():
-                raise ModelDirError(root, shard, f"listed in {index.name} but missing")
+                raise ConfigError("model_dir", f"listed in {index.name} but missing", path=root, name=shard)
         return [root / s for s in shards]
     return sorted(root.glob("*.safetensors")) or sorted(root.glob("pytorch_model*.bin"))
 
@@ -47,13 +49,14 @@ def load_tokenizer(path: str | Path) -> Any:
     Returns:
         A transformers tokenizer; its ``eos_token_id`` is the rollouts' stop token.
     Raises:
-        ModelDirError: the directory has no tokenizer file, transformers cannot load it, or it has no EOS token.
+        ConfigError("model_dir"): the directory has no tokenizer file, transformers cannot load it, or it has no EOS token.
     """
     root = Path(path)
     if not root.is_dir():
-        raise ModelDirError(root, ".", "not a directory")
+        raise ConfigError("model_dir", "not a directory", path=root, name=".")
     if not any((root / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelDirError(root, "tokenizer.json", f"missing (no tokenizer file: one of {', '.join(TOKENIZER_FILES)})")
+        raise ConfigError("model_dir", f"missing (no tokenizer file: one of {', '.join(TOKENIZER_FILES)})",
+                          path=root, name="tokenizer.json")
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # a generic tokenizer (tokenizer.json as it is): loaded as such, not as the class config.json's model type
@@ -62,10 +65,11 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         tok = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(root, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ModelDirError(root, "tokenizer.json", f"transformers cannot load the tokenizer: {exc}") from exc
+        raise ConfigError("model_dir", f"transformers cannot load the tokenizer: {exc}",
+                          path=root, name="tokenizer.json") from exc
     if tok.eos_token_id is None:
-        raise ModelDirError(root, "tokenizer_config.json",
-                            "the tokenizer has no eos_token (the rollouts stop on it): set eos_token there")
+        raise ConfigError("model_dir", "the tokenizer has no eos_token (the rollouts stop on it): set eos_token there",
+                          path=root, name="tokenizer_config.json")
     return tok
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..errors import RunDirBusyError
+from ..errors import RunError
 from .config import TrainConfig
 from .executors.inprocess import InProcessRollouts
 from .loop import RolloutsFactory, RunResult, train_here
@@ -22,7 +22,7 @@ def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None =
         return_params: bool = False) -> RunResult:
     """Train ``cfg`` (or continue the run in ``resume``); ``loop``'s module docstring gives the shape.
 
-    The run directory is locked for the duration (``RunDirBusyError`` if another run holds it).
+    The run directory is locked for the duration (``RunError("run_dir_busy")`` if another run holds it).
     ``executor=ray``: ``ConfigError`` (key ``executor``) at once if Ray is not installed; the trainer's
     lines then come through Ray's log forwarding (prefixed with the actor), not ``stream``.
     """
@@ -65,5 +65,5 @@ def _lock_run_dir(out: Path) -> Any:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
-        raise RunDirBusyError(out) from None
+        raise RunError("run_dir_busy", path=out) from None
     return handle

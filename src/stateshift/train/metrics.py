@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..errors import MetricsLogError
+from ..errors import ConfigError
 
 #: the phases of the time split, in plot order
 PHASES = ("generate", "old_logprob", "update", "sync", "offload", "wait")
@@ -56,21 +56,21 @@ def _record(path: Path, number: int, line: str) -> dict[str, Any]:
     try:
         rec = json.loads(line)
     except (json.JSONDecodeError, RecursionError):
-        raise MetricsLogError(path, number, "not JSON") from None
+        raise ConfigError("metrics_log", "not JSON", path=path, line=number) from None
     if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-        raise MetricsLogError(path, number, "not a step record (an object with an integer 'step')")
+        raise ConfigError("metrics_log", "not a step record (an object with an integer 'step')", path=path, line=number)
     return rec
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``; a last line cut short (its writer was killed inside the write) is
     dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere is
-    ``MetricsLogError`` naming it."""
+    ``ConfigError("metrics_log")`` naming it."""
     lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
     out = [_record(path, i, line) for i, line in lines[:-1]]
     try:
         out += [_record(path, i, line) for i, line in lines[-1:]]
-    except MetricsLogError:
+    except ConfigError:  # (of kind "metrics_log": all that _record raises)
         pass
     return out
 

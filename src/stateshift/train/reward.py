@@ -22,7 +22,7 @@ metrics; without it, a response is correct when its score is at least
   a number (within 1e-6 relative); else 0.0.
 
 A function that raises, or returns something that is not a finite score,
-raises ``RewardError`` naming the sample (``'<file>:<line>'``); with
+raises ``RunError("reward")`` naming the sample (``'<file>:<line>'``); with
 ``reward.on_error=zero`` it counts a zero reward instead (``zeroed``, in the
 metrics as ``reward_zeroed_total``).
 """
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stateshift.errors import RewardError
+from stateshift.errors import RunError
 
 #: ``fn(response, sample) -> float | dict``
 RewardFn = Callable[[str, Mapping[str, Any]], Any]
@@ -93,20 +93,21 @@ def load_reward_fn(spec: str) -> RewardFn:
     """The function ``spec`` names: a key of ``BUILTIN``, or ``package.module:function``.
 
     Raises:
-        RewardError: the spec is malformed, its module does not import, or it has no such callable.
+        RunError("reward"): the spec is malformed, its module does not import, or it has no such callable.
     """
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise RewardError(spec, f"is neither a built-in ({', '.join(BUILTIN)}) nor 'package.module:function'")
+        raise RunError("reward", f"is neither a built-in ({', '.join(BUILTIN)}) nor 'package.module:function'", fn=spec)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's module's, reported as such
-        raise RewardError(spec, f"module {module_name!r} does not import: {type(exc).__name__}: {exc}") from exc
+        raise RunError("reward", f"module {module_name!r} does not import: {type(exc).__name__}: {exc}",
+                       fn=spec) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise RewardError(spec, f"module {module_name!r} has no callable {attr!r}")
+        raise RunError("reward", f"module {module_name!r} has no callable {attr!r}", fn=spec)
     return fn
 
 
@@ -138,7 +139,7 @@ class Reward:
         self._lock = threading.Lock()
 
     def __call__(self, response: str, sample: Mapping[str, Any], sample_id: str) -> tuple[float, bool]:
-        """(score, correct) of ``response``; ``RewardError`` naming ``sample_id`` (or a counted zero) on failure."""
+        """(score, correct) of ``response``; ``RunError("reward")`` naming ``sample_id`` (or a counted zero) on failure."""
         if self.fn is None:
             self.fn = load_reward_fn(self.spec)
         t0 = time.perf_counter()
@@ -148,7 +149,7 @@ class Reward:
             with self._lock:
                 self.seconds += time.perf_counter() - t0
                 if self.on_error != "zero":
-                    raise RewardError(self.spec, f"{type(exc).__name__}: {exc}", sample=sample_id) from exc
+                    raise RunError("reward", f"{type(exc).__name__}: {exc}", fn=self.spec, sample=sample_id) from exc
                 self.zeroed += 1
             return 0.0, False
         with self._lock:

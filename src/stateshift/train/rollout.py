@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import WeightSyncError
+from ..errors import ConfigError
 from .sampler import CausalLM, Sampling, draw, left_pad, lm_device, positions_of
 
 
@@ -37,19 +37,23 @@ def check_weight(name: str, target: torch.Tensor | None, value: torch.Tensor) ->
     """``target`` (the rollout model's tensor named ``name``, ``None`` if it has none), if ``value`` fits it.
 
     Raises:
-        WeightSyncError: ``name`` is not in the rollout model, or ``value`` has another shape or dtype.
+        ConfigError("weight_sync"): ``name`` is not in the rollout model, or ``value`` has another shape or dtype.
     """
     if target is None:
-        raise WeightSyncError(name, " is not in the rollout model")
+        raise ConfigError("weight_sync", "not in the rollout model", name=name)
     if target.shape != value.shape or target.dtype != value.dtype:
-        raise WeightSyncError(name, f": {tuple(value.shape)} {value.dtype} sent, "
-                                    f"the rollout model has {tuple(target.shape)} {target.dtype}")
+        raise ConfigError(
+            "weight_sync",
+            f"{tuple(value.shape)} {value.dtype} sent, the rollout model has {tuple(target.shape)} {target.dtype}",
+            name=name,
+        )
     return target
 
 
-def missing_weights(missing: list[str]) -> WeightSyncError:
+def missing_weights(missing: list[str]) -> ConfigError:
     """The error for weights of the rollout model that were not sent (``missing``, the first named)."""
-    return WeightSyncError(missing[0], f" of the rollout model was not sent ({len(missing)} missing)")
+    return ConfigError("weight_sync", f"not sent, but the rollout model has it ({len(missing)} missing)",
+                       name=missing[0])
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -231,7 +235,7 @@ class KVRollouter:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy by name; every model tensor must be given exactly once (``WeightSyncError`` names the first that is not).
+        """Copy by name; every model tensor must be given exactly once (``ConfigError("weight_sync")`` names the first that is not).
 
         Names ``lm.skip_weight(name)`` declares aggregates of others (a Megatron flat buffer holds every
         parameter that is also sent on its own) are not copied.

@@ -15,7 +15,7 @@ or strings or as a registered dataclass: ``{"type": name, "fields": {...}}``, se
 Reading (``read_sidecar``) checks, before anything is parsed: a regular file inside the checkpoint
 directory (no symbolic link, no FIFO), at most ``MAX_SIDECAR_BYTES``, the magic, a format version this
 code reads, the length, the SHA-256. A single flipped bit anywhere, a truncation, a pickle: each is a
-``CheckpointCorruptError`` naming the file. Then the header (at most ``MAX_HEADER_BYTES``) is decoded against the schema above,
+``CheckpointError("corrupt")`` naming the file. Then the header (at most ``MAX_HEADER_BYTES``) is decoded against the schema above,
 every check bounded before it computes (rank <= 8, each size bounded by the bytes present, offsets inside
 the tensor bytes, each tensor used once and all of them within the bytes present, integers within 64 bits), so a re-sealed hostile header is refused too, in bounded time and
 memory, with a message of bounded size. A later format version adds fields under a new version number;
@@ -38,7 +38,7 @@ import torch
 
 from stateshift.checkpoint import format as fmt
 from stateshift.checkpoint.commit import describe_os_error, write_durable
-from stateshift.errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointReadError
+from stateshift.errors import CheckpointError
 
 from ..errors import show
 from .executors.base import RolloutCapture
@@ -179,36 +179,46 @@ def _open(directory: Path) -> tuple[bytes, str]:
     try:
         with fmt.open_regular(directory, SIDECAR) as (fd, size, path):
             if size > MAX_SIDECAR_BYTES:
-                raise CheckpointCorruptError(path, f"{size} bytes, more than a sidecar may hold ({MAX_SIDECAR_BYTES})")
+                raise CheckpointError("corrupt", f"{size} bytes, more than a sidecar may hold ({MAX_SIDECAR_BYTES})",
+                                      path=path)
             return _read_all(fd, size), path
     except FileNotFoundError:
         if os.path.lexists(directory / LEGACY_SIDECAR):
-            raise CheckpointIncompleteError(directory, f"no {SIDECAR}; its {LEGACY_SIDECAR} is a torch pickle written "
-                                            "by an older stateshift, which is never loaded (unpickling can run code): "
-                                            "start a new run, or resume from a checkpoint this version wrote") from None
-        raise CheckpointIncompleteError(directory, f"no {SIDECAR} (it is written last: the save did not finish)") from None
+            raise CheckpointError(
+                "incomplete",
+                f"no {SIDECAR}; its {LEGACY_SIDECAR} is a torch pickle written "
+                "by an older stateshift, which is never loaded (unpickling can run code): "
+                "start a new run, or resume from a checkpoint this version wrote",
+                path=directory,
+            ) from None
+        raise CheckpointError("incomplete", f"no {SIDECAR} (it is written last: the save did not finish)",
+                              path=directory) from None
     except OSError as e:
-        if isinstance(e, CheckpointCorruptError):
+        if isinstance(e, CheckpointError):
             raise
-        raise CheckpointReadError(directory / SIDECAR, describe_os_error(e), e.errno) from e
+        raise CheckpointError("read", describe_os_error(e), path=directory / SIDECAR, errno=e.errno) from e
 
 
 def _body(data: bytes, path: str) -> bytes:
     """The verified body of the sidecar ``data``: magic, version, length and SHA-256 checked, nothing parsed."""
     if len(data) < PREFIX.size:
-        raise CheckpointCorruptError(path, f"truncated: {len(data)} bytes, shorter than the {PREFIX.size}-byte prefix")
+        raise CheckpointError("corrupt", f"truncated: {len(data)} bytes, shorter than the {PREFIX.size}-byte prefix",
+                              path=path)
     magic, version, length, digest = PREFIX.unpack_from(data)
     if magic != MAGIC:
         what = "a torch/pickle file" if data[:1] == b"\x80" or data[:4] == b"PK\x03\x04" else "not an RL sidecar"
-        raise CheckpointCorruptError(path, f"{what} (bad magic); never unpickled: a sidecar is {SIDECAR} format")
+        raise CheckpointError("corrupt", f"{what} (bad magic); never unpickled: a sidecar is {SIDECAR} format",
+                              path=path)
     if version != FORMAT_VERSION:
-        raise CheckpointCorruptError(path, f"format version {version}; this stateshift reads version {FORMAT_VERSION}")
+        raise CheckpointError("corrupt", f"format version {version}; this stateshift reads version {FORMAT_VERSION}",
+                              path=path)
     if length != len(data) - PREFIX.size:
-        raise CheckpointCorruptError(path, f"truncated or extended: {len(data)} bytes, the prefix says "
-                                           f"{PREFIX.size + length}")
+        raise CheckpointError(
+            "corrupt", f"truncated or extended: {len(data)} bytes, the prefix says {PREFIX.size + length}", path=path
+        )
     body = data[PREFIX.size:]
     if hashlib.sha256(data[:20] + body).digest() != digest:
-        raise CheckpointCorruptError(path, "SHA-256 mismatch: the file changed after it was written")
+        raise CheckpointError("corrupt", "SHA-256 mismatch: the file changed after it was written", path=path)
     return body
 
 
@@ -218,17 +228,18 @@ def read_sidecar(directory: str | os.PathLike[str]) -> Sidecar:
     Returns:
         The sidecar; its tensors are fresh CPU tensors (safe to use at once).
     Raises:
-        CheckpointCorruptError: damaged, truncated, a pickle, another format version, a header outside the schema
-            (``path`` names the file). CheckpointIncompleteError: no sidecar (a save that did not finish, or an old
-            pickle sidecar). CheckpointReadError: an OS error reading it.
+        CheckpointError("corrupt"): damaged, truncated, a pickle, another format version, a header outside the schema
+            (``path`` names the file). CheckpointError("incomplete"): no sidecar (a save that did not finish, or an old
+            pickle sidecar). CheckpointError("read"): an OS error reading it.
     """
     directory = Path(os.path.abspath(directory))
     data, path = _open(directory)
     body = _body(data, path)
     if len(body) < 8 or (hlen := struct.unpack_from("<Q", body)[0]) > len(body) - 8:
-        raise CheckpointCorruptError(path, "the header length runs past the end of the file")
+        raise CheckpointError("corrupt", "the header length runs past the end of the file", path=path)
     if hlen > MAX_HEADER_BYTES:
-        raise CheckpointCorruptError(path, f"a header of {hlen} bytes, more than a sidecar's may be ({MAX_HEADER_BYTES})")
+        raise CheckpointError("corrupt", f"a header of {hlen} bytes, more than a sidecar's may be ({MAX_HEADER_BYTES})",
+                              path=path)
     header = fmt.load_json(body[8:8 + hlen], path, "the header")
     return _Reader(path, memoryview(body)[8 + hlen:]).sidecar(header)
 
@@ -237,7 +248,7 @@ def read_sidecar(directory: str | os.PathLike[str]) -> Sidecar:
 
 
 class _Reader:
-    """Decodes a verified header against the schema; every failure is ``CheckpointCorruptError`` naming the file."""
+    """Decodes a verified header against the schema; every failure is ``CheckpointError("corrupt")`` naming the file."""
 
     def __init__(self, path: str, payload: memoryview) -> None:
         self.path = path
@@ -248,8 +259,8 @@ class _Reader:
         self.used: set[int] = set()
         self.taken = 0
 
-    def fail(self, what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(self.path, f"header: {what}")
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError("corrupt", f"header: {what}", path=self.path)
 
     def obj(self, v: Any, keys: set[str], what: str) -> dict[str, Any]:
         if not isinstance(v, dict) or set(v) != keys:

@@ -43,12 +43,12 @@ Coexistence with Megatron's own offload (rules, each tested):
   params change), and the same happens when stateshift takes over the values
   of a released buffer. Megatron's ``reload_from_cpu`` then cannot bring old
   weights back; it leaves the storage empty and the forward guard raises
-  ``OffloadedStateError``. After stateshift re-fills grads that Megatron had
+  ``StateError("offloaded")``. After stateshift re-fills grads that Megatron had
   dropped, ``grad_data_size`` is reset, so ``restore_grad_buffers`` cannot
   zero accumulated grads. The price: Megatron's next own param offload
   allocates its pinned copy again.
 - A storage released by someone else with no values anywhere raises
-  ``ForeignStateError`` naming the tensor; never an ``AttributeError``.
+  ``StateError("foreign")`` naming the tensor; never an ``AttributeError``.
 - ``param_data is None``: each param is its own slot (above).
 
 Recognition (``detect``): a *DDP chunk* is an ``nn.Module`` whose ``buffers``
@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from ...errors import BackendError
+from ...errors import ObjectError
 from ..torch import TorchOptimizerBackend
 from .model import MegatronModelBackend
 from .objects import (
@@ -102,9 +102,8 @@ def backends(model: Any, optimizer: Any = None) -> list[Any]:
         elif isinstance(optimizer, torch.optim.Optimizer):
             out.append(TorchOptimizerBackend(optimizer, dict(mb.param_names)))
         else:
-            raise BackendError(
-                f"optimizer of type {type(optimizer).__name__} is neither a Megatron optimizer nor a torch.optim.Optimizer"
-            )
+            raise ObjectError("backend",
+                              f"optimizer of type {type(optimizer).__name__} is neither a Megatron optimizer nor a torch.optim.Optimizer")
     return out
 
 

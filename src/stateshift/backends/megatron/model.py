@@ -17,7 +17,7 @@ import torch
 
 from ...core.slot import Entry, NativeHome
 from ...core.source import Check, Handle
-from ...errors import BackendError, ForeignStateError
+from ...errors import ObjectError, StateError
 from ..base import CheckpointFacts, Rebuild
 from ..guards import MethodGuard, ModuleGuards
 from ..torch import TreeWatch, join, walk
@@ -77,7 +77,7 @@ class MegatronModelBackend:
         self.chunks = list(self.chunks)
         for m in self.chunks:
             if not isinstance(m, torch.nn.Module):
-                raise BackendError(f"a Megatron model chunk must be an nn.Module, not {type(m).__name__}")
+                raise ObjectError("backend", f"a Megatron model chunk must be an nn.Module, not {type(m).__name__}")
         self.prefixes = [f"chunk{i}." if len(self.chunks) > 1 else "" for i in range(len(self.chunks))]
         self.inners = [inner_module(c) for c in self.chunks]
         self._normalize_expert_bias()
@@ -238,12 +238,10 @@ class MegatronModelBackend:
         """Megatron's own host copy of a released ``param_data`` (synchronised by ``prepare``), if any."""
         cpu = getattr(buf, "param_data_cpu", None)
         if storage_bytes(pd) > 0 or cpu is None:
-            return None  # released by stateshift (tracked), or by someone else (ForeignStateError)
+            return None  # released by stateshift (tracked), or by someone else (StateError("foreign"))
         if cpu.dtype != pd.dtype or cpu.numel() != pd.numel():
-            raise ForeignStateError(
-                f"{base}.param_data",
-                f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
-            )
+            raise StateError("foreign", f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
+                             tensor=f"{base}.param_data")
         return NativeHome(values=cpu, on_onload=functools.partial(_forget_param_cpu, buf, cpu),
                           on_released=functools.partial(_reinstate_param_cpu, buf, cpu))
 

@@ -10,7 +10,7 @@ import torch
 
 from ...core.slot import Entry
 from ...core.source import Check, Handle
-from ...errors import BackendError
+from ...errors import ObjectError
 from ..base import CheckpointFacts, Rebuild
 from ..guards import MethodGuard
 from .objects import dp_shard_meta, master_pairs, optimizers_of, state_owners
@@ -76,7 +76,7 @@ class MegatronOptimizerBackend:
                         keys.append((self._pname(oi, owner.get(id(key)), f"param_groups.{gi}.params.{pi}"), key))
             for name in [n for n, _, _ in masters] + [n for n, _ in keys]:
                 if name in names:
-                    raise BackendError(f"two optimizer tensors named {name!r}")
+                    raise ObjectError("backend", f"two optimizer tensors named {name!r}")
                 names.add(name)
             plan.append((inner, masters, keys))
         self._plan_sig, self._plan_cache = sig, plan

@@ -19,7 +19,7 @@ or, in every verl process at once (its Ray workers too), through verl's own hook
 Each model (and each optimizer) verl passes in gets one ``ModelState``,
 found again from the object on every call (``registry.py``). What the copy
 functions return is an opaque ``SnapshotHandle``; the restore functions
-refuse anything else with ``SnapshotHandleError``. Importing this package
+refuse anything else with ``ObjectError("snapshot_handle")``. Importing this package
 imports nothing from verl; ``install()`` does.
 """
 

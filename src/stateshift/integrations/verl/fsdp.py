@@ -10,10 +10,10 @@ passes both back works unchanged. Differences a caller can see:
   storage in place (values in pinned homes) instead of ``model.to("cpu")``;
 - the save and load work with the params offloaded (verl's need them on the
   device) and copy buffers too; the load refuses a handle that does not fit
-  (``SnapshotHandleError``, ``LayoutMismatchError`` naming the tensor)
+  (``ObjectError("snapshot_handle")``, ``LayoutError("mismatch")`` naming the tensor)
   instead of skipping names that are missing;
 - an FSDP1 model (``FullyShardedDataParallel``) goes to verl's own function
-  when ``install()`` put these in place (``BackendError`` otherwise).
+  when ``install()`` put these in place (``ObjectError("backend")`` otherwise).
 
 Every function returns without waiting for device copies; compute enqueued
 afterwards on the current stream is ordered after them.
@@ -30,7 +30,7 @@ import torch
 
 from ... import ModelState
 from ...core.engine import core_of
-from ...errors import BackendError, LayoutMismatchError
+from ...errors import LayoutError, ObjectError
 from .registry import SnapshotHandle, check_handle, model_state, optimizer_state, original, take
 
 
@@ -42,7 +42,8 @@ def _fsdp1(name: str, *args: Any) -> Any:
     """FSDP1 is not stateshift's: verl's own function, when ``install()`` kept it."""
     fn = original(name)
     if fn is None:
-        raise BackendError(f"{name}: FSDP1 (FullyShardedDataParallel) is not supported by stateshift; use verl's own function")
+        raise ObjectError("backend",
+                          f"{name}: FSDP1 (FullyShardedDataParallel) is not supported by stateshift; use verl's own function")
     return fn(*args)
 
 
@@ -113,7 +114,7 @@ def _first_dtensor_spec(model: Any, function: str) -> Any:
     for p in model.parameters():
         if isinstance(p, DTensor):
             return p._spec
-    raise BackendError(f"{function}: no DTensor parameter in the model (is it wrapped with fully_shard?)")
+    raise ObjectError("backend", f"{function}: no DTensor parameter in the model (is it wrapped with fully_shard?)")
 
 
 @torch.no_grad()
@@ -125,7 +126,7 @@ def fsdp2_sharded_save_to_cpu(model: Any) -> tuple[SnapshotHandle, Any]:
         ``DTensorSpec`` of the first DTensor parameter (verl's second value).
 
     Raises:
-        BackendError: the model has no DTensor parameter.
+        ObjectError("backend"): the model has no DTensor parameter.
     """
     spec = _first_dtensor_spec(model, "fsdp2_sharded_save_to_cpu")
     state = model_state(model)
@@ -142,14 +143,15 @@ def fsdp2_sharded_load_from_cpu(model: Any, cpu_sharded_state: SnapshotHandle, t
         target_spec: the spec returned with it; its device mesh must be the model's.
 
     Raises:
-        SnapshotHandleError: not such a handle (e.g. verl's own dict); nothing changed.
-        LayoutMismatchError: another device mesh, or the model's tensors changed (names the first); nothing changed.
+        ObjectError("snapshot_handle"): not such a handle (e.g. verl's own dict); nothing changed.
+        LayoutError("mismatch"): another device mesh, or the model's tensors changed (names the first); nothing changed.
     """
     current = _first_dtensor_spec(model, "fsdp2_sharded_load_from_cpu").device_mesh
     state = model_state(model)
     snap = check_handle(cpu_sharded_state, state, "fsdp2", "fsdp2_sharded_load_from_cpu")
     if getattr(target_spec, "device_mesh", None) != current:
-        raise LayoutMismatchError("(device mesh)", f"target_spec's mesh {getattr(target_spec, 'device_mesh', target_spec)} is not the model's {current}", "meta")
+        raise LayoutError("mismatch", f"target_spec's mesh {getattr(target_spec, 'device_mesh', target_spec)} is not the model's {current}",
+                          tensor="(device mesh)", field="meta")
     state.restore(snap)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

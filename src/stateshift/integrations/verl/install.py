@@ -174,7 +174,7 @@ def install(*, placement: Placement = "host", guard: bool = True, functions: str
     Args:
         placement: where copies (pi_old snapshots) live: ``"host"`` (pinned memory, verl's choice) or
             ``"device"`` (GPU memory: no PCIe crossing, the params' bytes per live handle).
-        guard: stateshift's guards (a forward on offloaded params raises ``OffloadedStateError``).
+        guard: stateshift's guards (a forward on offloaded params raises ``StateError("offloaded")``).
         functions: ``"safe"`` (``SAFE``: the Megatron model functions and both pi_old pairs), ``"all"``
             (the optimizer and FSDP model offloads too: ``ON_REQUEST`` says which verl paths then meet
             released state), or names.

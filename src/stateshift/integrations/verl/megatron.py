@@ -82,8 +82,8 @@ def offload_megatron_model_to_cpu(models: Any) -> None:
         models: the model chunks (a list, as verl passes them; DDP-wrapped or not).
 
     Raises:
-        OffloadedStateError: never here; a forward on the offloaded model raises it (guards).
-        ForeignStateError: a storage released by someone else with no values anywhere.
+        StateError("offloaded"): never here; a forward on the offloaded model raises it (guards).
+        StateError("foreign"): a storage released by someone else with no values anywhere.
     """
     state = model_state(models)
     # one offload (it allocates: if it fails, nothing changed), then the release of the flat grads (it cannot fail)
@@ -133,8 +133,8 @@ def restore_megatron_model_from_cpu(models: Any, cpu_state: SnapshotHandle) -> N
         cpu_state: a handle from ``copy_megatron_model_to_cpu`` of the same model.
 
     Raises:
-        SnapshotHandleError: ``cpu_state`` is not such a handle (e.g. verl's own dict); nothing changed.
-        LayoutMismatchError: the model's tensors changed since (names the first); nothing changed.
+        ObjectError("snapshot_handle"): ``cpu_state`` is not such a handle (e.g. verl's own dict); nothing changed.
+        LayoutError("mismatch"): the model's tensors changed since (names the first); nothing changed.
     """
     state = model_state(models)
     state.restore(check_handle(cpu_state, state, "megatron", "restore_megatron_model_from_cpu"))

@@ -11,7 +11,7 @@ the ``ModelState`` of those objects again here:
   a state built with ``guard=False`` keeps itself alive while it holds
   offloaded values). A rebuilt model (new objects) gets a new state; the old
   one goes with the old objects, and a handle taken from it is refused by a
-  restore on the new model (``SnapshotHandleError``). The same first chunk
+  restore on the new model (``ObjectError("snapshot_handle")``). The same first chunk
   with other chunks behind it closes the old state (its values come back to
   the device) and builds a new one, with a warning.
 - **Model and optimizer apart.** verl offloads the model and the optimizer in
@@ -44,7 +44,7 @@ from ...backends import detect_backends
 from ...backends.fsdp2 import FSDP2OptimizerBackend
 from ...backends.megatron import MegatronOptimizerBackend, is_megatron_optimizer
 from ...backends.megatron.objects import optimizers_of, state_owners
-from ...errors import SnapshotHandleError
+from ...errors import ObjectError
 
 _log = logging.getLogger("stateshift.integrations.verl")
 
@@ -58,7 +58,7 @@ class Settings:
     #: where ``copy_*`` / ``fsdp2_sharded_save_to_cpu`` keep a snapshot: pinned ``"host"`` memory (verl's
     #: choice, the default) or ``"device"`` memory (no PCIe crossing; costs the params' bytes per handle)
     placement: Placement = "host"
-    #: install stateshift's guards (running the model on offloaded state raises ``OffloadedStateError``)
+    #: install stateshift's guards (running the model on offloaded state raises ``StateError("offloaded")``)
     guard: bool = True
     #: verl's own functions by name while installed (``install()`` fills it, ``uninstall()`` empties it)
     verl: dict[str, Any] = field(default_factory=dict)
@@ -217,12 +217,15 @@ def check_handle(handle: object, state: ModelState, kind: str, function: str) ->
     got = type(handle).__name__
     if not isinstance(handle, SnapshotHandle):
         hint = " (a dict is what verl's own copy function returns: take the snapshot with the stateshift one too)" if isinstance(handle, dict) else ""
-        raise SnapshotHandleError(function, got, f"expected a stateshift SnapshotHandle from the matching copy function{hint}")
+        raise ObjectError("snapshot_handle", f"expected a stateshift SnapshotHandle from the matching copy function{hint}",
+                          function=function, got=got)
     if handle.kind != kind:
-        raise SnapshotHandleError(function, got, f"a {handle.kind} handle given to a {kind} restore")
+        raise ObjectError("snapshot_handle", f"a {handle.kind} handle given to a {kind} restore",
+                          function=function, got=got)
     if handle.state is not state:
         why = "its model state was closed" if handle.state.closed else "it was taken from another model (rebuilt, or another worker's)"
-        raise SnapshotHandleError(function, got, f"the handle does not belong to this model: {why}")
+        raise ObjectError("snapshot_handle", f"the handle does not belong to this model: {why}",
+                          function=function, got=got)
     if handle.snapshot.released:
-        raise SnapshotHandleError(function, got, "the handle was released")
+        raise ObjectError("snapshot_handle", "the handle was released", function=function, got=got)
     return handle.snapshot

@@ -20,34 +20,23 @@ Receiving side::
 
 Guarantees (docs/guide/weight-sync.md): a receiver sees a version whole or not at
 all; a version stays alive while a receiver holds it; a receiver that dies or
-hangs is reclaimed (``ReceiverLostError`` in ``WeightPublisher.lost``) and the
+hangs is reclaimed (a ``SyncError`` of kind ``"receiver_lost"`` in ``WeightPublisher.lost``) and the
 publisher goes on; a publisher that dies mid-publish leaves receivers on the
 last whole version.
 """
 
-from ...errors import (
-    MailboxError,
-    ReceiverLostError,
-    SyncBudgetError,
-    SyncError,
-    SyncTimeoutError,
-    VersionReclaimedError,
-)
+from ...errors import BudgetError, SyncError
 from .handle import TRANSPORTS, SyncHandle
 from .publisher import Publication, WeightPublisher, pick_transport
 from .receiver import Receipt, WeightReceiver
 
 __all__ = [
-    "MailboxError",
+    "BudgetError",
     "Publication",
     "Receipt",
-    "ReceiverLostError",
-    "SyncBudgetError",
     "SyncError",
     "SyncHandle",
-    "SyncTimeoutError",
     "TRANSPORTS",
-    "VersionReclaimedError",
     "WeightPublisher",
     "WeightReceiver",
     "pick_transport",

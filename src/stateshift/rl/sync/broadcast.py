@@ -15,7 +15,7 @@ yields anything, so a publisher that dies mid-broadcast leaves it on the
 last whole version (it gets the group's error). Every receiver gets every
 version sent (a collective); the publisher coalesces versions published
 faster than it sends (only the latest goes out). A receiver that dies breaks
-the group: the publisher records a ``ReceiverLostError`` and stops
+the group: the publisher records a ``SyncError("receiver_lost")`` and stops
 broadcasting (``publish`` raises ``SyncError`` from then on).
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.snapshot import Snapshot
-from ...errors import MailboxError, SyncError, SyncTimeoutError
+from ...errors import SyncError
 from .handle import SyncHandle
 from .manifest import MAX_MANIFEST_BYTES, Manifest, part_entry
 
@@ -124,12 +124,14 @@ class BroadcastLink:
 
     def __init__(self, handle: SyncHandle, device: torch.device | None, timeout_s: float = 300.0) -> None:
         if handle.world_size < 2 or handle.port == 0 or handle.backend not in ("gloo", "nccl"):
-            raise MailboxError("<handle>", "broadcast", f"world_size {handle.world_size}, port {handle.port}, backend {handle.backend!r}")
+            raise SyncError("mailbox", f"world_size {handle.world_size}, port {handle.port}, backend {handle.backend!r}",
+                            path="<handle>", field="broadcast")
         self.device = torch.device("cpu") if handle.backend == "gloo" else (device or torch.device("cuda", torch.cuda.current_device()))
         store = dist.TCPStore(handle.host, handle.port, handle.world_size, False, datetime.timedelta(seconds=timeout_s))
         self.rank = int(store.add("stateshift-sync-rank", 1))
         if self.rank >= handle.world_size:
-            raise SyncError(f"broadcast group of {handle.publisher!r} is full ({handle.world_size - 1} receivers)")
+            raise SyncError("broadcast",
+                            f"broadcast group of {handle.publisher!r} is full ({handle.world_size - 1} receivers)")
         self.pg = _group(store, self.rank, handle.world_size, handle.backend, handle.host, timeout_s)
         self.version: int | None = None
         self.alive = True
@@ -139,34 +141,36 @@ class BroadcastLink:
         """Receive versions until one is at least ``min_version``; returns it (its arenas: staging views)."""
         while True:
             if not self.alive:
-                raise SyncError("the broadcast group ended (the publisher closed or died)")
+                raise SyncError("broadcast", "the broadcast group ended (the publisher closed or died)")
             version, manifest, arenas = self._one()
             if min_version is None or version >= min_version:
                 return version, manifest, arenas
             if time.monotonic() > deadline:
-                raise SyncTimeoutError(f"broadcast: version {version} received, {min_version} wanted", min_version)
+                raise SyncError("timeout", f"broadcast: version {version} received, {min_version} wanted",
+                                min_version=min_version)
 
     def _one(self) -> tuple[int, Manifest, list[torch.Tensor]]:
         try:
             return self._receive()
         except RuntimeError as exc:  # the group's error: the publisher closed or died, or it timed out
             self.alive = False
-            raise SyncError(f"the broadcast group ended: {exc}") from exc
+            raise SyncError("broadcast", f"the broadcast group ended: {exc}") from exc
 
     def _receive(self) -> tuple[int, Manifest, list[torch.Tensor]]:
         header = torch.zeros(5, dtype=torch.int64, device=self.device)
         self.pg.broadcast(header, 0).wait()
         kind, version, mlen, total, bucket = (int(x) for x in header.tolist())
         if kind != _VERSION:
-            raise MailboxError("<broadcast>", "header", f"kind {kind}")
+            raise SyncError("mailbox", f"kind {kind}", path="<broadcast>", field="header")
         if not 0 < mlen <= MAX_MANIFEST_BYTES or total < 0 or bucket < 1:
-            raise MailboxError("<broadcast>", "header", f"manifest {mlen} bytes, payload {total}")
+            raise SyncError("mailbox", f"manifest {mlen} bytes, payload {total}", path="<broadcast>", field="header")
         raw = torch.empty(mlen, dtype=torch.uint8, device=self.device)
         self.pg.broadcast(raw, 0).wait()
         manifest = Manifest.parse(raw.cpu().numpy().tobytes(), "<broadcast>")
         ends = [p.offset + p.size for p in manifest.parts]
         if any(e > total for e in ends) or sum(p.size for p in manifest.parts) != total or manifest.version != version:
-            raise MailboxError("<broadcast>", "parts", f"parts past the payload of {total} bytes, or version mismatch")
+            raise SyncError("mailbox", f"parts past the payload of {total} bytes, or version mismatch",
+                            path="<broadcast>", field="parts")
         if self._staging is None or self._staging.numel() != total:
             self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
         spans = [(p.offset + i, p.offset + min(i + bucket, p.size)) for p in manifest.parts for i in range(0, p.size, bucket)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...errors import MailboxError
+from ...errors import SyncError
 
 _FIELDS = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
            "ref_counter_offset", "event_handle", "event_sync_required", "numel")
@@ -40,18 +40,18 @@ def _hex(b: bytes | None) -> str | None:
 
 
 def check(ipc: dict[str, Any], where: str) -> dict[str, Any]:
-    """``ipc`` if it has exactly the fields ``share`` writes, of their types (``MailboxError`` otherwise)."""
+    """``ipc`` if it has exactly the fields ``share`` writes, of their types (``SyncError("mailbox")`` otherwise)."""
     if set(ipc) != set(_FIELDS):
-        raise MailboxError(where, "ipc", f"fields {sorted(ipc)[:12]}")
+        raise SyncError("mailbox", f"fields {sorted(ipc)[:12]}", path=where, field="ipc")
     ints = ("device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset", "numel")
     if not all(isinstance(ipc[k], int) and not isinstance(ipc[k], bool) and ipc[k] >= 0 for k in ints):
-        raise MailboxError(where, "ipc", "sizes and offsets must be non-negative integers")
+        raise SyncError("mailbox", "sizes and offsets must be non-negative integers", path=where, field="ipc")
     for k in ("handle", "ref_counter_handle", "event_handle"):
         v = ipc[k]
         if v is not None and (not isinstance(v, str) or len(v) > 1024 or any(c not in "0123456789abcdef" for c in v) or len(v) % 2):
-            raise MailboxError(where, f"ipc {k}", "not a hex string")
+            raise SyncError("mailbox", "not a hex string", path=where, field=f"ipc {k}")
     if ipc["handle"] is None or ipc["numel"] > ipc["storage_size_bytes"]:
-        raise MailboxError(where, "ipc", "no handle, or more bytes than its storage")
+        raise SyncError("mailbox", "no handle, or more bytes than its storage", path=where, field="ipc")
     return ipc
 
 

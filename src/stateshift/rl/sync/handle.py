@@ -4,7 +4,7 @@ A handle is a frozen dataclass of strings and integers; ``to_json()`` and
 ``SyncHandle.from_json()`` turn it into text and back, so it travels by any
 means (a multiprocessing queue, a Ray object reference, argv). Nothing in it
 is code and nothing is unpickled: a receiver checks every field
-(``MailboxError``) before it opens a file.
+(``SyncError("mailbox")``) before it opens a file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
-from ...errors import MailboxError
+from ...errors import SyncError
 
 Transport = Literal["shared_host", "cuda_ipc", "broadcast"]
 TRANSPORTS: tuple[str, ...] = ("shared_host", "cuda_ipc", "broadcast")
@@ -49,27 +49,31 @@ class SyncHandle:
 
     @staticmethod
     def from_json(text: str | bytes) -> SyncHandle:
-        """A handle from ``to_json()``'s text, every field checked (``MailboxError``)."""
+        """A handle from ``to_json()``'s text, every field checked (``SyncError("mailbox")``)."""
         try:
             obj = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise MailboxError("<handle>", "json", str(exc)) from None
+            raise SyncError("mailbox", str(exc), path="<handle>", field="json") from None
         if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(SyncHandle)}:
-            raise MailboxError("<handle>", "fields", f"expected {sorted(f.name for f in fields(SyncHandle))}")
+            raise SyncError("mailbox", f"expected {sorted(f.name for f in fields(SyncHandle))}",
+                            path="<handle>", field="fields")
         return SyncHandle(**obj).checked()
 
     def checked(self) -> SyncHandle:
-        """This handle, if every field is of the kind a publisher writes (``MailboxError`` otherwise)."""
+        """This handle, if every field is of the kind a publisher writes (``SyncError("mailbox")`` otherwise)."""
         ints = (self.pid, self.port, self.world_size)
         strs = (self.transport, self.directory, self.prefix, self.publisher, self.host, self.backend)
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ints) or not all(isinstance(s, str) for s in strs):
-            raise MailboxError("<handle>", "types", "integers and strings expected")
+            raise SyncError("mailbox", "integers and strings expected", path="<handle>", field="types")
         if self.transport not in TRANSPORTS:
-            raise MailboxError("<handle>", "transport", f"{self.transport!r} is not one of {TRANSPORTS}")
+            raise SyncError("mailbox", f"{self.transport!r} is not one of {TRANSPORTS}",
+                            path="<handle>", field="transport")
         if not self.directory.startswith("/") or "\0" in self.directory:
-            raise MailboxError("<handle>", "directory", f"{self.directory!r} is not an absolute path")
+            raise SyncError("mailbox", f"{self.directory!r} is not an absolute path",
+                            path="<handle>", field="directory")
         if PREFIX.fullmatch(self.prefix) is None or NAME.fullmatch(self.publisher) is None:
-            raise MailboxError("<handle>", "prefix", f"{self.prefix!r} / {self.publisher!r} is not a publisher's name")
+            raise SyncError("mailbox", f"{self.prefix!r} / {self.publisher!r} is not a publisher's name",
+                            path="<handle>", field="prefix")
         if self.backend not in ("", "gloo", "nccl"):
-            raise MailboxError("<handle>", "backend", f"{self.backend!r}")
+            raise SyncError("mailbox", f"{self.backend!r}", path="<handle>", field="backend")
         return self

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ...core.pool import remove_stale_files
-from ...errors import MailboxError
+from ...errors import SyncError
 from .handle import NAME
 from .manifest import Manifest
 
@@ -78,11 +78,11 @@ class Mailbox:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
-            raise MailboxError(path, "file", f"cannot open: {exc.strerror}") from None
+            raise SyncError("mailbox", f"cannot open: {exc.strerror}", path=path, field="file") from None
         try:
             size = os.fstat(fd).st_size
             if size > limit:
-                raise MailboxError(path, "size", f"{size} bytes, more than {limit}")
+                raise SyncError("mailbox", f"{size} bytes, more than {limit}", path=path, field="size")
             return os.read(fd, size + 1)[:limit + 1]
         finally:
             os.close(fd)
@@ -101,12 +101,12 @@ class Mailbox:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def read(self) -> dict[str, Any]:
-        """The mailbox, checked field by field (``MailboxError``)."""
+        """The mailbox, checked field by field (``SyncError("mailbox")``)."""
         raw = self._read_file(self.path, MAX_MAILBOX_BYTES)
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise MailboxError(self.path, "json", str(exc)) from None
+            raise SyncError("mailbox", str(exc), path=self.path, field="json") from None
         return _checked(obj, self.path)
 
     def write(self, state: dict[str, Any]) -> None:
@@ -121,19 +121,20 @@ class Mailbox:
         path = self.manifest_path(version)
         m = Manifest.parse(self._read_file(path, MAX_MANIFEST_BYTES), path)
         if m.version != version:
-            raise MailboxError(path, "version", f"says {m.version}, listed as {version}")
+            raise SyncError("mailbox", f"says {m.version}, listed as {version}", path=path, field="version")
         return m
 
     # -- liveness -------------------------------------------------------------------------------
     def hold_alive(self, receiver: str | None) -> int:
         """Take the exclusive lock that says this process (the publisher, or ``receiver``) lives; returns
-        its descriptor (closing it, or dying, lets go). ``MailboxError`` if a live process holds it."""
+        its descriptor (closing it, or dying, lets go). ``SyncError("mailbox")`` if a live process holds it."""
         fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise MailboxError(self.alive_path(receiver), "name", f"{receiver or 'the publisher'} is already running") from None
+            raise SyncError("mailbox", f"{receiver or 'the publisher'} is already running",
+                            path=self.alive_path(receiver), field="name") from None
         return fd
 
     def is_alive(self, receiver: str | None) -> bool:
@@ -180,15 +181,15 @@ def new_state() -> dict[str, Any]:
 
 def _checked(obj: object, path: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("magic") != MAGIC:
-        raise MailboxError(path, "magic", "not a stateshift sync mailbox")
+        raise SyncError("mailbox", "not a stateshift sync mailbox", path=path, field="magic")
     versions, receivers = obj.get("versions"), obj.get("receivers")
     if not isinstance(versions, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
-        raise MailboxError(path, "versions", f"{str(versions)[:80]!r} is not a list of integers")
+        raise SyncError("mailbox", f"{str(versions)[:80]!r} is not a list of integers", path=path, field="versions")
     if not isinstance(receivers, dict) or not isinstance(obj.get("closed"), bool):
-        raise MailboxError(path, "receivers", "not an object")
+        raise SyncError("mailbox", "not an object", path=path, field="receivers")
     for name, entry in receivers.items():
         ok = NAME.fullmatch(name) is not None and isinstance(entry, dict)
         ok = ok and all(entry.get(k) is None or isinstance(entry.get(k), (int, float)) for k in ("holding", "since", "reclaimed"))
         if not ok:
-            raise MailboxError(path, f"receiver {name[:64]!r}", "malformed entry")
+            raise SyncError("mailbox", "malformed entry", path=path, field=f"receiver {name[:64]!r}")
     return obj

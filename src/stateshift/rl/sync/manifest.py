@@ -4,7 +4,7 @@ A manifest is plain JSON written by the publisher once, before the version
 becomes visible, and never changed. A receiver trusts nothing in it: every
 file name must be a bare name of the kind the transport uses (no path, no
 ``..``), every dtype one torch knows, every tensor's extent inside its part's
-bytes; anything else is a ``MailboxError`` raised before any byte is mapped
+bytes; anything else is a ``SyncError("mailbox")`` raised before any byte is mapped
 or read.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from ...core.layout import dtype_of
 from ...core.snapshot import SnapshotPart
-from ...errors import MailboxError
+from ...errors import SyncError
 
 #: Bare names a shared_host part's file may have: a shared ``HostPool`` block.
 POOL_FILE = re.compile(r"stateshift-pool-\d{1,10}-[0-9a-f]{1,32}-\d{1,12}")
@@ -123,26 +123,28 @@ class Manifest:
 
     @staticmethod
     def parse(raw: bytes, where: str) -> Manifest:
-        """A manifest from its JSON, every field checked (``MailboxError`` naming ``where`` and the field)."""
+        """A manifest from its JSON, every field checked (``SyncError("mailbox")`` naming ``where`` and the field)."""
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise MailboxError(where, "size", f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}")
+            raise SyncError("mailbox", f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}", path=where, field="size")
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise MailboxError(where, "json", str(exc)) from None
+            raise SyncError("mailbox", str(exc), path=where, field="json") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("parts"), list):
-            raise MailboxError(where, "parts", "not a JSON object with a list of parts")
+            raise SyncError("mailbox", "not a JSON object with a list of parts", path=where, field="parts")
         version, transport, base = obj.get("version"), obj.get("transport"), obj.get("base")
         if not _is_int(version) or not isinstance(transport, str) or not (base is None or _is_int(base) and base < version):
-            raise MailboxError(where, "version", f"version {version!r} / transport {transport!r} / base {base!r}")
+            raise SyncError("mailbox", f"version {version!r} / transport {transport!r} / base {base!r}",
+                            path=where, field="version")
         parts = tuple(_parse_part(p, where, i) for i, p in enumerate(obj["parts"]))
         if (base is None) != all(p.changed is None for p in parts) or base is not None and any(p.changed is None for p in parts):
-            raise MailboxError(where, "changed", "a base needs the changed tensors of every part, and they need a base")
+            raise SyncError("mailbox", "a base needs the changed tensors of every part, and they need a base",
+                            path=where, field="changed")
         seen: set[str] = set()
         for p in parts:
             for t in p.tensors:
                 if t.name in seen:
-                    raise MailboxError(where, f"tensor {t.name!r}", "named twice")
+                    raise SyncError("mailbox", "named twice", path=where, field=f"tensor {t.name!r}")
                 seen.add(t.name)
         return Manifest(version=version, transport=transport, parts=parts, base=base)
 
@@ -153,21 +155,22 @@ def _is_int(x: object) -> bool:
 
 def _parse_part(p: object, where: str, i: int) -> PartEntry:
     if not isinstance(p, dict):
-        raise MailboxError(where, f"part {i}", "not an object")
+        raise SyncError("mailbox", "not an object", path=where, field=f"part {i}")
     size, file, ipc, offset, group = p.get("size"), p.get("file"), p.get("ipc"), p.get("offset", 0), p.get("group")
     if not _is_int(size) or size < 0 or not _is_int(offset) or offset < 0 or not isinstance(group, str):
-        raise MailboxError(where, f"part {i}", f"size {size!r}, offset {offset!r}, group {group!r}")
+        raise SyncError("mailbox", f"size {size!r}, offset {offset!r}, group {group!r}", path=where, field=f"part {i}")
     if file is not None and (not isinstance(file, str) or POOL_FILE.fullmatch(file) is None):
-        raise MailboxError(where, f"part {i} file", f"{file!r} is not the bare name of a shared pool block")
+        raise SyncError("mailbox", f"{file!r} is not the bare name of a shared pool block",
+                        path=where, field=f"part {i} file")
     if ipc is not None and not isinstance(ipc, dict):
-        raise MailboxError(where, f"part {i} ipc", "not an object")
+        raise SyncError("mailbox", "not an object", path=where, field=f"part {i} ipc")
     raw = p.get("tensors")
     if not isinstance(raw, list):
-        raise MailboxError(where, f"part {i} tensors", "not a list")
+        raise SyncError("mailbox", "not a list", path=where, field=f"part {i} tensors")
     tensors = tuple(_checked_tensor(t, where, size) for t in raw)
     changed = p.get("changed")
     if changed is not None and (not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)):
-        raise MailboxError(where, f"part {i} changed", "not a list of tensor indices")
+        raise SyncError("mailbox", "not a list of tensor indices", path=where, field=f"part {i} changed")
     return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset,
                      changed=None if changed is None else tuple(changed))
 
@@ -199,24 +202,29 @@ def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
 
 def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
     if not isinstance(t, list) or len(t) != 6 or t[5] not in (0, 1) or type(t[5]) is not int:
-        raise MailboxError(where, "tensor", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset, aggregate]")
+        raise SyncError("mailbox", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset, aggregate]",
+                        path=where, field="tensor")
     name, dtype, shape, stride, offset, aggregate = t
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-        raise MailboxError(where, "tensor name", f"{str(name)[:80]!r}")
+        raise SyncError("mailbox", f"{str(name)[:80]!r}", path=where, field="tensor name")
     try:
         itemsize = dtype_of(dtype).itemsize if isinstance(dtype, str) else 0
     except KeyError:
         itemsize = 0
     if itemsize == 0:
-        raise MailboxError(where, f"tensor {name!r} dtype", f"{str(dtype)[:40]!r} is not a torch dtype")
+        raise SyncError("mailbox", f"{str(dtype)[:40]!r} is not a torch dtype",
+                        path=where, field=f"tensor {name!r} dtype")
     dims_ok = isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) <= MAX_DIMS
     if not dims_ok or not all(_is_int(n) and 0 <= n < 1 << 48 for n in [*shape, *stride]):
-        raise MailboxError(where, f"tensor {name!r} shape", f"shape {str(shape)[:80]} stride {str(stride)[:80]}")
+        raise SyncError("mailbox", f"shape {str(shape)[:80]} stride {str(stride)[:80]}",
+                        path=where, field=f"tensor {name!r} shape")
     if not _is_int(offset) or offset < 0 or offset % itemsize:
-        raise MailboxError(where, f"tensor {name!r} offset", f"{offset!r} is not a non-negative multiple of {itemsize}")
+        raise SyncError("mailbox", f"{offset!r} is not a non-negative multiple of {itemsize}",
+                        path=where, field=f"tensor {name!r} offset")
     entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset, aggregate=bool(aggregate))
     if offset + entry.extent > size:
-        raise MailboxError(where, f"tensor {name!r}", f"bytes [{offset}, {offset + entry.extent}) past its part's {size}")
+        raise SyncError("mailbox", f"bytes [{offset}, {offset + entry.extent}) past its part's {size}",
+                        path=where, field=f"tensor {name!r}")
     return entry
 
 

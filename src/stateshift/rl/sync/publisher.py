@@ -29,7 +29,7 @@ from ...core.pool import HostPool
 from ...core.slot import Residency
 from ...core.snapshot import Snapshot
 from ...core.state import ModelState
-from ...errors import MailboxError, ReceiverLostError, SyncBudgetError, SyncError
+from ...errors import BudgetError, SyncError
 from .handle import NAME, TRANSPORTS, SyncHandle
 from .mailbox import Mailbox, new_state
 from .manifest import Manifest, PartEntry, diff, part_entry
@@ -140,7 +140,7 @@ class WeightPublisher:
             at most one per receiver plus the latest are ever alive). Give room for two versions at
             least: the one listed stays alive while the next is taken.
         ack_timeout_s: a receiver holding a superseded version longer than this is reclaimed
-            (``ReceiverLostError`` in ``lost``); so is a receiver whose process died, at once.
+            (``SyncError("receiver_lost")`` in ``lost``); so is a receiver whose process died, at once.
             ``broadcast``: the group's timeout (joining it, and each send a receiver does not read).
         name: the publisher's name (letters, digits, ``_.-``), unique per process.
         directory: where the mailbox and shared blocks live (``/dev/shm``: memory).
@@ -153,7 +153,7 @@ class WeightPublisher:
             of both versions before the new one is listed.
         poll_s: how often the publisher's thread looks at its receivers.
 
-    Raises: ``ValueError`` for a bad setting; ``UnknownGroupError`` for a group the state lacks.
+    Raises: ``ValueError`` for a bad setting; ``LayoutError("unknown_group")`` for a group the state lacks.
 
     Threads: call ``publish`` from one thread (the trainer's). Close the publisher before its state:
     ``ModelState.close()`` releases every snapshot, published ones included.
@@ -184,7 +184,7 @@ class WeightPublisher:
             raise ValueError(f"budget_bytes {budget_bytes}, ack_timeout_s {ack_timeout_s}, bucket_bytes {bucket_bytes}")
         self.state = state
         self.groups = tuple(groups) if groups is not None else tuple(state.forward_groups)
-        core_of(state).layouts(self.groups)  # UnknownGroupError now, not at the first publish
+        core_of(state).layouts(self.groups)  # LayoutError("unknown_group") now, not at the first publish
         self.transport = pick_transport(state, self.groups, broadcast_receivers) if transport == "auto" else transport
         if delta and self.transport == "broadcast":
             raise ValueError("delta=True works with shared_host and cuda_ipc (receivers that read the memory itself)")
@@ -194,7 +194,7 @@ class WeightPublisher:
         self._listed: _Live | None = None  # the latest version listed (never unlisted while it is the latest)
         self._tag = f"stateshift-sync-{name}-{id(self):x}"  # two publishers of one state never share a snapshot key
         #: receivers reclaimed so far (died, hung or lagged), oldest first
-        self.lost: list[ReceiverLostError] = []
+        self.lost: list[SyncError] = []
         self._live: dict[int, _Live] = {}
         self._last: int | None = None
         self._lock = threading.Lock()
@@ -251,14 +251,15 @@ class WeightPublisher:
         until then they keep reading the one before. The trainer may step at once: the snapshot holds
         the values of this moment (rule 4), and published memory is never written again while listed.
 
-        Raises: ``ValueError`` if ``version`` is not above the last published one; ``SyncBudgetError``
+        Raises: ``ValueError`` if ``version`` is not above the last published one; ``BudgetError("sync")``
         (naming the receivers holding old versions) if it would pass ``budget_bytes``, nothing changed;
         ``SyncError`` if the publisher's thread failed or the publisher is closed.
         """
         if self._closed:
-            raise SyncError(f"publisher {self.name!r} is closed")
+            raise SyncError("closed", f"publisher {self.name!r} is closed")
         if self._failure is not None:
-            raise SyncError(f"publisher {self.name!r} failed on its thread: {self._failure!r}") from self._failure
+            raise SyncError("failed",
+                            f"publisher {self.name!r} failed on its thread: {self._failure!r}") from self._failure
         if not isinstance(version, int) or isinstance(version, bool) or (self._last is not None and version <= self._last):
             raise ValueError(f"version must be an integer above the last published one ({self._last}), not {version!r}")
         t0 = time.perf_counter()
@@ -278,7 +279,7 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Stop the thread (versions enqueued are listed first), unlist everything, free the memory and
-        remove the mailbox files. Receivers reading a version now get ``VersionReclaimedError``. Idempotent."""
+        remove the mailbox files. Receivers reading a version now get ``SyncError("reclaimed")``. Idempotent."""
         if self._closed or os.getpid() != self._pid:  # a forked child: the publisher and its files are its parent's
             return
         self._closed = True
@@ -294,7 +295,9 @@ class WeightPublisher:
                     state = self._read_state()
                     state["closed"], versions, receivers = True, list(state["versions"]), list(state["receivers"])
                     state["versions"] = []
-                except MailboxError:  # written by someone else: say closed all the same
+                except SyncError as e:  # written by someone else: say closed all the same
+                    if e.kind != "mailbox":
+                        raise
                     state = dict(new_state(), closed=True)
                 self.mailbox.write(state)
             self.mailbox.remove(sorted(set(versions) | set(self._live)), receivers)
@@ -364,13 +367,14 @@ class WeightPublisher:
     def _broadcast(self, pub: Publication, live: _Live) -> None:
         try:
             if self._failure is not None:
-                raise SyncError(f"publisher {self.name!r}: the broadcast group is down: {self._failure!r}")
+                raise SyncError("broadcast", f"publisher {self.name!r}: the broadcast group is down: {self._failure!r}")
             assert live.snapshot is not None
             live.snapshot.wait()
             self._sender.send(live.version, live.snapshot)
         except BaseException as exc:  # noqa: BLE001 - a receiver died or the group broke: recorded, publish() raises
             if self._failure is None:
-                lost = ReceiverLostError("broadcast group", live.version, "died", repr(exc))
+                lost = SyncError("receiver_lost", repr(exc),
+                                 receiver="broadcast group", version=live.version, cause="died")
                 lost.__cause__ = exc
                 self._lose(lost)
                 self._failure = lost
@@ -456,7 +460,8 @@ class WeightPublisher:
             latest = max(state["versions"], default=None)
             for name, entry in list(state["receivers"].items()):
                 if not self.mailbox.is_alive(name):
-                    self._lose(ReceiverLostError(name, entry.get("holding"), "died", "its process is gone"))
+                    self._lose(SyncError("receiver_lost", "its process is gone",
+                                         receiver=name, version=entry.get("holding"), cause="died"))
                     del state["receivers"][name]
                     _unlink(self.mailbox.alive_path(name))
                 else:
@@ -475,11 +480,18 @@ class WeightPublisher:
         """Reclaim what live receiver ``name`` holds if it is a superseded version held past the timeout."""
         holding, since = entry.get("holding"), entry.get("since") or now
         if holding is not None and holding != latest and now - since > self.ack_timeout_s:
-            self._lose(ReceiverLostError(name, holding, "timeout", f"held a superseded version {now - since:.1f} s "
-                                         f"(ack_timeout_s {self.ack_timeout_s})"))
+            self._lose(
+                SyncError(
+                    "receiver_lost",
+                    f"held a superseded version {now - since:.1f} s (ack_timeout_s {self.ack_timeout_s})",
+                    receiver=name,
+                    version=holding,
+                    cause="timeout",
+                )
+            )
             entry["reclaimed"], entry["holding"] = holding, None
 
-    def _lose(self, err: ReceiverLostError) -> None:
+    def _lose(self, err: SyncError) -> None:
         _log.warning("%s", err)
         self.lost.append(err)
 
@@ -512,9 +524,12 @@ class WeightPublisher:
             if self.mailbox is not None:
                 state = self._read_state()
                 holders = tuple((n, e["holding"]) for n, e in state["receivers"].items() if e["holding"] is not None)
-            raise SyncBudgetError(f"publisher {self.name!r}: budget {self.budget_bytes} bytes, {live} alive in "
-                                  f"{len(self._live)} version(s), {nbytes} more needed; held by {list(holders) or 'no receiver'}",
-                                  holders)
+            raise BudgetError(
+                "sync",
+                f"publisher {self.name!r}: budget {self.budget_bytes} bytes, {live} alive in "
+                f"{len(self._live)} version(s), {nbytes} more needed; held by {list(holders) or 'no receiver'}",
+                holders=holders,
+            )
 
     def _live_bytes(self) -> int:
         with self._lock:

@@ -5,7 +5,7 @@ A receiver holds one version at a time: ``receive()`` marks the latest listed
 version as held (under the mailbox lock), reads it, and lets it go; the
 publisher never rewrites or frees a held version (``mailbox.py``), unless the
 receiver holds a superseded version past the publisher's timeout -- then
-letting go raises ``VersionReclaimedError`` and what was read must be
+letting go raises ``SyncError("reclaimed")`` and what was read must be
 discarded (``load_into`` reads again by itself).
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from ...backends.torch import named_buffers, named_parameters
 from ...core.layout import dtype_of
-from ...errors import LayoutMismatchError, MailboxError, SyncError, SyncTimeoutError, VersionReclaimedError
+from ...errors import LayoutError, SyncError
 from .handle import NAME, SyncHandle
 from .mailbox import Mailbox
 from .manifest import Manifest
@@ -69,7 +69,7 @@ class WeightReceiver:
             a device (``"cuda"``) stages each version there first and lets the published one go at once.
         timeout_s: default seconds ``receive``/``load_into`` wait for a version.
 
-    Raises: ``MailboxError`` for a handle or mailbox that does not check out; ``SyncError`` if the
+    Raises: ``SyncError("mailbox")`` for a handle or mailbox that does not check out; ``SyncError`` if the
     publisher is closed.
 
     Threads: a receiver serves one ``receive``/``load_into`` at a time (others wait); one called inside
@@ -113,7 +113,7 @@ class WeightReceiver:
             with self.mailbox.locked():
                 state = self.mailbox.read()
                 if state["closed"]:
-                    raise SyncError(f"publisher {self.handle.publisher!r} is closed")
+                    raise SyncError("closed", f"publisher {self.handle.publisher!r} is closed")
                 state["receivers"][name] = {"holding": None, "since": None, "reclaimed": None}
                 self.mailbox.write(state)
         except BaseException:
@@ -143,8 +143,8 @@ class WeightReceiver:
         are valid only inside the ``with`` block (the version is let go at its end): copy them, never
         keep them. A version is whole: every tensor comes from the same ``publish()``.
 
-        Raises: ``SyncTimeoutError`` if no such version is listed within ``timeout`` (default
-        ``timeout_s``); ``VersionReclaimedError`` at the end of the block if the publisher reclaimed the
+        Raises: ``SyncError("timeout")`` if no such version is listed within ``timeout`` (default
+        ``timeout_s``); ``SyncError("reclaimed")`` at the end of the block if the publisher reclaimed the
         version meanwhile (held past its ``ack_timeout_s``): discard what was read.
         """
         with self._one_at_a_time(), self._receive(min_version, timeout) as got:
@@ -162,8 +162,9 @@ class WeightReceiver:
         except BaseException:
             try:
                 let_go()
-            except VersionReclaimedError:
-                pass
+            except SyncError as e:
+                if e.kind != "reclaimed":
+                    raise
             raise
         let_go()
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
@@ -174,7 +175,7 @@ class WeightReceiver:
         ``target``: a ``torch.nn.Module`` (its parameters and persistent buffers, by ``state_dict`` name),
         a mapping or an iterable of ``(name, tensor)``. Coverage is strict: every published tensor must
         have a target and every target a published tensor, of the same shape and dtype; the first that
-        does not is named by a ``LayoutMismatchError`` (``field``: ``missing``, ``extra``, ``shape`` or
+        does not is named by a ``LayoutError("mismatch")`` (``field``: ``missing``, ``extra``, ``shape`` or
         ``dtype``) raised before any byte is copied. A version reclaimed mid-copy is read again (once).
         The target is safe to use when this returns (device copies are synchronised).
 
@@ -202,8 +203,8 @@ class WeightReceiver:
                     self._copy_s = time.perf_counter() - t0
                     self._last_target = (target, version)
                 return version
-            except VersionReclaimedError:
-                if attempt:
+            except SyncError as e:
+                if e.kind != "reclaimed" or attempt:
                     raise
         raise AssertionError("unreachable")
 
@@ -221,8 +222,9 @@ class WeightReceiver:
                 state = self.mailbox.read()
                 state["receivers"].pop(self.name, None)
                 self.mailbox.write(state)
-        except MailboxError:  # the publisher is gone: nothing to leave
-            pass
+        except SyncError as e:  # the publisher is gone: nothing to leave
+            if e.kind != "mailbox":
+                raise
         self._leave_files()
         self._maps.close()
 
@@ -248,7 +250,8 @@ class WeightReceiver:
         two reads at once would let go of each other's version); a call inside another on the same thread
         is a ``SyncError``."""
         if self._owner == threading.get_ident():
-            raise SyncError(f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread")
+            raise SyncError("reentrant",
+                            f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread")
         with self._serial:
             self._owner = threading.get_ident()
             try:
@@ -266,15 +269,16 @@ class WeightReceiver:
         except BaseException:
             try:
                 let_go()
-            except VersionReclaimedError:
-                pass
+            except SyncError as e:
+                if e.kind != "reclaimed":
+                    raise
             raise
         let_go()
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied, self._copy_s)
 
     def _take(self, min_version: int | None, timeout: float | None) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
         if self._closed:
-            raise SyncError(f"receiver {self.name!r} is closed")
+            raise SyncError("closed", f"receiver {self.name!r} is closed")
         t0 = time.perf_counter()
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
         if self._link is not None:
@@ -295,8 +299,9 @@ class WeightReceiver:
         except BaseException:
             try:
                 self._let_go(version)
-            except VersionReclaimedError:
-                pass
+            except SyncError as e:
+                if e.kind != "reclaimed":
+                    raise
             raise
         return version, manifest, arenas, lambda: self._let_go(version), wait_s
 
@@ -308,7 +313,7 @@ class WeightReceiver:
             state = self.mailbox.read()  # unlocked look first (the mailbox is replaced whole)
             latest = max(state["versions"], default=None)
             if state["closed"]:
-                raise SyncError(f"publisher {self.handle.publisher!r} is closed")
+                raise SyncError("closed", f"publisher {self.handle.publisher!r} is closed")
             if latest is not None and (min_version is None or latest >= min_version):
                 with self.mailbox.locked():
                     state = self.mailbox.read()
@@ -322,26 +327,33 @@ class WeightReceiver:
             look = time.monotonic() + 0.5 if time.monotonic() > look else look
             if time.monotonic() > deadline or gone:
                 alive = not gone and self.mailbox.is_alive(None)
-                raise SyncTimeoutError(f"receiver {self.name!r}: no version >= {min_version} listed (latest {latest}); "
-                                       f"the publisher is {'alive' if alive else 'gone'}", min_version, alive)
+                raise SyncError(
+                    "timeout",
+                    f"receiver {self.name!r}: no version >= {min_version} listed (latest {latest}); "
+                    f"the publisher is {'alive' if alive else 'gone'}",
+                    min_version=min_version,
+                    publisher_alive=alive,
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
     def _let_go(self, version: int) -> None:
-        """Stop holding ``version``; ``VersionReclaimedError`` if the publisher reclaimed it meanwhile."""
+        """Stop holding ``version``; ``SyncError("reclaimed")`` if the publisher reclaimed it meanwhile."""
         assert self.mailbox is not None
         with self.mailbox.locked():
             try:
                 state = self.mailbox.read()
-            except MailboxError:
-                raise VersionReclaimedError(self.name, version, "the publisher closed") from None
+            except SyncError as e:
+                if e.kind != "mailbox":
+                    raise
+                raise SyncError("reclaimed", "the publisher closed", receiver=self.name, version=version) from None
             entry = state["receivers"].get(self.name)
             held = entry is not None and entry.get("holding") == version
             if entry is not None:
                 entry.update(holding=None, since=None, reclaimed=None)
                 self.mailbox.write(state)
         if not held:
-            raise VersionReclaimedError(self.name, version)
+            raise SyncError("reclaimed", receiver=self.name, version=version)
 
     def _stage(self, arenas: list[torch.Tensor], let_go: Callable[[], None]) -> list[torch.Tensor]:
         """Copy each part to ``device`` (one buffer per part, reused), then let the published version go."""
@@ -378,27 +390,31 @@ def _targets(target: Target) -> dict[str, torch.Tensor]:
     for name, t in pairs:
         t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): its local shard, as the publisher's state lists it
         if name in out:
-            raise LayoutMismatchError(name, "named twice in the target", "extra")
+            raise LayoutError("mismatch", "named twice in the target", tensor=name, field="extra")
         out[name] = t
     return out
 
 
 def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
-    """``LayoutMismatchError`` naming the first published tensor that does not fit ``targets`` (or the first
+    """``LayoutError("mismatch")`` naming the first published tensor that does not fit ``targets`` (or the first
     target nothing was published for)."""
     seen = set()
     for _, t in manifest.entries():
         have = targets.get(t.name)
         seen.add(t.name)
         if have is None:
-            raise LayoutMismatchError(t.name, "published, but the target has no tensor of that name", "extra")
+            raise LayoutError("mismatch", "published, but the target has no tensor of that name",
+                              tensor=t.name, field="extra")
         if tuple(have.shape) != t.shape:
-            raise LayoutMismatchError(t.name, f"published {list(t.shape)}, the target's is {list(have.shape)}", "shape")
+            raise LayoutError("mismatch", f"published {list(t.shape)}, the target's is {list(have.shape)}",
+                              tensor=t.name, field="shape")
         if have.dtype != dtype_of(t.dtype):
-            raise LayoutMismatchError(t.name, f"published {t.dtype}, the target's is {have.dtype}", "dtype")
+            raise LayoutError("mismatch", f"published {t.dtype}, the target's is {have.dtype}",
+                              tensor=t.name, field="dtype")
     for name in targets:
         if name not in seen:
-            raise LayoutMismatchError(name, f"in the target, but version {manifest.version} has no tensor of that name", "missing")
+            raise LayoutError("mismatch", f"in the target, but version {manifest.version} has no tensor of that name",
+                              tensor=name, field="missing")
 
 
 def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor], only_changed: bool) -> int:

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ...errors import MailboxError
+from ...errors import SyncError
 from .manifest import PartEntry
 
 
@@ -32,21 +32,26 @@ class HostMaps:
 
     def arena(self, part: PartEntry, where: str) -> torch.Tensor:
         """The part's bytes (uint8, host) as a view of its file's mapping. The name was checked by the
-        manifest (a bare pool-block name); here its kind and size are (``MailboxError``)."""
+        manifest (a bare pool-block name); here its kind and size are (``SyncError("mailbox")``)."""
         if part.size == 0:
             return torch.empty(0, dtype=torch.uint8)
         if part.file is None:
-            raise MailboxError(where, f"part {part.group!r}", "no file")
+            raise SyncError("mailbox", "no file", path=where, field=f"part {part.group!r}")
         path = os.path.join(self.directory, part.file)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
-            raise MailboxError(where, f"part {part.group!r} file", f"{part.file!r}: {exc.strerror}") from None
+            raise SyncError("mailbox", f"{part.file!r}: {exc.strerror}",
+                            path=where, field=f"part {part.group!r} file") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < part.offset + part.size:
-                raise MailboxError(where, f"part {part.group!r} file", f"{part.file!r} is not a file of at least "
-                                   f"{part.offset + part.size} bytes")
+                raise SyncError(
+                    "mailbox",
+                    f"{part.file!r} is not a file of at least {part.offset + part.size} bytes",
+                    path=where,
+                    field=f"part {part.group!r} file",
+                )
             key = (st.st_dev, st.st_ino)
             if key not in self._maps:
                 self._maps[key] = self._map(fd, st.st_size, path)

@@ -3,8 +3,7 @@
 ``ray.py`` imports Ray; it is imported only for ``executor=ray``, so nothing here needs Ray installed.
 """
 
-from ...errors import RolloutDiedError
 from .base import RolloutCapture, Rollouts, RolloutStats
 from .inprocess import InProcessRollouts, RolloutWorker
 
-__all__ = ["InProcessRollouts", "RolloutCapture", "RolloutDiedError", "RolloutStats", "RolloutWorker", "Rollouts"]
+__all__ = ["InProcessRollouts", "RolloutCapture", "RolloutStats", "RolloutWorker", "Rollouts"]

@@ -9,7 +9,7 @@ travel here (``weights.py``: shared memory).
 
 A ``Link`` has one reader and one writer thread on each end; ``recv`` waits in
 bounded slices (``poll``), so no thread waits forever for a process that is gone:
-a dead peer shows as ``EOFError``/``OSError`` (``LinkClosedError``) at once, since the
+a dead peer shows as ``EOFError``/``OSError`` (``RunError("link_closed")``) at once, since the
 pipe's other end closes with the process.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...errors import LinkClosedError
+from ...errors import RunError
 from .wire import from_wire, to_wire
 
 
@@ -48,21 +48,21 @@ class Link:
         self.conn = conn
 
     def send(self, obj: Any) -> None:
-        """Send ``obj``; ``LinkClosedError`` if the other end is gone."""
+        """Send ``obj``; ``RunError("link_closed")`` if the other end is gone."""
         try:
             self.conn.send_bytes(dumps(obj))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-            raise LinkClosedError(f"the other process is gone ({exc})") from None
+            raise RunError("link_closed", f"the other process is gone ({exc})") from None
 
     def recv(self, timeout: float) -> tuple[bool, Any]:
-        """``(True, message)``, or ``(False, None)`` if none came within ``timeout`` s; ``LinkClosedError`` if the
+        """``(True, message)``, or ``(False, None)`` if none came within ``timeout`` s; ``RunError("link_closed")`` if the
         other end is gone."""
         try:
             if not self.conn.poll(timeout):
                 return False, None
             return True, pickle.loads(self.conn.recv_bytes())
         except (EOFError, ConnectionResetError, OSError) as exc:
-            raise LinkClosedError(f"the other process is gone ({type(exc).__name__})") from None
+            raise RunError("link_closed", f"the other process is gone ({type(exc).__name__})") from None
 
     def close(self) -> None:
         self.conn.close()

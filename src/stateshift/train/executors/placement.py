@@ -43,11 +43,16 @@ def bundles(rc: RayConfig, cluster: Mapping[str, float]) -> list[dict[str, float
     tg = rc.trainer_gpus if rc.trainer_gpus is not None else auto[0]
     rg = rc.rollout_gpus if rc.rollout_gpus is not None else auto[1]
     if rc.trainer_cpus + rc.rollout_cpus > cpus:
-        raise ConfigError("ray.trainer_cpus", f"the trainer and rollouter bundles ask for "
-                                              f"{rc.trainer_cpus:g} + {rc.rollout_cpus:g} CPUs, the cluster has {cpus:g}")
+        raise ConfigError(
+            "config",
+            f"the trainer and rollouter bundles ask for "
+            f"{rc.trainer_cpus:g} + {rc.rollout_cpus:g} CPUs, the cluster has {cpus:g}",
+            key="ray.trainer_cpus",
+        )
     if tg + rg > gpus:
         key = "ray.rollout_gpus" if rc.rollout_gpus is not None else "ray.trainer_gpus"
-        raise ConfigError(key, f"the trainer and rollouter bundles ask for {tg:g} + {rg:g} GPUs, the cluster has {gpus:g}")
+        raise ConfigError("config", f"the trainer and rollouter bundles ask for {tg:g} + {rg:g} GPUs, the cluster has {gpus:g}",
+                          key=key)
     out = []
     for c, g in ((rc.trainer_cpus, tg), (rc.rollout_cpus, rg)):
         out.append({"CPU": float(c), **({"GPU": float(g)} if g > 0 else {})})

@@ -26,7 +26,7 @@ Liveness, as in the other executors:
   thread sees it within one wait slice, prints which (pid, signal), tells the
   queue (its prompts become orphans) and starts a new process with the newest
   weights, up to ``rollout.max_restarts`` times; past that the run stops with
-  ``RolloutDiedError``. A sync waiting for a dead rollouter sends the weights
+  ``RunError("rollout_died")``. A sync waiting for a dead rollouter sends the weights
   again to its successor;
 - **Ctrl-C**: the rollouter process ignores SIGINT; the trainer's process stops
   it (``stop``), joins it, and kills it if it does not end within 10 s;
@@ -54,7 +54,7 @@ from typing import Any, TextIO
 
 from stateshift import Snapshot
 
-from ...errors import LinkClosedError, RolloutDiedError
+from ...errors import RunError
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..policies import Policy
@@ -70,11 +70,11 @@ from .weights import make_publisher, rollout_device
 START_TIMEOUT_S = 300.0
 
 
-class _StartDied(RolloutDiedError):
+class _StartDied(RunError):
     """A rollouter process ended before it was ready, without an error of its own (killed, crashed)."""
 
     def __init__(self, inc: Incarnation) -> None:
-        super().__init__(f"rollouter process {inc.pid} ended before it was ready: {exit_reason(inc.proc)}")
+        super().__init__("rollout_died", f"rollouter process {inc.pid} ended before it was ready: {exit_reason(inc.proc)}")
         self.inc = inc
 
 
@@ -171,13 +171,15 @@ class ProcessRollouts:
         return inc
 
     def _await_ready(self, inc: Incarnation) -> int:
-        """The process's pid once it says ``ready``; its own error if it failed first; ``RolloutDiedError`` if it
+        """The process's pid once it says ``ready``; its own error if it failed first; ``RunError("rollout_died")`` if it
         died or did not start within ``START_TIMEOUT_S``."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
                 got, msg = inc.ctl.recv(SLICE_S)
-            except LinkClosedError:
+            except RunError as e:
+                if e.kind != "link_closed":
+                    raise
                 got, msg = False, None
             if got:
                 return int(msg[1])
@@ -185,15 +187,17 @@ class ProcessRollouts:
                 inc.proc.join(1)
                 try:
                     got, msg = inc.port.recv(0.5)
-                except LinkClosedError:
+                except RunError as e:
+                    if e.kind != "link_closed":
+                        raise
                     got = False
                 if got and msg[0] == "failed":
                     raise msg[1]
                 inc.pid = inc.proc.pid
                 raise _StartDied(inc)
             if self.closing:
-                raise RolloutDiedError("the run stopped while a rollouter process was starting")
-        raise RolloutDiedError(f"rollouter process {inc.proc.pid} was not ready within {START_TIMEOUT_S:g} s")
+                raise RunError("rollout_died", "the run stopped while a rollouter process was starting")
+        raise RunError("rollout_died", f"rollouter process {inc.proc.pid} was not ready within {START_TIMEOUT_S:g} s")
 
     def _serve(self, inc: Incarnation) -> None:
         """Server thread of ``inc``: answer its queue calls until it ends; a death means a restart."""
@@ -201,7 +205,9 @@ class ProcessRollouts:
             while True:
                 try:
                     got, msg = inc.port.recv(SLICE_S)
-                except LinkClosedError:
+                except RunError as e:
+                    if e.kind != "link_closed":
+                        raise
                     break
                 if not got:
                     if not inc.proc.is_alive() and not inc.port.conn.poll(0):
@@ -210,7 +216,9 @@ class ProcessRollouts:
                 try:
                     if not self._answer(inc, msg):
                         return
-                except LinkClosedError:
+                except RunError as e:
+                    if e.kind != "link_closed":
+                        raise
                     break
             self._died(inc)
         except BaseException as exc:  # noqa: BLE001 - reaches the trainer thread at its next wait slice
@@ -231,8 +239,8 @@ class ProcessRollouts:
         else:
             inc.ended = True
             if not self.closing:
-                err = args[0] if kind == "failed" else RolloutDiedError(
-                    f"rollouter process {inc.pid} stopped generating without being asked to")
+                stopped = f"rollouter process {inc.pid} stopped generating without being asked to"
+                err = args[0] if kind == "failed" else RunError("rollout_died", stopped)
                 self.control.fail("rollout", err)
             return False
         return True
@@ -241,7 +249,7 @@ class ProcessRollouts:
         """``inc`` died: report it at once; a successor with the newest weights generates its prompts first. A
         successor that dies before it is ready is one more death: reported, counted and replaced in turn.
 
-        ``RolloutDiedError`` (the run stops) past ``rollout.max_restarts``."""
+        ``RunError("rollout_died")`` (the run stops) past ``rollout.max_restarts``."""
         inc.proc.join(2)
         if self.closing:  # (``stop`` reports it)
             return
@@ -251,8 +259,11 @@ class ProcessRollouts:
             done = len(self.restarts)
             if done >= limit:
                 self._record(inc, why, t_detect, None, 0)
-                raise RolloutDiedError(f"rollouter process {inc.pid} died: {why} -- after {done} restarts "
-                                       f"(rollout.max_restarts={limit}) the run stops")
+                raise RunError(
+                    "rollout_died",
+                    f"rollouter process {inc.pid} died: {why} -- after {done} restarts "
+                    f"(rollout.max_restarts={limit}) the run stops",
+                )
             orphans = self.hub.owner_died(inc.owner)  # before the successor asks for prompts: it gets these first
             try:
                 successor = self._restart_as(inc.owner + 1)
@@ -322,7 +333,9 @@ class ProcessRollouts:
                 if not inc.proc.is_alive():
                     return None
                 self.control.check()
-        except LinkClosedError:
+        except RunError as e:
+            if e.kind != "link_closed":
+                raise
             return None
 
     def stats(self) -> RolloutStats:
@@ -346,8 +359,9 @@ class ProcessRollouts:
             inc = self.current
         try:
             inc.ctl.send(("stop",))
-        except LinkClosedError:
-            pass
+        except RunError as e:
+            if e.kind != "link_closed":
+                raise
         inc.proc.join(timeout)
         stopped = not inc.proc.is_alive()
         if not stopped:

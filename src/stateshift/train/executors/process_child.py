@@ -9,7 +9,7 @@ handshake as in process (it reads the newest weights from shared memory,
 ``weights.py``) and answered with its ``SyncOutcome``; ``stop`` stops the loop.
 
 Liveness: Ctrl-C is ignored here (the trainer's process gets it too and stops
-this one in order); the trainer's process gone shows as ``LinkClosedError`` on
+this one in order); the trainer's process gone shows as ``RunError("link_closed")`` on
 either link, which stops the loop. An exception that ends the loop is sent to
 the trainer (``failed``) before the process exits with status 1; the trainer
 re-raises it as the run's error. ``status`` (shared memory) mirrors what the
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...errors import LinkClosedError, StoppedError
+from ...errors import RunError
 from ..build import build_task
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
@@ -122,16 +122,18 @@ def child_main(spec: ChildSpec, port_conn: Any, ctl_conn: Any, status: Any) -> N
         except Exception:  # noqa: BLE001 - the publisher reclaims a receiver whose process is gone anyway
             pass
     err = control.error
-    if err is not None and not isinstance(err, (StoppedError, LinkClosedError)):
+    if err is not None and not (isinstance(err, RunError) and err.kind in ("stopped", "link_closed")):
         try:
             port.send(("failed", portable_error(err)))
-        except LinkClosedError:
-            pass
+        except RunError as e:
+            if e.kind != "link_closed":
+                raise
         sys.exit(1)
     try:
         port.send(("stopped",))
-    except LinkClosedError:
-        pass
+    except RunError as e:
+        if e.kind != "link_closed":
+            raise
 
 
 def _prepare(spec: ChildSpec) -> None:
@@ -189,7 +191,8 @@ def _serve_ctl(worker: RolloutWorker, receiver: HostWeightReceiver | LibraryRece
                 ctl.send(("synced", worker.hand_over(update, interrupt=interrupt)))
             elif msg[0] == "stop":
                 control.stop()
-    except LinkClosedError:
-        control.stop()  # the trainer's process is gone: nobody to generate for
     except BaseException as exc:  # noqa: BLE001 - ends the run with it
-        control.fail("rollout", exc)
+        if isinstance(exc, RunError) and exc.kind == "link_closed":
+            control.stop()  # the trainer's process is gone: nobody to generate for
+        else:
+            control.fail("rollout", exc)

@@ -28,14 +28,14 @@ queue actor and are not touched. A group the dead rollouter sent before it
 died but that arrives after is refused (it is being generated again). The
 ledger thus counts every group once; ``summary.json`` lists each restart
 (``rollout.restarts``). After ``ray.max_rollout_restarts`` restarts the
-next death stops the run with ``RolloutDiedError``. A rollouter that
+next death stops the run with ``RunError("rollout_died")``. A rollouter that
 *raises* is not restarted: the run stops with that exception, as in
 process (a bug does not go away by restarting). The queue actor dying stops
-the run (``RolloutDiedError``: its groups are gone; resume from the last
+the run (``RunError("rollout_died")``: its groups are gone; resume from the last
 checkpoint).
 
 **The trainer dying** ends the run (Ray kills the actors it owns): the driver
-raises ``TrainerDiedError`` naming the last checkpoint; ``stateshift train
+raises ``RunError("trainer_died")`` naming the last checkpoint; ``stateshift train
 --resume DIR`` continues from it.
 
 Results equal the in-process executor's with fixed seeds wherever the
@@ -50,7 +50,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import TrainerDiedError
+from ...errors import RunError
 from ..config import TrainConfig
 from .placement import TRAINER, bundles
 from .ray_common import INTERRUPTED, actor_class, death_reason, wait_ready
@@ -116,7 +116,7 @@ def _init(ray: Any, cfg: TrainConfig) -> bool:
 
 
 def _await_trainer(ray: Any, trainer: Any, ref: Any, out: Path) -> Any:
-    """The trainer's result; its error re-raised as itself; its death as ``TrainerDiedError``."""
+    """The trainer's result; its error re-raised as itself; its death as ``RunError("trainer_died")``."""
     try:
         result = ray.get(ref)
     except KeyboardInterrupt:
@@ -131,8 +131,11 @@ def _await_trainer(ray: Any, trainer: Any, ref: Any, out: Path) -> Any:
     except ray.exceptions.RayActorError as err:
         latest = out / "checkpoints" / "latest"
         where = latest.read_text().strip() if latest.is_file() else "none yet"
-        raise TrainerDiedError(f"the trainer actor died: {death_reason(err)}; latest checkpoint: {where} "
-                               f"(continue with: stateshift train --resume {out})") from None
+        raise RunError(
+            "trainer_died",
+            f"the trainer actor died: {death_reason(err)}; latest checkpoint: {where} "
+            f"(continue with: stateshift train --resume {out})",
+        ) from None
     if result == INTERRUPTED:
         raise KeyboardInterrupt
     return result

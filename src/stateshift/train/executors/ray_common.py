@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ActorStartError, ConfigError
+from ...errors import ConfigError, RunError
 
 #: what ``TrainerActor.run`` returns when the driver interrupted it (Ctrl-C)
 INTERRUPTED = "stateshift: interrupted"
@@ -19,8 +19,11 @@ def require_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ConfigError("executor", f"executor=ray needs Ray, which is not installed ({exc}): "
-                                      "pip install 'stateshift[ray]'") from None
+        raise ConfigError(
+            "config",
+            f"executor=ray needs Ray, which is not installed ({exc}): pip install 'stateshift[ray]'",
+            key="executor",
+        ) from None
     return ray
 
 
@@ -48,9 +51,12 @@ def actor_class(ray: Any, cls: type, bundle: dict[str, float], pg: Any, index: i
 
 
 def wait_ready(ray: Any, ref: Any, timeout_s: float, what: str) -> Any:
-    """``ray.get(ref)``, or ``ActorStartError`` saying ``what`` did not come up (Ray itself would wait forever)."""
+    """``ray.get(ref)``, or ``RunError("actor_start")`` saying ``what`` did not come up (Ray itself would wait forever)."""
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise ActorStartError(f"{what} did not come up within ray.ready_timeout_s={timeout_s:g} s "
-                               f"(cluster resources: {ray.cluster_resources()})") from None
+        raise RunError(
+            "actor_start",
+            f"{what} did not come up within ray.ready_timeout_s={timeout_s:g} s "
+            f"(cluster resources: {ray.cluster_resources()})",
+        ) from None

@@ -37,7 +37,7 @@ from typing import Any, TextIO
 
 from stateshift import Snapshot
 
-from ...errors import RolloutDiedError
+from ...errors import RunError
 from ..config import TrainConfig
 from ..control import SLICE_S, RunControl
 from ..policies import Policy
@@ -124,19 +124,22 @@ class RayRollouts:
         except ray.exceptions.RayTaskError as err:
             raise cause_of(err) from None
         if not self.closing:
-            raise RolloutDiedError(f"rollouter {self.name} stopped generating without being asked to")
+            raise RunError("rollout_died", f"rollouter {self.name} stopped generating without being asked to")
 
     def _restart(self, owner: int, err: BaseException) -> None:
         """Report the death at once; hand its prompts to a new rollouter built with the newest weights sent.
 
-        ``RolloutDiedError`` past ``ray.max_rollout_restarts``.
+        ``RunError("rollout_died")`` past ``ray.max_rollout_restarts``.
         """
         t_detect, why, name, pid = time.time(), death_reason(err), self.name, self.pid
         limit = self.cfg.ray.max_rollout_restarts
         print(f"[stateshift] rollouter {name} (pid {pid}) died: {why}", file=self.stream, flush=True)
         if len(self.restarts) >= limit:
-            raise RolloutDiedError(f"rollouter {name} (pid {pid}) died: {why} -- after {len(self.restarts)} restarts "
-                                   f"(ray.max_rollout_restarts={limit}) the run stops")
+            raise RunError(
+                "rollout_died",
+                f"rollouter {name} (pid {pid}) died: {why} -- after {len(self.restarts)} restarts "
+                f"(ray.max_rollout_restarts={limit}) the run stops",
+            )
         orphans = self._hub("owner_died", owner)  # before the successor asks for prompts: it gets these first
         again: BaseException | None = None
         with self.lock:
@@ -250,14 +253,18 @@ class RayRollouts:
             self.ray.kill(self.hub)
 
     def _hub(self, method: str, *args: Any) -> Any:
-        """A call to the queue actor; ``RolloutDiedError`` if it is gone or does not answer in ``HUB_TIMEOUT_S``."""
+        """A call to the queue actor; ``RunError("rollout_died")`` if it is gone or does not answer in ``HUB_TIMEOUT_S``."""
         ray = self.ray
         try:
             return ray.get(getattr(self.hub, method).remote(*args), timeout=HUB_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
-            raise RolloutDiedError(f"the queue actor died: {death_reason(err)}; the groups it held are gone "
-                                   "(resume from the last checkpoint)") from None
+            raise RunError(
+                "rollout_died",
+                f"the queue actor died: {death_reason(err)}; the groups it held are gone "
+                "(resume from the last checkpoint)",
+            ) from None
         except ray.exceptions.GetTimeoutError:
-            raise RolloutDiedError(f"the queue actor did not answer {method}() within {HUB_TIMEOUT_S:g} s") from None
+            raise RunError("rollout_died",
+                           f"the queue actor did not answer {method}() within {HUB_TIMEOUT_S:g} s") from None
         except ray.exceptions.RayTaskError as err:
             raise cause_of(err) from None

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ...core.pool import HostPool, remove_stale_files
-from ...errors import WeightSyncError
+from ...errors import ConfigError
 from ..rollout import missing_weights
 
 ALIGN = 64
@@ -55,7 +55,7 @@ class Entry:
     def torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, self.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise WeightSyncError(self.name, f": unknown dtype {self.dtype!r} in the handle")
+            raise ConfigError("weight_sync", f"unknown dtype {self.dtype!r} in the handle", name=self.name)
         return dtype
 
     @property
@@ -118,15 +118,19 @@ class HostWeightPublisher:
                 "entries": [(e.name, e.dtype, e.shape, e.offset) for e in self.entries.values()]}
 
     def publish(self, pairs: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write ``pairs`` in place as ``version``; every laid-out tensor exactly once (``WeightSyncError`` names the
+        """Write ``pairs`` in place as ``version``; every laid-out tensor exactly once (``ConfigError("weight_sync")`` names the
         first that is not, or that does not fit), before any byte is written."""
         pairs = [(n, t) for n, t in pairs if not (self.skip is not None and self.skip(n) and n not in self.entries)]
         given = {n for n, _ in pairs}
         for name, t in pairs:
             e = self.entries.get(name)
             if e is None or str(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
-                raise WeightSyncError(name, f": {tuple(t.shape)} {t.dtype} sent, the rollouter's layout has "
-                                      + (f"{e.shape} {e.dtype}" if e is not None else "no such weight"))
+                raise ConfigError(
+                    "weight_sync",
+                    f"{tuple(t.shape)} {t.dtype} sent, the rollouter's layout has "
+                    + (f"{e.shape} {e.dtype}" if e is not None else "no such weight"),
+                    name=name,
+                )
         missing = [n for n in self.entries if n not in given]
         if missing:
             raise missing_weights(missing)

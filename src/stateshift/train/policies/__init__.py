@@ -92,7 +92,7 @@ def _family(cfg: TrainConfig) -> tuple[Any, torch.device]:
     """The module of ``cfg.model.family`` and the device ``cfg.run.device`` names (checked to exist)."""
     device = torch.device(cfg.run.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device", "is 'cuda' but torch sees no CUDA device here")
+        raise ConfigError("config", "is 'cuda' but torch sees no CUDA device here", key="run.device")
     return importlib.import_module(FAMILIES[cfg.model.family]), device
 
 
@@ -112,7 +112,7 @@ def build_rollout_lm(cfg: TrainConfig, task: Task) -> CausalLM:
 
 def load_rollout_weights(lm: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy ``weights`` (``Policy.rollout_state_dict()``) into the rollouter's copy ``lm`` by name; every tensor of
-    ``lm.module.state_dict()`` must be given exactly once (``WeightSyncError`` names the first that is not)."""
+    ``lm.module.state_dict()`` must be given exactly once (``ConfigError("weight_sync")`` names the first that is not)."""
     targets = {n: t for n, t in lm.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     extra = [n for n in weights if n not in targets]
     if extra:

@@ -40,7 +40,8 @@ def init_world_of_one(device: torch.device) -> None:
     """A process group of one rank (``nccl`` on CUDA, ``gloo`` on the CPU) unless one exists already."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ConfigError("model.family", f"fsdp2 runs at world size 1; this process group has {dist.get_world_size()}")
+            raise ConfigError("config", f"fsdp2 runs at world size 1; this process group has {dist.get_world_size()}",
+                              key="model.family")
         return
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
@@ -68,7 +69,7 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], n
     try:
         from transformers import Qwen2ForCausalLM
     except ImportError as exc:
-        raise ConfigError("model.family", f"fsdp2 needs transformers ({exc})") from None
+        raise ConfigError("config", f"fsdp2 needs transformers ({exc})", key="model.family") from None
     if cfg.model.hf_path:
         from ..build import load_hf
 

@@ -217,12 +217,17 @@ def rollout_lm_of(config: Any, make_gpt: Any) -> MegatronLM:
 
 def _check_usable(device: torch.device) -> None:
     if device.type == "cpu" and os.environ.get("STATESHIFT_MCORE_DEVICE") != "cpu":
-        raise ConfigError("run.device", "model.family=megatron needs run.device=cuda (megatron-core computes on CUDA; "
-                                        "the CPU works only in a process patched for tests, STATESHIFT_MCORE_DEVICE=cpu)")
+        raise ConfigError(
+            "config",
+            "model.family=megatron needs run.device=cuda (megatron-core computes on CUDA; "
+            "the CPU works only in a process patched for tests, STATESHIFT_MCORE_DEVICE=cpu)",
+            key="run.device",
+        )
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("model.family", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})") from None
+        raise ConfigError("config", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})",
+                          key="model.family") from None
 
 
 def _gpt(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Any, Any]:

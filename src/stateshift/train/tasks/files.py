@@ -42,7 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from stateshift.errors import DataFileError
+from stateshift.errors import ConfigError
 
 from ..reward import Reward
 
@@ -76,21 +76,21 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line or row number, record)`` of every record of a JSONL or Parquet file, 1-based.
 
     Raises:
-        DataFileError: the file is missing, has an unknown extension, a malformed or non-object JSON line,
+        ConfigError("data_file"): the file is missing, has an unknown extension, a malformed or non-object JSON line,
             cannot be read as Parquet, or holds no record.
     """
     p = Path(path)
     if not p.is_file():
-        raise DataFileError(p, "no such file")
+        raise ConfigError("data_file", "no such file", path=p)
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json"):
         out = list(_jsonl(p))
     elif suffix in (".parquet", ".pq"):
         out = _parquet(p)
     else:
-        raise DataFileError(p, f"unknown extension {suffix!r}: use .jsonl or .parquet")
+        raise ConfigError("data_file", f"unknown extension {suffix!r}: use .jsonl or .parquet", path=p)
     if not out:
-        raise DataFileError(p, "empty: no records")
+        raise ConfigError("data_file", "empty: no records", path=p)
     return out
 
 
@@ -100,15 +100,18 @@ def _jsonl(p: Path) -> Any:
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                raise DataFileError(p, f"not UTF-8 text ({exc.reason} at byte {exc.start})", line=number) from None
+                raise ConfigError("data_file", f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                  path=p, line=number) from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataFileError(p, f"malformed JSON ({exc.msg} at column {exc.colno})", line=number) from None
+                raise ConfigError("data_file", f"malformed JSON ({exc.msg} at column {exc.colno})",
+                                  path=p, line=number) from None
             if not isinstance(rec, dict):
-                raise DataFileError(p, f"a line must hold a JSON object, not {type(rec).__name__}", line=number)
+                raise ConfigError("data_file", f"a line must hold a JSON object, not {type(rec).__name__}",
+                                  path=p, line=number)
             yield number, rec
 
 
@@ -116,11 +119,11 @@ def _parquet(p: Path) -> list[tuple[int, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataFileError(p, "reading Parquet needs pyarrow: pip install 'stateshift[rl]'") from None
+        raise ConfigError("data_file", "reading Parquet needs pyarrow: pip install 'stateshift[rl]'", path=p) from None
     try:
         rows = pq.read_table(p).to_pylist()
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
-        raise DataFileError(p, f"not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        raise ConfigError("data_file", f"not a readable Parquet file ({type(exc).__name__}: {exc})", path=p) from None
     return list(enumerate(rows, 1))
 
 
@@ -155,19 +158,30 @@ class PromptRenderer:
         found, value = lookup(rec, key)
         config_key = "task.messages_key" if self.spec.messages_key else "task.prompt_key"
         if not found:
-            raise DataFileError(path, f"no field {key!r} ({config_key})", line=line, key=key)
+            raise ConfigError("data_file", f"no field {key!r} ({config_key})", path=path, line=line, key=key)
         if isinstance(value, str) and not self.spec.messages_key:
             if not value:
-                raise DataFileError(path, "empty prompt", line=line, key=key)
+                raise ConfigError("data_file", "empty prompt", path=path, line=line, key=key)
             if not self.templated:
                 return list(self.tok.encode(value))
             value = [{"role": "user", "content": value}]
         if not _is_messages(value):
-            raise DataFileError(path, f"field {key!r} must be a string or a list of {{'role', 'content'}} messages, "
-                                      f"not {type(value).__name__}", line=line, key=key)
+            raise ConfigError(
+                "data_file",
+                f"field {key!r} must be a string or a list of {{'role', 'content'}} messages, "
+                f"not {type(value).__name__}",
+                path=path,
+                line=line,
+                key=key,
+            )
         if not self.templated:
-            raise DataFileError(path, "chat messages need a chat template, and the tokenizer has none "
-                                      "(or task.chat_template=false)", line=line, key=key)
+            raise ConfigError(
+                "data_file",
+                "chat messages need a chat template, and the tokenizer has none (or task.chat_template=false)",
+                path=path,
+                line=line,
+                key=key,
+            )
         text = self.tok.apply_chat_template(list(value), add_generation_prompt=True, tokenize=False)
         return list(self.tok.encode(text, add_special_tokens=False))
 
@@ -181,7 +195,7 @@ def load_rows(path: str | Path, render: PromptRenderer, answer_key: str) -> tupl
     """The usable rows of ``path`` and how many were skipped for a prompt over ``max_prompt_len`` tokens.
 
     Raises:
-        DataFileError: as ``read_records``, a missing or malformed prompt field, or every prompt too long.
+        ConfigError("data_file"): as ``read_records``, a missing or malformed prompt field, or every prompt too long.
     """
     p = Path(path)
     rows: list[Row] = []
@@ -199,7 +213,8 @@ def load_rows(path: str | Path, render: PromptRenderer, answer_key: str) -> tupl
         warnings.warn(f"{p}: skipped {len(skipped)} prompt(s) longer than task.max_prompt_len={limit} tokens "
                       f"(first: {skipped[0]}); they are not truncated", stacklevel=2)
     if not rows:
-        raise DataFileError(p, f"every prompt is longer than task.max_prompt_len={limit} tokens", key="task.max_prompt_len")
+        raise ConfigError("data_file", f"every prompt is longer than task.max_prompt_len={limit} tokens",
+                          path=p, key="task.max_prompt_len")
     return rows, len(skipped)
 
 
@@ -253,9 +268,13 @@ class FileTask:
         for _ in range(size):
             row = self.rows[rng.randrange(self.n_train)]
             if row.answer is None:
-                raise DataFileError(row.source.rpartition(":")[0], "the supervised warm-up needs an answer in every "
-                                    "training record (or warmup.steps=0)", line=int(row.source.rpartition(":")[2]),
-                                    key=self.spec.answer_key)
+                raise ConfigError(
+                    "data_file",
+                    "the supervised warm-up needs an answer in every training record (or warmup.steps=0)",
+                    path=row.source.rpartition(":")[0],
+                    line=int(row.source.rpartition(":")[2]),
+                    key=self.spec.answer_key,
+                )
             ids = self.tokenizer.encode(str(row.answer), add_special_tokens=False)
             out.append((list(row.prompt), [*ids, self.stop_token]))
         return out
@@ -269,8 +288,13 @@ class FileTask:
     def check_position(self, saved: Mapping[str, Any]) -> None:
         """A checkpoint's ``position`` must be of this training file (else the same position is another sample)."""
         if saved.get("train_sha256") not in (None, self.train_sha256):
-            raise DataFileError(self.train_path, "changed since the checkpoint was written (its sha256 differs): "
-                                "resuming would not continue at the same sample", key="task.train_path")
+            raise ConfigError(
+                "data_file",
+                "changed since the checkpoint was written (its sha256 differs): "
+                "resuming would not continue at the same sample",
+                path=self.train_path,
+                key="task.train_path",
+            )
 
     def _order(self, epoch: int) -> tuple[int, ...]:
         return _permutation(self.n_train, self.seed, epoch if self.shuffle else -1)
