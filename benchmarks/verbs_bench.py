@@ -19,7 +19,7 @@ from pathlib import Path
 import _harness as bench
 
 from stateshift.cli import bench as cli_bench
-from stateshift.errors import UsageError
+from stateshift.errors import ConfigError
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -31,9 +31,9 @@ def parse_small(spec: str) -> tuple[int, int]:
     try:
         n, nbytes = int(count), int(size.removesuffix(unit)) * _UNITS[unit]
     except ValueError:
-        raise UsageError(f"--small {spec!r}: use COUNTxSIZE, e.g. 2000x512KiB or 20000x16KiB") from None
+        raise ConfigError("usage", f"--small {spec!r}: use COUNTxSIZE, e.g. 2000x512KiB or 20000x16KiB") from None
     if n < 1 or nbytes < 2:
-        raise UsageError(f"--small {spec!r}: the count must be >= 1 and the size >= 2 bytes")
+        raise ConfigError("usage", f"--small {spec!r}: the count must be >= 1 and the size >= 2 bytes")
     return n, nbytes
 
 
@@ -53,9 +53,9 @@ def parser() -> argparse.ArgumentParser:
 def small_cases(args: argparse.Namespace, on_cuda: bool) -> list[tuple[int, int]]:
     """The (count, bytes) cases of ``--small``, ``--small-tensors`` / ``--small-numel`` and the CUDA default."""
     if args.small_numel < 1 or args.small_tensors < 0:
-        raise UsageError("--small-numel must be >= 1 and --small-tensors >= 0")
+        raise ConfigError("usage", "--small-numel must be >= 1 and --small-tensors >= 0")
     if args.small is not None and "none" in args.small and len(args.small) > 1:
-        raise UsageError("--small none cannot be given with other --small cases")
+        raise ConfigError("usage", "--small none cannot be given with other --small cases")
     cases = [parse_small(spec) for spec in (args.small or []) if spec != "none"]
     if args.small_tensors:
         cases.append((args.small_tensors, 2 * args.small_numel))
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = small_cases(args, device.type == "cuda")
         if args.plot is not None:
             import matplotlib  # noqa: F401
-    except UsageError as exc:
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ImportError:

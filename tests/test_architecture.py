@@ -321,6 +321,7 @@ def test_the_torch_backends_are_runtime_instances_of_the_protocol():
 
 
 def test_public_surface_is_narrow():
+    assert len(stateshift.__all__) <= 16, stateshift.__all__
     assert set(stateshift.__all__) == {
         "ModelState", "Snapshot", "Residency", "PoolStats", "__version__",
         *(n for n in stateshift.__all__ if n.endswith("Error")),
@@ -328,6 +329,20 @@ def test_public_surface_is_narrow():
     errors = [getattr(stateshift, n) for n in stateshift.__all__ if n.endswith("Error")]
     assert all(issubclass(e, stateshift.StateShiftError) for e in errors)
     assert {e.__module__ for e in errors} == {"stateshift.errors"}  # every error lives in one module
+
+
+def test_errors_py_defines_at_most_a_dozen_public_exception_classes_each_with_its_kinds():
+    """A dozen classes a newcomer reads at once; a case of one is its ``kind`` (a ``Literal`` of short strings)."""
+    import stateshift.errors as errors
+
+    public = [v for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)
+              and v.__module__ == errors.__name__ and not n.startswith("_")]
+    assert len(public) <= 12, [c.__name__ for c in public]
+    for cls in public:
+        if cls is not errors.StateShiftError:
+            assert cls.kinds and all(k.isidentifier() and k.islower() for k in cls.kinds), cls
+            with pytest.raises(ValueError, match="unknown kind"):
+                cls("no such kind", "x")
 
 
 # ----------------------------------------------------------------------------- the front page and history

@@ -30,8 +30,9 @@ from helpers import (
     capture,
     perturb as shared_perturb,
 )
+from raises import raises_kind
 
-from stateshift import LayoutMismatchError, ModelState, OffloadedStateError, Residency
+from stateshift import LayoutError, ModelState, Residency
 from stateshift.core.engine import core_of
 
 pytestmark = pytest.mark.slow
@@ -498,7 +499,7 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     """Typed errors (never a crash) for compute on released state; FSDP's own states handled."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    from stateshift.backends.fsdp2 import FSDP2StateError
+    from stateshift.backends.fsdp2 import StateError
 
     setup_device(rank, device)
     mesh = make_mesh(device, world, mesh_shape)
@@ -517,7 +518,7 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
 
     # forward with the params offloaded: the guard runs before FSDP's all-gather
     state.offload("params")
-    with pytest.raises(OffloadedStateError, match="group 'params'") as err:
+    with raises_kind(StateError, "offloaded", match="group 'params'") as err:
         model(ids_for(0, device))
     assert err.value.group == "params" and "FSDP module" in str(err.value)
     assert idle()
@@ -526,15 +527,15 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
 
     # only block 1 offloaded: the root's forward names it before anything runs
     state.offload("params", only=lambda n: n.startswith("blocks.1."))
-    with pytest.raises(OffloadedStateError, match="blocks.1."):
+    with raises_kind(StateError, "offloaded", match="blocks.1."):
         model(ids_for(0, device))
-    with pytest.raises(OffloadedStateError, match="blocks.1."):
+    with raises_kind(StateError, "offloaded", match="blocks.1."):
         model.blocks[1](torch.zeros(2, HIDDEN, device=device))
     state.onload()
 
     # buffers offloaded: caught before FSDP's pre-forward too (FSDP's state stays idle)
     state.offload("buffers")
-    with pytest.raises(OffloadedStateError, match="group 'buffers'"):
+    with raises_kind(StateError, "offloaded", match="group 'buffers'"):
         model(ids_for(0, device))
     assert idle()
     state.onload()
@@ -542,7 +543,7 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     # backward with the params offloaded between forward and backward
     loss = eval_loss(model, 1, device)
     state.offload("params")
-    with pytest.raises(OffloadedStateError, match="backward through FSDP module"):
+    with raises_kind(StateError, "offloaded", match="backward through FSDP module"):
         loss.backward()
     assert idle()
     state.onload("params")
@@ -550,14 +551,14 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
 
     # backward into dropped grads (they are accumulated into in place)
     state.drop("grads")
-    with pytest.raises(OffloadedStateError, match="group 'grads'"):
+    with raises_kind(StateError, "offloaded", match="group 'grads'"):
         eval_loss(model, 1, device).backward()
     assert idle()
     state.onload("grads")  # zeros
 
     # optimizer step on offloaded optimizer state
     state.offload("optim")
-    with pytest.raises(OffloadedStateError, match="group 'optim'"):
+    with raises_kind(StateError, "offloaded", match="group 'optim'"):
         opt.step()
     state.onload()
 
@@ -581,13 +582,11 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     # a verb during a forward (from a hook) is refused and changes nothing: one that releases storage by
     # the state's reader gate (it would release what the running forward reads), any other by FSDP's state
     if recover_api and hasattr(model, "reset_iter_state"):
-        from stateshift import VerbInsideComputeError
-
         before = state.residency()
-        for verb, error, match in ((lambda: state.offload("params"), VerbInsideComputeError, "from inside forward"),
-                                   (lambda: state.snapshot(tag="in-forward"), FSDP2StateError, "during a forward or backward")):
+        for verb, kind, match in ((lambda: state.offload("params"), "inside_compute", "from inside forward"),
+                                  (lambda: state.snapshot(tag="in-forward"), "fsdp2", "during a forward or backward")):
             hook = model.blocks[0].register_forward_pre_hook(lambda m, a, verb=verb: verb())
-            with pytest.raises(error, match=match):
+            with raises_kind(StateError, kind, match=match):
                 eval_loss(model, 0, device)
             hook.remove()
             model.reset_iter_state()
@@ -611,7 +610,7 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     assert st2.backends[0].name == "fsdp2"
     want = capture(st2)
     st2.offload()
-    with pytest.raises(OffloadedStateError):
+    with raises_kind(StateError, "offloaded"):
         plain_root(ids_for(0, device))
     st2.onload()
     assert_same(capture(st2), want, "blocks-only wrapping")
@@ -645,12 +644,12 @@ def sharding_mismatch(rank, world, device="cpu", variants=None):
             if offloaded:
                 st.offload()
             residency = st.residency()
-            with pytest.raises(LayoutMismatchError) as err:
+            with raises_kind(LayoutError, "mismatch") as err:
                 st.restore(snap)
             assert err.value.tensor == "tiny", f"{name}: named {err.value.tensor!r}"
             shapes_differ = tuple(_local(other.tiny).shape) != tuple(_local(model.tiny).shape)
             assert ("shape" if shapes_differ else "meta") in err.value.reason, err.value.reason
-            with pytest.raises(LayoutMismatchError), st.swapped(snap):
+            with raises_kind(LayoutError, "mismatch"), st.swapped(snap):
                 raise AssertionError("swapped() entered with a foreign snapshot")
             assert st.residency() == residency, f"{name}: a refused restore moved slots"
             assert_same(capture(st), before, f"{name}: a refused restore changed values")
@@ -677,7 +676,7 @@ def hsdp_four_ranks(rank, world, device="cpu"):
     meta = dict(next(m for s in core_of(sa).slots("params") for m in s.info.members if m.name == "embed.weight").meta)
     assert meta["placements"] == ("Replicate()", "Shard(dim=0)") and meta["mesh"][1] == ((0, 1), (2, 3))
     snap = sa.snapshot(tag="hsdp")
-    with pytest.raises(LayoutMismatchError) as err:
+    with raises_kind(LayoutError, "mismatch") as err:
         sb.restore(snap)
     out["mismatch"] = (err.value.tensor, err.value.reason)
     return out

@@ -22,19 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from raises import raises_kind
 
 from stateshift.checkpoint import format as format_mod, manifest as manifest_mod, verify
 from stateshift.checkpoint.commit import read_latest, set_latest
 from stateshift.checkpoint.directory import Checkpoint, write_checkpoint
 from stateshift.checkpoint.format import Record as TensorRecord
 from stateshift.checkpoint.manifest import MANIFEST_NAME
-from stateshift.errors import (
-    CheckpointCorruptError,
-    CheckpointIncompleteError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-)
+from stateshift.errors import CheckpointError, DiskError, LayoutError
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -75,7 +70,7 @@ class _Reader:
         where = {i.name: i.file for i in self.records()}
         unknown = [n for n in dsts if n not in where]
         if unknown:
-            raise CheckpointMismatchError(unknown[0], "not stored in this checkpoint")
+            raise LayoutError("checkpoint_mismatch", "not stored in this checkpoint", tensor=unknown[0])
         for f in sorted({where[n] for n in dsts}):
             self.ckpt.read_into(f, {n: d for n, d in dsts.items() if where[n] == f})
 
@@ -232,28 +227,28 @@ def test_chunked_streaming_and_partial_read(tmp_path: Path, monkeypatch: pytest.
     # A crc32 per tensor: a flip inside t0 names t0, wherever it is found; t3 still reads, verified by its own crc.
     off = {i.name: i for i in r.records()}["t0"].offset + 1000
     _flip_byte(tmp_path / "ck" / "x.safetensors", off)
-    with pytest.raises(CheckpointCorruptError, match="'t0'") as ei:
+    with raises_kind(CheckpointError, "corrupt", match="'t0'") as ei:
         r.read_tensors(["t0"])
     assert ei.value.tensor == "t0"
-    with pytest.raises(CheckpointCorruptError, match="'t0'"):
+    with raises_kind(CheckpointError, "corrupt", match="'t0'"):
         verify(tmp_path / "ck")
     _assert_same(r.read_tensors(["t3"]), {"t3": big["t3"]})
 
 
 def test_bad_input_is_rejected_before_anything_happens(tmp_path: Path) -> None:
     t = torch.randn(4, 4)
-    with pytest.raises(CheckpointMismatchError, match="'nc'"):
+    with raises_kind(LayoutError, "checkpoint_mismatch", match="'nc'"):
         write_checkpoint(
             tmp_path / "ck", {"x.safetensors": [TensorRecord("nc", t.dtype, (4, 4), t.t())]}, backend="t", layout={}
         )
-    with pytest.raises(CheckpointMismatchError, match="'short'"):
+    with raises_kind(LayoutError, "checkpoint_mismatch", match="'short'"):
         write_checkpoint(
             tmp_path / "ck",
             {"x.safetensors": [TensorRecord("short", torch.float32, (5, 4), t)]},
             backend="t",
             layout={},
         )
-    with pytest.raises(CheckpointMismatchError, match="'dup'"):
+    with raises_kind(LayoutError, "checkpoint_mismatch", match="'dup'"):
         write_checkpoint(
             tmp_path / "ck",
             {
@@ -273,9 +268,9 @@ def test_bad_input_is_rejected_before_anything_happens(tmp_path: Path) -> None:
         (torch.empty(4, 4, dtype=torch.float64), "'w'"),
         (torch.empty(2, 8), "'w'"),
     ]:
-        with pytest.raises(CheckpointMismatchError, match=what):
+        with raises_kind(LayoutError, "checkpoint_mismatch", match=what):
             r.read_into({"w": dst})
-    with pytest.raises(CheckpointMismatchError, match="'nope'"):
+    with raises_kind(LayoutError, "checkpoint_mismatch", match="'nope'"):
         r.read_into({"nope": torch.empty(64, dtype=torch.uint8)})
 
 
@@ -299,10 +294,10 @@ def test_flipped_data_byte_names_the_file(tmp_path: Path) -> None:
     _flip_byte(f, f.stat().st_size - 3)
     r = open_checkpoint(tmp_path / "ck")  # headers fine, sizes fine
     dsts = {i.name: torch.empty(i.nbytes, dtype=torch.uint8) for i in r.records()}
-    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as ei:
+    with raises_kind(CheckpointError, "corrupt", match="checksum mismatch") as ei:
         r.read_into(dsts)
     assert ei.value.path == str(f)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with raises_kind(CheckpointError, "corrupt") as ei:
         verify(tmp_path / "ck")
     assert ei.value.path == str(f)
     # The other file is intact and readable on its own.
@@ -316,7 +311,7 @@ def test_flipped_header_byte_names_the_file(tmp_path: Path) -> None:
     raw = f.read_bytes()
     i = raw.index(b'"dtype"') + 2  # corrupt a key inside the JSON header
     _flip_byte(f, i)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with raises_kind(CheckpointError, "corrupt") as ei:
         open_checkpoint(tmp_path / "ck")
     assert ei.value.path == str(f)
 
@@ -327,15 +322,15 @@ def test_truncated_file(tmp_path: Path) -> None:
     f = tmp_path / "ck" / "a.safetensors"
     size = f.stat().st_size
     os.truncate(f, size - 5)
-    with pytest.raises(CheckpointCorruptError, match="truncated") as ei:
+    with raises_kind(CheckpointError, "corrupt", match="truncated") as ei:
         open_checkpoint(tmp_path / "ck")
     assert ei.value.path == str(f)
-    with pytest.raises(CheckpointCorruptError, match="truncated"):
+    with raises_kind(CheckpointError, "corrupt", match="truncated"):
         read_header(f)  # a bare file without manifest: the header catches it
     os.truncate(f, 5)
-    with pytest.raises(CheckpointCorruptError, match="truncated"):
+    with raises_kind(CheckpointError, "corrupt", match="truncated"):
         read_header(f)
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         verify(tmp_path / "ck")
 
 
@@ -374,28 +369,28 @@ def test_file_truncated_during_a_mapped_read_is_a_typed_error_not_sigbus(tmp_pat
     dst = torch.empty(size, dtype=torch.uint8)
     fd = os.open(f, os.O_RDONLY)
     try:
-        with pytest.raises((CheckpointCorruptError, OSError)) as ei:
+        with pytest.raises(OSError) as ei:  # (a CheckpointError is an OSError too)
             format_mod.read_mapped(fd, size, [(0, size, format_mod.byte_view(dst, size))], str(f), names=["t"])
     finally:
         os.close(fd)
     if when == "before the mapping":
-        assert "truncated" in str(ei.value)
+        assert isinstance(ei.value, CheckpointError) and ei.value.kind == "corrupt" and "truncated" in str(ei.value)
     else:
-        assert isinstance(ei.value, format_mod.TransferError) and ei.value.errno == errno.EFAULT
+        assert isinstance(ei.value, DiskError) and ei.value.kind == "transfer" and ei.value.errno == errno.EFAULT
 
 
 def test_what_is_not_a_checkpoint_is_said(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointNotFoundError, match="nothing there"):
+    with raises_kind(CheckpointError, "not_found", match="nothing there"):
         open_checkpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointNotFoundError, match="empty directory"):
+    with raises_kind(CheckpointError, "not_found", match="empty directory"):
         open_checkpoint(tmp_path / "empty")
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
-    with pytest.raises(CheckpointNotFoundError, match="torch.distributed.checkpoint"):
+    with raises_kind(CheckpointError, "not_found", match="torch.distributed.checkpoint"):
         open_checkpoint(tmp_path / "dcp")
     (tmp_path / ".ck.tmp-0123abcd").mkdir()
-    with pytest.raises(CheckpointIncompleteError, match="never finished"):
+    with raises_kind(CheckpointError, "incomplete", match="never finished"):
         open_checkpoint(tmp_path / ".ck.tmp-0123abcd")
 
 
@@ -403,9 +398,9 @@ def test_missing_manifest_is_incomplete(tmp_path: Path) -> None:
     _write(tmp_path / "ck", _tensors())
     (tmp_path / "ck" / MANIFEST_NAME).unlink()
     for fn in (open_checkpoint, read_manifest, verify, list_tensors):
-        with pytest.raises(CheckpointIncompleteError):
+        with raises_kind(CheckpointError, "incomplete"):
             fn(tmp_path / "ck")
-    with pytest.raises(CheckpointIncompleteError):
+    with raises_kind(CheckpointError, "incomplete"):
         set_latest(tmp_path / "ck")
 
 
@@ -415,7 +410,7 @@ def test_corrupt_manifest(tmp_path: Path) -> None:
     d = json.loads(mp.read_text())
     del d["files"]
     mp.write_text(json.dumps(d))
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with raises_kind(CheckpointError, "corrupt") as ei:
         read_manifest(tmp_path / "ck")
     assert ei.value.path == str(mp)
 
@@ -460,7 +455,7 @@ def test_leftovers_are_never_checkpoints_and_the_next_write_to_the_path_removes_
     os.rename(tmp_path / "staged", tmp_path / ".ck.tmp-0b0b0b0b0b0b")  # crashed just before its rename
     (tmp_path / ".ck.tmp-0c0c0c0c0c0c").mkdir()  # crashed earlier
     (tmp_path / ".other.tmp-0d0d0d0d0d0d").mkdir()  # another path's: not ours to remove
-    with pytest.raises(CheckpointNotFoundError):
+    with raises_kind(CheckpointError, "not_found"):
         open_checkpoint(tmp_path / "ck")
     _write(tmp_path / "ck", _tensors(3), version=3)
     assert sorted(x.name for x in tmp_path.iterdir()) == [".other.tmp-0d0d0d0d0d0d", "ck"]
@@ -516,7 +511,7 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
     verify(prev_path)
     _assert_same(open_checkpoint(tmp_path).read_tensors(), prev)
     assert _complete_siblings(p) == []
-    with pytest.raises(CheckpointNotFoundError):
+    with raises_kind(CheckpointError, "not_found"):
         open_checkpoint(p)
     # The next write to that path cleans the dead writer's leftovers.
     _write(p, _tensors(6), version=3)
@@ -530,7 +525,7 @@ def test_file_size_limit_efbig(tmp_path: Path) -> None:
     child = _run_child(
         f"""
         import json, resource, signal, sys, torch
-        from stateshift.errors import CheckpointWriteError
+        from stateshift.errors import CheckpointError
         from stateshift.checkpoint.directory import write_checkpoint
         from stateshift.checkpoint.format import Record as TensorRecord
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # so write() returns EFBIG instead of killing us
@@ -539,7 +534,9 @@ def test_file_size_limit_efbig(tmp_path: Path) -> None:
         try:
             write_checkpoint({str(p)!r}, {{"big.safetensors": [TensorRecord.from_tensor("big", big)]}},
                              backend="t", layout={{}}, version=2)
-        except CheckpointWriteError as e:
+        except CheckpointError as e:
+            if e.kind != "write":
+                raise
             print(json.dumps({{"errno": e.errno, "msg": str(e)}}))
         """
     )
@@ -582,7 +579,7 @@ def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
 
     # 1) Clearly too big: refused before a byte is written.
     huge = {"w": torch.zeros(8 << 20, dtype=torch.uint8)}
-    with pytest.raises(CheckpointWriteError, match="ENOSPC") as ei:
+    with raises_kind(CheckpointError, "write", match="ENOSPC") as ei:
         write_checkpoint(p, {"w.safetensors": _records(huge)}, backend="t", layout={}, version=2)
     assert ei.value.errno == errno.ENOSPC and "intact" in str(ei.value)
     assert _siblings(p) == []
@@ -606,7 +603,7 @@ def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
                 assert e.errno == errno.ENOSPC
 
     new = {"w": torch.randn(512 << 10)}  # 2 MiB, fits before the filler
-    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+    with raises_kind(CheckpointError, "write", match="no space left on device") as ei:
         write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2, progress=fill_disk)
     assert ei.value.errno == errno.ENOSPC
     assert "previous checkpoint" in str(ei.value) and "intact" in str(ei.value)
@@ -634,7 +631,7 @@ def test_pointer_write_failure_keeps_old_pointer(tiny_tmpfs: Path) -> None:
                 f.write(b"\0" * 4096)
         except OSError:
             pass
-    with pytest.raises(CheckpointWriteError, match="previous checkpoint"):
+    with raises_kind(CheckpointError, "write", match="previous checkpoint"):
         set_latest(tiny_tmpfs / "s2")
     assert read_latest(tiny_tmpfs) == tiny_tmpfs / "s1"
     assert [x for x in tiny_tmpfs.iterdir() if x.name.startswith(".")] == []
@@ -673,7 +670,7 @@ def test_disk_filling_during_data_write_names_file_and_tensor(tmp_path: Path, mo
     write_checkpoint(prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True)
     monkeypatch.setattr(format_mod, "CHUNK_BYTES", 64 << 10)
     _FillingDisk(monkeypatch, room=300 << 10)  # part-way through the 1 MiB tensor
-    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+    with raises_kind(CheckpointError, "write", match="no space left on device") as ei:
         write_checkpoint(p, {"w.safetensors": _records({"w": torch.randn(256 << 10)})}, backend="t", layout={}, version=2)
     assert ei.value.errno == errno.ENOSPC
     msg = str(ei.value)
@@ -697,7 +694,7 @@ def test_disk_filling_after_data_names_manifest(tmp_path: Path, monkeypatch: pyt
     def fill(_n: int) -> None:
         disk.room = 0  # another process takes the rest of the space once our data is out
 
-    with pytest.raises(CheckpointWriteError, match="no space left on device") as ei:
+    with raises_kind(CheckpointError, "write", match="no space left on device") as ei:
         write_checkpoint(p, {"w.safetensors": _records(new)}, backend="t", layout={}, version=2, progress=fill)
     msg = str(ei.value)
     assert ei.value.errno == errno.ENOSPC and f"'{MANIFEST_NAME}'" in msg, msg
@@ -713,7 +710,7 @@ def test_io_error_syncing_names_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(CheckpointWriteError, match="EIO") as ei:
+    with raises_kind(CheckpointError, "write", match="EIO") as ei:
         write_checkpoint(p, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={})
     assert ei.value.errno == errno.EIO and "'w.safetensors'" in str(ei.value)
     assert _siblings(p) == [] and not p.exists()

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 from helpers import make, warm
+from raises import raises_kind
 
 from stateshift import ModelState
 from stateshift.checkpoint import load, load_dcp, save, save_dcp, verify
 from stateshift.cli import main as cli
-from stateshift.errors import CheckpointCorruptError, CheckpointError
+from stateshift.errors import CheckpointError
 
 
 def _reseal(d: dict) -> dict:
@@ -101,12 +102,12 @@ def test_inspect_never_unpickles_dcp_metadata(evil_dcp, capsys):
 
 
 def test_load_dcp_refuses_pickle_metadata_unless_trusted(evil_dcp):
-    from stateshift.errors import CheckpointUntrustedError
+    from stateshift.errors import CheckpointError
 
     root, marker = evil_dcp
     model, opt = make("cpu", seed=1)
     warm(model, opt)
-    with pytest.raises(CheckpointUntrustedError, match="pickle.*trusted=True"):
+    with raises_kind(CheckpointError, "untrusted", match="pickle.*trusted=True"):
         load_dcp(root, model, opt)
     assert not marker.exists()
     assert "pickle" in load_dcp.__doc__ and "trusted" in load_dcp.__doc__
@@ -119,7 +120,7 @@ def test_load_dcp_verifies_metadata_checksum_before_opening_it(evil_dcp):
     _rewrite(root, lambda d: d["files"][".metadata"].update(bytes=meta.stat().st_size))
     model, opt = make("cpu", seed=1)
     warm(model, opt)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with raises_kind(CheckpointError, "corrupt") as ei:
         load_dcp(root, model, opt, trusted=True)
     assert ei.value.path == str(meta)
     assert not marker.exists()
@@ -162,7 +163,7 @@ def test_fifo_in_the_checkpoint_is_refused_without_hanging(ckpt, name, capsys):
     victim.unlink()
     os.mkfifo(victim)
     out = _in_thread(lambda: load(_state(1), ckpt), victim)
-    assert isinstance(out.get("error"), CheckpointCorruptError), out
+    assert isinstance(out.get("error"), CheckpointError) and out["error"].kind == "corrupt", out
     assert "not a regular file" in str(out["error"])
     out = _in_thread(lambda: _inspect(capsys, str(ckpt)), victim)
     rc, text = out["value"]
@@ -173,9 +174,9 @@ def test_symlinked_data_file_is_refused_even_when_its_bytes_are_right(ckpt, tmp_
     outside = tmp_path / "outside.safetensors"
     (ckpt / "params.safetensors").rename(outside)
     (ckpt / "params.safetensors").symlink_to(outside)
-    with pytest.raises(CheckpointCorruptError, match="symbolic link|not a regular file"):
+    with raises_kind(CheckpointError, "corrupt", match="symbolic link|not a regular file"):
         load(_state(1), ckpt)
-    with pytest.raises(CheckpointCorruptError, match="symbolic link|not a regular file"):
+    with raises_kind(CheckpointError, "corrupt", match="symbolic link|not a regular file"):
         verify(ckpt)
 
 
@@ -184,7 +185,7 @@ def test_no_bytes_of_a_file_outside_the_directory_reach_an_error(ckpt, tmp_path)
     secret.write_bytes(b"SECRET!!" + b"x" * 100)
     (ckpt / "params.safetensors").unlink()
     (ckpt / "params.safetensors").symlink_to(secret)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    with raises_kind(CheckpointError, "corrupt") as ei:
         load(_state(1), ckpt)
     leaked = str(struct.unpack("<Q", b"SECRET!!")[0])
     assert leaked not in str(ei.value) and "SECRET" not in str(ei.value)
@@ -196,12 +197,12 @@ def test_latest_naming_a_symlink_outside_the_root_is_refused(tmp_path, capsys):
     save(_state(), elsewhere / "step-1")
     (root / "step-1").symlink_to(elsewhere / "step-1")
     (root / "latest").write_text("step-1\n")
-    with pytest.raises(CheckpointError, match="symbolic link"):
+    with raises_kind(CheckpointError, "corrupt", match="symbolic link"):
         load(_state(1), root)
     rc, text = _inspect(capsys, str(root))
     assert rc == 1 and "symbolic link" in text
     (root / "latest").write_text("../elsewhere/step-1\n")
-    with pytest.raises(CheckpointCorruptError, match="latest"):
+    with raises_kind(CheckpointError, "corrupt", match="latest"):
         load(_state(1), root)
 
 
@@ -214,7 +215,7 @@ def test_oversized_manifest_is_refused_before_it_is_read(ckpt, capsys):
     limit = getattr(manifest_mod, "MAX_MANIFEST_BYTES", 64 << 20)
     with open(ckpt / "manifest.json", "r+b") as f:
         f.truncate(limit + 1)  # sparse: costs no disk
-    with pytest.raises(CheckpointCorruptError, match="larger than"):
+    with raises_kind(CheckpointError, "corrupt", match="larger than"):
         load(_state(1), ckpt)
     rc, text = _inspect(capsys, str(ckpt))
     assert rc == 1 and "larger than" in text
@@ -222,7 +223,7 @@ def test_oversized_manifest_is_refused_before_it_is_read(ckpt, capsys):
 
 def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(ckpt, capsys):
     (ckpt / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
-    with pytest.raises(CheckpointCorruptError, match="nested"):
+    with raises_kind(CheckpointError, "corrupt", match="nested"):
         load(_state(1), ckpt)
     rc, _ = _inspect(capsys, str(ckpt))
     assert rc == 1
@@ -237,7 +238,7 @@ def test_deeply_nested_meta_is_corrupt(ckpt):
         d["layout"]["ranks"][0]["groups"]["params"]["slots"][0]["members"][0]["meta"] = deep
 
     _rewrite(ckpt, mutate)
-    with pytest.raises(CheckpointCorruptError, match="nested"):
+    with raises_kind(CheckpointError, "corrupt", match="nested"):
         load(_state(1), ckpt)
 
 
@@ -246,7 +247,7 @@ def test_deeply_nested_safetensors_header_is_corrupt(ckpt):
     blob = b"[" * 200_000 + b"]" * 200_000
     f.write_bytes(struct.pack("<Q", len(blob)) + blob)
     _rewrite(ckpt, lambda d: d["files"]["buffers.safetensors"].update(bytes=f.stat().st_size))
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         load(_state(1), ckpt)
 
 
@@ -288,7 +289,7 @@ MALFORMED = {
 def test_malformed_manifest_field_is_a_typed_error_and_inspect_fails(ckpt, mutation, capsys):
     _rewrite(ckpt, MALFORMED[mutation])
     state = _state(1)
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         load(state, ckpt)
     rc, _ = _inspect(capsys, str(ckpt))
     assert rc == 1
@@ -298,7 +299,7 @@ def test_malformed_manifest_field_is_a_typed_error_and_inspect_fails(ckpt, mutat
 
 def test_manifest_that_is_not_an_object_is_corrupt(ckpt):
     (ckpt / "manifest.json").write_text("[1, 2]")
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         load(_state(1), ckpt)
 
 
@@ -308,7 +309,7 @@ def test_flipped_byte_in_the_manifest_is_caught(ckpt):
     i = raw.index(b'"stride"') + 3
     raw[i] ^= 0x01  # "stride" becomes another key
     mp.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         load(_state(1), ckpt)
 
 
@@ -322,7 +323,7 @@ def test_inspect_does_not_call_an_empty_directory_or_an_hf_export_incomplete(tmp
     export_hf(model, tmp_path / "hf")
     rc, text = _inspect(capsys, str(tmp_path / "hf"))
     assert rc == 1 and "Hugging Face" in text and "never finished" not in text
-    with pytest.raises(CheckpointError, match="Hugging Face"):
+    with raises_kind(CheckpointError, "not_found", match="Hugging Face"):
         load(_state(1), tmp_path / "hf")
 
 
@@ -351,11 +352,12 @@ def _dims(where: str, n: int, value: int = _HUGE):
     return mutate
 
 
-def _refused_everywhere(root: Path, capsys, error=CheckpointCorruptError) -> str:
-    """``load`` and ``verify`` raise ``error``; ``inspect`` (verifying or not) exits 1 with one line on stderr."""
-    with pytest.raises(error) as ei:
+def _refused_everywhere(root: Path, capsys, error=(CheckpointError, "corrupt")) -> str:
+    """``load`` and ``verify`` raise ``error`` (class, kind); ``inspect`` (verifying or not) exits 1 with one line
+    on stderr."""
+    with raises_kind(*error) as ei:
         load(_state(1), root)
-    with pytest.raises(error):
+    with raises_kind(*error):
         verify(root)
     for argv in ((str(root),), ("--no-verify", str(root))):
         assert cli(["inspect", *argv]) == 1
@@ -379,7 +381,7 @@ def test_manifest_with_a_million_dims_is_refused_in_under_a_second(ckpt, where, 
     state = _state(1)
     for fn in (verify, lambda root: load(state, root)):
         t0 = time.perf_counter()
-        with pytest.raises(CheckpointCorruptError, match="dimensions"):
+        with raises_kind(CheckpointError, "corrupt", match="dimensions"):
             fn(ckpt)
         assert time.perf_counter() - t0 < 1.0
 
@@ -395,7 +397,7 @@ def test_dcp_tensor_of_300_dims_of_2_61_is_a_typed_error(tmp_path, capsys):
     root = tmp_path / "dcp"
     save_dcp(root, model, opt)
     _rewrite(root, lambda d: next(iter(d["dcp_tensors"].values())).update(shape=[_HUGE] * 300))
-    with pytest.raises(CheckpointCorruptError):
+    with raises_kind(CheckpointError, "corrupt"):
         verify(root)
     for argv in ((str(root),), ("--no-verify", "--json", str(root))):
         assert cli(["inspect", *argv]) == 1
@@ -425,7 +427,7 @@ def test_safetensors_header_with_a_million_dims_is_refused_in_under_a_second(ckp
 
     _rewrite(ckpt, fix)
     t0 = time.perf_counter()
-    with pytest.raises(CheckpointCorruptError, match="dimensions"):
+    with raises_kind(CheckpointError, "corrupt", match="dimensions"):
         verify(ckpt)
     assert time.perf_counter() - t0 < 1.0
 

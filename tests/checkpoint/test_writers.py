@@ -17,13 +17,13 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from helpers import SRC, TESTS, capture, make
+from raises import raises_kind
 
 from stateshift import ModelState
 from stateshift.checkpoint import load, save, verify
-from stateshift.errors import CheckpointWriteError
+from stateshift.errors import CheckpointError
 
 ROUNDS = 100
 
@@ -144,7 +144,7 @@ def test_a_second_writer_finding_the_path_taken_at_its_rename_fails_typed(tmp_pa
         real(tmp, final)
 
     monkeypatch.setattr(commit_mod, "_rename", racing)
-    with pytest.raises(CheckpointWriteError, match="another writer"):
+    with raises_kind(CheckpointError, "write", match="another writer"):
         save(state, tmp_path / "ck", update_latest=True)
     assert verify(tmp_path / "ck").backend == "other"
     assert not (tmp_path / "latest").exists()

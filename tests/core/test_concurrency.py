@@ -15,8 +15,9 @@ import textwrap
 import pytest
 import torch
 from helpers import DEVICES, assert_isolated, make, warm
+from raises import raises_kind
 
-from stateshift import ModelState, OffloadedStateError, VerbInsideComputeError
+from stateshift import ModelState, StateError
 from stateshift.core.engine import core_of
 
 #: seconds the races run (three phases, a third each). The crash it guards against came within a second or two on the 2-core CI
@@ -33,7 +34,7 @@ _RACE = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from helpers import batch, lm_loss, make, warm
-    from stateshift import ModelState, OffloadedStateError
+    from stateshift import ModelState, StateError
 
     device = sys.argv[4]
     model, opt = make(device)
@@ -50,7 +51,9 @@ _RACE = textwrap.dedent(
             try:
                 with torch.no_grad():
                     got = model(ids)
-            except OffloadedStateError:
+            except StateError as e:
+                if e.kind != "offloaded":
+                    errors.append(repr(e)); return
                 counts["refused"] += 1
                 continue
             except Exception as e:
@@ -65,8 +68,9 @@ _RACE = textwrap.dedent(
             try:
                 opt.step()
                 counts["steps"] += 1
-            except OffloadedStateError:
-                pass
+            except StateError as e:
+                if e.kind != "offloaded":
+                    errors.append(repr(e)); return
             except Exception as e:
                 errors.append(repr(e)); return
 
@@ -77,8 +81,9 @@ _RACE = textwrap.dedent(
                 opt.zero_grad(set_to_none=True)  # (guarded: ordered against verbs; model.zero_grad() is not)
                 lm_loss(model, ids).backward()
                 counts["backwards"] += 1
-            except OffloadedStateError:
-                pass
+            except StateError as e:
+                if e.kind != "offloaded":
+                    errors.append(repr(e)); return
             except Exception as e:
                 errors.append(repr(e)); return
 
@@ -122,7 +127,7 @@ _RACE = textwrap.dedent(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_forwards_and_steps_against_offload_and_onload_in_another_thread_never_crash(device):
-    """Every forward returns the right values or raises ``OffloadedStateError``; every step runs or is refused
+    """Every forward returns the right values or raises ``StateError("offloaded")``; every step runs or is refused
     (on CUDA the crash was an illegal memory access: the process ends there too)."""
     assert_isolated(_RACE, "OK", args=(str(RACE_SECONDS), device), timeout=240)
 
@@ -173,7 +178,7 @@ def test_releasing_verb_from_inside_a_forward_on_the_same_thread_is_an_error_not
     model.go.set()
     state = ModelState(model)
     model.hook = lambda: getattr(state, verb)("params")
-    with pytest.raises(VerbInsideComputeError, match=rf"{verb}\(\) was called from inside forward"):
+    with raises_kind(StateError, "inside_compute", match=rf"{verb}\(\) was called from inside forward"):
         model(torch.ones(1, 4))
     assert state.residency()["params"] == {"device": 2, "host": 0, "dropped": 0}  # nothing changed
     model.hook = None
@@ -251,7 +256,7 @@ def test_a_forward_interrupted_by_a_base_exception_does_not_block_verbs():
         model(torch.ones(1, 4))
     model.hook = None
     state.offload()  # the reader left behind is found stale
-    with pytest.raises(OffloadedStateError):
+    with raises_kind(StateError, "offloaded"):
         model(torch.ones(1, 4))
     state.onload()
     model(torch.ones(1, 4))

@@ -13,8 +13,9 @@ import textwrap
 import pytest
 import torch
 from helpers import assert_isolated, assert_same, capture, live, make, perturb, train_step, warm
+from raises import raises_kind
 
-from stateshift import DiskTierError, ModelState
+from stateshift import DiskError, ModelState
 from stateshift.core import disk as disk_mod
 from stateshift.core.disk import DiskHome, sweep_stale
 from stateshift.core.engine import core_of
@@ -114,7 +115,7 @@ def test_no_disk_dir_is_a_typed_error_that_changes_nothing():
     model, opt = make()
     state = ModelState(model, opt)
     before = capture(state)
-    with pytest.raises(DiskTierError, match="disk_dir"):
+    with raises_kind(DiskError, "tier", match="disk_dir"):
         state.offload(to="disk")
     assert_same(capture(state), before)
     assert "disk" not in state.residency()["params"]  # no disk tier, three residencies
@@ -177,7 +178,7 @@ _FULL_DISK = textwrap.dedent(
     import resource, signal, sys, torch
     sys.path[:0] = sys.argv[1:3]
     from helpers import capture, make, warm, assert_same
-    from stateshift import DiskTierError, ModelState
+    from stateshift import DiskError, ModelState
     from stateshift.core.engine import core_of
     if sys.argv[4] == "buffered":  # the filesystem refuses O_DIRECT
         import errno, os
@@ -193,7 +194,9 @@ _FULL_DISK = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_FSIZE, (state.nbytes("params") // 2, resource.RLIM_INFINITY))
     try:
         state.offload(to="disk")
-    except DiskTierError as e:
+    except DiskError as e:
+        if e.kind != "tier":
+            raise
         assert "full" in str(e), e
     else:
         raise AssertionError("the disk offload did not fail")
@@ -245,7 +248,7 @@ def test_disk_snapshot_holds_its_values_and_restores_and_swaps_in_every_mix(tmp_
 
 def test_a_disk_snapshot_whose_last_slot_ends_before_its_layout_reads_back(tmp_path):
     """Regression: the last region of the file used to end at its last slot's byte, and reading the whole
-    part (its layout's padded total) ended early with DiskTierError."""
+    part (its layout's padded total) ended early with DiskError("tier")."""
     m = torch.nn.Module()
     m.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1023)), torch.nn.Parameter(torch.randn(5).half())])
     state = ModelState(m, disk_dir=tmp_path / "d")
@@ -259,7 +262,7 @@ def test_a_disk_snapshot_whose_last_slot_ends_before_its_layout_reads_back(tmp_p
 def test_a_disk_snapshot_needs_a_disk_dir():
     model, opt = make()
     state = ModelState(model, opt)
-    with pytest.raises(DiskTierError, match="disk_dir"):
+    with raises_kind(DiskError, "tier", match="disk_dir"):
         state.snapshot(tag="s", placement="disk")
 
 
@@ -291,14 +294,14 @@ def test_planner_puts_groups_on_the_host_while_the_budget_holds_then_on_disk(tmp
 
 
 def test_planner_fails_before_anything_when_a_group_fits_nowhere():
-    from stateshift import PoolBudgetError
+    from stateshift import BudgetError
     from stateshift.core.pool import HostPool
 
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt, pool=HostPool(budget_bytes=1024))
     before, residency = live(model, opt), state.residency()
-    with pytest.raises(PoolBudgetError, match="fits in neither"):
+    with raises_kind(BudgetError, "pool", match="fits in neither"):
         state.offload(to="auto")
     assert state.residency() == residency and core_of(state).pool.stats.in_use_bytes == 0
     assert_same(live(model, opt), before)

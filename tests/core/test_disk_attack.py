@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 from helpers import assert_same, capture, live, make, warm
+from raises import raises_kind
 
-from stateshift import DiskTierError, ModelState
+from stateshift import DiskError, ModelState
 from stateshift.core.engine import core_of
 
 
@@ -53,7 +54,7 @@ def test_a_failing_disk_snapshot_keeps_the_snapshot_it_would_replace(tmp_path, m
     old = state.snapshot(tag="pi_old", placement="disk")
     want = old.tensors()
     _fail_pwrite(monkeypatch, at=2)
-    with pytest.raises(DiskTierError, match="full"):
+    with raises_kind(DiskError, "tier", match="full"):
         state.snapshot(tag="pi_old", placement="disk")
     monkeypatch.undo()
     assert not old.released and core_of(state).snapshots.find("pi_old", None) is old
@@ -86,11 +87,12 @@ def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monke
 
 
 def _fails_at(verb, calls: list[int], at: int, what: str) -> None:
-    """``verb()`` raises ``DiskTierError`` once the faked call fails (its ``at``-th); if the verb makes fewer
+    """``verb()`` raises ``DiskError`` (kind ``"tier"``) once the faked call fails (its ``at``-th); if the verb makes fewer
     calls than that, it must not have failed, and the case does not apply (skipped, saying why)."""
     try:
         verb()
-    except DiskTierError:
+    except DiskError as e:
+        assert e.kind == "tier", e
         return
     assert calls[0] < at, f"{what} {calls[0]} times and did not fail"
     pytest.skip(f"{what} fewer than {at} times")
@@ -147,7 +149,7 @@ def test_an_onload_whose_disk_read_fails_changes_nothing(tmp_path, monkeypatch, 
     state.offload(["params", "optim"], to="disk")
     residency = state.residency()
     calls = _fail_preadv(monkeypatch, at=at)
-    with pytest.raises(DiskTierError, match="reading the disk home"):
+    with raises_kind(DiskError, "tier", match="reading the disk home"):
         state.onload()
     assert calls[0] >= at
     monkeypatch.undo()
@@ -167,7 +169,7 @@ def test_a_relayout_whose_disk_read_fails_loses_nothing(tmp_path, monkeypatch, a
     state.offload("params", to="disk")
     model.extra = torch.nn.Linear(64, 64)  # a new parameter (more than a disk block): the layout changes
     calls = _fail_preadv(monkeypatch, at=at)
-    with pytest.raises(DiskTierError):
+    with raises_kind(DiskError, "tier"):
         state.onload("params")
     assert calls[0] >= at
     monkeypatch.undo()

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from helpers import DEVICES, SMALL, assert_same, batch, build_model, capture, live, lm_loss, make, train_step, warm
+from raises import raises_kind
 
-from stateshift import (
-    LayoutMismatchError,
-    ModelState,
-    OffloadedStateError,
-    PinningUnavailableError,
-    PoolBudgetError,
-    ReleasedSnapshotError,
-    SnapshotBudgetError,
-    SwapActiveError,
-    UnknownGroupError,
-)
+from stateshift import BudgetError, LayoutError, ModelState, StateError
 from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 
@@ -53,11 +46,11 @@ def test_snapshot_from_another_model_is_refused(warmed, device, changes, tensor,
     other_model, other_state = _other(device, **changes)
     foreign = other_state.snapshot(tag="foreign")
     before = capture(state)
-    with pytest.raises(LayoutMismatchError) as info:
+    with raises_kind(LayoutError, "mismatch") as info:
         state.restore(foreign)
     assert info.value.tensor == tensor
     assert what in str(info.value)
-    with pytest.raises(LayoutMismatchError), state.swapped(foreign):
+    with raises_kind(LayoutError, "mismatch"), state.swapped(foreign):
         pass
     assert_same(capture(state), before)
 
@@ -75,14 +68,14 @@ def test_released_snapshot_is_refused(warmed):
     state.release(snap)
     before = capture(state)
     for use in (lambda: state.restore(snap), lambda: state.swapped(snap).__enter__(), snap.tensors, snap.wait):
-        with pytest.raises(ReleasedSnapshotError):
+        with raises_kind(StateError, "released"):
             use()
     assert_same(capture(state), before)
 
 
 def test_unknown_group_lists_valid_ones(warmed):
     model, opt, state = warmed
-    with pytest.raises(UnknownGroupError) as info:
+    with raises_kind(LayoutError, "unknown_group") as info:
         state.offload(["params", "optimizer"])
     assert "optimizer" in str(info.value) and "params, buffers, grads, optim" in str(info.value)
     assert state.residency()["params"]["host"] == 0  # nothing moved, not even params
@@ -92,7 +85,7 @@ def test_forward_while_offloaded_is_a_python_error(warmed):
     model, opt, state = warmed
     ids = batch(model.cfg, 0, device=next(model.parameters()).device)
     state.offload("params")
-    with pytest.raises(OffloadedStateError) as info:
+    with raises_kind(StateError, "offloaded") as info:
         model(ids)
     assert info.value.group == "params"
     state.onload("params")
@@ -103,9 +96,9 @@ def test_forward_with_offloaded_buffers_is_refused(warmed):
     model, opt, state = warmed
     ids = batch(model.cfg, 0, device=next(model.parameters()).device)
     state.offload("buffers")
-    with pytest.raises(OffloadedStateError) as info:
+    with raises_kind(StateError, "offloaded") as info:
         model(ids)
-    assert info.value.group == "buffers" and info.value.slot == "tokens_seen"
+    assert info.value.group == "buffers" and info.value.tensor == "tokens_seen"
 
 
 def test_backward_into_offloaded_grads_is_refused(warmed):
@@ -113,7 +106,7 @@ def test_backward_into_offloaded_grads_is_refused(warmed):
     ids = batch(model.cfg, 0, device=next(model.parameters()).device)
     state.drop("grads")
     loss = lm_loss(model, ids)
-    with pytest.raises(OffloadedStateError) as info:
+    with raises_kind(StateError, "offloaded") as info:
         loss.backward()
     assert info.value.group == "grads"
     state.onload("grads")
@@ -123,7 +116,7 @@ def test_backward_into_offloaded_grads_is_refused(warmed):
 def test_optimizer_step_with_offloaded_state_is_refused(warmed):
     model, opt, state = warmed
     state.offload("optim")
-    with pytest.raises(OffloadedStateError) as info:
+    with raises_kind(StateError, "offloaded") as info:
         opt.step()
     assert info.value.group == "optim"
     state.onload("optim")
@@ -134,7 +127,7 @@ def test_verbs_inside_swapped_on_the_same_groups_are_refused(warmed):
     model, opt, state = warmed
     snap = state.snapshot(tag="s")
     with state.swapped(snap):
-        with pytest.raises(SwapActiveError):
+        with raises_kind(StateError, "swap_active"):
             state.offload("params")
         state.offload("optim")  # other groups are free
         state.onload("optim")
@@ -153,10 +146,10 @@ def test_exception_inside_swapped_still_restores(warmed):
 def test_pinning_impossible_without_accelerator():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, so pinning is possible")
-    with pytest.raises(PinningUnavailableError):
+    with raises_kind(StateError, "no_pinning"):
         HostPool(pin=True)
     model = build_model(SMALL)
-    with pytest.raises(PinningUnavailableError):
+    with raises_kind(StateError, "no_pinning"):
         ModelState(model, pin=True)
 
 
@@ -168,7 +161,7 @@ def test_pool_budget_error_changes_nothing(device):
     probe.close()
     state = ModelState(model, opt, pool=HostPool(budget_bytes=fits))
     before = live(model, opt)
-    with pytest.raises(PoolBudgetError):
+    with raises_kind(BudgetError, "pool"):
         state.offload()
     assert all(c["host"] == 0 for c in state.residency().values())
     assert_same(live(model, opt), before)
@@ -180,7 +173,7 @@ def test_snapshot_budget(warmed):
     first = state.snapshot(tag="a")
     core_of(state).snapshots.budget_bytes = first.nbytes + 10
     state.snapshot(tag="a")  # replacing the same key fits
-    with pytest.raises(SnapshotBudgetError):
+    with raises_kind(BudgetError, "snapshot"):
         state.snapshot(tag="b")
     assert core_of(state).snapshots.keys() == [("a", None)]
 
@@ -216,22 +209,35 @@ def test_errors_of_the_trainer_keep_their_detail_through_pickling():
 
     from stateshift import StateShiftError
     from stateshift.errors import (
+        BudgetError,
+        CheckpointError,
         ConfigError,
-        LinkClosedError,
-        MetricsLogError,
-        RunDirBusyError,
-        ShapeError,
-        TransferError,
-        UsageError,
-        WeightSyncError,
+        DiskError,
+        LayoutError,
+        ObjectError,
+        RunError,
+        StateError,
+        SyncError,
     )
 
-    errors = [ConfigError("trainer.lr", "must be > 0"), WeightSyncError("head.weight", " is not in the rollout model"),
-              MetricsLogError("run/metrics.jsonl", 3, "not JSON"), RunDirBusyError("run"),
-              TransferError(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
-              LinkClosedError("gone"), UsageError("--device"), ShapeError("shape")]
+    errors = [ConfigError("config", "must be > 0", key="trainer.lr"),
+              ConfigError("weight_sync", "not in the rollout model", name="head.weight"),
+              ConfigError("metrics_log", "not JSON",
+                          path="run/metrics.jsonl", line=3), RunError("run_dir_busy",
+                                                                                                 path="run"),
+              DiskError.from_os_error(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
+              RunError("link_closed", "gone"), ConfigError("usage", "--device"), LayoutError("shape", "shape"),
+              CheckpointError("read", "EIO", path="ck/params.safetensors", errno=5, tensor="w"),
+              CheckpointError("not_found", "nothing there", path="ck"), DiskError("tier", "no disk_dir"),
+              StateError("offloaded", "forward", group="params", tensor="w", residency="host"),
+              ObjectError("snapshot_handle", "not a handle", function="restore", got="dict"),
+              BudgetError("sync", "budget", holders=(("r", 1),)),
+              SyncError("receiver_lost", receiver="r", version=1, cause="died")]
     for err in errors:
         back = pickle.loads(pickle.dumps(err))
-        assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
+        assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err) and back.kind == err.kind
         assert isinstance(back, StateShiftError)
+        if isinstance(err, OSError):
+            assert (back.errno, back.strerror, back.filename) == (err.errno, err.strerror, err.filename)
     assert isinstance(errors[4], OSError) and pickle.loads(pickle.dumps(errors[4])).errno == 28
+    assert errors[9].errno == errno.ENOENT and str(errors[9]) == "no stateshift checkpoint at 'ck': nothing there"

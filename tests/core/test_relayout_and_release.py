@@ -75,7 +75,7 @@ def test_an_offload_after_numpy_refuses_before_anything_moves():
     """``t.numpy()`` (e.g. logging a parameter) marks its storage non-resizable. The slot cached
     ``releasable`` at an earlier offload; were that trusted, the next offload would release the weight, then
     raise on the bias, leaving the weight's storage released with residency ``device`` and every later verb
-    raising ``ForeignStateError``. Resizability is asked at each verb, so the offload refuses before
+    raising ``StateError("foreign")``. Resizability is asked at each verb, so the offload refuses before
     anything moves."""
     model = torch.nn.Linear(4, 4)
     want = {k: v.clone() for k, v in model.state_dict().items()}

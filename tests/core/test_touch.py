@@ -17,9 +17,10 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from helpers import DEVICES, make, run_isolated, warm
+from raises import raises_kind
 from torch import nn
 
-from stateshift import ModelState, OffloadedStateError
+from stateshift import ModelState, StateError
 from stateshift.core import touch
 
 _TOUCHES = textwrap.dedent(
@@ -29,7 +30,7 @@ _TOUCHES = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from helpers import batch, lm_loss, make, warm
-    from stateshift import ModelState, OffloadedStateError
+    from stateshift import ModelState, StateError
     from stateshift.core import touch
 
     dev = sys.argv[4]
@@ -91,8 +92,10 @@ _TOUCHES = textwrap.dedent(
         try:
             fn(model, opt, state)
             print("RESULT", name, "|", "no error", flush=True)
-        except OffloadedStateError as e:
-            print("RESULT", name, "|", "raised" if e.group == group else f"named {e.group}", flush=True)
+        except StateError as e:
+            ok = e.kind == "offloaded"
+            print("RESULT", name, "|", ("raised" if e.group == group else f"named {e.group}") if ok else f"other: {e!r}",
+                  flush=True)
         except Exception as e:
             print("RESULT", name, "|", "other:", repr(e)[:200], flush=True)
         state.close()
@@ -192,7 +195,7 @@ def test_a_refused_touch_changes_nothing_and_other_states_are_not_affected():
     state, _ = ModelState(model, opt), ModelState(other)
     want = model.tok.weight.detach().clone()
     state.offload("params")
-    with pytest.raises(OffloadedStateError, match="params"), torch.no_grad():
+    with raises_kind(StateError, "offloaded", match="params"), torch.no_grad():
         model.tok.weight.add_(1.0)
     other.tok.weight.sum()  # another state's resident tensors: no error
     torch.ones(3).add_(1.0)  # nor any other tensor's
@@ -260,8 +263,8 @@ def _fsdp2_touches(rank: int, world: int) -> dict[str, str]:
         try:
             fn(sd)
             out[name] = "no error"
-        except OffloadedStateError as e:
-            out[name] = "raised" if e.group == group else f"named {e.group}"
+        except StateError as e:
+            out[name] = ("raised" if e.group == group else f"named {e.group}") if e.kind == "offloaded" else repr(e)
         state.onload()
     model(torch.ones(4, 8)).sum().backward()  # and training goes on
     return out

@@ -16,8 +16,9 @@ import torch
 from fakes.mcore import fake_train_step
 from fakes.mcore.setups import _x, after_steps
 from helpers import assert_isolated, assert_same, capture, live, make, run_isolated, train_step, warm
+from raises import raises_kind
 
-from stateshift import ModelState, SnapshotBudgetError, SwapActiveError
+from stateshift import BudgetError, ModelState, StateError
 from stateshift.checkpoint import async_save
 from stateshift.core.engine import core_of
 
@@ -35,7 +36,7 @@ def _storages(state: ModelState) -> dict[str, int]:
 def test_close_leaves_no_released_storage_behind():
     """``drop("grads")`` then ``close()``: the grads' storage stays at 0 bytes with the guards removed, so the
     next ``zero_grad(set_to_none=False)`` or backward segfaults (checked in a subprocess), and a new
-    ``ModelState`` on the same model raises ``ForeignStateError``."""
+    ``ModelState`` on the same model raises ``StateError("foreign")``."""
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt)
@@ -69,14 +70,14 @@ def test_close_inside_swapped_keeps_the_current_values():
     state.close()  # e.g. an exception handler closing the state while pi_old is swapped in
     try:
         ctx.__exit__(None, None, None)
-    except Exception:  # noqa: BLE001 - today: ClosedStateError from the exit
+    except Exception:  # noqa: BLE001 - today: StateError("closed") from the exit
         pass
     assert_same(live(model, opt), want)
 
 
 def test_wait_after_close_reports_the_write(tmp_path):
     """An async save whose writer finished before ``close()`` is durable, yet ``wait()`` raises the
-    ``ClosedStateError`` of its own clean-up (``SaveHandle._release`` calls ``state.release``)."""
+    ``StateError("closed")`` of its own clean-up (``SaveHandle._release`` calls ``state.release``)."""
     model, opt = make()
     warm(model, opt)
     state = ModelState(model, opt)
@@ -94,13 +95,13 @@ def test_wait_after_close_reports_the_write(tmp_path):
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 def test_refused_forward_changes_nothing(backend):
     """The guards check each module's own tensors in its own forward pre-hook, so a forward with some
-    params offloaded runs the modules before the first offloaded one, then raises ``OffloadedStateError``:
+    params offloaded runs the modules before the first offloaded one, then raises ``StateError("offloaded")``:
     buffers updated in forward have changed (the built-in model's ``tokens_seen``; the MoE router's
     ``local_tokens_per_expert``, whose counts set ``expert_bias`` at the next step). A retry after
     ``onload`` counts twice. (The FSDP2 backend checks the whole tree before the root's forward.)"""
     from helpers import batch
 
-    from stateshift import OffloadedStateError
+    from stateshift import StateError
 
     if backend == "torch":
         model, opt = make()
@@ -114,7 +115,7 @@ def test_refused_forward_changes_nothing(backend):
         state.offload("params", only=lambda n: ".experts." in n)
         run = lambda: model(_x(1))  # noqa: E731
     before = capture(state)
-    with pytest.raises(OffloadedStateError):
+    with raises_kind(StateError, "offloaded"):
         run()
     assert_same(capture(state), before)
 
@@ -133,8 +134,8 @@ def test_snapshot_budget_counts_what_it_checks():
     for tag in ("a", "b", "c"):
         try:
             state.snapshot("params", tag=tag, placement="device")
-        except SnapshotBudgetError:
-            pass
+        except BudgetError as e:
+            assert e.kind == "snapshot", e
         assert core_of(state).snapshots.nbytes <= core_of(state).snapshots.budget_bytes, f"store holds {core_of(state).snapshots.nbytes} bytes"
 
 
@@ -190,11 +191,11 @@ def test_nested_swap_exit_keeps_the_outer_rebuild_reads():
     plugin = state.backends[1].rebuild_plugin()
     assert plugin.available() is None
     with state.swapped(pi_old, rebuild={"params": plugin}):
-        with pytest.raises(SwapActiveError):
+        with raises_kind(StateError, "swap_active"):
             state.drop("optim")  # refused: the rebuild reads the masters
         with state.swapped(bufs):
             pass
-        with pytest.raises(SwapActiveError):
+        with raises_kind(StateError, "swap_active"):
             state.drop("optim")  # must still be refused
 
 
@@ -228,7 +229,7 @@ def test_swapped_over_megatron_offloaded_params_keeps_megatrons_copy():
     exit's ``prepare`` is enough) sets ``param_data_cpu = None``, while the engine still relies on it
     and releases the storage again on exit. Megatron's ``reload_from_cpu`` then brings nothing back,
     ``close()`` leaves the params released (their only copy dies with the closed state) and a new
-    ``ModelState`` raises ``ForeignStateError``."""
+    ``ModelState`` raises ``StateError("foreign")``."""
     ddp, opt = after_steps("distrib")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
@@ -310,7 +311,7 @@ def test_optimizer_step_inside_swapped_is_refused(how):
     """Found: with ``rebuild={"params": plugin}`` an optimizer step inside ``swapped(pi_old)`` came back in
     the params (the cast of the stepped masters) while with the stash it was discarded: one sequence, two
     models. Either way the step updated the optimizer from pi_old's params. A step while its params are
-    swapped now raises ``SwapActiveError`` before it runs, and the exit gives back the params as they were."""
+    swapped now raises ``StateError("swap_active")`` before it runs, and the exit gives back the params as they were."""
     ddp, opt = after_steps("dense_float16")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
@@ -318,7 +319,7 @@ def test_optimizer_step_inside_swapped_is_refused(how):
     before = capture(state, ["params", "optim"])
     plugin = state.backends[1].rebuild_plugin()
     rebuild = {"params": plugin} if how == "rebuild" else None
-    with state.swapped(pi_old, rebuild=rebuild), pytest.raises(SwapActiveError, match="optimizer"):
+    with state.swapped(pi_old, rebuild=rebuild), raises_kind(StateError, "swap_active", match="optimizer"):
         fake_train_step(ddp, opt, _x(4))
     assert_same(capture(state, ["params", "optim"]), before)
 
@@ -330,14 +331,14 @@ def test_torch_optimizer_step_inside_swapped_is_refused():
     pi_old = state.snapshot(["params"], tag="pi_old")
     train_step(model, opt, 1)
     before = capture(state, ["params", "optim"])
-    with state.swapped(pi_old), pytest.raises(SwapActiveError, match="optimizer.step"):
+    with state.swapped(pi_old), raises_kind(StateError, "swap_active", match="optimizer.step"):
         train_step(model, opt, 2)
     assert_same(capture(state, ["params", "optim"]), before)
     train_step(model, opt, 2)  # after the context: allowed
 def test_restore_of_what_a_rebuild_reads_is_refused():
     """The machine stepped around this one: a ``restore`` (or ``load``) of ``optim`` inside a
     ``swapped(..., rebuild=...)`` changed the masters the exit recomputes the params from, so the
-    context gave back other params than it took. It is refused like ``drop`` (``SwapActiveError``)."""
+    context gave back other params than it took. It is refused like ``drop`` (``StateError("swap_active")``)."""
     ddp, opt = after_steps("dense_float16")
     state = ModelState(ddp, opt)
     pi_old = state.snapshot(["params"], tag="pi_old")
@@ -346,7 +347,7 @@ def test_restore_of_what_a_rebuild_reads_is_refused():
     before = capture(state, ["params", "optim"])
     plugin = state.backends[1].rebuild_plugin()
     assert plugin.available() is None
-    with state.swapped(pi_old, rebuild={"params": plugin}), pytest.raises(SwapActiveError, match="rebuild"):
+    with state.swapped(pi_old, rebuild={"params": plugin}), raises_kind(StateError, "swap_active", match="rebuild"):
         state.restore(masters)
     assert_same(capture(state, ["params", "optim"]), before)
 
@@ -356,7 +357,6 @@ def test_check_restore_raises_what_restore_would():
     on one rank after the agreement left the ranks with different models (seen in review while taking out
     the machine's step-around for FSDP2 loads under a budget). Every rank now asks ``check_restore`` inside
     the agreement; it refuses what ``restore`` would, changing nothing."""
-    from stateshift import PoolBudgetError
 
     model, opt = make()
     warm(model, opt)
@@ -369,9 +369,9 @@ def test_check_restore_raises_what_restore_would():
     before = capture(state, ["params"])
     core_of(state).check_restore(snap)  # room enough: no error
     core_of(state).pool.budget_bytes = core_of(state).pool.stats.in_use_bytes  # a restore needs a private home: no room
-    with pytest.raises(PoolBudgetError):
+    with raises_kind(BudgetError, "pool"):
         core_of(state).check_restore(snap)
-    with pytest.raises(PoolBudgetError):
+    with raises_kind(BudgetError, "pool"):
         state.restore(snap)
     core_of(state).pool.budget_bytes = None
     assert_same(capture(state, ["params"]), before)
@@ -400,7 +400,7 @@ def save_with_a_budget_error_on_one_rank(rank, world, path):
         took = round(time.monotonic() - t0, 1)
         if rank == 1:
             time.sleep(2)  # it carries on (a rank that exits would close the connection and free the others)
-        return type(e).__name__, took, str(e)[:200]
+        return f"{type(e).__name__}({getattr(e, 'kind', '')})", took, str(e)[:200]
     return "saved", round(time.monotonic() - t0, 1), ""
 
 
@@ -413,7 +413,7 @@ def test_distributed_save_failing_on_one_rank_does_not_hang_the_others(tmp_path)
     from dist_harness import run_distributed
 
     results = run_distributed(save_with_a_budget_error_on_one_rank, 2, args=(str(tmp_path / "c"),), timeout=20, grace=1)
-    assert results[1][0] == "SnapshotBudgetError" and results[0][0] != "saved", results
+    assert results[1][0] == "BudgetError(snapshot)" and results[0][0] != "saved", results
     # rank 1 carries on for 2 s after its error; rank 0 must not wait for it (nor for the process group's timeout)
     assert results[0][1] < 1.5, f"rank 0 waited {results[0][1]} s, then: {results[0][0]}: {results[0][2]}"
 

@@ -21,6 +21,7 @@ for _p in (_TESTS, _TESTS / "backends", _TESTS.parent / "benchmarks"):
 
 import test_fsdp2 as F  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
+from raises import raises_kind  # noqa: E402
 from verl_sequence import compare, fsdp2_fns, reference_fns, run_sequence, weights  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,7 @@ def round_trips(rank, world, device="cpu", policies=(False, True)):
 
 def handle_errors(rank, world, device="cpu"):
     import stateshift.integrations.verl as V
-    from stateshift import LayoutMismatchError, SnapshotHandleError
+    from stateshift.errors import LayoutError, ObjectError
 
     F.setup_device(rank, device)
     mesh = F.make_mesh(device, world)
@@ -90,13 +91,13 @@ def handle_errors(rank, world, device="cpu"):
     for bad in (verl_like, None, (handle, spec)):
         try:
             V.fsdp2_sharded_load_from_cpu(model, bad, spec)
-        except SnapshotHandleError as e:
-            errors.append(e.function)
+        except ObjectError as e:
+            errors.append(e.function if e.kind == "snapshot_handle" else repr(e))
     other = F.mesh_1d(device, world, names=("other",))
     try:
         V.fsdp2_sharded_load_from_cpu(model, handle, type("Spec", (), {"device_mesh": other})())
-    except LayoutMismatchError:
-        errors.append("mesh")
+    except LayoutError as e:
+        errors.append("mesh" if e.kind == "mismatch" else repr(e))
     F.assert_same(_model_values(model, opt), before, "after refused loads")
     return errors
 
@@ -200,12 +201,12 @@ def test_fully_async_sequence_equals_a_reference_2_ranks():
 
 def test_fsdp1_without_install_is_a_backend_error():
     import stateshift.integrations.verl as V
-    from stateshift import BackendError
+    from stateshift import ObjectError
 
     class FullyShardedDataParallel(torch.nn.Module):  # recognised by class name, as verl's fsdp_version does by type
         pass
 
-    with pytest.raises(BackendError, match="FSDP1"):
+    with raises_kind(ObjectError, "backend", match="FSDP1"):
         V.offload_fsdp_model_to_cpu(FullyShardedDataParallel())
     assert os.environ.get("RANK") is None
 

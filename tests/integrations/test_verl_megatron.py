@@ -20,10 +20,11 @@ from fakes.mcore.setups import _x, after_steps
 from helpers import one_torch_thread
 
 import stateshift.integrations.verl as V
-from stateshift import LayoutMismatchError, OffloadedStateError, SnapshotHandleError
+from stateshift import LayoutError, ObjectError, StateError
 from stateshift.integrations.verl.registry import take
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from raises import raises_kind
 from verl_sequence import compare, megatron_fns, megatron_native_offload, reference_fns, run_sequence, weights
 
 from stateshift.core.engine import core_of
@@ -80,7 +81,7 @@ def test_offload_then_load_gives_the_same_values_and_zeroed_grads(config, reside
     V.offload_megatron_model_to_cpu(models)  # offloading again in any residency is fine
     assert all(b.param_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
     assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in bufs(ddp))
-    with pytest.raises(OffloadedStateError):
+    with raises_kind(StateError, "offloaded"):
         ddp(_x(0))
     V.load_megatron_model_to_gpu(models)
     assert_same(weights(models), truth, residency)
@@ -164,7 +165,7 @@ def test_restore_refuses_what_is_not_its_handle_and_changes_nothing():
     cases = [({"model_chunk_0": {"buffer_states": [], "is_ddp": True}}, "dict"), (foreign, "another model"),
              (fsdp_kind, "fsdp2 handle"), (released, "released"), (None, "nothing")]
     for bad, what in cases:
-        with pytest.raises(SnapshotHandleError) as err:
+        with raises_kind(ObjectError, "snapshot_handle") as err:
             V.restore_megatron_model_from_cpu(models, bad)
         assert err.value.function == "restore_megatron_model_from_cpu", what
         assert isinstance(err.value, TypeError)
@@ -178,7 +179,7 @@ def test_a_rebuilt_model_gets_a_new_state_and_refuses_the_old_handles():
     rebuilt, _ = after_steps("dense_float16", 1)
     assert V.model_state([rebuilt]) is not old_state
     assert V.model_state([ddp]) is old_state  # found again from the same objects
-    with pytest.raises(SnapshotHandleError, match="another model"):
+    with raises_kind(ObjectError, "snapshot_handle", match="another model"):
         V.restore_megatron_model_from_cpu([rebuilt], handle)
 
 
@@ -188,7 +189,7 @@ def test_a_changed_layout_is_a_layout_error_naming_the_tensor():
     build_fake_optimizer(ddp, "float16")
     handle = V.copy_megatron_model_to_cpu([ddp])
     ddp.module.module.register_buffer("extra", torch.zeros(3))
-    with pytest.raises(LayoutMismatchError):
+    with raises_kind(LayoutError, "mismatch"):
         V.restore_megatron_model_from_cpu([ddp], handle)
 
 
@@ -379,13 +380,13 @@ def test_the_same_first_chunk_with_other_chunks_closes_the_old_state_with_a_warn
         new = V.model_state([ddp, second])
     assert old.closed and new is not old
     assert_same(weights([ddp]), truth)  # closing brought the offloaded values back
-    with pytest.raises(SnapshotHandleError, match="closed"):
+    with raises_kind(ObjectError, "snapshot_handle", match="closed"):
         V.restore_megatron_model_from_cpu([ddp, second], handle)
 
 
 def test_an_offload_that_cannot_get_host_memory_changes_nothing():
-    """The pool's budget is too small for the params: ``PoolBudgetError``, and the model (grads too) is as it was."""
-    from stateshift import PoolBudgetError
+    """The pool's budget is too small for the params: ``BudgetError("pool")``, and the model (grads too) is as it was."""
+    from stateshift import BudgetError
 
     ddp, opt = after_steps("distrib_ep", 1)
     models = [ddp]
@@ -393,7 +394,7 @@ def test_an_offload_that_cannot_get_host_memory_changes_nothing():
     truth = weights(models)
     grads = [b.grad_data.clone() for b in bufs(ddp)]
     core_of(state).pool.budget_bytes = 16
-    with pytest.raises(PoolBudgetError):
+    with raises_kind(BudgetError, "pool"):
         V.offload_megatron_model_to_cpu(models)
     assert all(c["host"] == 0 and c["dropped"] == 0 for c in state.residency().values())
     assert_same(weights(models), truth)

@@ -10,8 +10,9 @@ import torch
 from fakes.mcore import FakeDenseModel, build_fake_ddp, build_fake_optimizer, fake_train_step
 from fakes.mcore.setups import _x, build, pretend_cuda_engine
 from helpers import SMALL, batch, make, one_torch_thread, train_step
+from raises import raises_kind
 
-from stateshift import DiskTierError, ModelState, UnknownGroupError
+from stateshift import DiskError, LayoutError, ModelState
 from stateshift.backends.megatron import MasterRebuild
 from stateshift.core.engine import core_of
 from stateshift.rl import PiOldCycle, Rebuild, default_groups, find_rebuild
@@ -121,9 +122,9 @@ def test_bad_arguments_are_refused():
     state = ModelState(model, opt)
     with pytest.raises(ValueError, match="placement"):
         PiOldCycle(state, placement="gpu")  # type: ignore[arg-type]  ("disk" is a placement since the disk tier)
-    with pytest.raises(DiskTierError, match="disk_dir"):
+    with raises_kind(DiskError, "tier", match="disk_dir"):
         PiOldCycle(state, placement="disk")  # but only for a state with a disk tier
-    with pytest.raises(UnknownGroupError):
+    with raises_kind(LayoutError, "unknown_group"):
         PiOldCycle(state, groups=["params", "weights"])
     with pytest.raises(TypeError, match="Rebuild"):
         PiOldCycle(state, rebuild=lambda: None)  # type: ignore[arg-type]
@@ -319,7 +320,7 @@ def test_data_parallel_ranks_agree_to_rebuild_when_one_has_no_room_for_a_stash()
 
 def test_host_placement_counts_the_swaps_host_stash_against_the_pool_budget(tmp_path):
     """pi_old fits the pool's budget but pi_old and a host stash of the current weights do not: ``auto``
-    goes to disk (it chose host, and the first swap raised ``PoolBudgetError``)."""
+    goes to disk (it chose host, and the first swap raised ``BudgetError("pool")``)."""
     from stateshift.core.pool import HostPool
 
     model = make()[0]
@@ -335,13 +336,13 @@ def test_host_placement_counts_the_swaps_host_stash_against_the_pool_budget(tmp_
 
 
 def test_a_begin_that_fails_counts_nothing():
-    from stateshift import PoolBudgetError
+    from stateshift import BudgetError
     from stateshift.core.pool import HostPool
 
     model = make()[0]
     state = ModelState(model, pool=HostPool(budget_bytes=100))
     cycle = PiOldCycle(state, placement="host")
-    with pytest.raises(PoolBudgetError):
+    with raises_kind(BudgetError, "pool"):
         cycle.begin()
     assert cycle.stats.as_dict() == PiOldCycle(state).stats.as_dict()  # nothing counted
 

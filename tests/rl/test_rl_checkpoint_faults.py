@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from raises import raises_kind
 from rl.rlkit import tiny
 
 from stateshift.train.checkpointing import SIDECAR
@@ -50,7 +51,7 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     """A run killed inside the write of a step's record: the resumed log keeps the records up to the checkpoint."""
     import json
 
-    from stateshift.errors import MetricsLogError
+    from stateshift.errors import ConfigError
     from stateshift.train.metrics import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
@@ -60,10 +61,10 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
     assert [r["step"] for r in log.records] == [1, 2]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     path.write_text('{"step": 1, "lo\n{"step": 2}\n')  # not the last line: the file is damaged, not cut short
-    with pytest.raises(MetricsLogError, match="line 1: not JSON"):
+    with raises_kind(ConfigError, "metrics_log", match="line 1: not JSON"):
         MetricsLog(tmp_path, tensorboard=False, resume_step=2)
     path.write_text('[1]\n{"step": 2}\n')
-    with pytest.raises(MetricsLogError, match="line 1: not a step record"):
+    with raises_kind(ConfigError, "metrics_log", match="line 1: not a step record"):
         MetricsLog(tmp_path, tensorboard=False, resume_step=2)
 
 

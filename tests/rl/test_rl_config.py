@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
+from raises import raises_kind
 
 from stateshift.cli import main
 from stateshift.errors import ConfigError
@@ -15,7 +16,7 @@ from stateshift.train.config import TrainConfig, field_docs, resolve
 
 
 def test_unknown_key_fails_naming_it(capsys):
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, ["trainer.learning_rate=1e-3"])
     assert info.value.key == "trainer.learning_rate"
     assert main(["train", "rollout.nn=8"]) == 2
@@ -36,7 +37,7 @@ def test_unknown_key_fails_naming_it(capsys):
     ("trainer=1", "trainer"),
 ])
 def test_bad_values_name_the_key(override, key):
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, [override])
     assert info.value.key == key, str(info.value)
 
@@ -53,7 +54,7 @@ def test_bad_values_name_the_key(override, key):
     (["task.warmup_max_terms=100"], "task.warmup_max_terms"),
 ])
 def test_bad_combinations_name_the_key(overrides, key):
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, overrides)
     assert info.value.key == key, str(info.value)
 
@@ -64,7 +65,7 @@ def test_yaml_then_overrides(tmp_path):
     cfg = resolve(path, ["trainer.lr=1e-3", "rollout.n=8", "async_training.max_lag=null"])
     assert (cfg.trainer.lr, cfg.trainer.old_logprob, cfg.rollout.n, cfg.async_training.max_lag) == (1e-3, "proximal", 8, None)
     path.write_text("trainer:\n  lrr: 1\n")
-    with pytest.raises(ConfigError, match="trainer.lrr"):
+    with raises_kind(ConfigError, "config", match="trainer.lrr"):
         resolve(path)
 
 
@@ -128,12 +129,12 @@ def test_resume_arguments_are_checked(tmp_path, capsys):
 
 def test_executor_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: the import system finds no ray
-    with pytest.raises(ConfigError, match=r"pip install 'stateshift\[ray\]'") as info:
+    with raises_kind(ConfigError, "config", match=r"pip install 'stateshift\[ray\]'") as info:
         resolve(None, ["executor=ray"])
     assert info.value.key == "executor"
     assert main(["train", "executor=ray", "trainer.steps=1"]) == 2
     assert "stateshift[ray]" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="must be one of \\['auto', 'inprocess', 'process', 'ray'\\]"):
+    with raises_kind(ConfigError, "config", match="must be one of \\['auto', 'inprocess', 'process', 'ray'\\]"):
         resolve(None, ["executor=dask"])
 
 
@@ -157,13 +158,13 @@ def test_executor_ray_takes_every_family_and_the_gpu(override, monkeypatch):
     ("trainer.lr=" + "9" * 400, "trainer.lr"),
 ])
 def test_non_finite_numbers_are_refused_naming_the_key(override, key, tmp_path):
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, [override])
     assert info.value.key == key, str(info.value)
     section, name = key.split(".")
     path = tmp_path / "c.yaml"
     path.write_text(f"{section}:\n  {name}: {override.partition('=')[2]}\n")
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(path)
     assert info.value.key == key
 
@@ -210,17 +211,17 @@ def test_yaml_bomb_under_a_known_key_is_refused_quickly_in_bounded_memory(tmp_pa
 def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("trainer:\n  steps: [" + ", ".join(["12345678"] * 100_000) + "]\n")
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(path)
     assert info.value.key == "trainer.steps" and len(str(info.value)) < 400
     path.write_text("trainer:\n  lr: " + "[" * 20_000 + "]" * 20_000 + "\n")
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(path)
     assert len(str(info.value)) < 400
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, ["trainer." + "k" * 100_000 + "=1"])
     assert len(str(info.value)) < 600  # the bounded key, and the section's known keys (bounded by the schema)
-    with pytest.raises(ConfigError) as info:
+    with raises_kind(ConfigError, "config") as info:
         resolve(None, ["trainer.old_logprob=" + "x" * 100_000])
     assert len(str(info.value)) < 400
 
@@ -228,11 +229,11 @@ def test_error_messages_are_formatted_from_bounded_reprs(tmp_path):
 def test_executor_auto_is_the_thread_executor_on_the_cpu_and_rollout_device_is_checked():
     assert resolve(None, []).executor == "inprocess"
     assert resolve(None, ["executor=process"]).executor == "process"
-    with pytest.raises(ConfigError, match="executor=process only") as info:
+    with raises_kind(ConfigError, "config", match="executor=process only") as info:
         resolve(None, ["rollout.device=cuda:1"])
     assert info.value.key == "rollout.device"
-    with pytest.raises(ConfigError, match="run.device's kind") as info:
+    with raises_kind(ConfigError, "config", match="run.device's kind") as info:
         resolve(None, ["executor=process", "rollout.device=cuda:1"])
     assert info.value.key == "rollout.device"
-    with pytest.raises(ConfigError, match="'cuda:N'"):
+    with raises_kind(ConfigError, "config", match="'cuda:N'"):
         resolve(None, ["executor=process", "rollout.device=tpu"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stateshift.errors import ConfigError, DataFileError, ModelDirError, RewardError
+from stateshift.errors import ConfigError, RunError
 from stateshift.train.build import build_task
 from stateshift.train.config import field_docs, resolve
 from stateshift.train.reward import Reward, final_number, load_reward_fn
@@ -18,6 +18,7 @@ from stateshift.train.reward import Reward, final_number, load_reward_fn
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import train_on_files as example  # noqa: E402
+from raises import raises_kind  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_overlong_prompts_are_skipped_counted_and_warned_never_truncated(assets,
     assert task.skipped_long == {"train": 1, "heldout": 0} and task.n_train == 1
     assert all(len(task.prompt(i)) <= 16 for i in range(len(task.rows)))
     only_long = write_jsonl(tmp_path / "l.jsonl", [json.dumps({"prompt": long})])
-    with pytest.warns(UserWarning), pytest.raises(DataFileError, match="every prompt is longer") as err:
+    with pytest.warns(UserWarning), raises_kind(ConfigError, "data_file", match="every prompt is longer") as err:
         build_task(file_cfg(assets, tmp_path, f"task.train_path={only_long}"))
     assert err.value.key == "task.max_prompt_len"
 
@@ -129,7 +130,7 @@ def test_each_epoch_is_a_permutation_fixed_by_the_seed(assets, tmp_path):
 ])
 def test_bad_training_file_names_file_line_and_field(assets, tmp_path, lines, match, line, key):
     bad = write_jsonl(tmp_path / "bad.jsonl", lines)
-    with pytest.raises(DataFileError, match=match) as err:
+    with raises_kind(ConfigError, "data_file", match=match) as err:
         build_task(file_cfg(assets, tmp_path, f"task.train_path={bad}"))
     assert err.value.path == str(bad) and err.value.line == line and err.value.key == key
     assert str(bad) in str(err.value)
@@ -141,7 +142,7 @@ def test_binary_or_bom_jsonl(assets, tmp_path):
     assert build_task(file_cfg(assets, tmp_path, f"task.train_path={bom}")).n_train == 1
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b'{"prompt": "what is 1 + 2 ?"}\n\x89PNG\xff\xfe\n')
-    with pytest.raises(DataFileError, match="not UTF-8") as err:
+    with raises_kind(ConfigError, "data_file", match="not UTF-8") as err:
         build_task(file_cfg(assets, tmp_path, f"task.train_path={binary}"))
     assert err.value.line == 2
 
@@ -157,32 +158,32 @@ def test_the_task_survives_pickling_as_a_ray_actor_receives_it(assets, tmp_path)
 
 
 def test_missing_file_and_unknown_extension_are_named(assets, tmp_path):
-    with pytest.raises(DataFileError, match="no such file"):
+    with raises_kind(ConfigError, "data_file", match="no such file"):
         build_task(file_cfg(assets, tmp_path, f"task.heldout_path={tmp_path / 'nope.jsonl'}"))
     (tmp_path / "x.csv").write_text("prompt\n")
-    with pytest.raises(DataFileError, match="unknown extension '.csv'"):
+    with raises_kind(ConfigError, "data_file", match="unknown extension '.csv'"):
         build_task(file_cfg(assets, tmp_path, f"task.train_path={tmp_path / 'x.csv'}"))
 
 
 def test_messages_without_a_chat_template_are_an_error(assets, tmp_path):
     train = write_jsonl(tmp_path / "m.jsonl", [json.dumps({"prompt": [{"role": "user", "content": "1 + 2 = ?"}]})])
-    with pytest.raises(DataFileError, match="need a chat template") as err:
+    with raises_kind(ConfigError, "data_file", match="need a chat template") as err:
         build_task(file_cfg(assets, tmp_path, f"task.train_path={train}", "task.chat_template=false"))
     assert err.value.line == 1
 
 
 def test_config_keys_required_for_a_file_task_are_named():
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         resolve(None, ["task.name=file"])
     assert err.value.key == "task.train_path"
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         resolve(None, ["task.name=file", "task.train_path=a.jsonl", "task.heldout_path=b.jsonl"])
     assert err.value.key == "task.tokenizer_path"
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         resolve(None, ["task.name=file", "task.train_path=a.jsonl", "task.heldout_path=b.jsonl",
                        "model.hf_path=m", "model.family=megatron"])
     assert err.value.key == "model.family"
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         resolve(None, ["task.name=files"])
     assert err.value.key == "task.name"
 
@@ -202,14 +203,14 @@ def test_tokenizer_without_eos_or_files_is_named(assets, tmp_path):
     tok = AutoTokenizer.from_pretrained(assets["model"], local_files_only=True)
     tok.eos_token = None
     tok.save_pretrained(no_eos)
-    with pytest.raises(ModelDirError, match="no eos_token") as err:
+    with raises_kind(ConfigError, "model_dir", match="no eos_token") as err:
         build_task(file_cfg(assets, tmp_path, f"task.tokenizer_path={no_eos}"))
-    assert err.value.file == "tokenizer_config.json"
+    assert err.value.name == "tokenizer_config.json"
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelDirError, match="no tokenizer file") as err:
+    with raises_kind(ConfigError, "model_dir", match="no tokenizer file") as err:
         build_task(file_cfg(assets, tmp_path, f"task.tokenizer_path={empty}"))
-    assert err.value.file == "tokenizer.json"
+    assert err.value.name == "tokenizer.json"
 
 
 # -- rewards ------------------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def test_a_reward_by_path_scores_and_errors_name_the_sample():
     assert reward("abc", {}, "t.jsonl:3") == (3.0, True)
     assert reward("dict", {}, "t.jsonl:3") == (0.25, True)
     for bad, why in (("boom", "KeyError"), ("nan", "non-finite"), ("nokey", "without 'score'")):
-        with pytest.raises(RewardError, match=why) as err:
+        with raises_kind(RunError, "reward", match=why) as err:
             reward(bad, {}, "t.jsonl:9")
         assert err.value.sample == "t.jsonl:9" and "t.jsonl:9" in str(err.value)
     assert reward.zeroed == 0 and reward.seconds > 0
@@ -258,7 +259,7 @@ def test_on_error_zero_counts_instead_of_raising():
     ("exactmatch", "neither a built-in"),
 ])
 def test_a_reward_path_that_does_not_load_is_named(assets, tmp_path, spec, match):
-    with pytest.raises(RewardError, match=match) as err:
+    with raises_kind(RunError, "reward", match=match) as err:
         build_task(file_cfg(assets, tmp_path, f"reward.fn={spec}"))
     assert err.value.fn == spec
 
@@ -266,7 +267,7 @@ def test_a_reward_path_that_does_not_load_is_named(assets, tmp_path, spec, match
 def test_task_warmup_pairs_need_answers(assets, tmp_path):
     train = write_jsonl(tmp_path / "q.jsonl", [json.dumps({"prompt": "what is 1 + 2 ?"})])
     task = build_task(file_cfg(assets, tmp_path, f"task.train_path={train}"))
-    with pytest.raises(DataFileError, match="needs an answer") as err:
+    with raises_kind(ConfigError, "data_file", match="needs an answer") as err:
         task.warmup_batch(random.Random(0), 2)
     assert err.value.line == 1 and err.value.key == "answer"
 
@@ -319,7 +320,7 @@ def test_resume_refuses_a_training_file_that_changed(assets, tmp_path):
     train = small_train(assets, tmp_path)
     first = run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=4", *RUN))
     train.write_text(train.read_text() + json.dumps({"prompt": "what is 1 + 1 ?", "answer": "2"}) + "\n")
-    with pytest.raises(DataFileError, match="changed since the checkpoint") as err:
+    with raises_kind(ConfigError, "data_file", match="changed since the checkpoint") as err:
         run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=8", *RUN), resume=first.out_dir)
     assert err.value.key == "task.train_path"
 
@@ -346,20 +347,20 @@ def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(
     parts = load_hf(str(sharded), 1, seed=1).state_dict()  # another seed: the weights come from the files
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
     shards[1].unlink()
-    with pytest.raises(ModelDirError, match="listed in model.safetensors.index.json but missing") as err:
+    with raises_kind(ConfigError, "model_dir", match="listed in model.safetensors.index.json but missing") as err:
         load_hf(str(sharded), 1, seed=0)
-    assert err.value.file == shards[1].name
+    assert err.value.name == shards[1].name
     (sharded / "config.json").unlink()
-    with pytest.raises(ModelDirError) as err:
+    with raises_kind(ConfigError, "model_dir") as err:
         load_hf(str(sharded), 1, seed=0)
-    assert err.value.file == "config.json"
+    assert err.value.name == "config.json"
 
 
 def test_too_few_positions_is_a_config_error(assets, tmp_path):
     from stateshift.train.build import build_policy
 
     cfg = file_cfg(assets, tmp_path, "task.max_prompt_len=40")
-    with pytest.raises(ConfigError, match="max_position_embeddings 32 < 43") as err:
+    with raises_kind(ConfigError, "config", match="max_position_embeddings 32 < 43") as err:
         build_policy(cfg, build_task(cfg))
     assert err.value.key == "model.hf_path"
 

@@ -18,7 +18,7 @@ def test_a_pause_that_lands_after_the_rollouter_resumed_does_not_stall_the_run(t
     Forced interleaving: a pause asked for by the trainer thread first waits (up to 0.5 s) for the rollouter to
     resume. Were the pause sent after the update is published, the rollouter would take the weights, resume,
     and then be paused for good: every ``generate`` returns after its prefill, no group is made, and the
-    watchdog ends the run with ``StallError``. Sent under the channel's lock before publishing, the wait times
+    watchdog ends the run with ``RunError("stall")``. Sent under the channel's lock before publishing, the wait times
     out (the rollouter cannot see the update yet) and the run finishes.
     """
     resumed = threading.Event()

@@ -11,9 +11,10 @@ import threading
 import time
 
 import pytest
+from raises import raises_kind
 from rl.rlkit import tiny
 
-from stateshift.errors import StallError
+from stateshift.errors import RunError
 from stateshift.train.launch import run
 from stateshift.train.rollout import KVRollouter
 from stateshift.train.trainer import Trainer
@@ -69,7 +70,7 @@ def test_trainer_that_raises_stops_the_rollout_thread(tmp_path, monkeypatch):
 
 
 def test_hung_rollouter_is_reported_then_stopped(tmp_path, monkeypatch):
-    """A rollouter that never returns: the watchdog reports queue depth and versions, then StallError ends the run."""
+    """A rollouter that never returns: the watchdog reports queue depth and versions, then RunError("stall") ends the run."""
 
     real = KVRollouter.generate
 
@@ -84,7 +85,7 @@ def test_hung_rollouter_is_reported_then_stopped(tmp_path, monkeypatch):
 
     monkeypatch.setattr(KVRollouter, "generate", hang)
     t0 = time.monotonic()
-    with pytest.raises(StallError, match="nothing moved") as info:
+    with raises_kind(RunError, "stall", match="nothing moved") as info:
         run(tiny(tmp_path, "trainer.steps=5", "run.watchdog_s=0.5", "run.stall_timeout_s=2"))
     assert time.monotonic() - t0 < 15
     assert "queue=0" in str(info.value) and "trainer_version=0" in str(info.value)
@@ -116,13 +117,13 @@ def test_ctrl_c_stops_cleanly(tmp_path):
 
 
 def test_two_runs_cannot_share_a_run_directory(tmp_path):
-    from stateshift.errors import RunDirBusyError
+    from stateshift.errors import RunError
     from stateshift.train.launch import _lock_run_dir
 
     (tmp_path / "run").mkdir()
     held = _lock_run_dir(tmp_path / "run")  # as a running `stateshift train` holds it
     try:
-        with pytest.raises(RunDirBusyError, match="in use by another"):
+        with raises_kind(RunError, "run_dir_busy", match="in use by another"):
             run(tiny(tmp_path, "trainer.steps=1"))
     finally:
         held.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 import policy_checks as pc
 import pytest
 import torch
+from raises import raises_kind
 from rlkit import tiny
 
 from stateshift.errors import ConfigError
@@ -72,7 +73,7 @@ def test_fsdp2_policy_is_sharded_and_a_policy(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: run.device=cuda is valid")
 def test_run_device_cuda_without_cuda_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         tiny(tmp_path, "run.device=cuda")
     assert err.value.key == "run.device" and "no CUDA device" in str(err.value)
 
@@ -80,7 +81,7 @@ def test_run_device_cuda_without_cuda_is_a_config_error(tmp_path):
 def test_megatron_on_the_cpu_without_the_test_patch_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.delenv("STATESHIFT_MCORE_DEVICE", raising=False)
     cfg = tiny(tmp_path, "model.family=megatron")
-    with pytest.raises(ConfigError) as err:
+    with raises_kind(ConfigError, "config") as err:
         build_policy(cfg, build_task(cfg))
     assert err.value.key == "run.device" and "run.device=cuda" in str(err.value)
 

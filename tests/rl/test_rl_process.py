@@ -4,7 +4,7 @@
 - a rollouter process SIGKILLed mid-generation and mid-weight-copy: reported within seconds (which pid, which
   signal), restarted with the newest weights, the run finishes, the ledger balances, no group trained twice;
 - a rollouter that raises ends the run with its exception; past ``rollout.max_restarts`` a death ends it;
-- a hung rollouter: the watchdog reports both sides, then ``StallError``;
+- a hung rollouter: the watchdog reports both sides, then ``RunError("stall")``;
 - resume from a checkpoint equals the uninterrupted run; nothing left in /dev/shm, no process left behind.
 
 Every run spawns a rollouter process (a torch import, a few seconds on a loaded 2-core machine): ``slow``.
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from raises import raises_kind
 from rl.process_hooks import Boom
 from rl.rlkit import tiny
 
-from stateshift.errors import RolloutDiedError, StallError
+from stateshift.errors import RunError
 from stateshift.train.executors.process_child import HOOK_ENV
 from stateshift.train.launch import run
 
@@ -206,11 +207,12 @@ def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_agai
 def test_past_max_restarts_a_death_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow")
     killed = _kill_when(tmp_path, "generating", after_s=0.2)
-    with pytest.raises(RolloutDiedError, match=r"killed by SIGKILL -- after 0 restarts \(rollout.max_restarts=0\)"):
+    with raises_kind(RunError, "rollout_died",
+                     match=r"killed by SIGKILL -- after 0 restarts \(rollout.max_restarts=0\)"):
         run(tiny(tmp_path, "executor=process", "trainer.steps=200", "rollout.max_restarts=0", *LIVELY))
     assert killed
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"].startswith("failed (rollout): RolloutDiedError")
+    assert summary["status"].startswith("failed (rollout): RunError")
 
 
 def test_rollouter_that_raises_ends_the_run_with_its_error(tmp_path, monkeypatch):
@@ -225,7 +227,7 @@ def test_rollouter_that_raises_ends_the_run_with_its_error(tmp_path, monkeypatch
 def test_hung_rollouter_process_is_reported_with_both_sides_then_stopped(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "hang")
     t0 = time.monotonic()
-    with pytest.raises(StallError):
+    with raises_kind(RunError, "stall"):
         run(tiny(tmp_path, "executor=process", "trainer.steps=5", "run.watchdog_s=1", "run.stall_timeout_s=4"))
     assert time.monotonic() - t0 < 40  # set-up, 4 s of stall, 10 s for the stuck process before it is killed
     err = capfd.readouterr().err

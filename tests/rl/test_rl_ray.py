@@ -22,6 +22,7 @@ import time
 import pytest
 import ray
 import torch
+from raises import raises_kind
 from rl.rlkit import tiny
 
 from stateshift.errors import ConfigError
@@ -207,10 +208,10 @@ def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_
 
 
 def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess):
-    """SIGKILL of the trainer actor's process at a random step: TrainerDiedError names the latest checkpoint and
+    """SIGKILL of the trainer actor's process at a random step: RunError("trainer_died") names the latest checkpoint and
     the way to continue; the rollouter and queue actors go with it; the resumed run ends where the uninterrupted
     in-process run ended (losses of every step, final weights, groups per version)."""
-    from stateshift.errors import TrainerDiedError
+    from stateshift.errors import RunError
 
     cfg = tiny(tmp_path, "executor=ray", *DETERMINISTIC, *LIVELY)
     out = tmp_path / "run"
@@ -229,7 +230,7 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
     killer = threading.Thread(target=kill_trainer, daemon=True)
     killer.start()
     try:
-        with pytest.raises(TrainerDiedError) as info:
+        with raises_kind(RunError, "trainer_died") as info:
             run(cfg)
     finally:
         done.set()
@@ -250,7 +251,7 @@ def test_killed_trainer_is_resumed_from_its_last_checkpoint(tmp_path, inprocess)
 
 
 def test_restart_limit_stops_the_run(tmp_path):
-    from stateshift.errors import RolloutDiedError
+    from stateshift.errors import RunError
 
     cfg = tiny(tmp_path, "executor=ray", "trainer.steps=200", "ray.max_rollout_restarts=0", *LIVELY)
 
@@ -264,14 +265,14 @@ def test_restart_limit_stops_the_run(tmp_path):
     killer.start()
     t0 = time.monotonic()
     try:
-        with pytest.raises(RolloutDiedError, match=r"ray.max_rollout_restarts=0"):
+        with raises_kind(RunError, "rollout_died", match=r"ray.max_rollout_restarts=0"):
             run(cfg)
     finally:
         done.set()
         killer.join(10)
     assert time.monotonic() - t0 < 60
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"].startswith("failed (rollout): RolloutDiedError")
+    assert summary["status"].startswith("failed (rollout): RunError")
     assert summary["ledger"]["admitted"] == summary["ledger"]["trained"] + sum(summary["ledger"]["discarded"].values())
     assert not _rollouters()  # nothing left running in the cluster
 
@@ -363,11 +364,11 @@ def test_prompts_in_flight_in_a_killed_rollouter_are_generated_by_its_successor(
 
 def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainers(tmp_path):
     """``ray.get`` raises a trainer's own ``RayActorError`` (a rollouter's death it could not handle) as a
-    class that is both ``RayTaskError`` and ``RayActorError``: it is that error, not ``TrainerDiedError``;
+    class that is both ``RayTaskError`` and ``RayActorError``: it is that error, not ``RunError("trainer_died")``;
     the trainer's death itself still is."""
     import types
 
-    from stateshift.errors import TrainerDiedError
+    from stateshift.errors import RunError
     from stateshift.train.executors.ray import _await_trainer
 
     inside = ray.exceptions.RayTaskError("run", "Traceback: ...", ray.exceptions.ActorDiedError()).as_instanceof_cause()
@@ -380,8 +381,8 @@ def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainer
 
     with pytest.raises(ray.exceptions.ActorDiedError) as got:
         _await_trainer(raising(inside), None, None, tmp_path)
-    assert not isinstance(got.value, TrainerDiedError)
-    with pytest.raises(TrainerDiedError, match="the trainer actor died"):
+    assert getattr(got.value, "kind", None) != "trainer_died"
+    with raises_kind(RunError, "trainer_died", match="the trainer actor died"):
         _await_trainer(raising(ray.exceptions.ActorDiedError()), None, None, tmp_path)
 
 
@@ -450,21 +451,21 @@ def test_a_replaced_rollouter_generates_with_the_last_weights_sent(side):
 
 
 def test_a_rollouter_that_raises_stops_the_run_with_its_error(side, tmp_path):
-    """Weights that do not fit the rollouter's model: it raises WeightSyncError; not restarted, the run stops
+    """Weights that do not fit the rollouter's model: it raises ConfigError("weight_sync"); not restarted, the run stops
     with that error (the trainer thread's next wait raises it)."""
-    from stateshift.errors import WeightSyncError
+    from stateshift.errors import ConfigError
     from stateshift.train.build import build_policy, build_task
     from stateshift.train.trainer import Trainer
 
     cfg = tiny(tmp_path, "model.width=48", "model.heads=2")
     wrong = Trainer(build_policy(cfg, build_task(cfg)), cfg.trainer, temperature=1.0)
     snap = wrong.sync_snapshot()
-    with pytest.raises(WeightSyncError, match="sent, the rollout model has"):
+    with raises_kind(ConfigError, "weight_sync", match="sent, the rollout model has"):
         side.sync(snap, 1, capture=False, interrupt=True)
     wrong.release(snap)
     _wait_for(lambda: side.control.error is not None, 10, "the supervisor")
-    assert isinstance(side.control.error, WeightSyncError) and side.control.failed_side == "rollout"
-    with pytest.raises(WeightSyncError):
+    assert isinstance(side.control.error, ConfigError) and side.control.error.kind == "weight_sync" and side.control.failed_side == "rollout"
+    with raises_kind(ConfigError, "weight_sync"):
         side.take(4, 0)
     assert side.stats().restarts == []
 
@@ -478,9 +479,9 @@ def test_bundles_follow_the_cluster():
     assert bundles(rc, {"CPU": 8, "GPU": 1}) == [{"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]  # colocated
     assert bundles(rc, {"CPU": 8, "GPU": 8}) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
     assert bundles(RayConfig(trainer_gpus=0, rollout_gpus=0), {"CPU": 8, "GPU": 8}) == [{"CPU": 1.0}, {"CPU": 1.0}]
-    with pytest.raises(ConfigError, match="ask for 2 \\+ 1 CPUs, the cluster has 2"):
+    with raises_kind(ConfigError, "config", match="ask for 2 \\+ 1 CPUs, the cluster has 2"):
         bundles(RayConfig(trainer_cpus=2), {"CPU": 2})
-    with pytest.raises(ConfigError, match="ray.rollout_gpus") as info:
+    with raises_kind(ConfigError, "config", match="ray.rollout_gpus") as info:
         bundles(RayConfig(rollout_gpus=1), {"CPU": 8, "GPU": 1})
     assert "the cluster has 1" in str(info.value)
 

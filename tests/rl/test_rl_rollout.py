@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raises import raises_kind
 
-from stateshift.errors import WeightSyncError
+from stateshift.errors import ConfigError
 from stateshift.train.rollout import KVRollouter, Rollouter, Wave
 from stateshift.train.sampler import BuiltinLM, HFCausalLM, Sampling, behaviour_logp, positions_of, sequence_logprobs
 from stateshift.train.tasks.addition import PAD, STOP
@@ -100,11 +101,11 @@ def test_partial_rollout_spans_the_versions_it_saw():
 def test_update_weights_names_the_first_bad_tensor():
     r = KVRollouter(BuiltinLM(build_gpt(seed=1)), _sampling(), seed=0)
     good = dict(build_gpt(seed=2).state_dict())
-    with pytest.raises(WeightSyncError, match="'head.weight' of the rollout model was not sent"):
+    with raises_kind(ConfigError, "weight_sync", match="'head.weight': not sent, but the rollout model has it"):
         r.update_weights([(k, v) for k, v in good.items() if k != "head.weight"], 1)
-    with pytest.raises(WeightSyncError, match="'nope' is not in the rollout model"):
+    with raises_kind(ConfigError, "weight_sync", match="'nope': not in the rollout model"):
         r.update_weights([("nope", torch.zeros(1))], 1)
-    with pytest.raises(WeightSyncError, match="'tok.weight'"):
+    with raises_kind(ConfigError, "weight_sync", match="'tok.weight'"):
         r.update_weights([("tok.weight", torch.zeros(3, 3))], 1)
     assert r.version == 0
 
