@@ -67,9 +67,7 @@ class Collective:
         if mine is not None:
             raise mine
         rank, text = failed[0]
-        if error is not None:
-            raise error(rank, text)
-        raise CheckpointError("failed", f"rank {rank} failed while {what}: {text}")
+        raise error(rank, text) if error is not None else CheckpointError("failed", f"rank {rank} failed while {what}: {text}")
 
     def run(self, fn: Callable[[], Any], *, what: str, share: bool = True, error: ErrorFn | None = None,
             cleanup: Callable[[], None] | None = None) -> Any:

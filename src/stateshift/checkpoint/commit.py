@@ -190,8 +190,7 @@ def set_latest(path: str | os.PathLike[str]) -> Path:
     """
     final = Path(os.path.abspath(path))
     if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
-        raise CheckpointError("incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest",
-                              path=final)
+        raise CheckpointError("incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final)
     pointer = final.parent / LATEST
     try:
         write_durable(pointer, (final.name + "\n").encode())
@@ -210,11 +209,9 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
     except FileNotFoundError:
         return None
     if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
-        raise CheckpointError("corrupt", "latest does not hold the plain name of a checkpoint in this directory",
-                              path=path)
+        raise CheckpointError("corrupt", "latest does not hold the plain name of a checkpoint in this directory", path=path)
     if os.path.islink(root_p / name):
-        raise CheckpointError("corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it",
-                              path=root_p / name)
+        raise CheckpointError("corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it", path=root_p / name)
     return root_p / name
 
 

@@ -89,11 +89,9 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
     unchanged = "; the model and optimizer are unchanged"
     os_error = _os_error_in(e)
     if os_error is None:
-        return CheckpointError("failed",
-                               f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
+        return CheckpointError("failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
     where = root / os.path.basename(os_error.filename) if os_error.filename else root
-    return CheckpointError("read", f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
-                           path=where, errno=os_error.errno)
+    return CheckpointError("read", f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}", path=where, errno=os_error.errno)
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -153,19 +151,16 @@ def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast:
     for key, t in want.items():
         md = stored.get(key)
         if md is None:
-            raise LayoutError("checkpoint_mismatch", "in the model but not in the checkpoint",
-                              tensor=key, field="extra")
+            raise LayoutError("checkpoint_mismatch", "in the model but not in the checkpoint", tensor=key, field="extra")
         if md.shape != tuple(t.shape):
-            raise LayoutError("checkpoint_mismatch", f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint",
-                              tensor=key, field="shape")
+            raise LayoutError("checkpoint_mismatch", f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint", tensor=key, field="shape")
         if md.dtype != _dtype(t) and not cast:
             raise LayoutError("checkpoint_mismatch", f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
                                           "pass cast=True to convert on load", tensor=key, field="dtype")
     tops = {k.split(".", 1)[0] for k in state_dict}
     for key in stored:
         if key.split(".", 1)[0] in tops and key not in want:
-            raise LayoutError("checkpoint_mismatch", "in the checkpoint but not in the model",
-                              tensor=key, field="missing")
+            raise LayoutError("checkpoint_mismatch", "in the checkpoint but not in the model", tensor=key, field="missing")
 
 
 def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, cast: bool = False,

@@ -39,13 +39,10 @@ def _not_a_checkpoint(p: Path) -> Exception:
         return CheckpointError("not_found", "a Hugging Face export (model.safetensors / config.json), not a stateshift "
                                           "checkpoint; load it with safetensors or transformers' from_pretrained", path=p)
     if mf.DCP_METADATA in names:
-        return CheckpointError("not_found", "a torch.distributed.checkpoint directory without a stateshift manifest",
-                               path=p)
+        return CheckpointError("not_found", "a torch.distributed.checkpoint directory without a stateshift manifest", path=p)
     if any(n.endswith(".safetensors") for n in names):
-        return CheckpointError("incomplete", f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)",
-                               path=p)
-    return CheckpointError("not_found", f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries",
-                           path=p)
+        return CheckpointError("incomplete", f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)", path=p)
+    return CheckpointError("not_found", f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries", path=p)
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -59,16 +56,14 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     if latest is None:
         raise _not_a_checkpoint(p)
     if not os.path.lexists(latest / mf.MANIFEST_NAME):
-        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointError("not_found", "latest names nothing",
-                                                                                path=latest)
+        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointError("not_found", "latest names nothing", path=latest)
     return latest
 
 
 def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointError:
     tensor = DiskError.tensor_of(e)
     where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
-    return CheckpointError("read", f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
-                           path=path, errno=e.errno, tensor=tensor)
+    return CheckpointError("read", f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged", path=path, errno=e.errno, tensor=tensor)
 
 
 @contextmanager
@@ -168,8 +163,7 @@ def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]
         for r in plan[fname]:
             r.validate()
             if r.name in seen:
-                raise LayoutError("checkpoint_mismatch", f"appears in both '{seen[r.name]}' and '{fname}'",
-                                  tensor=r.name)
+                raise LayoutError("checkpoint_mismatch", f"appears in both '{seen[r.name]}' and '{fname}'", tensor=r.name)
             seen[r.name] = fname
     return plan, sum(r.nbytes for recs in plan.values() for r in recs)
 
@@ -207,8 +201,7 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
         for rank, report in enumerate(reports):
             for name, entry in report["files"].items():
                 if name in files:
-                    raise LayoutError("checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)",
-                                      tensor=name)
+                    raise LayoutError("checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)", tensor=name)
                 files[name] = entry
         full = dict(layout)
         if per_rank:

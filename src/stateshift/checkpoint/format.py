@@ -199,8 +199,7 @@ class Record:
         if not is_utf8(self.name):
             raise LayoutError("checkpoint_mismatch", "tensor name is not valid UTF-8 text", tensor=self.name)
         if self.dtype not in _NAMES:
-            raise LayoutError("checkpoint_mismatch", f"dtype {self.dtype} cannot be stored in safetensors",
-                              tensor=self.name)
+            raise LayoutError("checkpoint_mismatch", f"dtype {self.dtype} cannot be stored in safetensors", tensor=self.name)
         if not all(type(d) is int and d >= 0 for d in self.shape):
             raise LayoutError("checkpoint_mismatch", f"invalid shape {self.shape!r}", tensor=self.name)
         check_buffer(self.name, self.data, self.nbytes, "data")
@@ -209,16 +208,14 @@ class Record:
 def check_buffer(name: str, t: Any, nbytes: int, what: str) -> None:
     """``t`` must be a dense contiguous CPU tensor with ``nbytes`` bytes of live storage."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        raise LayoutError("checkpoint_mismatch", f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}",
-                          tensor=name)
+        raise LayoutError("checkpoint_mismatch", f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}", tensor=name)
     if not t.is_contiguous():
         raise LayoutError("checkpoint_mismatch", f"{what} must be contiguous", tensor=name)
     have = t.numel() * t.element_size()
     if have != nbytes:
         raise LayoutError("checkpoint_mismatch", f"{what} holds {have} bytes, the tensor has {nbytes}", tensor=name)
     if have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
-        raise LayoutError("checkpoint_mismatch", f"{what} has released storage (size 0); it holds no values",
-                          tensor=name)
+        raise LayoutError("checkpoint_mismatch", f"{what} has released storage (size 0); it holds no values", tensor=name)
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -387,16 +384,14 @@ def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, 
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # the last component is a symbolic link
-            raise CheckpointError("corrupt", "is a symbolic link; a checkpoint holds only its own regular files",
-                                  path=path) from None
+            raise CheckpointError("corrupt", "is a symbolic link; a checkpoint holds only its own regular files", path=path) from None
         raise
     finally:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError("corrupt", "not a regular file (a FIFO, device or directory); refusing to read it",
-                                  path=path)
+            raise CheckpointError("corrupt", "not a regular file (a FIFO, device or directory); refusing to read it", path=path)
         os.set_blocking(fd, True)
         yield fd, st.st_size, path
     finally:
@@ -488,8 +483,7 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
         if dst is not None:
             check_buffer(name, dst, t.nbytes, "destination")
             if dst.dtype not in (torch.uint8, t.dtype) or (dst.dtype == t.dtype and tuple(dst.shape) != t.shape):
-                raise LayoutError("checkpoint_mismatch", f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}",
-                                  tensor=name)
+                raise LayoutError("checkpoint_mismatch", f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}", tensor=name)
         chosen.append(t)
         spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])

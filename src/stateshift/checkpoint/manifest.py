@@ -280,8 +280,7 @@ def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
         stored = _meta_json(m.meta)
         return stored, _meta(stored, "its meta")
     except _Bad as e:
-        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}",
-                          tensor=m.name, field="meta") from None
+        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name, field="meta") from None
 
 
 # --------------------------------------------------------------------------- reading: one validator
@@ -557,8 +556,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
     """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order, each entry
     through the manifest's validator and checked against the file's size (``crc32`` 0: a header has none)."""
     if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointError("corrupt", f"file truncated or header length impossible for a {file_size}-byte file",
-                              path=path)
+        raise CheckpointError("corrupt", f"file truncated or header length impossible for a {file_size}-byte file", path=path)
     header = load_json(raw[8:], path, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError("corrupt", "safetensors header is not a JSON object", path=path)
@@ -568,8 +566,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
         try:
             found.append(_tensor(ent, "the entry", file_size, name))
         except _Bad as e:
-            raise CheckpointError("corrupt", f"bad header entry for tensor {bounded(name)}: {e}",
-                                  path=path, tensor=name) from None
+            raise CheckpointError("corrupt", f"bad header entry for tensor {bounded(name)}: {e}", path=path, tensor=name) from None
     found.sort(key=lambda t: (t.start, t.nbytes))
     bad = _extent_error(found, len(raw), file_size)
     if bad is not None:
@@ -604,8 +601,7 @@ def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes |
     if raw == checked:
         return raw
     if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
-        raise CheckpointError("corrupt", "header checksum mismatch: the header is not the one the manifest records",
-                              path=path)
+        raise CheckpointError("corrupt", "header checksum mismatch: the header is not the one the manifest records", path=path)
     found = parse_header(raw, size, path)
     want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
     if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:

@@ -167,8 +167,7 @@ def _stage_everywhere(state: ModelState, final: Path, groups: str | Iterable[str
         staged.append(_stage(state, names, comm))
 
     def failed(rank: int, text: str) -> BaseException:
-        return CheckpointError("write", f"rank {rank} failed while staging its values ({text}); nothing was written",
-                               path=final)
+        return CheckpointError("write", f"rank {rank} failed while staging its values ({text}); nothing was written", path=final)
 
     comm.run(stage, what="staging its values", share=False, error=failed,
              cleanup=lambda: [state.release(st.snapshot) for st in staged])
@@ -284,8 +283,7 @@ def _plan(group: str, model: Layout, stored: mf.StoredGroup, cast: bool) -> Plan
     plan = [(by_first[s.members[0].name], i in casting) for i, s in enumerate(model.slots)]
     for slot, needs_cast in plan:
         if needs_cast and not slot.typed:
-            raise LayoutError("checkpoint_mismatch", "stored as raw bytes of a dtype safetensors lacks: it cannot be cast",
-                              tensor=slot.record, field="dtype")
+            raise LayoutError("checkpoint_mismatch", "stored as raw bytes of a dtype safetensors lacks: it cannot be cast", tensor=slot.record, field="dtype")
     return plan
 
 
