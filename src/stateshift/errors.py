@@ -135,7 +135,7 @@ class StateError(StateShiftError, RuntimeError):
         super().__init__(kind, reason)
 
 
-LayoutKind = Literal["unknown_group", "mismatch", "checkpoint_mismatch", "shape"]
+LayoutKind = Literal["unknown_group", "mismatch", "checkpoint_mismatch"]
 
 
 class LayoutError(StateShiftError, ValueError):
@@ -147,8 +147,6 @@ class LayoutError(StateShiftError, ValueError):
     - ``"mismatch"``: a snapshot does not fit the model it is applied to.
     - ``"checkpoint_mismatch"``: a checkpoint does not fit the model, or tensors cannot be written to or read
       from a checkpoint as given (unknown name, wrong byte count or dtype, not contiguous).
-    - ``"shape"``: a stored shape that is not one (``checkpoint.format.shape_bytes``); its message is built
-      from bounded values. Turned into a ``CheckpointError`` of kind ``"corrupt"`` where a checkpoint is read.
 
     ``tensor`` names the first offending tensor; ``reason`` says what differs; ``field`` is what kind of
     difference it is (``"missing"``, ``"extra"``, ``"shape"``, ``"dtype"``, ``"stride"``, ``"offset"``,
@@ -164,10 +162,8 @@ class LayoutError(StateShiftError, ValueError):
             message = f"unknown group {group!r}; valid groups: {', '.join(valid) or '(none)'}"
         elif kind == "mismatch":
             message = f"layout mismatch at tensor {tensor!r}: {reason}"
-        elif kind == "checkpoint_mismatch":
-            message = f"tensor '{tensor}': {reason}"
         else:
-            message = reason
+            message = f"tensor '{tensor}': {reason}"
         super().__init__(kind, message)
 
 

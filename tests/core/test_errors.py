@@ -226,7 +226,7 @@ def test_errors_of_the_trainer_keep_their_detail_through_pickling():
                           path="run/metrics.jsonl", line=3), RunError("run_dir_busy",
                                                                                                  path="run"),
               DiskError.from_os_error(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
-              RunError("link_closed", "gone"), ConfigError("usage", "--device"), LayoutError("shape", "shape"),
+              RunError("link_closed", "gone"), ConfigError("usage", "--device"), LayoutError("mismatch", "shape differs", tensor="w", field="shape"),
               CheckpointError("read", "EIO", path="ck/params.safetensors", errno=5, tensor="w"),
               CheckpointError("not_found", "nothing there", path="ck"), DiskError("tier", "no disk_dir"),
               StateError("offloaded", "forward", group="params", tensor="w", residency="host"),
