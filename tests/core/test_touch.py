@@ -288,3 +288,70 @@ def test_a_state_dropped_while_offloaded_is_forgotten_once_collected():
     assert not touch.active()
     touch.sync_thread()
     assert _stack_depths() == (0, 0)
+
+
+def _finalizers_of(obj: object) -> int:
+    """Live ``weakref.finalize`` callbacks attached to ``obj``."""
+    import weakref
+
+    return sum(1 for f in list(weakref.finalize._registry) if (info := f.peek()) is not None and info[0] is obj)
+
+
+def test_an_owner_gets_one_finalizer_however_often_it_offloads():
+    """The registry forgets a collected owner through one finalizer per owner: offload / onload cycles (a
+    trainer parks every step) must not add one each."""
+    from stateshift.core.engine import core_of
+
+    model, opt = make()
+    warm(model, opt)
+    state = ModelState(model, opt)
+    owner = core_of(state)
+    for _ in range(30):
+        state.offload()
+        state.onload()
+    assert _finalizers_of(owner) == 1
+    del model, opt, state, owner
+    gc.collect()
+    touch.active()  # (forgets the collected owners)
+    assert all(f.alive for f in touch._watched.values())
+
+
+def test_an_interrupted_push_leaves_the_mode_stack_as_it_was():
+    """``KeyboardInterrupt`` between the pops and the pushes of ``_push_bottom`` (or ``_remove``): the modes
+    above are pushed back, and ``_turn_on`` interrupted half way leaves the thread off, as it says."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mine(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    pushes = []
+
+    def push_then_interrupt(mode):
+        pushes.append(mode)
+        if len(pushes) == 1:
+            raise KeyboardInterrupt
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+    with Mine() as mine:
+        with pytest.raises(KeyboardInterrupt):
+            touch._push_bottom(torch._C._len_torch_dispatch_stack, touch._pop_dispatch, push_then_interrupt, object())
+        assert _stack_depths()[0] == 1 and torch._C._get_dispatch_stack_at(0) is mine
+    assert _stack_depths() == (0, 0)
+
+    real = touch._push_bottom
+    calls = []
+
+    def second_fails(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(*args)
+
+    touch._push_bottom = second_fails
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            touch._turn_on()
+    finally:
+        touch._push_bottom = real
+    assert _stack_depths() == (0, 0) and getattr(touch._tls, "modes", None) is None

@@ -172,9 +172,11 @@ def publish(owner: object, released: dict[int, Slot], paused: frozenset[int] = f
     An owner that is garbage-collected without saying ``{}`` first (a model and its state dropped while
     offloaded) is forgotten then: its storages are gone with it."""
     with _registry:
+        _reap()  # first: an owner collected since the last merge may have had this id
         if _by_owner.get(id(owner), {}) != released or _paused_by_owner.get(id(owner), frozenset()) != paused:
-            if id(owner) not in _by_owner and released:
-                weakref.finalize(owner, _dead.append, id(owner))
+            if released and id(owner) not in _watched:  # one finalizer per owner, however often it offloads
+                _watched[id(owner)] = weakref.finalize(owner, _dead.append, id(owner))
+                _watched[id(owner)].atexit = False
             if released:
                 _by_owner[id(owner)], _paused_by_owner[id(owner)] = released, paused
             else:
@@ -186,15 +188,23 @@ def publish(owner: object, released: dict[int, Slot], paused: frozenset[int] = f
 
 #: owners collected since the last merge (a finalizer may run inside ``publish``: it only appends here)
 _dead: list[int] = []
+#: id -> the finalizer of each live owner that ever published released storage (one each)
+_watched: dict[int, weakref.finalize] = {}
+
+
+def _reap() -> None:
+    """Forget the owners collected since the last call (with ``_registry`` held)."""
+    while _dead:
+        gone = _dead.pop()
+        _by_owner.pop(gone, None)
+        _paused_by_owner.pop(gone, None)
+        _watched.pop(gone, None)
 
 
 def _merge() -> None:
     """Rebuild ``_released`` from every owner's (called with ``_registry`` held)."""
     global _released, _paused
-    while _dead:
-        gone = _dead.pop()
-        _by_owner.pop(gone, None)
-        _paused_by_owner.pop(gone, None)
+    _reap()
     merged: dict[int, Slot] = {}
     for d in _by_owner.values():
         merged.update(d)
@@ -225,6 +235,8 @@ def sync_thread() -> None:
 
 
 def _turn_off() -> None:
+    """Take this thread's modes off its stacks. Interrupted half way, ``_tls.modes`` still names them: the next
+    call removes what is left (``_remove`` of a mode not on the stack changes nothing)."""
     modes = getattr(_tls, "modes", None)
     if modes is not None:
         _remove(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
@@ -238,11 +250,18 @@ def _pop_dispatch() -> Any:
 
 
 def _turn_on() -> None:
+    """Put the modes at the bottom of this thread's stacks. An exception half way (Ctrl-C) takes off whichever
+    is on already: the thread is then off, as ``_tls.modes`` says, and the next ``sync_thread`` tries again."""
     modes = (_DispatchCheck(), _FunctionCheck())
-    _push_bottom(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
-    _push_bottom(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
-                 torch._C._push_on_torch_function_stack, modes[1])
     _tls.modes = modes
+    try:
+        _push_bottom(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack,
+                     modes[0])
+        _push_bottom(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
+                     torch._C._push_on_torch_function_stack, modes[1])
+    except BaseException:
+        _turn_off()
+        raise
 
 
 def watch_thread() -> None:
@@ -254,21 +273,29 @@ def watch_thread() -> None:
 
 
 def _push_bottom(length: Any, pop: Any, push: Any, mode: Any) -> None:
-    above = [pop() for _ in range(length())]
-    push(mode)
-    for m in reversed(above):
-        push(m)
+    """``mode`` under the modes on a stack: they are popped, and pushed back whatever happens (``finally``)."""
+    above: list[Any] = []
+    try:
+        while length():
+            above.append(pop())
+        push(mode)
+    finally:
+        for m in reversed(above):
+            push(m)
 
 
 def _remove(length: Any, pop: Any, push: Any, mode: Any) -> None:
-    above = []
-    while length():
-        m = pop()
-        if m is mode:
-            break
-        above.append(m)
-    for m in reversed(above):
-        push(m)
+    """``mode`` out of a stack (if there); the modes above it are pushed back whatever happens (``finally``)."""
+    above: list[Any] = []
+    try:
+        while length():
+            m = pop()
+            if m is mode:
+                break
+            above.append(m)
+    finally:
+        for m in reversed(above):
+            push(m)
 
 
 @contextmanager
@@ -280,9 +307,9 @@ def unchecked() -> Iterator[None]:
     engine generating in the trainer's process while the trainer's state is offloaded)."""
     depth = getattr(_tls, "bypass", 0)
     _tls.bypass = depth + 1
-    if depth == 0:
-        _turn_off()
-    try:
+    try:  # (``_turn_off`` inside: whatever it raises, the bypass count goes back)
+        if depth == 0:
+            _turn_off()
         yield
     finally:
         _tls.bypass = depth
