@@ -290,10 +290,10 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
                 break
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, err
-        assert time.monotonic() - t0 < 15
-        assert "Traceback" not in err and "interrupted" in err
+        assert time.monotonic() - t0 < 30  # (about 1 s on an idle machine; generous under load)
+        assert "Traceback" not in err and "interrupted" in err and "Exception ignored" not in err
         assert json.loads((out / "summary.json").read_text())["status"].startswith("interrupted at step")
         deadline = time.monotonic() + 5  # nobody left in its process group: the rollouter process ended too
         while _group_alive(proc.pid) and time.monotonic() < deadline:

@@ -289,15 +289,15 @@ def test_ctrl_c_at_the_cli_stops_the_run_cleanly(tmp_path):
            f"run.out_dir={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: _steps_done(out) >= 3 or proc.poll() is not None, 120, "RL steps")
+        _wait_for(lambda: _steps_done(out) >= 3 or proc.poll() is not None, 300, "RL steps")
         assert proc.poll() is None, proc.communicate()
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 130, err
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 45  # (Ray's shutdown included; generous under load)
     assert "Traceback" not in err and "interrupted" in err
     assert json.loads((out / "summary.json").read_text())["status"].startswith("interrupted at step")
 

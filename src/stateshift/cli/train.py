@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -57,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run ``stateshift train``; 0 on success, 2 for a fault the user can fix (a bad config, a damaged or missing
-    checkpoint, a run directory that cannot be used: one line naming the file and what to do), 130 on Ctrl-C, 1 when
+    checkpoint, a run directory that cannot be used: one line naming the file and what to do), 130 on Ctrl-C (143 on
+    SIGTERM: either stops the run at its next step, summary written; a second forces it), 1 when
     the run failed (a ``RunError("trainer_died")`` as one line naming the checkpoint to resume from, other errors with their
     traceback)."""
     import yaml
@@ -100,17 +102,22 @@ _DIR_FAULTS = {PermissionError: "check its permissions, or choose another run.ou
 
 def _run(cfg: Any, resume: Path | None) -> int:
     from ..errors import CheckpointError, LayoutError, RunError
+    from ..train.control import StopSignals
     from ..train.launch import run
 
     summary = Path(resume if resume is not None else cfg.run.out_dir) / "summary.json"
     before = _stat(summary)
+    signals = StopSignals()
     try:
-        run(cfg, resume=resume)
+        with signals:  # Ctrl-C / SIGTERM: the run stops at its next step or wait, summary written (control.py)
+            run(cfg, resume=resume)
     except KeyboardInterrupt:
         wrote = _stat(summary) not in (None, before)
-        print("\ninterrupted: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote else
-              "it stopped before the run started (no summary.json written)"), file=sys.stderr)
-        return 130
+        signum = signals.signum or signal.SIGINT
+        by = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+        print(f"\ninterrupted{by}: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote
+              else "it stopped before the run started (no summary.json written)"), file=sys.stderr)
+        return 128 + signum
     except (CheckpointError, LayoutError, ConfigError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -12,14 +12,23 @@ group is generated, a step is trained or weights are synced): after
 ``watchdog_s`` without progress it prints what each side is waiting for, the
 queue depth and the versions; after ``stall_timeout_s`` it stops the run with
 ``RunError("stall")``.
+
+Ctrl-C and SIGTERM (``StopSignals``, installed by ``stateshift train``): the
+signal handler only calls ``RunControl.interrupt`` -- a flag, no lock, no
+exception raised at whatever bytecode the main thread was running -- and the
+loop stops at its next step boundary or wait slice with ``KeyboardInterrupt``,
+as it stops on the other side's error: rollout side stopped, summary written.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TextIO
 
 from ..errors import RunError
@@ -53,6 +62,22 @@ class RunControl:
             if self.error is None:
                 self.error, self.failed_side = error, side
         self.stop()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: stop as ``fail`` does, with ``KeyboardInterrupt`` as the error (unless one came first).
+
+        Called from a signal handler (``StopSignals``), which runs between two bytecodes of the main thread, maybe
+        while it holds ``cond``: so this takes no lock and calls no ``on_stop``; every wait sees the flag within one
+        slice (``wait_for``, ``check``), and ``Rollouts.stop`` calls ``stop`` (and so ``on_stop``) on the way out.
+        """
+        if self.error is None:
+            self.error, self.failed_side = KeyboardInterrupt(), "user"
+        self._stopping = True
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the run is stopping because of Ctrl-C (``interrupt``)."""
+        return isinstance(self.error, KeyboardInterrupt)
 
     def stop(self) -> None:
         with self.cond:
@@ -115,9 +140,127 @@ class Watchdog:
                 print(line, file=self.stream, flush=True)
 
     def join(self, timeout: float = 2.0) -> None:
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # (not started: the run stopped before its first step)
+            self._thread.join(timeout)
 
 
 def describe_sides(control: RunControl, extra: dict[str, Any]) -> str:
     sides = ", ".join(f"{k}: {v}" for k, v in sorted(control.doing.items()))
     return f"{sides}; " + ", ".join(f"{k}={v}" for k, v in extra.items())
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM as a request to stop the run (``stateshift train`` installs it around the run).
+
+    Python's own Ctrl-C raises ``KeyboardInterrupt`` at whatever bytecode the main thread runs when the signal
+    lands: inside a ``weakref.finalize`` callback or a ``__del__`` it is printed ("Exception ignored in") and lost,
+    and the run goes on; between two steps of a cleanup it leaves that cleanup half done. Here instead:
+
+    - the first signal, while a listener is registered (``listen``: the loop registers ``RunControl.interrupt``,
+      the Ray driver a flag it polls), only calls the listeners; the run stops at its next step boundary or wait;
+    - the first signal while nothing listens (start-up: building, warm-up) raises ``KeyboardInterrupt`` there, as
+      Python does (``StartUp`` writes the summary); it is remembered, so a listener registered later is called
+      at once (an exception lost in a finalizer still stops the run);
+    - the second raises ``KeyboardInterrupt`` wherever the process is (the cleanup's ``finally`` blocks still run);
+    - the third ends the process at once (``os._exit``, status 128 + the signal): a user is never stuck.
+
+    ``signum`` is the first signal received (``None`` while none); the CLI exits with 128 + it.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        """Install the handlers (only on the main thread, where ``signal`` can; elsewhere a no-op)."""
+        global _installed
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            _installed = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _installed
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous.clear()
+        if _installed is self:
+            _installed = None
+
+    def reinstall(self) -> None:
+        """Take the signals back from a library that replaced the handlers (``ray.init`` sets its own SIGTERM one,
+        ``sys.exit``); the handlers ``__exit__`` restores stay those found at ``__enter__``."""
+        if self._previous and threading.current_thread() is threading.main_thread():
+            for sig in self._previous:
+                signal.signal(sig, self._handle)
+
+    def listen(self, fn: Callable[[], None]) -> Listener:
+        """Call ``fn`` on the first signal from now on (at once if one came already) until the returned
+        ``Listener`` is closed. ``fn`` runs in a signal handler: it must only set flags (no locks, no I/O)."""
+        listener = Listener(self, fn)
+        self._listeners.append(listener.fn)
+        if self.count:
+            fn()
+        return listener
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
+        if self.count >= 3:
+            os.write(2, b"\nstopping now (a third signal): no cleanup\n")
+            os._exit(128 + self.signum)
+        if self.count >= 2 or not self._listeners:
+            raise KeyboardInterrupt
+        for fn in list(self._listeners):
+            fn()
+
+
+class Listener:
+    """One registration of ``StopSignals.listen``; ``close`` (or the end of a ``with`` block) ends it."""
+
+    def __init__(self, signals: StopSignals | None, fn: Callable[[], None]) -> None:
+        self.signals, self.fn = signals, fn
+
+    def close(self) -> None:
+        if self.signals is not None and self.fn in self.signals._listeners:
+            self.signals._listeners.remove(self.fn)
+        self.signals = None
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StopFlag:
+    """A listener for ``on_stop_signal`` that only records the request (for a loop that polls: the Ray driver)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> None:
+        self.requested = True
+
+
+#: the ``StopSignals`` whose handlers are installed now, if any
+_installed: StopSignals | None = None
+
+
+def on_stop_signal(fn: Callable[[], None]) -> Listener:
+    """``fn`` called on the first SIGINT / SIGTERM while the returned ``Listener`` is open, when ``StopSignals``
+    handles them (``stateshift train``); otherwise (a library caller) nothing: Ctrl-C raises ``KeyboardInterrupt``
+    as usual."""
+    return _installed.listen(fn) if _installed is not None else Listener(None, fn)
+
+
+def reinstall_stop_signals() -> None:
+    """``StopSignals.reinstall`` of the installed handlers, if any (after ``ray.init``)."""
+    if _installed is not None:
+        _installed.reinstall()

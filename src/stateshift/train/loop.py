@@ -16,7 +16,9 @@ the executor).
 
 Failure on either side stops both within one wait slice and the original
 exception propagates out of ``run`` (``RunControl``); Ctrl-C does the same
-with ``KeyboardInterrupt``. ``summary.json`` is written in every case, during
+with ``KeyboardInterrupt`` (under ``stateshift train`` the signal handler only
+sets the stop flag, ``control.StopSignals``: the loop raises it at its next
+step boundary or wait). ``summary.json`` is written in every case, during
 start-up (building, loading the checkpoint, warm-up) too (``StartUp``), except
 when a resume is refused before anything started (a damaged checkpoint: the
 error names the file, nothing in the run directory changes). Under
@@ -46,7 +48,7 @@ from . import config as config_mod
 from .build import build_policy, build_task
 from .checkpointing import Resumed, resume_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .control import RunControl, Watchdog, describe_sides
+from .control import RunControl, Watchdog, describe_sides, on_stop_signal
 from .executors.base import RolloutCapture, Rollouts, RolloutStats
 from .executors.weights import trainer_pool
 from .metrics import MetricsLog, Progress, plot_curves, read_records
@@ -84,17 +86,23 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
 
     ``summary.json`` is written on every way out once the run directory is locked: by ``StartUp`` if start-up
     (building, loading the checkpoint, warm-up) is interrupted or fails -- except a checkpoint or config refused
-    before anything started, which changes nothing --, by ``AsyncLoop.finish`` after that.
+    before anything started, which changes nothing --, by ``AsyncLoop.finish`` after that. Under ``StopSignals``
+    (``stateshift train``) Ctrl-C is a stop request from the moment the loop exists (``RunControl.interrupt``): the
+    loop raises ``KeyboardInterrupt`` at its next step boundary or wait; a second Ctrl-C raises it at once.
     """
     t0 = time.perf_counter()
     start = StartUp(cfg, out, t0)
     with start.guard():
         loop = _start(cfg, out, resume, stream, rollouts, start)
+        stop_signal = on_stop_signal(loop.control.interrupt)  # from here Ctrl-C is a stop request, not an exception
     try:
-        try:
-            loop.train()
-        finally:
-            loop.finish(time.perf_counter() - t0)
+        with stop_signal:
+            try:
+                loop.train()
+            finally:
+                loop.finish(time.perf_counter() - t0)
+        if loop.control.interrupted:  # Ctrl-C while the last step was stopping the rollout side: no final evaluation
+            raise KeyboardInterrupt
         held_end = loop.final_heldout()
         print(f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
               f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
@@ -220,12 +228,15 @@ class AsyncLoop:
 
     # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> None:
-        self.rollouts.start()
-        self.control.progress()  # the watchdog counts from here: building the rollout side (a process) is not a stall
-        self.watchdog.start()
+        """The steps, until ``trainer.steps``, an early stop (``_check_stop``) or the run stopping: an error, or
+        Ctrl-C (``RunControl.interrupt``), raised by ``control.check`` at a step boundary or in a wait."""
         cfg = self.cfg
         try:
+            self.rollouts.start()
+            self.control.progress()  # the watchdog counts from here: building the rollout side is not a stall
+            self.watchdog.start()
             while self.step < cfg.trainer.steps and not self.stop_early:
+                self.control.check()  # a step boundary: Ctrl-C (or the other side's error) stops the run here
                 t_step = time.perf_counter()
                 rec = self.train_step()
                 self.step += 1

@@ -28,8 +28,10 @@ Liveness, as in the other executors:
   weights, up to ``rollout.max_restarts`` times; past that the run stops with
   ``RunError("rollout_died")``. A sync waiting for a dead rollouter sends the weights
   again to its successor;
-- **Ctrl-C**: the rollouter process ignores SIGINT; the trainer's process stops
-  it (``stop``), joins it, and kills it if it does not end within 10 s;
+- **Ctrl-C**: the rollouter process ignores SIGINT (blocked from its start,
+  ``_sigint_blocked``, then ignored); the trainer's process stops at its next
+  step or wait (``control.StopSignals``), stops the rollouter (``stop``), joins
+  it, and kills it if it does not end within 10 s;
 - the **watchdog** reads what the rollouter process is doing from shared memory
   (``SharedStatus``) beside the trainer's own state;
 - **resume**: a checkpoint's capture is taken in the rollouter process at a sync
@@ -105,16 +107,18 @@ def exit_reason(proc: Any) -> str:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process for the block, when on the main thread (elsewhere ``signal`` cannot)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked on this thread for the block (any thread can: the mask is per thread).
+
+    A process started here inherits the mask through fork and exec: a Ctrl-C to the process group in its first
+    seconds (importing torch) stays pending until ``child_main`` ignores SIGINT, instead of killing it with a
+    traceback. This process loses nothing meanwhile: its SIGINT goes to another thread or waits for the unblock.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class ProcessRollouts:
@@ -153,7 +157,7 @@ class ProcessRollouts:
                          rollout_seed(self.cfg, owner), os.getcwd(), self.device)
         proc = self.ctx.Process(target=child_main, args=(spec, port_there, ctl_there, self.status),
                                 name=f"stateshift-rollouter-{owner}", daemon=True)
-        with _sigint_ignored():  # inherited through exec: Ctrl-C in its first seconds (importing torch) does not kill it
+        with _sigint_blocked():  # inherited through exec: Ctrl-C in its first seconds (importing torch) does not kill it
             proc.start()
         port_there.close()
         ctl_there.close()
@@ -195,7 +199,7 @@ class ProcessRollouts:
                     raise msg[1]
                 inc.pid = inc.proc.pid
                 raise _StartDied(inc)
-            if self.closing:
+            if self.closing or self.control.stopping:
                 raise RunError("rollout_died", "the run stopped while a rollouter process was starting")
         raise RunError("rollout_died", f"rollouter process {inc.proc.pid} was not ready within {START_TIMEOUT_S:g} s")
 
@@ -251,7 +255,7 @@ class ProcessRollouts:
 
         ``RunError("rollout_died")`` (the run stops) past ``rollout.max_restarts``."""
         inc.proc.join(2)
-        if self.closing:  # (``stop`` reports it)
+        if self.closing or self.control.stopping:  # (``stop`` reports it; SIGTERM to the group stops both)
             return
         t_detect, why, limit = time.time(), exit_reason(inc.proc), self.cfg.rollout.max_restarts
         print(f"[stateshift] rollouter process {inc.pid} died: {why}", file=self.stream, flush=True)

@@ -100,7 +100,8 @@ class PipeQueuePort:
 
 def child_main(spec: ChildSpec, port_conn: Any, ctl_conn: Any, status: Any) -> None:
     """The process's life: build, load the newest weights, say ``ready``, generate until stopped."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer's process stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the start (``_sigint_blocked``)
     _prepare(spec)
     port, ctl = Link(port_conn), Link(ctl_conn)
     control = RunControl()

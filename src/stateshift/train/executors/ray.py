@@ -52,8 +52,12 @@ from typing import Any
 
 from ...errors import RunError
 from ..config import TrainConfig
+from ..control import StopFlag, on_stop_signal, reinstall_stop_signals
 from .placement import TRAINER, bundles
 from .ray_common import INTERRUPTED, actor_class, death_reason, wait_ready
+
+#: seconds between two looks at the stop flag while the driver waits for the trainer
+WAIT_SLICE_S = 0.2
 
 #: the raylet's setting of its workers' niceness (read from the environment when it starts)
 NICENESS = "RAY_worker_niceness"
@@ -74,6 +78,7 @@ def run_on_ray(cfg: TrainConfig, out: Path, resume: bool, return_params: bool) -
     from .ray_trainer import TrainerActor
 
     started = _init(ray, cfg)
+    reinstall_stop_signals()  # ray.init's SIGTERM handler exits at once: SIGTERM stops the run as Ctrl-C does
     pg = trainer = None
     try:
         specs = bundles(cfg.ray, ray.cluster_resources())
@@ -116,13 +121,14 @@ def _init(ray: Any, cfg: TrainConfig) -> bool:
 
 
 def _await_trainer(ray: Any, trainer: Any, ref: Any, out: Path) -> Any:
-    """The trainer's result; its error re-raised as itself; its death as ``RunError("trainer_died")``."""
+    """The trainer's result; its error re-raised as itself; its death as ``RunError("trainer_died")``; Ctrl-C: the
+    trainer is told (it stops at its next step or wait and writes its summary), ``KeyboardInterrupt`` re-raised."""
     try:
-        result = ray.get(ref)
+        result = _get_unless_stopped(ray, ref)
     except KeyboardInterrupt:
         trainer.interrupt.remote()
         try:
-            ray.get(ref, timeout=30)  # it stops at its next wait and writes its summary
+            ray.get(ref, timeout=30)  # it stops at its next wait and writes its summary (a second Ctrl-C: at once)
         except Exception:  # noqa: BLE001 - we are leaving on Ctrl-C whatever it says
             pass
         raise
@@ -139,3 +145,14 @@ def _await_trainer(ray: Any, trainer: Any, ref: Any, out: Path) -> Any:
     if result == INTERRUPTED:
         raise KeyboardInterrupt
     return result
+
+
+def _get_unless_stopped(ray: Any, ref: Any) -> Any:
+    """``ray.get(ref)``, waiting in slices; ``KeyboardInterrupt`` (raised here, between two slices) once Ctrl-C or
+    SIGTERM came (``StopSignals``: its handler only sets the flag), or wherever Ctrl-C lands without it."""
+    stop = StopFlag()
+    with on_stop_signal(stop):
+        while not ray.wait([ref], timeout=WAIT_SLICE_S)[0]:
+            if stop.requested:
+                raise KeyboardInterrupt
+    return ray.get(ref)
