@@ -173,3 +173,30 @@ def test_two_runs_cannot_share_a_run_directory(tmp_path):
     finally:
         held.close()
     assert run(tiny(tmp_path, "trainer.steps=1")).steps == 1  # free again
+
+
+def test_stop_signals_call_listeners_first_then_raise():
+    """First signal with a listener: only the listener (no exception); with none: ``KeyboardInterrupt``, remembered
+    for a listener registered later; the second raises; the handlers are restored on leaving."""
+    from stateshift.train.control import RunControl, StopSignals, on_stop_signal
+
+    before = signal.getsignal(signal.SIGINT)
+    control = RunControl()
+    with StopSignals() as signals, on_stop_signal(control.interrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # (the handler runs at the next bytecode)
+        assert control.interrupted and control.stopping and signals.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            control.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+    late = RunControl()
+    with StopSignals():
+        with pytest.raises(KeyboardInterrupt):  # nothing listens: start-up
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        with on_stop_signal(late.interrupt):
+            assert late.interrupted  # told at once
+    assert not on_stop_signal(RunControl().interrupt).signals  # not installed: Ctrl-C is Python's again
