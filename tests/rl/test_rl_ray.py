@@ -377,7 +377,7 @@ def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainer
     def raising(err):
         def get(ref, timeout=None):
             raise err
-        return types.SimpleNamespace(get=get, exceptions=ray.exceptions)
+        return types.SimpleNamespace(get=get, wait=lambda refs, timeout=None: (refs, []), exceptions=ray.exceptions)
 
     with pytest.raises(ray.exceptions.ActorDiedError) as got:
         _await_trainer(raising(inside), None, None, tmp_path)
