@@ -20,7 +20,8 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
   ``state_dict()`` -> ``torch.save`` to ``/dev/shm`` in the trainer, then
   ``torch.load`` -> copy into preallocated tensors (``load_state_dict``) in the
   receiving process -- over ``visible_s + pause_s`` (publish to loaded);
-  measured once per family with params resident;
+  measured once per family with params resident; ``vs_naive_ray`` the same against
+  ``ray.put(model.state_dict())`` and an actor (half a GPU) copying it in (when Ray is installed);
 - ``d2h_bytes``: device-to-host bytes of the publish (0 for offloaded params
   in a shared pool).
 
@@ -188,8 +189,7 @@ def naive_seconds(model: Any, rx: Receiver, shm_dir: str) -> tuple[float, float]
     try:
         for _ in range(3):
             t0 = time.perf_counter()
-            sd = model.state_dict()
-            sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+            sd = _user_state_dict(model)
             torch.save(sd, path)
             saves.append(time.perf_counter() - t0)
             del sd
@@ -198,6 +198,55 @@ def naive_seconds(model: Any, rx: Receiver, shm_dir: str) -> tuple[float, float]
         if os.path.exists(path):
             os.unlink(path)
     return statistics.median(saves[1:]), statistics.median(loads[1:])
+
+
+def _user_state_dict(model: Any) -> dict[str, Any]:
+    """``model.state_dict()`` as a user would send it (an FSDP2 DTensor gathered whole)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+
+
+def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
+    """What a Ray user would write: ``ray.put(model.state_dict())`` in the trainer, an actor (half a GPU)
+    whose method receives it and copies it into preallocated tensors. Seconds from the put to the copy
+    done, one warm-up, then the median of two; ``None`` when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    cuda = device.type == "cuda"
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+
+    @ray.remote
+    class NaiveReceiver:
+        def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], dev: str) -> None:
+            self.dev = dev
+            self.targets = {k: torch.empty(shape, dtype=dt, device=dev) for k, (shape, dt) in specs.items()}
+
+        def load(self, sd: dict[str, Any]) -> int:
+            with torch.no_grad():
+                for k, t in self.targets.items():
+                    t.copy_(sd[k])
+            if self.dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            return len(self.targets)
+
+    sd = _user_state_dict(model)
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    del sd
+    rx = NaiveReceiver.options(num_gpus=0.5 if cuda else 0).remote(specs, "cuda" if cuda else "cpu")
+    times = []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ref = ray.put(_user_state_dict(model))
+            ray.get(rx.load.remote(ref), timeout=REPLY_S)
+            times.append(time.perf_counter() - t0)
+            del ref
+    finally:
+        ray.kill(rx)
+    return statistics.median(times[1:])
 
 
 def run_case(state: ModelState, transport: str, device: torch.device, args: argparse.Namespace, version: list[int],
@@ -234,13 +283,14 @@ def bench_family(family: str, device: torch.device, args: argparse.Namespace, ce
           file=sys.stderr)
     transports = ("cuda_ipc", "shared_host") if device.type == "cuda" else ("shared_host",)
     out, version, naive = [], [0], 0.0
+    naive_ray = naive_ray_seconds(model, device) if args.ray_naive else None
     for residency in ("resident", "offloaded"):
         if residency == "offloaded":
             state.offload(groups)
         for transport in transports:
             r = run_case(state, transport, device, args, version, naive_of=model if not out else None)
             naive = r["naive_s"] if not out else naive
-            out.append(_row(family, residency, transport, r, naive, ceilings, device))
+            out.append(_row(family, residency, transport, r, naive, naive_ray, ceilings, device))
             print(json.dumps(out[-1]), file=sys.stderr)
     state.close()
     core_of(state).pool.trim()
@@ -251,8 +301,8 @@ def bench_family(family: str, device: torch.device, args: argparse.Namespace, ce
     return out
 
 
-def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s: float, ceilings: dict[str, float],
-         device: torch.device) -> dict[str, Any]:
+def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s: float, naive_ray_s: float | None,
+         ceilings: dict[str, float], device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         ceiling, bound = ceilings["host_memcpy_gbps"], "host_memcpy"
     elif transport == "cuda_ipc":
@@ -267,7 +317,9 @@ def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s
             "publish_gbps": round(r["bytes"] / r["visible_s"] / 1e9, 2), "pause_s": round(r["pause_s"], 6),
             "receive_gbps": round(gbps, 2), "ceiling_gbps": round(ceiling, 2), "bound": bound, "ratio": round(gbps / ceiling, 3),
             "copy_s": round(r["copy_s"], 6), "copy_gbps": round(copy_gbps, 2), "copy_ratio": round(copy_gbps / ceiling, 3),
-            "naive_s": round(naive_s, 4), "vs_naive": round(naive_s / ours, 2), "d2h_bytes": r["d2h_bytes"], "copied_bytes": r["copied_bytes"]}
+            "naive_s": round(naive_s, 4), "vs_naive": round(naive_s / ours, 2),
+            "naive_ray_s": None if naive_ray_s is None else round(naive_ray_s, 4),
+            "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2), "d2h_bytes": r["d2h_bytes"], "copied_bytes": r["copied_bytes"]}
 
 
 # ------------------------------------------------------------------ main
@@ -280,6 +332,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="versions before timing (the receiver maps and registers the blocks)")
     p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--no-ray-naive", dest="ray_naive", action="store_false",
+                   help="skip the ray.put / ray.get baseline (run when Ray is installed)")
     args = p.parse_args(argv)
     default = "torch,megatron,fsdp2" if args.device == "cuda" else "torch,fsdp2"
     args.partial = args.families is not None and args.families != default
@@ -326,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     labels = [f"{r['family']}\n{r['transport']}\n{r['residency']}" for r in rows]
     bench.plot_ratios(labels, [r["ratio"] for r in rows], f"weight sync, receiver / ceiling ({result['machine']})", args.out / f"{stem}.png")
     print(f"{'family':<9} {'transport':<12} {'residency':<10} {'GB':>6} {'publish_s':>9} {'visible_s':>9} {'pause_s':>8} "
-          f"{'GB/s':>7} {'ratio':>6} {'vs_naive':>8} {'d2h_GB':>7}")
+          f"{'GB/s':>7} {'ratio':>6} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}")
     for r in rows:
         print(f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
-              f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} "
+              f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
               f"{r['d2h_bytes'] / 1e9:>7.2f}")
     print(f"wrote {args.out / stem}.json" + (f"; failed: {errors}" if errors else ""))
     return 1 if errors else 0
