@@ -53,6 +53,22 @@ def test_receiver_gets_each_version_bit_for_bit(trainer, pub):
     rx.close()
 
 
+def test_big_tensors_copied_one_by_one_and_small_ones_together_land_bit_for_bit(trainer, pub, monkeypatch):
+    from stateshift.rl.sync import receiver
+
+    m, state = trainer
+    sizes = sorted(t.numel() * t.element_size() for t in m.state_dict().values())
+    monkeypatch.setattr(receiver, "_OWN_COPY_BYTES", sizes[len(sizes) // 2])  # half each way, in one load
+    rx = WeightReceiver(pub.handle().to_json(), name="r")
+    target = model(5)
+    for v in (1, 2):
+        step(m, v)
+        pub.publish(v).wait(5)
+        assert rx.load_into(target, min_version=v) == v and same(values(target), values(m))
+    assert rx.last_receipt.copied_bytes == sum(sizes)
+    rx.close()
+
+
 def test_offloaded_params_publish_without_a_copy_and_resident_ones_with_one(trainer, pub):
     m, state = trainer
     want = values(m)
