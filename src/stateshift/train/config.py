@@ -314,6 +314,20 @@ class TrainerConfig:
     """offload grads to host while the trainer waits for samples"""
     optimizer_offload: bool = False
     """offload optimizer state to host while the trainer waits for samples"""
+    prefetch: bool = True
+    """start bringing back what was offloaded before the phase that reads it, so the copy overlaps compute (on a
+    CUDA stream of its own: train/prefetch.py): the params once a step's samples are in hand, grads and optimizer
+    state before the step's old log-prob forwards, each waited for just before its first read (the optimizer
+    state: before the backward and optimizer step). Costs device memory for those groups during the forwards.
+    false: each group is brought back, and waited for, where it is first needed"""
+    freed_memory: Literal["auto", "driver", "cache"] = "auto"
+    """what an offload does with the device memory it frees: 'driver' hands it back to the CUDA driver
+    (torch.cuda.empty_cache(): another process can take it; the offload waits for its copies, the next onload
+    allocates anew); 'cache' keeps it in this process's caching allocator (cheaper offloads and onloads). 'auto':
+    'driver' when a rollouter in another process may share the trainer's GPU (executor=process with
+    rollout.device null or the trainer's GPU, executor=ray), 'cache' otherwise: executor=inprocess (the rollout
+    thread allocates from the same caching allocator, which releases its unused cached blocks itself and retries
+    before an allocation fails), a rollouter process on another GPU, run.device=cpu (no effect there)"""
 
     def __post_init__(self) -> None:
         _check("trainer.steps", self.steps >= 0, "must be >= 0")

@@ -8,6 +8,7 @@ the executor).
     for each trainer step:
         wait (bounded) for require_batches x batch_prompts groups
         (parking params etc. first, if the config offloads them and the groups are not queued yet)
+        prefetch what is parked (trainer.prefetch: the copies overlap the batch building and the forwards)
         per mini-batch: old log-probs (bypass / pi_old / proximal), loss, step
         every trigger_parameter_sync_step steps: version += 1, host snapshot -> rollouter, new pi_old cycle
         every checkpoint_every steps (at a sync): the rollout side's capture; checkpoint once the step is logged
@@ -54,7 +55,7 @@ from .executors.weights import trainer_pool
 from .metrics import MetricsLog, Progress, plot_curves, read_records
 from .report import step_metrics, summarize
 from .rollout import Group
-from .trainer import Batch, Trainer
+from .trainer import Batch, Trainer, frees_device_memory
 from .warmup import fresh_optimizer_state, heldout_accuracy, supervised_warmup
 
 
@@ -123,7 +124,9 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: 
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
     policy = build_policy(cfg, task)
-    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature, pool=trainer_pool(cfg))
+    free = frees_device_memory(cfg.trainer.freed_memory, cfg.executor, policy.device, cfg.rollout.device)
+    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature, pool=trainer_pool(cfg),
+                      free_device_memory=free)
     resumed = None
     if resume:
         start.phase = "loading the checkpoint"
@@ -305,8 +308,10 @@ class AsyncLoop:
 
     def train_step(self) -> dict[str, Any]:
         """``require_batches`` mini-batches, one update each (``Trainer.train_step``); returns the step's metrics."""
-        batches = [Batch.of(self.step_groups(self.cfg.trainer.batch_prompts), self.task.pad_token)
-                   for _ in range(self.cfg.async_training.require_batches)]
+        groups = [self.step_groups(self.cfg.trainer.batch_prompts) for _ in range(self.cfg.async_training.require_batches)]
+        with self.timer("offload"):  # the samples are here: what is parked starts back while the batches are built
+            self.trainer.prefetch_step()
+        batches = [Batch.of(g, self.task.pad_token) for g in groups]
         version = self.trainer.version
         stats = self.trainer.train_step(batches, self.timer)
         depth = self.rollouts.trained(sum(len(b.groups) for b in batches))

@@ -14,7 +14,13 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
    The first update after a sync needs no swap: the current weights *are*
    pi_old, so it onloads and computes directly.
 2. onload what is parked (params; grads / optimizer state if offloaded),
-   forward with gradient, loss, backward, optimizer step.
+   forward with gradient, loss, backward, optimizer step. With
+   ``trainer.prefetch`` (the default) these onloads are issued ahead, at the
+   start of the step (``prefetch_step``; the loop calls it as soon as the
+   step's samples are in hand), on a stream of their own so the copies overlap
+   the batch building and the forwards (``prefetch.py``); each group is waited
+   for just before its first read: the params before the first forward under
+   them, grads and optimizer state before the backward and optimizer step.
 3. nothing is offloaded here: ``park()`` runs when the trainer is about to
    *wait* for samples (``AsyncLoop.next_groups``: the queue does not hold the
    next mini-batch yet), and before an evaluation ends. An update followed at
@@ -60,6 +66,7 @@ from ..rl import algo
 from ..rl.pi_old import PiOldCycle
 from .config import TrainerConfig
 from .policies import Policy
+from .prefetch import Prefetch
 from .rollout import Group
 from .sampler import left_pad, sequence_logprobs
 
@@ -103,9 +110,43 @@ class Batch:
         return Batch(groups=self.groups, **{k: getattr(self, k).to(device, non_blocking=True) for k in names})
 
 
+def frees_device_memory(setting: str, executor: str, device: torch.device, rollout_device: str | None) -> bool:
+    """Whether the trainer's offloads hand the device memory they free back to the CUDA driver
+    (``trainer.freed_memory``; ``ModelState(free_device_memory=...)``).
+
+    ``'auto'``: only where another process may want that memory on the trainer's GPU -- a rollouter process on
+    it (``executor=process``, ``rollout_device`` None or the trainer's GPU) or a Ray actor (``executor=ray``,
+    colocated on a one-GPU cluster by default). In one process (``executor=inprocess``) the rollout thread
+    allocates from the same caching allocator, which frees its unused cached blocks itself before an allocation
+    would fail; on the CPU the setting has no effect.
+
+    Args:
+        setting: ``'auto'``, ``'driver'`` or ``'cache'``.
+        executor: the resolved ``executor`` (``'inprocess'``, ``'process'`` or ``'ray'``).
+        device: the trainer's device.
+        rollout_device: ``rollout.device`` (``None``: the trainer's).
+    """
+    if setting != "auto":
+        return setting == "driver"
+    if device.type != "cuda" or executor == "inprocess":
+        return False
+    if executor == "process" and rollout_device is not None:
+        other = torch.device(rollout_device)
+
+        def index(d: torch.device) -> int:
+            return d.index if d.index is not None else torch.cuda.current_device()
+
+        return other.type == "cuda" and index(other) == index(device)
+    return True
+
+
 @dataclass
 class OffloadMeter:
-    """Seconds and bytes of every verb the trainer ran, by ``"<verb>.<group>"``."""
+    """Host seconds and bytes of every verb the trainer ran, by ``"<verb>.<group>"``.
+
+    A prefetched onload (``prefetch.py``) counts the seconds it took to issue (``onload.<group>``, with its bytes)
+    and the seconds the trainer then blocked waiting for it (``prefetch_wait.<group>``); copy time hidden behind
+    compute is in neither."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
@@ -125,7 +166,7 @@ class Trainer:
     """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
 
     def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0,
-                 pool: HostPool | None = None) -> None:
+                 pool: HostPool | None = None, free_device_memory: bool | None = None) -> None:
         self.policy = policy
         self.lm = policy.lm
         self.model = policy.model
@@ -134,14 +175,18 @@ class Trainer:
         self.temperature = temperature
         self.version = version
         self.optimizer = policy.optimizer
-        # free_device_memory (the default): what an offload releases goes back to the CUDA driver at once
+        # free_device_memory: what an offload releases goes back to the CUDA driver at once, or stays cached in this
+        # process (``trainer.freed_memory``, resolved by ``frees_device_memory``; None: 'auto' taken as 'driver')
         # pool: the state's own pinned pool, or a shared one a rollouter process reads (executors.weights.trainer_pool)
-        self.state = ModelState(self.model, self.optimizer, free_device_memory=True, pool=pool)
+        free = cfg.freed_memory != "cache" if free_device_memory is None else free_device_memory
+        self.state = ModelState(self.model, self.optimizer, free_device_memory=free, pool=pool)
         self.pool = pool
+        self.meter = OffloadMeter()
+        #: onloads issued ahead of their first read (``trainer.prefetch``)
+        self.prefetcher = Prefetch(self.state, self.device, self.meter.add)
         # auto: device when pi_old fits beside the params on the GPU, else host (CPU params: host)
         self.cycle = PiOldCycle(self.state, groups=("params",), placement="auto")
         self.updates_in_cycle = 0
-        self.meter = OffloadMeter()
         self.ref: Snapshot | None = None
         self.parked: set[str] = set()
         #: optimizer updates and trainer steps so far (the learning-rate schedule and loglinear read them)
@@ -156,6 +201,7 @@ class Trainer:
     def close(self) -> None:
         """End of the run: close the state (the model back whole; pi_old, the reference and homes released) and
         free a pool given to it (a shared pool's ``/dev/shm`` files go with its blocks). Idempotent."""
+        self.prefetcher.settle()
         self.state.close()
         if self.pool is not None:
             self.pool.trim()
@@ -172,6 +218,7 @@ class Trainer:
 
     def park(self) -> None:
         """Before the trainer waits: offload what the config says (params, grads, optimizer state)."""
+        self.prefetcher.settle()  # nothing is offloaded while its onload is in flight
         for group, on in (("params", self.cfg.param_offload), ("grads", self.cfg.grad_offload),
                           ("optim", self.cfg.optimizer_offload)):
             if on and group in self.state.groups and self.state.residency()[group]["device"]:
@@ -179,14 +226,32 @@ class Trainer:
                 self.parked.add(group)
 
     def unpark(self, *groups: str) -> None:
-        """Bring ``groups`` back (grads come back as zeros: their old values are not needed)."""
+        """Bring ``groups`` back (grads come back as zeros: their old values are not needed); a group being
+        prefetched is waited for instead."""
         for group in groups:
-            if group not in self.parked:
+            if self.prefetcher.wait(group) or group not in self.parked:
                 continue
             if group == "grads":
                 self.state.drop("grads")
             self._verb("onload", group)
             self.parked.discard(group)
+
+    def prefetch_step(self) -> None:
+        """With ``trainer.prefetch``: start bringing back what the step's updates read (``prefetch.py``); each
+        group is waited for just before its first read (``unpark``). Called once the step's samples are in hand;
+        a no-op for groups already back or on their way.
+
+        The params are left parked when the step's first forward is a pi_old swap (``old_logprobs``): that
+        forward runs on pi_old written into their released storage, and params brought back before it would
+        only be stashed and restored around it; ``update`` onloads them after it.
+        """
+        if not self.cfg.prefetch:
+            return
+        swap_first = self.cfg.old_logprob == "pi_old" and self.updates_in_cycle > 0
+        for group in ("optim", "grads") if swap_first else ("params", "optim", "grads"):
+            if group in self.parked and group in self.state.groups:
+                self.prefetcher.issue(group, zeros=group == "grads")
+                self.parked.discard(group)
 
     # -- pi_old, reference, sync ---------------------------------------------------------------
     def begin_cycle(self) -> None:
@@ -194,6 +259,7 @@ class Trainer:
 
         Only ``pi_old`` mode keeps the snapshot; the others just count updates since the sync.
         """
+        self.prefetcher.settle()
         if self.cfg.old_logprob == "pi_old":
             t0 = time.perf_counter()
             self.cycle.begin(self.version)
@@ -201,11 +267,13 @@ class Trainer:
         self.updates_in_cycle = 0
 
     def take_reference(self) -> None:
+        self.prefetcher.settle()
         if self.cfg.kl_coef > 0:
             self.ref = self.state.snapshot(("params",), tag="ref", placement="host")
 
     def sync_snapshot(self) -> Snapshot:
         """Host snapshot of the current weights at ``self.version`` (zero-copy when offloaded); release after use."""
+        self.prefetcher.settle()
         t0 = time.perf_counter()
         snap = self.state.snapshot(("params",), tag="sync", version=self.version, placement="host")
         self.meter.add("snapshot.sync", time.perf_counter() - t0, 0)
@@ -232,6 +300,7 @@ class Trainer:
         if mode == "loglinear":
             return None
         if mode == "pi_old" and self.updates_in_cycle > 0:
+            self.prefetcher.wait("params")  # (never prefetched before a swap: prefetch_step) swapped over settled params
             t0 = time.perf_counter()
             with self.cycle.old_policy():  # works whether the params are offloaded or not
                 t1 = time.perf_counter()
@@ -249,6 +318,7 @@ class Trainer:
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
         if self.ref is None:
             return None
+        self.prefetcher.wait("params")  # the reference is swapped over settled params
         with self.state.swapped(self.ref):
             return self._logprobs(batch)[0]
 
@@ -259,6 +329,7 @@ class Trainer:
         ``proximal`` mode computes every mini-batch's ``l_p`` first, under the weights at the start of the step
         (one forward each, no gradient), so all the step's updates share that proximal policy (AReaL).
         """
+        self.prefetch_step()  # (the loop has called it already, as soon as the samples were in hand)
         batches = [b.to(self.device) for b in batches]
         prox: list[torch.Tensor | None] = [None] * len(batches)
         if self.cfg.old_logprob == "proximal":
@@ -266,6 +337,7 @@ class Trainer:
                 self.unpark("params")
                 prox = [self._logprobs(b)[0].detach() for b in batches]
         stats = [self.update(b, timer, l_p=lp) for b, lp in zip(batches, prox, strict=True)]
+        self.prefetcher.settle()  # (every group prefetched was read by the first update: nothing is left in flight)
         self.steps += 1
         return stats
 
@@ -279,8 +351,8 @@ class Trainer:
             if l_p is None:
                 l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
-        with timer("offload"):
-            self.unpark("params", "optim", "grads")
+        with timer("offload"):  # grads and optimizer state on their way (prefetch) are waited for in _step
+            self.unpark("params", *(g for g in ("optim", "grads") if g not in self.prefetcher.inflight))
         with timer("update"):
             stats = self._step(batch, l_p, l_ref)
         self.updates_in_cycle += 1  # parked later, only if the trainer then waits (AsyncLoop.next_groups)
@@ -319,6 +391,7 @@ class Trainer:
             kl = algo.masked_mean(algo.kl_k3(l_t, l_ref), batch.mask)
             loss = loss + cfg.kl_coef * kl
             kl_ref = float(kl.detach())
+        self.unpark("grads", "optim")  # prefetched: wait for them here, the forward with gradient enqueued already
         if "grads" not in self.parked:
             self.policy.zero_grad()
         lr = self._set_lr()

@@ -1,0 +1,98 @@
+"""Onloads issued ahead of the phase that reads them (``trainer.prefetch``), so their copies overlap compute.
+
+Why a stream of its own: ``ModelState.onload`` enqueues its host-to-device
+copies on the copy engine's side stream, but that stream first waits for the
+*current* stream, and the current stream then waits for the copies (and
+scatters the small slots itself). Called on the compute stream, an onload
+issued before a forward would therefore delay the forward until the copy is
+done: nothing would overlap on the GPU. ``Prefetch.issue`` runs the onload
+with a prefetch stream as the current one, so the copies are ordered on that
+stream and the compute stream goes on with the forward meanwhile.
+
+The invariants, on CUDA:
+
+- the prefetch stream waits for the compute stream before each onload: the
+  copies see every earlier write, and device memory the onload re-grows on
+  the prefetch stream (the caching allocator keys free blocks by stream) is
+  reused only after every compute-stream read of it enqueued before;
+- ``wait(group)`` -- called just before the group is first read -- blocks
+  the host until the prefetch stream has passed the group's onload (its
+  copies and scatters) and makes the compute stream wait for the same event,
+  so nothing reads the group before its copy completed;
+- no other verb touches a group while its onload is in flight: the trainer
+  calls ``wait`` (``settle``) before it offloads, snapshots or swaps.
+
+On the CPU there is no stream: ``issue`` is the onload itself (host copies,
+done when it returns) and ``wait`` only records a zero.
+
+Accounting (``OffloadMeter``, the verbs' share of the step): ``issue``'s host
+seconds go to ``onload.<group>`` with the group's bytes, ``wait``'s to
+``prefetch_wait.<group>``: the time the trainer was blocked waiting for the
+copy. Copy time hidden behind compute is counted nowhere, by design; copy time
+that was not hidden is what ``wait`` blocks for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from stateshift import ModelState
+
+#: ``(key, seconds, bytes)``: where issue and wait times go (``OffloadMeter.add``)
+Record = Callable[[str, float, int], None]
+
+
+class Prefetch:
+    """Onloads in flight on a prefetch stream, by group, until ``wait``."""
+
+    def __init__(self, state: ModelState, device: torch.device, record: Record) -> None:
+        self.state = state
+        self.record = record
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        #: group -> the prefetch stream's event after its onload (``None`` on the CPU: done already)
+        self.inflight: dict[str, torch.cuda.Event | None] = {}
+
+    def issue(self, group: str, *, zeros: bool = False) -> None:
+        """Start bringing ``group`` back to the device (``zeros``: drop it first, it comes back zero-filled).
+
+        Raises:
+            ValueError: ``group`` is in flight already.
+        """
+        if group in self.inflight:
+            raise ValueError(f"group {group!r} is being prefetched already")
+        t0 = time.perf_counter()
+        if zeros:
+            self.state.drop(group)
+        moving = self.state.residency()[group]["host"]  # (dropped slots come back as zeros: no bytes move)
+        event = None
+        if self.stream is None:
+            self.state.onload(group)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                self.state.onload(group)
+                event = self.stream.record_event()
+        self.inflight[group] = event
+        self.record(f"onload.{group}", time.perf_counter() - t0, self.state.nbytes(group) if moving else 0)
+
+    def wait(self, group: str) -> bool:
+        """Block until ``group``'s onload is done and order the compute stream after it; ``False`` if it was
+        not in flight (nothing to wait for)."""
+        if group not in self.inflight:
+            return False
+        event = self.inflight.pop(group)
+        t0 = time.perf_counter()
+        if event is not None:
+            assert self.stream is not None
+            event.synchronize()  # the host blocks: this wait is counted (not hidden in a later sync)
+            torch.cuda.current_stream(self.stream.device).wait_event(event)  # and the device orders reads after it
+        self.record(f"prefetch_wait.{group}", time.perf_counter() - t0, 0)
+        return True
+
+    def settle(self) -> None:
+        """Wait for every onload in flight (before any other verb on the state)."""
+        for group in list(self.inflight):
+            self.wait(group)

@@ -1,0 +1,240 @@
+"""Prefetch (``trainer.prefetch``): what a step reads is onloaded ahead and waited for just before its first read;
+the result is the same bit for bit; on CUDA the copy is ordered on a stream of its own. Also: what an offload does
+with the device memory it frees (``trainer.freed_memory``), and no pi_old snapshot in the modes that never swap."""
+
+from __future__ import annotations
+
+import random
+from contextlib import nullcontext
+
+import pytest
+import torch
+from rlkit import parked_trainer, tiny
+
+from stateshift.core.engine import core_of
+from stateshift.train import prefetch as prefetch_mod
+from stateshift.train.rollout import Wave
+from stateshift.train.trainer import Batch, Trainer, frees_device_memory
+
+ALL_OFFLOADS = ("trainer.param_offload=true", "trainer.optimizer_offload=true", "trainer.grad_offload=true")
+
+
+def _timer(name: str) -> nullcontext[None]:
+    return nullcontext()
+
+
+def _batches(cfg, n: int) -> list[Batch]:
+    """``n`` mini-batches drawn once by a fresh policy's rollouter (the same for every trainer compared)."""
+    task, _, _, rollouter = parked_trainer(cfg)
+    out = []
+    for k in range(n):
+        items = [task.sample(random.Random(100 * k + i)) for i in range(cfg.trainer.batch_prompts)]
+        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
+                          rollouter.sampling)
+        assert rollouter.generate(wave)
+        out.append(Batch.of(wave.groups(task.score), task.pad_token))
+    return out
+
+
+def _train(cfg, batches: list[Batch], steps: int) -> tuple[Trainer, list[float]]:
+    """A fresh trainer, parked before every step (as when it waits for samples), ``steps`` steps of
+    ``require_batches`` mini-batches each, a sync (version += 1, new cycle) every ``trigger`` steps."""
+    _, _, trainer, _ = parked_trainer(cfg)
+    a = cfg.async_training
+    trainer.trigger = a.trigger_parameter_sync_step
+    losses: list[float] = []
+    for step in range(steps):
+        mine = batches[step * a.require_batches:(step + 1) * a.require_batches]
+        losses += [s["loss"] for s in trainer.train_step(mine, _timer)]
+        assert not trainer.prefetcher.inflight  # nothing stays in flight past a step
+        if (step + 1) % a.trigger_parameter_sync_step == 0:
+            trainer.version += 1
+            trainer.begin_cycle()
+        trainer.park()
+    return trainer, losses
+
+
+@pytest.mark.parametrize("mode", ["pi_old", "proximal", "bypass", "loglinear"])
+def test_prefetch_on_and_off_train_the_same_bits(tmp_path, mode):
+    common = (*ALL_OFFLOADS, f"trainer.old_logprob={mode}", "async_training.require_batches=2",
+              "async_training.trigger_parameter_sync_step=2")
+    on, off = tiny(tmp_path, *common, "trainer.prefetch=true"), tiny(tmp_path, *common, "trainer.prefetch=false")
+    batches = _batches(on, 8)
+    a, losses_a = _train(on, batches, 4)
+    b, losses_b = _train(off, batches, 4)
+    assert losses_a == losses_b  # exact float equality
+    a.state.onload(), b.state.onload()
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert any(k.startswith("prefetch_wait.") for k in a.meter.seconds)  # the prefetch path really ran
+    assert not any(k.startswith("prefetch_wait.") for k in b.meter.seconds)
+    moved = {k: v for k, v in a.meter.nbytes.items() if not k.startswith("prefetch_wait.")}
+    assert moved == b.meter.nbytes  # the same bytes moved, by the same verbs
+    if mode == "pi_old":
+        assert a.cycle.stats.swaps == b.cycle.stats.swaps > 0
+
+
+def _recorded_step(cfg) -> list[str]:
+    """The verbs, forwards and optimizer steps of a trainer's second step (the first makes the grads and the
+    optimizer state), in order, the real ModelState on the CPU; a sync and a park between the two."""
+    batches = _batches(cfg, 2)
+    trainer, _ = _train(cfg, batches[:1], 1)
+    events: list[str] = []
+    state, pf, policy = trainer.state, trainer.prefetcher, trainer.policy
+    onload, wait, logprobs, step = state.onload, pf.wait, trainer._logprobs, policy.step
+
+    def rec_onload(group, **kw):
+        events.append(f"onload {group}")
+        return onload(group, **kw)
+
+    def rec_wait(group):
+        if group in pf.inflight:
+            events.append(f"wait {group}")
+        return wait(group)
+
+    def rec_logprobs(batch, *, with_entropy=False):
+        events.append("forward with grad" if with_entropy else "forward")
+        return logprobs(batch, with_entropy=with_entropy)
+
+    def rec_step(loss):
+        events.append("step")
+        assert not pf.inflight, state.residency()
+        assert all(state.residency()[g]["host"] == 0 for g in ("params", "grads", "optim")), state.residency()
+        return step(loss)
+
+    state.onload, pf.wait, trainer._logprobs, policy.step = rec_onload, rec_wait, rec_logprobs, rec_step
+    trainer.train_step(batches[1:], _timer)
+    return events
+
+
+def test_prefetch_issues_the_onloads_first_and_waits_just_before_each_first_read(tmp_path):
+    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=true",
+               "async_training.trigger_parameter_sync_step=1")
+    assert _recorded_step(cfg) == [
+        "onload params", "onload optim", "onload grads",  # issued before any compute of the step
+        "wait params", "forward",  # the old log-probs: the first read of the params
+        "forward with grad",  # the update's forward: optimizer state and grads still on their way
+        "wait grads", "wait optim", "step",  # waited for just before the backward and optimizer step
+    ]
+
+
+def test_without_prefetch_each_group_is_onloaded_where_it_is_first_needed(tmp_path):
+    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=false",
+               "async_training.trigger_parameter_sync_step=1")
+    assert _recorded_step(cfg) == ["onload params", "forward", "onload optim", "onload grads", "forward with grad",
+                                   "step"]
+
+
+def test_no_params_prefetch_before_a_pi_old_swap(tmp_path):
+    """Later in a cycle the first forward runs under pi_old swapped into the released params: they stay parked."""
+    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2")
+    batches = _batches(cfg, 2)
+    trainer, _ = _train(cfg, batches[:1], 1)  # (no sync after it: the next update swaps)
+    trainer.prefetch_step()
+    assert set(trainer.prefetcher.inflight) == {"optim", "grads"} and "params" in trainer.parked
+    trainer.train_step(batches[1:], _timer)
+    assert trainer.cycle.stats.swaps == 1 and not trainer.prefetcher.inflight
+
+
+class _Event:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(f"host waits for {self.name}")
+
+
+class _Stream:
+    """A stand-in for ``torch.cuda.Stream``: records what is ordered on it."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.device, self.events = log, name, torch.device("cuda", 0), 0
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def record_event(self) -> _Event:
+        self.events += 1
+        self.log.append(f"{self.name} records e{self.events}")
+        return _Event(self.log, f"e{self.events}")
+
+    def wait_event(self, event: _Event) -> None:
+        self.log.append(f"{self.name} waits for {event.name}")
+
+
+def test_on_cuda_the_onload_runs_on_the_prefetch_stream_and_the_compute_stream_waits_for_its_event(monkeypatch):
+    """The protocol of ``Prefetch`` with CUDA's stream calls replaced by recorders (the state itself on the CPU)."""
+    log: list[str] = []
+    compute, side = _Stream(log, "compute"), _Stream(log, "prefetch")
+    current = [compute]
+
+    class _On:
+        def __init__(self, stream: _Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current[0] = self.stream
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = compute
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "stream", _On)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+
+    class _State:
+        def residency(self):
+            return {"optim": {"host": 1}}
+
+        def nbytes(self, group):
+            return 8
+
+        def onload(self, group):
+            log.append(f"onload {group} on {current[0].name}")
+
+    seen: list[tuple[str, int]] = []
+    pf = prefetch_mod.Prefetch(_State(), torch.device("cuda", 0), lambda key, s, n: seen.append((key, n)))  # type: ignore[arg-type]
+    pf.issue("optim")
+    log.append("compute: forward")
+    assert pf.wait("optim") and not pf.wait("optim")
+    assert log == ["prefetch waits for compute", "onload optim on prefetch", "prefetch records e1", "compute: forward",
+                   "host waits for e1", "compute waits for e1"]
+    assert seen == [("onload.optim", 8), ("prefetch_wait.optim", 0)]
+    pf.issue("optim")
+    with pytest.raises(ValueError, match="already"):
+        pf.issue("optim")
+
+
+@pytest.mark.parametrize(("setting", "executor", "device", "rollout_device", "expected"), [
+    ("auto", "inprocess", "cuda:0", None, False),  # one process: its caching allocator serves both sides
+    ("auto", "process", "cuda:0", None, True),  # a rollouter process on the trainer's GPU
+    ("auto", "process", "cuda:0", "cuda:0", True),
+    ("auto", "process", "cuda:0", "cuda:1", False),  # ... on another GPU: nobody else wants this memory
+    ("auto", "ray", "cuda:0", None, True),  # an actor, colocated on a one-GPU cluster
+    ("auto", "process", "cpu", None, False),  # no effect on the CPU
+    ("driver", "inprocess", "cuda:0", None, True),
+    ("cache", "process", "cuda:0", None, False),
+])
+def test_freed_memory_goes_to_the_driver_only_where_another_process_may_want_it(setting, executor, device,
+                                                                                rollout_device, expected):
+    assert frees_device_memory(setting, executor, torch.device(device), rollout_device) is expected
+
+
+def test_the_trainer_builds_its_state_with_the_resolved_setting(tmp_path):
+    for setting, free in (("cache", False), ("driver", True), ("auto", True)):  # auto without a run: the driver
+        _, _, trainer, _ = parked_trainer(tiny(tmp_path, f"trainer.freed_memory={setting}"))
+        assert trainer.state.free_device_memory is free
+
+
+@pytest.mark.parametrize("mode", ["bypass", "proximal", "loglinear", "pi_old"])
+def test_no_pi_old_snapshot_in_the_modes_that_never_swap(tmp_path, mode):
+    cfg = tiny(tmp_path, f"trainer.old_logprob={mode}", "async_training.require_batches=2",
+               "async_training.trigger_parameter_sync_step=2")
+    trainer, _ = _train(cfg, _batches(cfg, 6), 3)
+    tags = {snap.tag for snap in core_of(trainer.state).snapshots}
+    verbs = set(trainer.meter.seconds)
+    if mode == "pi_old":  # (the control: the mode that swaps keeps its snapshot)
+        assert tags == {"pi_old"} and trainer.cycle.stats.snapshots == 2 and "swap.pi_old" in verbs
+        return
+    assert tags == set() and trainer.cycle.stats.snapshots == 0 and trainer.cycle.stats.swaps == 0
+    assert not {"snapshot.pi_old", "swap.pi_old"} & verbs
