@@ -152,7 +152,13 @@ def idle_breakdown(recs: list[dict[str, Any]], split: dict[str, float], trigger:
 
 def verbs_fraction_of_step(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
     """stateshift's verbs' host seconds (``summary["verbs_s"]``: offload, onload, snapshots, pi_old swaps, release)
-    over the trainer's step time (the sum of the metrics records' ``step_s``, waits included); None: no steps."""
+    over the trainer's step time (the sum of the metrics records' ``step_s``, waits included); None: no steps.
+
+    Host seconds: how long the trainer thread was inside a verb, including any wait for its copies in it. A
+    prefetched onload (``trainer.prefetch``) counts the time to issue it (``onload.<group>``) plus the time the
+    trainer then blocked in its wait (``prefetch_wait.<group>``): copy time hidden behind compute is not counted,
+    copy time that was not hidden is. An onload or offload without prefetch waits for its copies, and so also for
+    the compute enqueued before it that its copies are ordered after (the copy stream waits for the compute stream)."""
     step_s = sum(x["step_s"] for x in records)
     return summary["verbs_s"] / step_s if step_s else None
 
