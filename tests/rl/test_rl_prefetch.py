@@ -5,7 +5,7 @@ with the device memory it frees (``trainer.freed_memory``), and no pi_old snapsh
 from __future__ import annotations
 
 import random
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -74,14 +74,15 @@ def test_prefetch_on_and_off_train_the_same_bits(tmp_path, mode):
         assert a.cycle.stats.swaps == b.cycle.stats.swaps > 0
 
 
-def _recorded_step(cfg) -> list[str]:
+def _recorded_step(cfg, sync: bool = True) -> list[str]:
     """The verbs, forwards and optimizer steps of a trainer's second step (the first makes the grads and the
-    optimizer state), in order, the real ModelState on the CPU; a sync and a park between the two."""
+    optimizer state), in order, the real ModelState on the CPU; a park (and a sync, ``sync``) between the two."""
     batches = _batches(cfg, 2)
     trainer, _ = _train(cfg, batches[:1], 1)
+    assert (trainer.updates_in_cycle == 0) is sync
     events: list[str] = []
     state, pf, policy = trainer.state, trainer.prefetcher, trainer.policy
-    onload, wait, logprobs, step = state.onload, pf.wait, trainer._logprobs, policy.step
+    onload, wait, logprobs, step, old_policy = state.onload, pf.wait, trainer._logprobs, policy.step, trainer.cycle.old_policy
 
     def rec_onload(group, **kw):
         events.append(f"onload {group}")
@@ -96,6 +97,14 @@ def _recorded_step(cfg) -> list[str]:
         events.append("forward with grad" if with_entropy else "forward")
         return logprobs(batch, with_entropy=with_entropy)
 
+    @contextmanager
+    def rec_old_policy():
+        assert not pf.inflight
+        events.append("swap in")
+        with old_policy():
+            yield
+        events.append("swap out")
+
     def rec_step(loss):
         events.append("step")
         assert not pf.inflight, state.residency()
@@ -103,6 +112,7 @@ def _recorded_step(cfg) -> list[str]:
         return step(loss)
 
     state.onload, pf.wait, trainer._logprobs, policy.step = rec_onload, rec_wait, rec_logprobs, rec_step
+    trainer.cycle.old_policy = rec_old_policy
     trainer.train_step(batches[1:], _timer)
     return events
 
@@ -125,15 +135,16 @@ def test_without_prefetch_each_group_is_onloaded_where_it_is_first_needed(tmp_pa
                                    "step"]
 
 
-def test_no_params_prefetch_before_a_pi_old_swap(tmp_path):
-    """Later in a cycle the first forward runs under pi_old swapped into the released params: they stay parked."""
-    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2")
-    batches = _batches(cfg, 2)
-    trainer, _ = _train(cfg, batches[:1], 1)  # (no sync after it: the next update swaps)
-    trainer.prefetch_step()
-    assert set(trainer.prefetcher.inflight) == {"optim", "grads"} and "params" in trainer.parked
-    trainer.train_step(batches[1:], _timer)
-    assert trainer.cycle.stats.swaps == 1 and not trainer.prefetcher.inflight
+def test_a_pi_old_swap_runs_with_nothing_in_flight_and_the_prefetch_follows_it(tmp_path):
+    """Later in a cycle the first forward runs under pi_old swapped into the released params: nothing is prefetched
+    before it (Megatron's rebuild of the params reads the optimizer state), everything right after it."""
+    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=true",
+               "async_training.trigger_parameter_sync_step=2")
+    assert _recorded_step(cfg, sync=False) == [
+        "swap in", "forward", "swap out",  # the old log-probs under pi_old, nothing in flight
+        "onload params", "onload optim", "onload grads", "wait params",
+        "forward with grad", "wait grads", "wait optim", "step",
+    ]
 
 
 class _Event:

@@ -237,18 +237,22 @@ class Trainer:
             self.parked.discard(group)
 
     def prefetch_step(self) -> None:
-        """With ``trainer.prefetch``: start bringing back what the step's updates read (``prefetch.py``); each
-        group is waited for just before its first read (``unpark``). Called once the step's samples are in hand;
-        a no-op for groups already back or on their way.
+        """With ``trainer.prefetch``: start bringing back what the step's updates read (``prefetch.py``), once the
+        step's samples are in hand; each group is waited for just before its first read (``unpark``).
 
-        The params are left parked when the step's first forward is a pi_old swap (``old_logprobs``): that
-        forward runs on pi_old written into their released storage, and params brought back before it would
-        only be stashed and restored around it; ``update`` onloads them after it.
+        Not when the step's first forward is a pi_old swap (``old_logprobs``): a swap runs with no onload in flight
+        (Megatron's rebuild of the params reads the optimizer's master weights), and the params would only be
+        stashed and restored around it; ``update`` prefetches right after the swap instead.
         """
+        if not (self.cfg.old_logprob == "pi_old" and self.updates_in_cycle > 0):
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """With ``trainer.prefetch``: issue the onload of every parked group an update reads (params first: the
+        first read). A no-op for groups already back or on their way."""
         if not self.cfg.prefetch:
             return
-        swap_first = self.cfg.old_logprob == "pi_old" and self.updates_in_cycle > 0
-        for group in ("optim", "grads") if swap_first else ("params", "optim", "grads"):
+        for group in ("params", "optim", "grads"):
             if group in self.parked and group in self.state.groups:
                 self.prefetcher.issue(group, zeros=group == "grads")
                 self.parked.discard(group)
@@ -300,7 +304,7 @@ class Trainer:
         if mode == "loglinear":
             return None
         if mode == "pi_old" and self.updates_in_cycle > 0:
-            self.prefetcher.wait("params")  # (never prefetched before a swap: prefetch_step) swapped over settled params
+            self.prefetcher.settle()  # a swap runs with no onload in flight (nothing is, here: prefetch_step)
             t0 = time.perf_counter()
             with self.cycle.old_policy():  # works whether the params are offloaded or not
                 t1 = time.perf_counter()
@@ -318,7 +322,7 @@ class Trainer:
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
         if self.ref is None:
             return None
-        self.prefetcher.wait("params")  # the reference is swapped over settled params
+        self.prefetcher.settle()  # a swap runs with no onload in flight
         with self.state.swapped(self.ref):
             return self._logprobs(batch)[0]
 
@@ -352,6 +356,7 @@ class Trainer:
                 l_p = self.old_logprobs(batch)
             l_ref = self.reference_logprobs(batch)
         with timer("offload"):  # grads and optimizer state on their way (prefetch) are waited for in _step
+            self._prefetch()  # (after a pi_old swap: prefetch_step left them parked) the update's forward overlaps
             self.unpark("params", *(g for g in ("optim", "grads") if g not in self.prefetcher.inflight))
         with timer("update"):
             stats = self._step(batch, l_p, l_ref)
