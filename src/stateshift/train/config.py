@@ -316,9 +316,10 @@ class TrainerConfig:
     """offload optimizer state to host while the trainer waits for samples"""
     prefetch: bool = True
     """start bringing back what was offloaded before the phase that reads it, so the copy overlaps compute (on a
-    CUDA stream of its own: train/prefetch.py): the params once a step's samples are in hand, grads and optimizer
-    state before the step's old log-prob forwards, each waited for just before its first read (the optimizer
-    state: before the backward and optimizer step). Costs device memory for those groups during the forwards.
+    CUDA stream of its own: train/prefetch.py): params, grads and optimizer state once a step's samples are in
+    hand (right after the old log-prob forward when that is a pi_old swap), each waited for just before its first
+    read (the optimizer state: before the backward and optimizer step). Costs device memory for those groups
+    during the forwards.
     false: each group is brought back, and waited for, where it is first needed"""
     freed_memory: Literal["auto", "driver", "cache"] = "auto"
     """what an offload does with the device memory it frees: 'driver' hands it back to the CUDA driver

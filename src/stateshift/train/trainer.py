@@ -21,6 +21,8 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
    the batch building and the forwards (``prefetch.py``); each group is waited
    for just before its first read: the params before the first forward under
    them, grads and optimizer state before the backward and optimizer step.
+   A swap (pi_old, reference) runs with no onload in flight: when the step
+   begins with one, the prefetch is issued right after it.
 3. nothing is offloaded here: ``park()`` runs when the trainer is about to
    *wait* for samples (``AsyncLoop.next_groups``: the queue does not hold the
    next mini-batch yet), and before an evaluation ends. An update followed at
