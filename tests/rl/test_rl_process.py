@@ -108,6 +108,9 @@ def test_process_executor_equals_the_thread_executor(tmp_path, transport):
     assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
     assert proc.losses == thread.losses  # exact float equality
     assert proc.trained_uids == thread.trained_uids
+    # the weight-sync library publishes from the trainer's state: the loop takes no host snapshot for it
+    assert ("snapshot.sync" in proc.summary["offload"]["seconds"]) is (transport == "builtin")
+    assert "snapshot.sync" in thread.summary["offload"]["seconds"]
     assert proc.params is not None and thread.params is not None
     for name, t in thread.params.items():
         assert torch.equal(proc.params[name], t), name

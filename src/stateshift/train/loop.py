@@ -326,10 +326,12 @@ class AsyncLoop:
         """
         with self.timer("sync"):
             self.trainer.version += 1
-            snap = self.trainer.sync_snapshot()
+            # none where the rollout side publishes from the state itself: of resident params it is a full copy
+            snap = self.trainer.sync_snapshot() if getattr(self.rollouts, "reads_snapshot", True) else None
             outcome = self.rollouts.sync(snap, self.trainer.version, capture=checkpoint,
                                          interrupt=self.cfg.async_training.partial_rollout)
-            self.trainer.release(snap)  # not on failure: a rollout thread may still be reading it
+            if snap is not None:
+                self.trainer.release(snap)  # not on failure: a rollout thread may still be reading it
             self.syncs += 1
         with self.timer("old_logprob"):
             self.trainer.begin_cycle()

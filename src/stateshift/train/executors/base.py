@@ -127,8 +127,13 @@ class Rollouts(Protocol):
         """A step over ``count`` taken groups completed; returns the queue depth."""
         ...
 
-    def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
-        """Send ``snapshot`` as weights ``version``; returns once the rollouter took them (release it then)."""
+    #: whether ``sync`` reads the trainer's snapshot; ``False``: it publishes from the trainer's state itself
+    #: (the weight-sync library), so the loop takes none -- a host snapshot of resident params is a full copy
+    reads_snapshot: bool
+
+    def sync(self, snapshot: Snapshot | None, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
+        """Send ``snapshot`` as weights ``version`` (``None`` where ``reads_snapshot`` is ``False``); returns once
+        the rollouter took them (release it then)."""
         ...
 
     def stats(self) -> RolloutStats:

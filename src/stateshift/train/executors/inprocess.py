@@ -188,8 +188,11 @@ class InProcessRollouts:
     def trained(self, count: int) -> int:
         return self.hub.trained(count)
 
-    def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
+    reads_snapshot = True
+
+    def sync(self, snapshot: Snapshot | None, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
         """Post the snapshot; returns once the rollout thread copied it in (the snapshot may be released then)."""
+        assert snapshot is not None
         return self.worker.hand_over(WeightUpdate.of_snapshot(snapshot, version, capture=capture), interrupt=interrupt)
 
     def stats(self) -> RolloutStats:

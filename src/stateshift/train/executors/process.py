@@ -66,7 +66,7 @@ from .base import RolloutCapture, RolloutStats, SyncOutcome, rollout_seed, take_
 from .hub import QueueHub
 from .link import Link
 from .process_child import ChildSpec, child_main
-from .weights import make_publisher, rollout_device
+from .weights import LibraryPublisher, make_publisher, rollout_device
 
 #: seconds a rollouter process may take to start (import torch, build its model, load the weights)
 START_TIMEOUT_S = 300.0
@@ -309,11 +309,18 @@ class ProcessRollouts:
     def trained(self, count: int) -> int:
         return self.hub.trained(count)
 
-    def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
+    @property
+    def reads_snapshot(self) -> bool:
+        """The weight-sync library (``LibraryPublisher``) publishes from the trainer's state: no snapshot to read."""
+        return not isinstance(self.publisher, LibraryPublisher)
+
+    def sync(self, snapshot: Snapshot | None, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
         """Write the weights to shared memory, tell the rollouter; returns once it copied them in (``snapshot`` may
-        be released then). A rollouter that dies meanwhile is replaced and told again."""
+        be released then; ``None`` with the weight-sync library). A rollouter that dies meanwhile is replaced and
+        told again."""
+        assert snapshot is not None or not self.reads_snapshot
         with self.lock:  # not while a successor starts: it reads the weights
-            self.publisher.publish(snapshot.wait().views(), version)
+            self.publisher.publish(snapshot.wait().views() if snapshot is not None else (), version)
         while True:
             with self.lock:
                 inc = self.current

@@ -169,9 +169,12 @@ class RayRollouts:
     def trained(self, count: int) -> int:
         return self._hub("trained", count)
 
-    def sync(self, snapshot: Snapshot, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
+    reads_snapshot = True
+
+    def sync(self, snapshot: Snapshot | None, version: int, *, capture: bool, interrupt: bool) -> SyncOutcome:
         """Weights by reference (copied out of ``snapshot``, which may be released on return); a rollouter that
         dies meanwhile is replaced and the weights sent again (see the module docstring)."""
+        assert snapshot is not None
         self.weights = (self.ray.put(dict(snapshot.wait().views())), version)
         while True:
             with self.lock:
