@@ -4,8 +4,11 @@ with the device memory it frees (``trainer.freed_memory``), and no pi_old snapsh
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from rlkit import parked_trainer, tiny
 
 from stateshift.core.engine import core_of
 from stateshift.train import prefetch as prefetch_mod
+from stateshift.train.launch import run
 from stateshift.train.rollout import Wave
 from stateshift.train.trainer import Batch, Trainer, frees_device_memory
 
@@ -249,3 +253,29 @@ def test_no_pi_old_snapshot_in_the_modes_that_never_swap(tmp_path, mode):
         return
     assert tags == set() and trainer.cycle.stats.snapshots == 0 and trainer.cycle.stats.swaps == 0
     assert not {"snapshot.pi_old", "swap.pi_old"} & verbs
+
+
+def test_a_run_with_prefetch_equals_one_without(tmp_path):
+    """Through the loop (``AsyncLoop.train_step`` prefetches once the samples are in hand): the same losses and
+    weights; ``tests/gpu/test_rl_prefetch_gpu.py`` runs this on CUDA for every family."""
+    common = ["trainer.steps=4", "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2",
+              "async_training.require_batches=2", "run.eval_every=1", *ALL_OFFLOADS, "trainer.old_logprob=pi_old"]
+    on = run(tiny(tmp_path / "on", *common, "trainer.prefetch=true"), return_params=True)
+    off = run(tiny(tmp_path / "off", *common, "trainer.prefetch=false"), return_params=True)
+    assert on.losses == off.losses and on.params is not None and off.params is not None
+    assert all(torch.equal(on.params[k], v) for k, v in off.params.items())
+    waits = {k for k in on.summary["offload"]["seconds"] if k.startswith("prefetch_wait.")}
+    assert waits == {"prefetch_wait.params", "prefetch_wait.grads", "prefetch_wait.optim"}
+
+
+def test_the_overlap_benchmark_runs_its_path_on_the_cpu(tmp_path):
+    """``benchmarks/prefetch_bench.py --small``: its measurements and fields (no overlap to see on the CPU)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefetch_bench.py"
+    spec = importlib.util.spec_from_file_location("prefetch_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--small", "--out", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert {"forward_s", "onload_s", "sequential_s", "prefetched_s", "overlap", "prefetch_wait_s"} <= r.keys()
+    assert r["device"] == "cpu" and r["optim_bytes"] > 0
