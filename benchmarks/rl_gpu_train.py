@@ -180,6 +180,7 @@ def per_run(r: dict[str, Any], threshold: float) -> dict[str, Any]:
         "name": r["name"], "mode": mode, "seed": seed, "backend": cfg["model"]["family"], "device": cfg["run"]["device"],
         "param_offload": cfg["trainer"]["param_offload"], "grad_offload": cfg["trainer"]["grad_offload"],
         "optimizer_offload": cfg["trainer"]["optimizer_offload"], "old_logprob_mode": cfg["trainer"]["old_logprob"],
+        "prefetch": cfg["trainer"].get("prefetch"), "freed_memory": cfg["trainer"].get("freed_memory"),
         "staleness_threshold": cfg["async_training"]["staleness_threshold"],
         "trigger_parameter_sync_step": cfg["async_training"]["trigger_parameter_sync_step"],
         "partial_rollout": cfg["async_training"]["partial_rollout"],

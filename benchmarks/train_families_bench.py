@@ -127,11 +127,15 @@ def per_run(r: dict[str, Any]) -> dict[str, Any]:
     s, recs = r["summary"], r["records"]
     family, seed = split_name(r["name"])
     last = recs[-1] if recs else {}
+    trainer = s.get("config", {}).get("trainer", {})
     return {"name": r["name"], "family": family, "seed": seed, "steps": r["steps"], "wall_s": round(r["wall_s"], 2),
             "heldout_accuracy_start": r["heldout_accuracy_start"], "heldout_accuracy_end": r["heldout_accuracy_end"],
             "rise": round(r["heldout_accuracy_end"] - r["heldout_accuracy_start"], 4),
             "stateshift_verbs_s": round(s["verbs_s"], 4),
             "stateshift_verbs_fraction_of_step": verbs_fraction_of_step(s, recs),
+            # per verb and group (a prefetched onload: onload.<group> to issue it, prefetch_wait.<group> waited for)
+            "stateshift_verbs_s_by_verb": {k: round(v, 4) for k, v in s.get("offload", {}).get("seconds", {}).items()},
+            "prefetch": trainer.get("prefetch"), "freed_memory": trainer.get("freed_memory"),
             "trainer_idle_ratio": last.get("trainer_idle_ratio"), "executor": s.get("rollout", {}).get("executor"),
             "param_bytes": s["sync"]["param_bytes"], "status": s["status"],
             "heldout_curve": [[x["step"], x["heldout_accuracy"]] for x in recs if x.get("heldout_accuracy") is not None]}
