@@ -19,8 +19,16 @@ The invariants, on CUDA:
   the host until the prefetch stream has passed the group's onload (its
   copies and scatters) and makes the compute stream wait for the same event,
   so nothing reads the group before its copy completed;
-- no other verb touches a group while its onload is in flight: the trainer
-  calls ``wait`` (``settle``) before it offloads, snapshots or swaps.
+- no other verb runs while an onload is in flight: the trainer calls
+  ``settle`` before it offloads, snapshots or swaps -- a swap waits for every
+  group, not only its own: its rebuild may read others (Megatron's rebuilds
+  the params from the optimizer's fp32 master weights).
+
+Memory: storage re-grown on the prefetch stream returns, when offloaded, to
+that stream's pool of the caching allocator, where the next prefetch finds
+it; with ``trainer.freed_memory=cache`` and onloads on both streams (an
+evaluation onloads on the compute stream) each pool may cache a copy of a
+group's size (the allocator frees cached blocks before an allocation fails).
 
 On the CPU there is no stream: ``issue`` is the onload itself (host copies,
 done when it returns) and ``wait`` only records a zero.
