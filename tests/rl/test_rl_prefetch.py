@@ -279,3 +279,29 @@ def test_the_overlap_benchmark_runs_its_path_on_the_cpu(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert {"forward_s", "onload_s", "sequential_s", "prefetched_s", "overlap", "prefetch_wait_s"} <= r.keys()
     assert r["device"] == "cpu" and r["optim_bytes"] > 0
+
+
+@pytest.mark.parametrize("verb", ["park", "sync_snapshot", "begin_cycle", "take_reference", "close", "resident"])
+def test_every_other_verb_waits_for_the_onloads_in_flight_first(tmp_path, verb):
+    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.kl_coef=0.1",
+               "async_training.trigger_parameter_sync_step=1")
+    trainer, _ = _train(cfg, _batches(cfg, 1), 1)  # (then a sync: the next step begins without a swap)
+    trainer.prefetch_step()
+    assert set(trainer.prefetcher.inflight) == {"params", "grads", "optim"}
+    order: list[str] = []
+    settle, state_verbs = trainer.prefetcher.settle, ("offload", "snapshot", "close", "onload")
+    trainer.prefetcher.settle = lambda: (order.append("settle"), settle())[1]  # type: ignore[method-assign]
+    wait = trainer.prefetcher.wait
+    trainer.prefetcher.wait = lambda group: (order.append(f"wait {group}") if group in trainer.prefetcher.inflight  # type: ignore[method-assign]
+                                             else None, wait(group))[1]
+    for name in state_verbs:
+        real = getattr(trainer.state, name)
+        setattr(trainer.state, name, lambda *a, _real=real, _name=name, **k: (order.append(_name), _real(*a, **k))[1])
+    if verb == "resident":
+        with trainer.resident():
+            pass
+    else:
+        getattr(trainer, verb)()
+    assert not trainer.prefetcher.inflight
+    first_verb = next((i for i, e in enumerate(order) if e in state_verbs), len(order))
+    assert any(e == "settle" or e.startswith("wait ") for e in order[:first_verb]), order

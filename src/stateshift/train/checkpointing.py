@@ -82,6 +82,7 @@ def save_checkpoint(root: Path, step: int, trainer: Trainer, capture: RolloutCap
     for stale in _steps(root):
         if int(stale.name[5:]) >= step:
             shutil.rmtree(stale)
+    trainer.prefetcher.settle()  # (none is in flight between steps) the save reads every group
     save(trainer.state, path / "state", _groups(trainer), tag="rl", version=trainer.version)
     write_durable(path / SIDECAR, sidecar)
     write_durable(root / "latest", path.name.encode())
