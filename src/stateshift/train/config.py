@@ -466,9 +466,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.executor == "auto":
             self.executor = "process" if self.run.device == "cuda" else "inprocess"
-        every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
-        _check("run.checkpoint_every", every % trigger == 0,
-               f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
+        self._check_schedule()
+        self._check_task()
+        self._check_placement()
+
+    def _check_task(self) -> None:
+        """What each task needs from the model and the rollout."""
         _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
                f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
         _check("task.name", self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
@@ -480,9 +483,6 @@ class TrainConfig:
                and self.model.family == "builtin" and self.run.checkpoint_every == 0),
                "continuous needs executor=inprocess or process, model.family=builtin and run.checkpoint_every=0 in "
                "this version")
-        a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
-        _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
-               f"must hold a version's groups in sync mode ({per_version}) or be null")
         _check("rollout.max_new_tokens", self.model.family != "builtin" or self.task.name != "addition"
                or self.rollout.max_new_tokens <= 8,
                "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
@@ -491,6 +491,18 @@ class TrainConfig:
                    "task.name=file needs a tokenizer: set model.hf_path or task.tokenizer_path")
             _check("model.family", self.model.family != "megatron",
                    "task.name=file runs the builtin, hf and fsdp2 families (no Hugging Face to Megatron conversion)")
+
+    def _check_schedule(self) -> None:
+        """Checkpoints at syncs; a sync-mode queue that holds a version."""
+        every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
+        _check("run.checkpoint_every", every % trigger == 0,
+               f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
+        a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
+        _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
+               f"must hold a version's groups in sync mode ({per_version}) or be null")
+
+    def _check_placement(self) -> None:
+        """Where the rollouter runs and what that needs."""
         rdev = self.rollout.device
         _check("rollout.device", rdev is None or self.executor == "process" or rdev == self.run.device,
                "is read with executor=process only (the other executors compute where run.device says)")
