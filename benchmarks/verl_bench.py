@@ -177,9 +177,10 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
         ddp, opt = mb.build_gpt(spec, args.device)
         mb.train_step(ddp, opt, mb.batch(spec, 0, args.device))
         nbytes = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
-        res = run_sequence(fns, [ddp], opt, forward=lambda s: mb.logits(ddp, mb.batch(spec, 100 + s, args.device)),  # noqa: F821 - runs before the del below
-                           train=lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device)), n=args.n,  # noqa: F821 - runs before the del below
-                           cycles=args.cycles, mix=mix, native_offload=megatron_native_offload, sync=_sync)
+        fwd = lambda s: mb.logits(ddp, mb.batch(spec, 100 + s, args.device))  # noqa: E731, F821 - runs before the del below
+        step = lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device))  # noqa: E731, F821 - runs before the del below
+        res = run_sequence(fns, [ddp], opt, forward=fwd, train=step, n=args.n, cycles=args.cycles, mix=mix,
+                           native_offload=megatron_native_offload, sync=_sync)
         final = weights([ddp]) if res.error is None else None
         _release_megatron(ddp, opt)
         del ddp, opt
