@@ -20,7 +20,9 @@ from stateshift.train.launch import run
 from stateshift.train.rollout import Wave
 from stateshift.train.trainer import Batch, Trainer, frees_device_memory
 
-ALL_OFFLOADS = ("trainer.param_offload=true", "trainer.optimizer_offload=true", "trainer.grad_offload=true")
+#: every group parked between steps, prefetch on (tests comparing on and off override it: the later setting wins)
+ALL_OFFLOADS = ("trainer.param_offload=true", "trainer.optimizer_offload=true", "trainer.grad_offload=true",
+                "trainer.prefetch=true")
 
 
 def _timer(name: str) -> nullcontext[None]:
