@@ -45,9 +45,28 @@ from stateshift.cli.timing import (  # noqa: E402
     timed_device,
 )
 
-__all__ = ["BenchResult", "ManySmall", "Progress", "Row", "VerbBench", "bench_small", "bench_state", "git_sha",
-           "host_facts", "machine_name", "measure_ceilings", "memory_handed_back", "plain_loops", "plot_ratios", "save",
-           "size_label", "sync", "timed", "timed_device", "write_plot"]
+__all__ = [
+    "BenchResult",
+    "ManySmall",
+    "Progress",
+    "Row",
+    "VerbBench",
+    "bench_small",
+    "bench_state",
+    "git_sha",
+    "host_facts",
+    "machine_name",
+    "measure_ceilings",
+    "memory_handed_back",
+    "plain_loops",
+    "plot_ratios",
+    "save",
+    "size_label",
+    "sync",
+    "timed",
+    "timed_device",
+    "write_plot",
+]
 
 
 def git_sha() -> str:
@@ -55,7 +74,9 @@ def git_sha() -> str:
     if os.environ.get("STATESHIFT_GIT_SHA"):
         return os.environ["STATESHIFT_GIT_SHA"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
         return "unknown"
 
@@ -83,8 +104,6 @@ def host_facts() -> dict[str, Any]:
     return {"cpu": cpu, "python_us": round(sorted(times)[len(times) // 2] * 1e6, 1)}
 
 
-
-
 @dataclass
 class BenchResult(_Result):
     """The library's result with its provenance: ``host`` measured here (``stateshift`` is the caller's ``git_sha()``)."""
@@ -94,12 +113,24 @@ class BenchResult(_Result):
 
 def write_plot(result: BenchResult, path: Path) -> bool:
     """A bar chart of ratios to the ceiling; returns False (and says why) when matplotlib is missing."""
-    labels = [f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}" for r in result.rows]
-    return plot_ratios(labels, [r.ratio for r in result.rows], f"stateshift {result.stateshift} on {result.machine}", path)
+    labels = [
+        f"{r.backend}\n{r.op}\n{r.residency}{' dev' if 'placement=device' in r.note else ''}\n{r.case}"
+        for r in result.rows
+    ]
+    return plot_ratios(
+        labels, [r.ratio for r in result.rows], f"stateshift {result.stateshift} on {result.machine}", path
+    )
 
 
-def plot_ratios(labels: list[str], ratios: list[float], title: str, path: Path, *,
-                ylabel: str = "throughput / ceiling", target: float = 0.9) -> bool:
+def plot_ratios(
+    labels: list[str],
+    ratios: list[float],
+    title: str,
+    path: Path,
+    *,
+    ylabel: str = "throughput / ceiling",
+    target: float = 0.9,
+) -> bool:
     """Bars of ratios (default: throughput over ceiling, 0.9 drawn as the target line); False (said on
     stderr) without matplotlib."""
     try:
@@ -131,18 +162,20 @@ def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) ->
         write_plot(result, plot_path)
 
 
-
-
 # --------------------------------------------------------------------------- many small tensors
 
 
 class ManySmall(torch.nn.Module):
     """``count`` parameters of ``nbytes`` bytes each (bf16): the worst case for per-copy overhead."""
 
-    def __init__(self, count: int, nbytes: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self, count: int, nbytes: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         super().__init__()
         numel = max(1, nbytes // dtype.itemsize)
-        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(numel, dtype=dtype, device=device)) for _ in range(count))
+        self.tensors = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.ones(numel, dtype=dtype, device=device)) for _ in range(count)
+        )
 
 
 def size_label(nbytes: int) -> str:
@@ -152,8 +185,9 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def bench_small(count: int, nbytes: int, device: torch.device, *, repeat: int = 5,
-                progress: Progress | None = None) -> list[Row]:
+def bench_small(
+    count: int, nbytes: int, device: torch.device, *, repeat: int = 5, progress: Progress | None = None
+) -> list[Row]:
     """Snapshot, restore, offload and onload of ``count`` tensors of ``nbytes``, each beside the plain loop
     a user would write: ``copy_(non_blocking=True)`` per tensor into (or from) preallocated host memory.
     The ratios are to ceilings measured here, on this case's own byte count (named in each row's note)."""
@@ -176,10 +210,23 @@ def bench_small(count: int, nbytes: int, device: torch.device, *, repeat: int = 
         t = timed(fn, repeat=repeat, setup=setup)
         ceiling = ceilings.get(f"{direction}_gbps", ceilings["host_memcpy_gbps"])
         gbps, loop = total / t / 1e9, loops[direction][0] / loops[direction][1] / 1e9
-        rows.append(Row("torch", op, "device" if op in ("snapshot", "offload", "restore") else "host", device.type, total, t,
-                        gbps, gbps / ceiling, direction if device.type == "cuda" else "host_memcpy",
-                        f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s; ceiling {ceiling:.1f} GB/s",
-                        case, loop, gbps / loop))
+        rows.append(
+            Row(
+                "torch",
+                op,
+                "device" if op in ("snapshot", "offload", "restore") else "host",
+                device.type,
+                total,
+                t,
+                gbps,
+                gbps / ceiling,
+                direction if device.type == "cuda" else "host_memcpy",
+                f"{count} tensors x {size_label(nbytes)}; plain loop {loop:.1f} GB/s; ceiling {ceiling:.1f} GB/s",
+                case,
+                loop,
+                gbps / loop,
+            )
+        )
         if progress is not None:
             progress.step(f"{op} ({case})")
     state.onload()

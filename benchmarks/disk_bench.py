@@ -162,16 +162,26 @@ def _timed(fn, setup=None, repeat: int = 1) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=None,
-                   help="directory on the disk to measure: the disk home, the ceiling's file and the torch.save files go there (default: a temp dir)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="directory on the disk to measure: the disk home, the ceiling's file and the torch.save files go there (default: a temp dir)",
+    )
     p.add_argument("--out", type=Path, required=True, help="where the result JSON and PNG go")
     p.add_argument("--mb", type=int, default=1024, help="bytes of params, in MB (default 1024)")
     p.add_argument("--window-mb", type=int, default=64, help="each of the two staging windows, in MiB (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per row, after one warm-up (median; default 3)")
-    p.add_argument("--buffered", action="store_true",
-                   help="buffered I/O even where the filesystem takes O_DIRECT (sets STATESHIFT_DISK_DIRECT=0; the ceiling follows)")
+    p.add_argument(
+        "--buffered",
+        action="store_true",
+        help="buffered I/O even where the filesystem takes O_DIRECT (sets STATESHIFT_DISK_DIRECT=0; the ceiling follows)",
+    )
     args = p.parse_args()
     if args.buffered:
         os.environ["STATESHIFT_DISK_DIRECT"] = "0"
@@ -189,9 +199,23 @@ def main() -> None:
 
     def row(op, seconds, bound, naive_seconds):
         gbps, naive_gbps = total / seconds / 1e9, total / naive_seconds / 1e9
-        rows.append(DiskRow("torch", op, "disk", device.type, total, seconds, gbps, gbps / ceilings[f"{bound}_gbps"], bound,
-                            loop_gbps=naive_gbps, vs_loop=gbps / naive_gbps,
-                            host_peak_bytes=core_of(state).pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
+        rows.append(
+            DiskRow(
+                "torch",
+                op,
+                "disk",
+                device.type,
+                total,
+                seconds,
+                gbps,
+                gbps / ceilings[f"{bound}_gbps"],
+                bound,
+                loop_gbps=naive_gbps,
+                vs_loop=gbps / naive_gbps,
+                host_peak_bytes=core_of(state).pool.stats.peak_held_bytes,
+                window_bytes=args.window_mb << 20,
+            )
+        )
 
     r = args.repeat
 
@@ -210,8 +234,16 @@ def main() -> None:
     naive.save("offload")
     naive_save = _timed(lambda: naive.save("offload"), repeat=r)
     row("offload", _timed(lambda: state.offload(to="disk"), setup=state.onload, repeat=r), "disk_write", naive_save)
-    assert core_of(state).disk_home is not None and core_of(state).disk_home.io_mode == mode, (state.describe_disk(), mode)
-    row("onload", _timed(state.onload, setup=offloaded, repeat=r), "disk_read", _timed(lambda: naive.load("offload"), repeat=r))
+    assert core_of(state).disk_home is not None and core_of(state).disk_home.io_mode == mode, (
+        state.describe_disk(),
+        mode,
+    )
+    row(
+        "onload",
+        _timed(state.onload, setup=offloaded, repeat=r),
+        "disk_read",
+        _timed(lambda: naive.load("offload"), repeat=r),
+    )
     snap = None
 
     def take():
@@ -222,8 +254,12 @@ def main() -> None:
 
     take()
     row("snapshot", _timed(take, repeat=r), "disk_write", _timed(lambda: naive.save("snapshot"), repeat=r))
-    row("restore", _timed(lambda: state.restore(snap), setup=drop_cache, repeat=r), "disk_read",
-        _timed(lambda: naive.load("snapshot"), repeat=r))
+    row(
+        "restore",
+        _timed(lambda: state.restore(snap), setup=drop_cache, repeat=r),
+        "disk_read",
+        _timed(lambda: naive.load("snapshot"), repeat=r),
+    )
     cycle = PiOldCycle(state, placement="disk")
 
     def run_cycle():
@@ -234,29 +270,61 @@ def main() -> None:
     naive_t = _timed(naive.cycle, repeat=r)
     moved = total * (1 + 3 * 3)  # pi_old out once; 3 swaps: stash out and in, pi_old read
     bound_t = total / (ceilings["disk_write_gbps"] * 1e9) + 3 * total / (ceilings["disk_read_gbps"] * 1e9)
-    rows.append(DiskRow("torch", "pi_old_cycle", "disk", device.type, moved, t, moved / t / 1e9, bound_t / t, "disk_write+disk_read",
-                        note="N=4, pi_old on disk, first swap skipped; bound counts only the disk bytes",
-                        loop_gbps=moved / naive_t / 1e9, vs_loop=naive_t / t,
-                        host_peak_bytes=core_of(state).pool.stats.peak_held_bytes, window_bytes=args.window_mb << 20))
+    rows.append(
+        DiskRow(
+            "torch",
+            "pi_old_cycle",
+            "disk",
+            device.type,
+            moved,
+            t,
+            moved / t / 1e9,
+            bound_t / t,
+            "disk_write+disk_read",
+            note="N=4, pi_old on disk, first swap skipped; bound counts only the disk bytes",
+            loop_gbps=moved / naive_t / 1e9,
+            vs_loop=naive_t / t,
+            host_peak_bytes=core_of(state).pool.stats.peak_held_bytes,
+            window_bytes=args.window_mb << 20,
+        )
+    )
     disk_desc = state.describe_disk()
     state.close()
     naive.cleanup()
     bsize = os.statvfs(directory).f_bsize
     if args.dir is None:
         directory.rmdir()  # (the temp dir this run made; empty now)
-    result = bench.BenchResult(bench.machine_name(device), torch.__version__, bench.git_sha(), ceilings, list(rows), extra={
-        "io_mode": mode, "io_mode_why": why, "align": align, "disk_home": disk_desc,
-        "baseline": "loop_gbps/vs_loop: torch.save + fsync (offload, snapshot); fadvise DONTNEED + torch.load + copy_ (onload, restore)",
-        "block_size": bsize, "repeat": args.repeat})
+    result = bench.BenchResult(
+        bench.machine_name(device),
+        torch.__version__,
+        bench.git_sha(),
+        ceilings,
+        list(rows),
+        extra={
+            "io_mode": mode,
+            "io_mode_why": why,
+            "align": align,
+            "disk_home": disk_desc,
+            "baseline": "loop_gbps/vs_loop: torch.save + fsync (offload, snapshot); fadvise DONTNEED + torch.load + copy_ (onload, restore)",
+            "block_size": bsize,
+            "repeat": args.repeat,
+        },
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{time.strftime('%Y-%m-%d')}-{'h200' if device.type == 'cuda' else 'cpu'}-disk.json"
     (args.out / name).write_text(json.dumps(result.to_json(), indent=1))
-    bench.plot_ratios([f"{r.op}\n{r.residency}" for r in rows], [r.ratio for r in rows],
-                      f"disk tier ({mode}), stateshift {result.stateshift} on {result.machine}", args.out / name.replace(".json", ".png"))
+    bench.plot_ratios(
+        [f"{r.op}\n{r.residency}" for r in rows],
+        [r.ratio for r in rows],
+        f"disk tier ({mode}), stateshift {result.stateshift} on {result.machine}",
+        args.out / name.replace(".json", ".png"),
+    )
     print(f"io_mode {mode} ({why})")
     print(f"{'op':<13} {'GB/s':>7} {'ratio':>6} {'naive GB/s':>10} {'vs naive':>8} {'host peak':>10}")
     for r in rows:
-        print(f"{r.op:<13} {r.gbps:7.2f} {r.ratio:6.2f} {r.loop_gbps or 0:10.2f} {r.vs_loop or 0:8.2f} {r.host_peak_bytes / 1e6:7.0f} MB")
+        print(
+            f"{r.op:<13} {r.gbps:7.2f} {r.ratio:6.2f} {r.loop_gbps or 0:10.2f} {r.vs_loop or 0:8.2f} {r.host_peak_bytes / 1e6:7.0f} MB"
+        )
     print("ceilings:", {k: round(v, 2) for k, v in ceilings.items()})
 
 

@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.device == "auto":
         if not torch.cuda.is_available() and not args.tiny:
-            print("error: no CUDA device; this benchmark is for the GPU machine. Use --tiny for a CPU smoke test "
-                  "(or --device cpu to time the full-size model on the CPU)", file=sys.stderr)
+            print(
+                "error: no CUDA device; this benchmark is for the GPU machine. Use --tiny for a CPU smoke test "
+                "(or --device cpu to time the full-size model on the CPU)",
+                file=sys.stderr,
+            )
             return 2
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -137,23 +140,44 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = state.nbytes("params")
         params = sum(p.numel() for p in model.parameters())
         if rank == 0:
-            print(f"model: {params / 1e6:.1f}M params ({args.dtype}), {nbytes / 1e9:.3f} GB of local shards on {device} "
-                  f"(world size {world}); built in {time.perf_counter() - t0:.1f}s")
+            print(
+                f"model: {params / 1e6:.1f}M params ({args.dtype}), {nbytes / 1e9:.3f} GB of local shards on {device} "
+                f"(world size {world}); built in {time.perf_counter() - t0:.1f}s"
+            )
         if nbytes < args.min_gb * 1e9 / world:
             print(f"error: {nbytes / 1e9:.3f} GB of params per rank, less than --min-gb {args.min_gb}", file=sys.stderr)
             return 2
         ceilings = bench.measure_ceilings(nbytes, device, repeat=args.repeat)
         progress = bench.Progress(12, enabled=rank == 0 and not args.no_progress)
-        rows, extra = bench.bench_state(state, backend="fsdp2", ceilings=ceilings, groups=("params",),
-                                        repeat=args.repeat, cycle_minibatches=args.minibatches, progress=progress)
-        result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
-                                   ceilings={k: round(v, 2) for k, v in ceilings.items()}, rows=rows)
+        rows, extra = bench.bench_state(
+            state,
+            backend="fsdp2",
+            ceilings=ceilings,
+            groups=("params",),
+            repeat=args.repeat,
+            cycle_minibatches=args.minibatches,
+            progress=progress,
+        )
+        result = bench.BenchResult(
+            machine=bench.machine_name(device),
+            torch=torch.__version__,
+            stateshift=bench.git_sha(),
+            ceilings={k: round(v, 2) for k, v in ceilings.items()},
+            rows=rows,
+        )
         stats = core_of(state).pool.stats
         result.extra.update(
             what="fsdp2",
             world_size=world,
-            model={"kind": "TinyGPT, fully_shard per block + root", "params": params, "param_bytes_per_rank": nbytes,
-                   "dtype": args.dtype, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
+            model={
+                "kind": "TinyGPT, fully_shard per block + root",
+                "params": params,
+                "param_bytes_per_rank": nbytes,
+                "dtype": args.dtype,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "vocab": args.vocab,
+            },
             pool=stats.as_dict(),
             **extra,
         )
@@ -168,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print("ceilings (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
             if "gpu_allocated_after_offload" in extra:
-                print(f"GPU allocated: {extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
-                      f"{extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after (tracked {nbytes / 1e9:.3f} GB)")
+                print(
+                    f"GPU allocated: {extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
+                    f"{extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after (tracked {nbytes / 1e9:.3f} GB)"
+                )
             for name, ratio, ok in verdicts:
                 print(f"target {name:<18} {ratio:5.2f} x ceiling  {'ok' if ok else 'BELOW 0.9'}")
             day = datetime.date.today().isoformat()

@@ -83,23 +83,47 @@ def main() -> None:
         op_on = op_cost_us()
         other.onload()
         state.close()  # removes the hooks
-        rows.append({"round": round_, "plain_ms": plain * 1e3, "guarded_ms": guarded * 1e3, "ratio": guarded / plain,
-                     "offloaded_elsewhere_ms": offloaded * 1e3, "ratio_offloaded": offloaded / plain,
-                     "op_us_nothing_released": op_off, "op_us_something_released": op_on})
+        rows.append(
+            {
+                "round": round_,
+                "plain_ms": plain * 1e3,
+                "guarded_ms": guarded * 1e3,
+                "ratio": guarded / plain,
+                "offloaded_elsewhere_ms": offloaded * 1e3,
+                "ratio_offloaded": offloaded / plain,
+                "op_us_nothing_released": op_off,
+                "op_us_something_released": op_on,
+            }
+        )
     hooks = sum(1 for m in model.modules() if m._parameters or m._buffers)
-    print(f"{'round':>5} {'plain ms':>9} {'guarded ms':>11} {'ratio':>6} {'+offloaded ms':>14} {'ratio':>6} "
-          f"{'op us':>6} {'op us (checked)':>16}   ({hooks} modules hooked, {device})")
+    print(
+        f"{'round':>5} {'plain ms':>9} {'guarded ms':>11} {'ratio':>6} {'+offloaded ms':>14} {'ratio':>6} "
+        f"{'op us':>6} {'op us (checked)':>16}   ({hooks} modules hooked, {device})"
+    )
     for r in rows:
-        print(f"{r['round']:>5} {r['plain_ms']:>9.2f} {r['guarded_ms']:>11.2f} {r['ratio']:>6.3f} "
-              f"{r['offloaded_elsewhere_ms']:>14.2f} {r['ratio_offloaded']:>6.3f} "
-              f"{r['op_us_nothing_released']:>6.2f} {r['op_us_something_released']:>16.2f}")
+        print(
+            f"{r['round']:>5} {r['plain_ms']:>9.2f} {r['guarded_ms']:>11.2f} {r['ratio']:>6.3f} "
+            f"{r['offloaded_elsewhere_ms']:>14.2f} {r['ratio_offloaded']:>6.3f} "
+            f"{r['op_us_nothing_released']:>6.2f} {r['op_us_something_released']:>16.2f}"
+        )
     med = statistics.median(r["ratio"] for r in rows)
     med_off = statistics.median(r["ratio_offloaded"] for r in rows)
     print(f"median ratio guarded / plain: {med:.3f}; with another state offloaded: {med_off:.3f}")
     if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "layers": args.layers, "hidden": args.hidden,
-                                         "modules_hooked": hooks, "rounds": rows, "median_ratio": med,
-                                         "median_ratio_offloaded_elsewhere": med_off}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "layers": args.layers,
+                    "hidden": args.hidden,
+                    "modules_hooked": hooks,
+                    "rounds": rows,
+                    "median_ratio": med,
+                    "median_ratio_offloaded_elsewhere": med_off,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -50,18 +50,55 @@ from stateshift.train.warmup import heldout_accuracy, supervised_warmup  # noqa:
 
 #: held-out accuracy thresholds, fixed before the runs
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6)
-COMMON = ["task.name=longtail", "rollout.batching=continuous", "trainer.old_logprob=pi_old",
-          "async_training.trigger_parameter_sync_step=4", "async_training.partial_rollout=true",
-          "run.eval_every=1000000", "run.progress=none", "run.tensorboard=false", "run.plot=false"]
-GPU = ["run.device=cuda", "run.torch_threads=0", "model.width=128", "model.layers=4", "model.heads=4",
-       "task.max_terms=64", "task.warmup_max_terms=16", "rollout.max_new_tokens=448", "task.heldout_size=128",
-       "rollout.n=8", "rollout.max_concurrent_prompts=32", "trainer.batch_prompts=16", "trainer.lr=1e-3",
-       "trainer.steps=400", "warmup.steps=1500", "trainer.entropy_target=0.05", "warmup.lr=1e-3", "warmup.batch_size=64",
-       "warmup.label_smoothing=0.1"]
-SMALL = ["run.device=cpu", "run.torch_threads=1", "model.width=32", "model.heads=2", "task.max_terms=6",
-         "task.warmup_max_terms=3", "rollout.max_new_tokens=42", "task.heldout_size=32", "rollout.n=4",
-         "rollout.max_concurrent_prompts=4", "trainer.batch_prompts=4", "trainer.steps=40", "warmup.steps=30",
-         "warmup.batch_size=16", "trainer.entropy_target=0.05"]
+COMMON = [
+    "task.name=longtail",
+    "rollout.batching=continuous",
+    "trainer.old_logprob=pi_old",
+    "async_training.trigger_parameter_sync_step=4",
+    "async_training.partial_rollout=true",
+    "run.eval_every=1000000",
+    "run.progress=none",
+    "run.tensorboard=false",
+    "run.plot=false",
+]
+GPU = [
+    "run.device=cuda",
+    "run.torch_threads=0",
+    "model.width=128",
+    "model.layers=4",
+    "model.heads=4",
+    "task.max_terms=64",
+    "task.warmup_max_terms=16",
+    "rollout.max_new_tokens=448",
+    "task.heldout_size=128",
+    "rollout.n=8",
+    "rollout.max_concurrent_prompts=32",
+    "trainer.batch_prompts=16",
+    "trainer.lr=1e-3",
+    "trainer.steps=400",
+    "warmup.steps=1500",
+    "trainer.entropy_target=0.05",
+    "warmup.lr=1e-3",
+    "warmup.batch_size=64",
+    "warmup.label_smoothing=0.1",
+]
+SMALL = [
+    "run.device=cpu",
+    "run.torch_threads=1",
+    "model.width=32",
+    "model.heads=2",
+    "task.max_terms=6",
+    "task.warmup_max_terms=3",
+    "rollout.max_new_tokens=42",
+    "task.heldout_size=32",
+    "rollout.n=4",
+    "rollout.max_concurrent_prompts=4",
+    "trainer.batch_prompts=4",
+    "trainer.steps=40",
+    "warmup.steps=30",
+    "warmup.batch_size=16",
+    "trainer.entropy_target=0.05",
+]
 ARMS: dict[str, list[str]] = {
     "sync": ["async_training.mode=sync", "async_training.staleness_threshold=0"],
     "async-0.25": ["async_training.staleness_threshold=0.25"],
@@ -113,11 +150,13 @@ class Snapshots:
         loop_mod.AsyncLoop.train_step = self.original  # type: ignore[method-assign]
 
 
-def run_arm(overrides: list[str], seed: int, weights: dict[str, torch.Tensor], budget_s: float, snap_s: float,
-            out: Path) -> dict[str, Any]:
+def run_arm(
+    overrides: list[str], seed: int, weights: dict[str, torch.Tensor], budget_s: float, snap_s: float, out: Path
+) -> dict[str, Any]:
     """One RL run from ``weights``; its curve of (wall s, samples, held-out accuracy), evaluated after the run."""
-    cfg = resolve(None, [*overrides, f"run.seed={seed}", "warmup.steps=0", f"run.max_wall_s={budget_s}",
-                         f"run.out_dir={out}"])
+    cfg = resolve(
+        None, [*overrides, f"run.seed={seed}", "warmup.steps=0", f"run.max_wall_s={budget_s}", f"run.out_dir={out}"]
+    )
 
     def policy_from_warmup(c: Any, task: Any) -> Any:
         policy = build_policy(c, task)
@@ -140,11 +179,19 @@ def run_arm(overrides: list[str], seed: int, weights: dict[str, torch.Tensor], b
     s = result.summary
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     last = recs[-1] if recs else {}
-    return {"seed": seed, "curve": curve, "steps": result.steps, "rl_wall_s": last.get("wall_s", 0.0),
-            "trainer_idle_ratio": last.get("trainer_idle_ratio"), "rollout_idle_ratio": last.get("rollout_idle_ratio"),
-            "rollout_row_occupancy": last.get("rollout_row_occupancy"), "staleness_tokens": s["staleness_tokens"],
-            "response_length_mean": statistics.fmean(r["response_length"] for r in recs) if recs else None,
-            "heldout_accuracy_start": result.heldout_accuracy_start, "status": s["status"]}
+    return {
+        "seed": seed,
+        "curve": curve,
+        "steps": result.steps,
+        "rl_wall_s": last.get("wall_s", 0.0),
+        "trainer_idle_ratio": last.get("trainer_idle_ratio"),
+        "rollout_idle_ratio": last.get("rollout_idle_ratio"),
+        "rollout_row_occupancy": last.get("rollout_row_occupancy"),
+        "staleness_tokens": s["staleness_tokens"],
+        "response_length_mean": statistics.fmean(r["response_length"] for r in recs) if recs else None,
+        "heldout_accuracy_start": result.heldout_accuracy_start,
+        "status": s["status"],
+    }
 
 
 def to_thresholds(run: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +211,11 @@ def medians(runs: list[dict[str, Any]], budget_s: float) -> dict[str, Any]:
         hits = [r["to_threshold"][str(th)] for r in runs]
         times = [h["time_s"] if h["time_s"] is not None else budget_s for h in hits]
         samples = [h["samples"] for h in hits if h["samples"] is not None]
-        out[str(th)] = {"median_time_s": statistics.median(times), "censored": sum(h["time_s"] is None for h in hits),
-                        "median_samples_reached": statistics.median(samples) if samples else None}
+        out[str(th)] = {
+            "median_time_s": statistics.median(times),
+            "censored": sum(h["time_s"] is None for h in hits),
+            "median_samples_reached": statistics.median(samples) if samples else None,
+        }
     return out
 
 
@@ -173,14 +223,26 @@ def comparison(arms: dict[str, list[dict[str, Any]]], budget_s: float, fast: str
     """The highest threshold every sync seed reached; the sync and ``fast`` median times to it and their ratio."""
     reached = [th for th in THRESHOLDS if all(r["to_threshold"][str(th)]["time_s"] is not None for r in arms["sync"])]
     if not reached:
-        return {"threshold": None, "seeds": len(arms["sync"]), "sync_median_s": None, "async_median_s": None,
-                "speedup_median": None, "note": "no threshold was reached by every sync seed"}
+        return {
+            "threshold": None,
+            "seeds": len(arms["sync"]),
+            "sync_median_s": None,
+            "async_median_s": None,
+            "speedup_median": None,
+            "note": "no threshold was reached by every sync seed",
+        }
     th = max(reached)
     sync = medians(arms["sync"], budget_s)[str(th)]["median_time_s"]
     fast_m = medians(arms[fast], budget_s)[str(th)]
-    return {"threshold": th, "seeds": len(arms["sync"]), "arm": fast, "sync_median_s": sync,
-            "async_median_s": fast_m["median_time_s"], "async_censored": fast_m["censored"],
-            "speedup_median": sync / fast_m["median_time_s"] if fast_m["median_time_s"] else None}
+    return {
+        "threshold": th,
+        "seeds": len(arms["sync"]),
+        "arm": fast,
+        "sync_median_s": sync,
+        "async_median_s": fast_m["median_time_s"],
+        "async_censored": fast_m["censored"],
+        "speedup_median": sync / fast_m["median_time_s"] if fast_m["median_time_s"] else None,
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -198,14 +260,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
             w, _, acc = zip(*r["curve"], strict=True)
             ax[0].plot(w, acc, color=colors.get(arm), alpha=0.6, label=arm if i == 0 else None)
         m = result["medians"][arm]
-        ax[1].plot(THRESHOLDS, [m[str(t)]["median_time_s"] for t in THRESHOLDS], marker="o", color=colors.get(arm),
-                   label=arm)
+        ax[1].plot(
+            THRESHOLDS, [m[str(t)]["median_time_s"] for t in THRESHOLDS], marker="o", color=colors.get(arm), label=arm
+        )
         stale: dict[int, int] = {}
         for r in runs:
             for k, v in r["staleness_tokens"].items():
                 stale[int(k)] = stale.get(int(k), 0) + v
-        ax[2].bar([k + 0.25 * list(colors).index(arm) for k in stale], list(stale.values()), width=0.25,
-                  color=colors.get(arm), label=arm)
+        ax[2].bar(
+            [k + 0.25 * list(colors).index(arm) for k in stale],
+            list(stale.values()),
+            width=0.25,
+            color=colors.get(arm),
+            label=arm,
+        )
     ax[0].set(xlabel="RL wall s (evaluation out of band)", ylabel="held-out accuracy", title="per seed")
     ax[1].set(xlabel="threshold", ylabel="median s to reach (censored = budget)", title="time to threshold")
     ax[2].set(xlabel="versions behind", ylabel="tokens trained", title="staleness")
@@ -244,13 +312,26 @@ def main() -> None:
             r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
             r["to_threshold"] = to_thresholds(r)
             arms[arm].append(r)
-            print(f"seed {seed} {arm}: {r['steps']} steps, accuracy {r['curve'][0][2]:.3f} -> "
-                  f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}", flush=True)
-    result = {"benchmark": "longtail_bench", "device": device, "date": datetime.date.today().isoformat(),
-              "thresholds": list(THRESHOLDS), "budget_s": budget, "snapshot_every_s": snap, "overrides": base,
-              "arms_overrides": ARMS, "warmup": warm, "arms": arms,
-              "medians": {a: medians(rs, budget) for a, rs in arms.items()},
-              "comparison": comparison(arms, budget), "total_s": time.perf_counter() - t_all}
+            print(
+                f"seed {seed} {arm}: {r['steps']} steps, accuracy {r['curve'][0][2]:.3f} -> "
+                f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "longtail_bench",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "thresholds": list(THRESHOLDS),
+        "budget_s": budget,
+        "snapshot_every_s": snap,
+        "overrides": base,
+        "arms_overrides": ARMS,
+        "warmup": warm,
+        "arms": arms,
+        "medians": {a: medians(rs, budget) for a, rs in arms.items()},
+        "comparison": comparison(arms, budget),
+        "total_s": time.perf_counter() - t_all,
+    }
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))

@@ -297,7 +297,9 @@ def _sync() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--heads", type=int, default=24)
@@ -341,8 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     pcie = min(d2h, h2d)
     bidir = ceilings.get("bidir_gbps", pcie) if cuda else host
 
-    rows, extra = sb.bench_state(state, backend="megatron", ceilings=ceilings, groups=("params",), repeat=args.repeat,
-                                 cycle_minibatches=args.minibatches, loop_tensors=list(ddp.parameters()))
+    rows, extra = sb.bench_state(
+        state,
+        backend="megatron",
+        ceilings=ceilings,
+        groups=("params",),
+        repeat=args.repeat,
+        cycle_minibatches=args.minibatches,
+        loop_tensors=list(ddp.parameters()),
+    )
     for r in rows:
         if r.op == "pi_old_cycle":
             r.note += " (engine-level: snapshot + swapped, no rebuild)"
@@ -357,7 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     _sync()
     assert state.residency()["params"]["host"] == len(core_of(state).slots("params")), state.residency()
     t = sb.timed(lambda: state.snapshot("params", tag="bench-native").wait(), repeat=args.repeat)
-    add("snapshot", "host", t, params_bytes, host, "host_memcpy", "offloaded by megatron offload_to_cpu (param_data_cpu): host copy")
+    add(
+        "snapshot",
+        "host",
+        t,
+        params_bytes,
+        host,
+        "host_memcpy",
+        "offloaded by megatron offload_to_cpu (param_data_cpu): host copy",
+    )
     state.release(core_of(state).snapshots.get("bench-native"))
     state.onload("params")  # refills param_data from param_data_cpu, then Megatron forgets that copy
     _sync()
@@ -366,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- pi_old cycle helper
     n = args.minibatches
+
     def noop(mb: Any) -> None:
         return None
 
@@ -373,15 +391,18 @@ def main(argv: list[str] | None = None) -> int:
         forced = rebuild not in ("auto", None)
         cycle = PiOldCycle(state, placement=placement, rebuild=rebuild)  # type: ignore[arg-type]
         if how == "run":
+
             def fn() -> None:
                 cycle.run(range(n), noop, noop)
         else:
+
             def fn() -> None:
                 cycle.begin()
                 for _ in range(n):
                     with cycle.old_policy():
                         pass
                 cycle.end()
+
         fn()  # warm-up (pool blocks, allocator)
         _sync()
         before = dict(cycle.stats.as_dict())
@@ -396,18 +417,28 @@ def main(argv: list[str] | None = None) -> int:
         # pi_old come in move at the bidirectional ceiling (never faster than one direction alone), the
         # rest of PCIe one way at a time
         both_s = max(2 * both_b / (bidir * 1e9), both_b / (pcie * 1e9))
-        bound_s = ((pcie_b - 2 * both_b) / (pcie * 1e9) + both_s
-                   + (2 * dev_b + rb_b) / (d2d * 1e9) + host_b / (host * 1e9))
+        bound_s = (
+            (pcie_b - 2 * both_b) / (pcie * 1e9) + both_s + (2 * dev_b + rb_b) / (d2d * 1e9) + host_b / (host * 1e9)
+        )
         moved = pcie_b + dev_b + host_b
-        rows.append(sb.Row(
-            "megatron", "pi_old_cycle", "device", device, moved, t, moved / t / 1e9 if t > 0 else float("inf"),
-            bound_s / t if t > 0 else float("inf"), "pcie+d2d" if cuda else "host_memcpy",
-            f"N={n}, pi_old placement={cycle.stats.placement}, "
-            f"{'rebuild from masters' if cycle.rebuilding else 'stash'}{' (forced)' if forced else ''}, "
-            f"{'run (first swap skipped)' if how == 'run' else 'swap every mini-batch'}; "
-            f"pcie {pcie_b / 1e9:.2f} GB, device {dev_b / 1e9:.2f} GB, rebuild {rb_b / 1e9:.2f} GB, bound {bound_s:.3f}s"
-            + (f"; fallbacks: {sorted(set(cycle.stats.fallbacks))}" if cycle.stats.fallbacks else ""),
-        ))
+        rows.append(
+            sb.Row(
+                "megatron",
+                "pi_old_cycle",
+                "device",
+                device,
+                moved,
+                t,
+                moved / t / 1e9 if t > 0 else float("inf"),
+                bound_s / t if t > 0 else float("inf"),
+                "pcie+d2d" if cuda else "host_memcpy",
+                f"N={n}, pi_old placement={cycle.stats.placement}, "
+                f"{'rebuild from masters' if cycle.rebuilding else 'stash'}{' (forced)' if forced else ''}, "
+                f"{'run (first swap skipped)' if how == 'run' else 'swap every mini-batch'}; "
+                f"pcie {pcie_b / 1e9:.2f} GB, device {dev_b / 1e9:.2f} GB, rebuild {rb_b / 1e9:.2f} GB, bound {bound_s:.3f}s"
+                + (f"; fallbacks: {sorted(set(cycle.stats.fallbacks))}" if cycle.stats.fallbacks else ""),
+            )
+        )
 
     auto = PiOldCycle(state).choose_placement()
     extra["pi_old_auto_placement"] = auto
@@ -430,8 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             s = state.snapshot("params", tag="rss")
             s.wait()
             _sync()
-        peaks[label] = {"delta_bytes": pk.delta, "snapshot_bytes": s.nbytes, "ratio": pk.delta / s.nbytes,
-                        "hwm_reset": pk.hwm_ok}
+        peaks[label] = {
+            "delta_bytes": pk.delta,
+            "snapshot_bytes": s.nbytes,
+            "ratio": pk.delta / s.nbytes,
+            "hwm_reset": pk.hwm_ok,
+        }
     state.release(core_of(state).snapshots.get("rss"))
     extra["host_peak_during_snapshot"] = peaks
 
@@ -446,21 +481,48 @@ def main(argv: list[str] | None = None) -> int:
         t_off = sb.timed(lambda: state.offload(everything), setup=lambda: state.onload(everything), repeat=args.repeat)
         _sync()
         after_off = torch.cuda.memory_allocated() if cuda else 0
-        add("offload", "device", t_off, total, d2h, "d2h" if cuda else "host_memcpy", "params+frozen+buffers+grads+optim")
+        add(
+            "offload",
+            "device",
+            t_off,
+            total,
+            d2h,
+            "d2h" if cuda else "host_memcpy",
+            "params+frozen+buffers+grads+optim",
+        )
         t_on = sb.timed(lambda: state.onload(everything), setup=lambda: state.offload(everything), repeat=args.repeat)
         add("onload", "host", t_on, total, h2d, "h2d" if cuda else "host_memcpy", "params+frozen+buffers+grads+optim")
-        extra["full_state"] = {"bytes": total, "gpu_allocated_before": allocated, "gpu_allocated_after_offload": after_off,
-                               "groups": {g: state.nbytes(g) for g in everything}, **memory}
+        extra["full_state"] = {
+            "bytes": total,
+            "gpu_allocated_before": allocated,
+            "gpu_allocated_after_offload": after_off,
+            "groups": {g: state.nbytes(g) for g in everything},
+            **memory,
+        }
         # training still works after it all
         loss = train_step(ddp, opt, batch(spec, 1, device, size=1))
         extra["full_state"]["loss_after"] = loss
 
     result = sb.BenchResult(
-        machine=sb.machine_name(dev), torch=torch.__version__, stateshift=sb.git_sha(), ceilings=ceilings, rows=rows,
-        extra={"model": {"params": n_params, "layers": spec.layers, "hidden": spec.hidden, "vocab": spec.vocab,
-                         "dtype": "bf16", "params_bytes": params_bytes},
-               "megatron_core": _mcore_version(), "seconds_total": time.perf_counter() - t_start, **extra,
-               "pool": core_of(state).pool.stats.as_dict()},
+        machine=sb.machine_name(dev),
+        torch=torch.__version__,
+        stateshift=sb.git_sha(),
+        ceilings=ceilings,
+        rows=rows,
+        extra={
+            "model": {
+                "params": n_params,
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "vocab": spec.vocab,
+                "dtype": "bf16",
+                "params_bytes": params_bytes,
+            },
+            "megatron_core": _mcore_version(),
+            "seconds_total": time.perf_counter() - t_start,
+            **extra,
+            "pool": core_of(state).pool.stats.as_dict(),
+        },
     )
     out = args.out
     if out.suffix == ".json":

@@ -95,15 +95,29 @@ def measure(width: int, layers: int, tokens: int, repeats: int, device: torch.de
         forward()
         pf.wait("optim")
 
-    r = {name: timed(fn, state, device, repeats) for name, fn in
-         (("forward_s", forward), ("onload_s", onload), ("sequential_s", sequential), ("prefetched_s", prefetched))}
+    r = {
+        name: timed(fn, state, device, repeats)
+        for name, fn in (
+            ("forward_s", forward),
+            ("onload_s", onload),
+            ("sequential_s", sequential),
+            ("prefetched_s", prefetched),
+        )
+    }
     hidden = r["sequential_s"] - r["prefetched_s"]
     shorter = min(r["forward_s"], r["onload_s"])
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "width": width, "layers": layers, "tokens": tokens, "repeats": repeats,
-            "optim_bytes": state.nbytes("optim"), **{k: round(v, 6) for k, v in r.items()},
-            "hidden_s": round(hidden, 6), "overlap": round(hidden / shorter, 3) if shorter > 0 else None,
-            "prefetch_wait_s": round(statistics.median(waits[1:] or waits), 6)}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "width": width,
+        "layers": layers,
+        "tokens": tokens,
+        "repeats": repeats,
+        "optim_bytes": state.nbytes("optim"),
+        **{k: round(v, 6) for k, v in r.items()},
+        "hidden_s": round(hidden, 6),
+        "overlap": round(hidden / shorter, 3) if shorter > 0 else None,
+        "prefetch_wait_s": round(statistics.median(waits[1:] or waits), 6),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

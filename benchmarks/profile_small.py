@@ -1,6 +1,6 @@
 """Where the time goes for a model of many small tensors (run on the GPU machine).
 
-    python3 benchmarks/profile_small.py [--count 4000] [--numel 65536]
+python3 benchmarks/profile_small.py [--count 4000] [--numel 65536]
 """
 
 import argparse

@@ -27,9 +27,19 @@ VERB_COLUMNS = ("backend", "op", "residency", "case", "GB", "gbps", "ratio", "bo
 VERL_COLUMNS = ("model", "impl", "mix", "mismatches", "computed", "final_equal", "pi_old_cycle_seconds", "error")
 #: Columns of one run or one seed of a training result (``rl_train_bench.py``, ``rl_gpu_train.py``,
 #: ``train_file_bench.py``), where the file has it.
-RUN_COLUMNS = ("name", "seed", "steps", "wall_s", "heldout_accuracy_start", "heldout_accuracy_end",
-               "heldout_reward_start", "heldout_reward_end", "trainer_idle_ratio",
-               "stateshift_verbs_fraction_of_step", "status")
+RUN_COLUMNS = (
+    "name",
+    "seed",
+    "steps",
+    "wall_s",
+    "heldout_accuracy_start",
+    "heldout_accuracy_end",
+    "heldout_reward_start",
+    "heldout_reward_end",
+    "trainer_idle_ratio",
+    "stateshift_verbs_fraction_of_step",
+    "status",
+)
 
 HEADER = """# Results
 
@@ -175,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         current = PAGE.exists() and PAGE.read_text() == text
-        print("docs/results.md is current" if current else "docs/results.md is out of date: run benchmarks/results_page.py")
+        print(
+            "docs/results.md is current"
+            if current
+            else "docs/results.md is out of date: run benchmarks/results_page.py"
+        )
         return 0 if current else 1
     PAGE.write_text(text)
     print(f"wrote {PAGE.relative_to(ROOT)} from {len(list(RESULTS.glob('*.json')))} result files")

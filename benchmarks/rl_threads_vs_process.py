@@ -98,7 +98,10 @@ def _both_processes(seconds: float) -> tuple[float, float]:
 def _round(s: float) -> dict[str, dict[str, float]]:
     rows: dict[str, dict[str, float]] = {}
     for threads in (1, 2):
-        rows[f"alone, {threads} intra-op thread(s)"] = {"rollout": rollout_work(s, threads), "train": train_work(s, threads)}
+        rows[f"alone, {threads} intra-op thread(s)"] = {
+            "rollout": rollout_work(s, threads),
+            "train": train_work(s, threads),
+        }
     for threads in (1, 2):
         r, t = _both_threads(s, threads)
         rows[f"two threads, {threads} intra-op thread(s) each"] = {"rollout": r, "train": t}
@@ -120,8 +123,10 @@ def main() -> None:
     medians = {name: {k: statistics.median(r[name][k] for r in rounds) for k in rounds[0][name]} for name in rounds[0]}
     for name, row in medians.items():
         spread = [r[name]["combined_share"] for r in rounds]
-        print(f"{name:44s} rollout {row['rollout']:6.2f} waves/s  train {row['train']:6.2f} updates/s  "
-              f"combined share {row['combined_share']:4.2f} (rounds: {', '.join(f'{x:.2f}' for x in spread)})")
+        print(
+            f"{name:44s} rollout {row['rollout']:6.2f} waves/s  train {row['train']:6.2f} updates/s  "
+            f"combined share {row['combined_share']:4.2f} (rounds: {', '.join(f'{x:.2f}' for x in spread)})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seconds": args.seconds, "rounds": rounds, "medians": medians}, f, indent=1)

@@ -45,19 +45,36 @@ def _timed(fn, setup, repeat):
 
 
 def _ours(nbytes: int, repeat: int, ceilings: dict[str, float]) -> tuple[list[dict], dict]:
-    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(nbytes // 2 // 4, device="cuda", dtype=torch.bfloat16)) for _ in range(4))
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(nbytes // 2 // 4, device="cuda", dtype=torch.bfloat16)) for _ in range(4)
+    )
     state = ModelState(model, address_stable=True)
     state.offload()
     state.onload()  # first onload: the storages are re-grown inside the region (address-stable from now on)
     ptrs = [p.data_ptr() for p in model]
     total = state.nbytes()
     rows = []
-    for op, fn, setup, ceiling in (("offload", state.offload, state.onload, "d2h"), ("onload", state.onload, state.offload, "h2d")):
+    for op, fn, setup, ceiling in (
+        ("offload", state.offload, state.onload, "d2h"),
+        ("onload", state.onload, state.offload, "h2d"),
+    ):
         t = _timed(fn, setup, repeat)
         gbps = total / t / 1e9
-        rows.append({"backend": "torch", "op": op, "residency": "device" if op == "offload" else "host", "device": "cuda",
-                     "bytes": total, "seconds": t, "gbps": gbps, "ratio": gbps / ceilings[f"{ceiling}_gbps"],
-                     "bound": ceiling, "case": "address-stable", "note": "copy out + pause / resume + copy in"})
+        rows.append(
+            {
+                "backend": "torch",
+                "op": op,
+                "residency": "device" if op == "offload" else "host",
+                "device": "cuda",
+                "bytes": total,
+                "seconds": t,
+                "gbps": gbps,
+                "ratio": gbps / ceilings[f"{ceiling}_gbps"],
+                "bound": ceiling,
+                "case": "address-stable",
+                "note": "copy out + pause / resume + copy in",
+            }
+        )
     state.onload()
     stable = [p.data_ptr() for p in model] == ptrs
     free0 = torch.cuda.mem_get_info()[0]
@@ -83,13 +100,27 @@ def _tms_baseline(nbytes: int, repeat: int, ceilings: dict[str, float]) -> list[
         tms.resume("baseline")
         state["paused"] = False
 
-    for op, fn, setup, ceiling in (("offload", pause, lambda: state["paused"] and resume(), "d2h"),
-                                   ("onload", resume, lambda: state["paused"] or pause(), "h2d")):
+    for op, fn, setup, ceiling in (
+        ("offload", pause, lambda: state["paused"] and resume(), "d2h"),
+        ("onload", resume, lambda: state["paused"] or pause(), "h2d"),
+    ):
         t = _timed(fn, setup, repeat)
         gbps = nbytes / t / 1e9
-        rows.append({"backend": "torch", "op": op, "residency": "device" if op == "offload" else "host", "device": "cuda",
-                     "bytes": nbytes, "seconds": t, "gbps": gbps, "ratio": gbps / ceilings[f"{ceiling}_gbps"],
-                     "bound": ceiling, "case": "tms-cpu-backup", "note": "torch_memory_saver pause / resume, enable_cpu_backup=True"})
+        rows.append(
+            {
+                "backend": "torch",
+                "op": op,
+                "residency": "device" if op == "offload" else "host",
+                "device": "cuda",
+                "bytes": nbytes,
+                "seconds": t,
+                "gbps": gbps,
+                "ratio": gbps / ceilings[f"{ceiling}_gbps"],
+                "bound": ceiling,
+                "case": "tms-cpu-backup",
+                "note": "torch_memory_saver pause / resume, enable_cpu_backup=True",
+            }
+        )
     if state["paused"]:
         resume()
     del x
@@ -130,10 +161,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     nbytes = int(args.gb * 1e9) // 64 * 64
     ceilings = bench.measure_ceilings(nbytes, torch.device("cuda"), repeat=3)
-    result = {"machine": bench.machine_name(torch.device("cuda")), "torch": torch.__version__, "stateshift": bench.git_sha(),
-              "ceilings": ceilings, "rows": [], "errors": {}}
-    for name, fn in (("ours", lambda: _ours(nbytes, args.repeat, ceilings)), ("tms", lambda: _tms_baseline(nbytes, args.repeat, ceilings)),
-                     ("graph", _graph_check)):
+    result = {
+        "machine": bench.machine_name(torch.device("cuda")),
+        "torch": torch.__version__,
+        "stateshift": bench.git_sha(),
+        "ceilings": ceilings,
+        "rows": [],
+        "errors": {},
+    }
+    for name, fn in (
+        ("ours", lambda: _ours(nbytes, args.repeat, ceilings)),
+        ("tms", lambda: _tms_baseline(nbytes, args.repeat, ceilings)),
+        ("graph", _graph_check),
+    ):
         try:
             out = fn()
             if name == "ours":

@@ -41,9 +41,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-COMMON = ["run.device=cuda", "trainer.param_offload=true", "trainer.old_logprob=pi_old", "run.progress=none",
-          "run.tensorboard=false", "run.plot=false", "run.eval_every=100000", "warmup.steps=30",
-          "task.heldout_size=50", "async_training.staleness_threshold=0.1"]
+COMMON = [
+    "run.device=cuda",
+    "trainer.param_offload=true",
+    "trainer.old_logprob=pi_old",
+    "run.progress=none",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "run.eval_every=100000",
+    "warmup.steps=30",
+    "task.heldout_size=50",
+    "async_training.staleness_threshold=0.1",
+]
 SIZES: dict[str, list[str]] = {
     "default": [],
     "large": ["model.width=1024", "model.layers=8", "model.heads=16", "trainer.lr=5e-4", "warmup.lr=5e-4"],
@@ -60,12 +69,23 @@ def child(name: str, run_dir: Path, extra: list[str]) -> None:
 
     executor, family, size = name.split("/")
     executor, _, transport = executor.partition("+")
-    cfg = resolve(None, [*COMMON, *FAMILIES[family], *SIZES[size], f"executor={executor}", *extra,
-                         *([f"rollout.weight_transport={transport}"] if transport else []), f"run.out_dir={run_dir}"])
+    cfg = resolve(
+        None,
+        [
+            *COMMON,
+            *FAMILIES[family],
+            *SIZES[size],
+            f"executor={executor}",
+            *extra,
+            *([f"rollout.weight_transport={transport}"] if transport else []),
+            f"run.out_dir={run_dir}",
+        ],
+    )
     res = run(cfg)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    (run_dir / "result.json").write_text(json.dumps({"name": name, "summary": res.summary, "last": recs[-1],
-                                                     "steps": res.steps}))
+    (run_dir / "result.json").write_text(
+        json.dumps({"name": name, "summary": res.summary, "last": recs[-1], "steps": res.steps})
+    )
 
 
 def row(name: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -74,16 +94,24 @@ def row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     s, last = result["summary"], result["last"]
     syncs = max(s["sync"]["syncs"], 1)
     wall = last["wall_s"]
-    return {"executor": executor, "weight_transport": transport or ("builtin" if executor == "process" else None),
-            "family": family, "size": size,
-            "model_params": s["sync"]["param_bytes"] // PARAM_BYTES[family], "steps": result["steps"],
-            "steps_per_s": round(result["steps"] / wall, 3), "samples_per_s": round(last["samples_per_s"], 1),
-            "trainer_idle_ratio": round(last["trainer_idle_ratio"], 3),
-            "rollout_idle_ratio": round(last["rollout_idle_ratio"], 3),
-            "sync_s": round(s["time_split_s"]["sync"] / syncs, 4), "pause_s": round(s["sync"]["rollouter_copy_s"] / syncs, 4),
-            "trainer_gpu_peak_bytes": s["memory"].get("device_peak_allocated_bytes"),
-            "rollout_gpu_peak_bytes": s["memory"].get("rollout_device_peak_allocated_bytes"),
-            "status": s["status"], "wall_s": round(wall, 2)}
+    return {
+        "executor": executor,
+        "weight_transport": transport or ("builtin" if executor == "process" else None),
+        "family": family,
+        "size": size,
+        "model_params": s["sync"]["param_bytes"] // PARAM_BYTES[family],
+        "steps": result["steps"],
+        "steps_per_s": round(result["steps"] / wall, 3),
+        "samples_per_s": round(last["samples_per_s"], 1),
+        "trainer_idle_ratio": round(last["trainer_idle_ratio"], 3),
+        "rollout_idle_ratio": round(last["rollout_idle_ratio"], 3),
+        "sync_s": round(s["time_split_s"]["sync"] / syncs, 4),
+        "pause_s": round(s["sync"]["rollouter_copy_s"] / syncs, 4),
+        "trainer_gpu_peak_bytes": s["memory"].get("device_peak_allocated_bytes"),
+        "rollout_gpu_peak_bytes": s["memory"].get("rollout_device_peak_allocated_bytes"),
+        "status": s["status"],
+        "wall_s": round(wall, 2),
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -102,8 +130,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         axes[0].bar(xs, [v["samples_per_s"] if v else 0 for v in vals], width, label=ex)
         axes[1].bar(xs, [v["trainer_idle_ratio"] if v else 0 for v in vals], width, label=ex)
     for ax, title in zip(axes, ("samples / s", "trainer idle ratio"), strict=True):
-        ax.set_xticks([j + width * (len(executors) - 1) / 2 for j in range(len(groups))],
-                      [f"{f}\n{s}" for f, s in groups])
+        ax.set_xticks(
+            [j + width * (len(executors) - 1) / 2 for j in range(len(groups))], [f"{f}\n{s}" for f, s in groups]
+        )
         ax.set_title(title)
         ax.legend()
     fig.suptitle("stateshift train on one GPU: rollouter on a thread vs in its own process")
@@ -116,8 +145,20 @@ def _label(r: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    keys = ["executor", "weight_transport", "family", "size", "model_params", "samples_per_s", "steps_per_s", "trainer_idle_ratio",
-            "rollout_idle_ratio", "sync_s", "pause_s", "status"]
+    keys = [
+        "executor",
+        "weight_transport",
+        "family",
+        "size",
+        "model_params",
+        "samples_per_s",
+        "steps_per_s",
+        "trainer_idle_ratio",
+        "rollout_idle_ratio",
+        "sync_s",
+        "pause_s",
+        "status",
+    ]
     lines = [" | ".join(keys)]
     lines += [" | ".join(str(r[k]) for k in keys) for r in rows]
     return "\n".join(lines)
@@ -127,9 +168,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--executors", nargs="+", default=["inprocess", "process", "process+auto"],
-                    help="inprocess, process (its own shared-memory file), process+TRANSPORT (the weight-sync "
-                         "library: auto, shared_host, cuda_ipc), ray")
+    ap.add_argument(
+        "--executors",
+        nargs="+",
+        default=["inprocess", "process", "process+auto"],
+        help="inprocess, process (its own shared-memory file), process+TRANSPORT (the weight-sync "
+        "library: auto, shared_host, cuda_ipc), ray",
+    )
     ap.add_argument("--families", nargs="+", default=list(FAMILIES))
     ap.add_argument("--sizes", nargs="+", default=list(SIZES))
     ap.add_argument("--smoke", action="store_true", help="3 steps per run: checks the path, no figures")
@@ -151,8 +196,15 @@ def main() -> None:
                 for ex in args.executors:
                     name = f"{ex}/{family}/{size}"
                     run_dir = Path(tmp) / name.replace("/", "-")
-                    cmd = [sys.executable, __file__, "--child", name, str(run_dir), f"trainer.steps={steps}",
-                           *args.overrides]
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        name,
+                        str(run_dir),
+                        f"trainer.steps={steps}",
+                        *args.overrides,
+                    ]
                     t0 = time.perf_counter()
                     proc = subprocess.run(cmd, text=True, capture_output=True, check=False, timeout=600)
                     print(f"{name}: exit {proc.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -162,9 +214,21 @@ def main() -> None:
                     else:
                         rows.append(row(name, json.loads((run_dir / "result.json").read_text())))
                         print(json.dumps(rows[-1]), flush=True)
-                    (args.out / f"{stem}.json").write_text(json.dumps(  # after every run: a cut-off run keeps the rest
-                        {"benchmark": "train_executors", "device": device, "steps": steps, "overrides": args.overrides,
-                         "common": COMMON, "sizes": SIZES, "rows": rows, "failed": failed}, indent=1))
+                    (args.out / f"{stem}.json").write_text(
+                        json.dumps(  # after every run: a cut-off run keeps the rest
+                            {
+                                "benchmark": "train_executors",
+                                "device": device,
+                                "steps": steps,
+                                "overrides": args.overrides,
+                                "common": COMMON,
+                                "sizes": SIZES,
+                                "rows": rows,
+                                "failed": failed,
+                            },
+                            indent=1,
+                        )
+                    )
     print(table(rows))
     if rows:
         plot(rows, args.out / f"{stem}.png")

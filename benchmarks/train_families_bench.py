@@ -61,15 +61,36 @@ for _p in (ROOT / "src", ROOT / "benchmarks"):
 from rl_gpu_train import verbs_fraction_of_step  # noqa: E402
 
 FAMILIES = ("builtin", "megatron", "fsdp2", "hf")
-COMMON = ["trainer.param_offload=true", "trainer.old_logprob=pi_old", "run.progress=none", "run.tensorboard=false",
-          "run.plot=false"]
+COMMON = [
+    "trainer.param_offload=true",
+    "trainer.old_logprob=pi_old",
+    "run.progress=none",
+    "run.tensorboard=false",
+    "run.plot=false",
+]
 GPU = ["run.device=cuda", "run.eval_every=50"]
-SMALL = ["run.device=cpu", "run.torch_threads=1", "model.width=32", "model.heads=2", "warmup.steps=30",
-         "warmup.batch_size=32", "task.heldout_size=50", "trainer.batch_prompts=4", "rollout.n=4",
-         "rollout.max_concurrent_prompts=4", "run.eval_every=10"]
+SMALL = [
+    "run.device=cpu",
+    "run.torch_threads=1",
+    "model.width=32",
+    "model.heads=2",
+    "warmup.steps=30",
+    "warmup.batch_size=32",
+    "task.heldout_size=50",
+    "trainer.batch_prompts=4",
+    "rollout.n=4",
+    "rollout.max_concurrent_prompts=4",
+    "run.eval_every=10",
+]
 #: the hf family's model: the built-in's size (width 64, 2 layers, 4 heads; --small: width 32, 2 heads)
-HF_SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "max_position_embeddings": 32}
+HF_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32,
+}
 #: the two criteria: a family's smallest rise > RISE_FACTOR x the spread of its finals; verbs below VERBS_MAX
 RISE_FACTOR = 2.0
 VERBS_MAX = 0.05
@@ -92,8 +113,14 @@ def make_hf_dir(path: Path, small: bool = False) -> Path:
     from stateshift.train.config import resolve
 
     vocab = build_task(resolve(None, [])).vocab_size
-    shape = {**HF_SHAPE, **({"hidden_size": 32, "intermediate_size": 128, "num_attention_heads": 2,
-                             "num_key_value_heads": 2} if small else {})}
+    shape = {
+        **HF_SHAPE,
+        **(
+            {"hidden_size": 32, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
+            if small
+            else {}
+        ),
+    }
     transformers.LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **shape).save_pretrained(path)
     return path
 
@@ -111,9 +138,19 @@ def child(name: str, run_dir: Path, overrides: list[str]) -> None:
     cfg = resolve(None, [*COMMON, f"model.family={family}", f"run.seed={seed}", *overrides, f"run.out_dir={run_dir}"])
     res = run(cfg)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    (run_dir / "result.json").write_text(json.dumps({
-        "name": name, "summary": res.summary, "records": recs, "steps": res.steps, "wall_s": res.wall_s,
-        "heldout_accuracy_start": res.heldout_accuracy_start, "heldout_accuracy_end": res.heldout_accuracy_end}))
+    (run_dir / "result.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "summary": res.summary,
+                "records": recs,
+                "steps": res.steps,
+                "wall_s": res.wall_s,
+                "heldout_accuracy_start": res.heldout_accuracy_start,
+                "heldout_accuracy_end": res.heldout_accuracy_end,
+            }
+        )
+    )
 
 
 def split_name(name: str) -> tuple[str, int]:
@@ -128,17 +165,27 @@ def per_run(r: dict[str, Any]) -> dict[str, Any]:
     family, seed = split_name(r["name"])
     last = recs[-1] if recs else {}
     trainer = s.get("config", {}).get("trainer", {})
-    return {"name": r["name"], "family": family, "seed": seed, "steps": r["steps"], "wall_s": round(r["wall_s"], 2),
-            "heldout_accuracy_start": r["heldout_accuracy_start"], "heldout_accuracy_end": r["heldout_accuracy_end"],
-            "rise": round(r["heldout_accuracy_end"] - r["heldout_accuracy_start"], 4),
-            "stateshift_verbs_s": round(s["verbs_s"], 4),
-            "stateshift_verbs_fraction_of_step": verbs_fraction_of_step(s, recs),
-            # per verb and group (a prefetched onload: onload.<group> to issue it, prefetch_wait.<group> waited for)
-            "stateshift_verbs_s_by_verb": {k: round(v, 4) for k, v in s.get("offload", {}).get("seconds", {}).items()},
-            "prefetch": trainer.get("prefetch"), "freed_memory": trainer.get("freed_memory"),
-            "trainer_idle_ratio": last.get("trainer_idle_ratio"), "executor": s.get("rollout", {}).get("executor"),
-            "param_bytes": s["sync"]["param_bytes"], "status": s["status"],
-            "heldout_curve": [[x["step"], x["heldout_accuracy"]] for x in recs if x.get("heldout_accuracy") is not None]}
+    return {
+        "name": r["name"],
+        "family": family,
+        "seed": seed,
+        "steps": r["steps"],
+        "wall_s": round(r["wall_s"], 2),
+        "heldout_accuracy_start": r["heldout_accuracy_start"],
+        "heldout_accuracy_end": r["heldout_accuracy_end"],
+        "rise": round(r["heldout_accuracy_end"] - r["heldout_accuracy_start"], 4),
+        "stateshift_verbs_s": round(s["verbs_s"], 4),
+        "stateshift_verbs_fraction_of_step": verbs_fraction_of_step(s, recs),
+        # per verb and group (a prefetched onload: onload.<group> to issue it, prefetch_wait.<group> waited for)
+        "stateshift_verbs_s_by_verb": {k: round(v, 4) for k, v in s.get("offload", {}).get("seconds", {}).items()},
+        "prefetch": trainer.get("prefetch"),
+        "freed_memory": trainer.get("freed_memory"),
+        "trainer_idle_ratio": last.get("trainer_idle_ratio"),
+        "executor": s.get("rollout", {}).get("executor"),
+        "param_bytes": s["sync"]["param_bytes"],
+        "status": s["status"],
+        "heldout_curve": [[x["step"], x["heldout_accuracy"]] for x in recs if x.get("heldout_accuracy") is not None],
+    }
 
 
 def checks(runs: list[dict[str, Any]], families: list[str], seeds: int) -> dict[str, Any]:
@@ -160,18 +207,31 @@ def checks(runs: list[dict[str, Any]], families: list[str], seeds: int) -> dict[
         ends = [r["heldout_accuracy_end"] for r in mine]
         smallest, spread = (min(rises), max(ends) - min(ends)) if mine else (None, None)
         complete = len(mine) == seeds and seeds >= 2
-        rise[fam] = {"seeds": len(mine), "smallest_rise": _r(smallest), "spread_of_final": _r(spread),
-                     "pass": bool(complete and smallest is not None and smallest > RISE_FACTOR * spread)}
+        rise[fam] = {
+            "seeds": len(mine),
+            "smallest_rise": _r(smallest),
+            "spread_of_final": _r(spread),
+            "pass": bool(complete and smallest is not None and smallest > RISE_FACTOR * spread),
+        }
         if not complete:
             rise[fam]["note"] = f"{len(mine)} of {seeds} runs finished (at least 2 needed)"
-    verbs = {r["name"]: {"fraction": _r(r["stateshift_verbs_fraction_of_step"], 5),
-                         "pass": r["stateshift_verbs_fraction_of_step"] is not None
-                         and r["stateshift_verbs_fraction_of_step"] < VERBS_MAX} for r in runs}
-    return {"criteria": f"per family: smallest rise (end - start) > {RISE_FACTOR:g} x spread (max - min) of the final "
-                        f"accuracies; per run: stateshift_verbs_fraction_of_step < {VERBS_MAX:g}",
-            "rise_vs_spread": rise, "verbs_fraction": verbs,
-            "all_pass": all(v["pass"] for v in rise.values()) and len(verbs) == len(families) * seeds
-            and all(v["pass"] for v in verbs.values())}
+    verbs = {
+        r["name"]: {
+            "fraction": _r(r["stateshift_verbs_fraction_of_step"], 5),
+            "pass": r["stateshift_verbs_fraction_of_step"] is not None
+            and r["stateshift_verbs_fraction_of_step"] < VERBS_MAX,
+        }
+        for r in runs
+    }
+    return {
+        "criteria": f"per family: smallest rise (end - start) > {RISE_FACTOR:g} x spread (max - min) of the final "
+        f"accuracies; per run: stateshift_verbs_fraction_of_step < {VERBS_MAX:g}",
+        "rise_vs_spread": rise,
+        "verbs_fraction": verbs,
+        "all_pass": all(v["pass"] for v in rise.values())
+        and len(verbs) == len(families) * seeds
+        and all(v["pass"] for v in verbs.values()),
+    }
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:
@@ -188,16 +248,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(13, 4.6))
     colours = {f: f"C{i}" for i, f in enumerate(FAMILIES)}
     for r in result["runs"]:
-        pts = [(0, r["heldout_accuracy_start"]), *(tuple(p) for p in r["heldout_curve"]),
-               (r["steps"], r["heldout_accuracy_end"])]
-        ax[0].plot(*zip(*pts, strict=True), marker="o", ms=3, color=colours.get(r["family"], "k"),
-                   ls=("-", "--", ":", "-.")[r["seed"] % 4], label=r["name"])
-    ax[0].set(xlabel="trainer step", ylabel="held-out exact match (greedy)", ylim=(0, 1),
-              title="held-out accuracy (step 0: after the warm-up)")
+        pts = [
+            (0, r["heldout_accuracy_start"]),
+            *(tuple(p) for p in r["heldout_curve"]),
+            (r["steps"], r["heldout_accuracy_end"]),
+        ]
+        ax[0].plot(
+            *zip(*pts, strict=True),
+            marker="o",
+            ms=3,
+            color=colours.get(r["family"], "k"),
+            ls=("-", "--", ":", "-.")[r["seed"] % 4],
+            label=r["name"],
+        )
+    ax[0].set(
+        xlabel="trainer step",
+        ylabel="held-out exact match (greedy)",
+        ylim=(0, 1),
+        title="held-out accuracy (step 0: after the warm-up)",
+    )
     ax[0].legend(fontsize=7, ncol=2)
     names = [r["name"] for r in result["runs"]]
-    ax[1].barh(names, [100 * (r["stateshift_verbs_fraction_of_step"] or 0) for r in result["runs"]],
-               color=[colours.get(r["family"], "k") for r in result["runs"]])
+    ax[1].barh(
+        names,
+        [100 * (r["stateshift_verbs_fraction_of_step"] or 0) for r in result["runs"]],
+        color=[colours.get(r["family"], "k") for r in result["runs"]],
+    )
     ax[1].axvline(100 * VERBS_MAX, color="grey", ls="--", lw=0.8)
     ax[1].set(xlabel="stateshift verbs, % of trainer step time", title=f"verbs vs the {100 * VERBS_MAX:g}% line")
     ok = "all checks pass" if result["checks"]["all_pass"] else "checks: not all pass"
@@ -211,21 +287,26 @@ def table(result: dict[str, Any]) -> str:
     """The runs, one line each, then the checks."""
     lines = [f"{'run':12} {'steps':>6} {'wall':>6} {'acc0':>6} {'acc':>6} {'rise':>6} {'verbs%':>7} status"]
     for r in result["runs"]:
-        lines.append(f"{r['name']:12} {r['steps']:6d} {r['wall_s']:6.1f} {r['heldout_accuracy_start']:6.3f} "
-                     f"{r['heldout_accuracy_end']:6.3f} {r['rise']:6.3f} "
-                     f"{100 * (r['stateshift_verbs_fraction_of_step'] or 0):7.2f} {r['status']}")
+        lines.append(
+            f"{r['name']:12} {r['steps']:6d} {r['wall_s']:6.1f} {r['heldout_accuracy_start']:6.3f} "
+            f"{r['heldout_accuracy_end']:6.3f} {r['rise']:6.3f} "
+            f"{100 * (r['stateshift_verbs_fraction_of_step'] or 0):7.2f} {r['status']}"
+        )
     c = result["checks"]
     for fam, v in c["rise_vs_spread"].items():
-        lines.append(f"{fam:9} smallest rise {v['smallest_rise']} vs 2 x spread {v['spread_of_final']}: "
-                     f"{'pass' if v['pass'] else 'FAIL'} {v.get('note', '')}")
+        lines.append(
+            f"{fam:9} smallest rise {v['smallest_rise']} vs 2 x spread {v['spread_of_final']}: "
+            f"{'pass' if v['pass'] else 'FAIL'} {v.get('note', '')}"
+        )
     bad = [n for n, v in c["verbs_fraction"].items() if not v["pass"]]
     lines.append(f"verbs < {VERBS_MAX:g} of step time: {'pass' if not bad else 'FAIL in ' + ', '.join(bad)}")
     lines.append(f"all checks pass: {c['all_pass']}")
     return "\n".join(lines)
 
 
-def run_one(name: str, work: Path, overrides: list[str], timeout_s: float, env: dict[str, str]
-            ) -> tuple[dict[str, Any] | None, str]:
+def run_one(
+    name: str, work: Path, overrides: list[str], timeout_s: float, env: dict[str, str]
+) -> tuple[dict[str, Any] | None, str]:
     """``name`` in a subprocess under ``work``: (its ``per_run`` entry or None, the tail of its output)."""
     run_dir = work / name.replace("/", "-")
     cmd = [sys.executable, __file__, "--child", name, str(run_dir), *overrides]
@@ -274,8 +355,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default 300; --small 20)")
     ap.add_argument("--budget-s", type=float, default=15.0, help="run.max_wall_s: seconds of RL per run at most")
     ap.add_argument("--small", action="store_true", help="a toy size on the CPU: the path, not the numbers")
-    ap.add_argument("--combine", nargs="+", type=Path, default=None, metavar="JSON",
-                    help="merge result files of calls that ran different --families into one under --out, and exit")
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="merge result files of calls that ran different --families into one under --out, and exit",
+    )
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -303,11 +390,21 @@ def main(argv: list[str] | None = None) -> int:
     base = [*(SMALL if args.small else GPU), f"trainer.steps={args.steps}", f"run.max_wall_s={args.budget_s}"]
     env = dict(os.environ, **({"STATESHIFT_MCORE_DEVICE": "cpu"} if args.small else {}))
     result: dict[str, Any] = {
-        "machine": f"1x {device}" if device != "cpu" else "cpu", "torch": torch.__version__, "stateshift": git_sha(),
-        "date": f"{datetime.date.today()}", "command": "python3 benchmarks/train_families_bench.py " + " ".join(
-            sys.argv[1:] if argv is None else argv), "small": args.small, "seeds": args.seeds, "steps": args.steps,
-        "budget_s": args.budget_s, "settings": [*COMMON, *base, *args.overrides], "hf_model": HF_SHAPE,
-        "all_checks_pass": False, "runs": [], "failures": {}}
+        "machine": f"1x {device}" if device != "cpu" else "cpu",
+        "torch": torch.__version__,
+        "stateshift": git_sha(),
+        "date": f"{datetime.date.today()}",
+        "command": "python3 benchmarks/train_families_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "small": args.small,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "budget_s": args.budget_s,
+        "settings": [*COMMON, *base, *args.overrides],
+        "hf_model": HF_SHAPE,
+        "all_checks_pass": False,
+        "runs": [],
+        "failures": {},
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     names = [f"{fam}/s{seed}" for fam in args.families for seed in range(args.seeds)]
     t_all = time.perf_counter()
@@ -315,16 +412,22 @@ def main(argv: list[str] | None = None) -> int:
         extra = [f"model.hf_path={hf_dir}"] if name.startswith("hf/") else []
         t0 = time.perf_counter()
         entry, tail = run_one(name, work, [*base, *extra, *args.overrides], args.budget_s + 240, env)
-        print(f"== [{k + 1}/{len(names)}] {name}: {'ok' if entry else 'FAILED'} in {time.perf_counter() - t0:.0f} s "
-              f"({time.perf_counter() - t_all:.0f} s so far)", flush=True)
+        print(
+            f"== [{k + 1}/{len(names)}] {name}: {'ok' if entry else 'FAILED'} in {time.perf_counter() - t0:.0f} s "
+            f"({time.perf_counter() - t_all:.0f} s so far)",
+            flush=True,
+        )
         if entry is None:
             result["failures"][name] = tail
             print(tail, flush=True)
         else:
             result["runs"].append(entry)
             frac = 100 * (entry["stateshift_verbs_fraction_of_step"] or 0)
-            print(f"   {entry['steps']} steps, held-out {entry['heldout_accuracy_start']:.3f} -> "
-                  f"{entry['heldout_accuracy_end']:.3f}, verbs {frac:.2f}% of step time, {entry['status']}", flush=True)
+            print(
+                f"   {entry['steps']} steps, held-out {entry['heldout_accuracy_start']:.3f} -> "
+                f"{entry['heldout_accuracy_end']:.3f}, verbs {frac:.2f}% of step time, {entry['status']}",
+                flush=True,
+            )
         result["checks"] = checks(result["runs"], args.families, args.seeds)
         result["all_checks_pass"] = result["checks"]["all_pass"]
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every run: a cut keeps the rest

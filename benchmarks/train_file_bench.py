@@ -35,8 +35,9 @@ import train_on_files as example  # noqa: E402
 
 def _git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -46,18 +47,27 @@ def run_seed(seed: int, runs: Path) -> dict:
     out = runs / f"seed-{seed}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "examples" / "train_on_files.py"), str(out), str(seed)], env=env,
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_on_files.py"), str(out), str(seed)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     summary = json.loads((out / "run" / "summary.json").read_text())
     recs = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return {
-        "seed": seed, "heldout_reward_start": summary["heldout_accuracy_start"],
+        "seed": seed,
+        "heldout_reward_start": summary["heldout_accuracy_start"],
         "heldout_reward_end": summary["heldout_accuracy_end"],
         "heldout_curve": [[r["step"], r["heldout_accuracy"]] for r in recs if r.get("heldout_accuracy") is not None],
-        "train_reward": [round(r["reward"], 4) for r in recs], "wall_s_process": round(wall, 1),
-        "reward_s_total": round(recs[-1]["time_reward_s_total"], 3), "reward_zeroed_total": recs[-1]["reward_zeroed_total"],
-        "steps": len(recs), "status": summary["status"],
+        "train_reward": [round(r["reward"], 4) for r in recs],
+        "wall_s_process": round(wall, 1),
+        "reward_s_total": round(recs[-1]["time_reward_s_total"], 3),
+        "reward_zeroed_total": recs[-1]["reward_zeroed_total"],
+        "steps": len(recs),
+        "status": summary["status"],
     }
 
 
@@ -72,10 +82,18 @@ def _plot(result: dict, path: Path) -> None:
         pts = [(0, s["heldout_reward_start"]), *map(tuple, s["heldout_curve"]), (s["steps"], s["heldout_reward_end"])]
         ax[0].plot(*zip(*pts, strict=True), marker="o", ms=3, label=f"seed {s['seed']} ({s['wall_s_process']:.0f} s)")
         ax[1].plot(range(1, s["steps"] + 1), s["train_reward"], lw=1, label=f"seed {s['seed']}")
-    ax[0].set(xlabel="trainer step", ylabel="held-out reward (exact match, greedy)", ylim=(0, 1),
-              title="held-out reward: after warm-up (step 0) and during RL")
-    ax[1].set(xlabel="trainer step", ylabel="mean reward of the step's samples", ylim=(0, 1),
-              title="training reward (sampled, temperature 1)")
+    ax[0].set(
+        xlabel="trainer step",
+        ylabel="held-out reward (exact match, greedy)",
+        ylim=(0, 1),
+        title="held-out reward: after warm-up (step 0) and during RL",
+    )
+    ax[1].set(
+        xlabel="trainer step",
+        ylabel="mean reward of the step's samples",
+        ylim=(0, 1),
+        title="training reward (sampled, temperature 1)",
+    )
     ax[0].legend()
     ax[1].legend()
     fig.suptitle(f"examples/train_on_files.py, 3 seeds, on {result['machine']} ({result['stateshift']})")
@@ -95,12 +113,18 @@ def main() -> None:
     ends = [s["heldout_reward_end"] for s in seeds]
     result = {
         "machine": f"CPU ({platform.processor() or platform.machine()}), 1 torch thread per side, "
-                   "2 cores shared with other work", "stateshift": _git_sha(),
-        "command": "python examples/train_on_files.py <dir> <seed>", "settings": example.SETTINGS,
+        "2 cores shared with other work",
+        "stateshift": _git_sha(),
+        "command": "python examples/train_on_files.py <dir> <seed>",
+        "settings": example.SETTINGS,
         "data": {"operands": example.OPERANDS, "template": example.TEMPLATE, "heldout": "1 pair in 5"},
-        "seeds": seeds, "rises": rises, "smallest_rise": min(rises),
-        "spread_of_final_std": statistics.pstdev(ends), "rise_exceeds_twice_std": min(rises) > 2 * statistics.pstdev(ends),
-        "spread_of_final_range": max(ends) - min(ends), "rise_exceeds_twice_range": min(rises) > 2 * (max(ends) - min(ends)),
+        "seeds": seeds,
+        "rises": rises,
+        "smallest_rise": min(rises),
+        "spread_of_final_std": statistics.pstdev(ends),
+        "rise_exceeds_twice_std": min(rises) > 2 * statistics.pstdev(ends),
+        "spread_of_final_range": max(ends) - min(ends),
+        "rise_exceeds_twice_range": min(rises) > 2 * (max(ends) - min(ends)),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

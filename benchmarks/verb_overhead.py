@@ -36,8 +36,11 @@ def _megatron_state() -> ModelState:
         def __init__(self, n: int = 24, h: int = 16) -> None:
             super().__init__()
             self.layers = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h))
-                for _ in range(n))
+                torch.nn.Sequential(
+                    torch.nn.LayerNorm(h), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h)
+                )
+                for _ in range(n)
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
@@ -65,20 +68,29 @@ def _plain_loop(state: ModelState) -> float:
 
 
 def main() -> int:
-    print(f"{'model':<22} {'slots':>6} {'tensors':>8} {'modules':>8} {'snapshot us':>12} {'restore us':>11} "
-          f"{'copy_ loop us':>14}")
+    print(
+        f"{'model':<22} {'slots':>6} {'tensors':>8} {'modules':>8} {'snapshot us':>12} {'restore us':>11} "
+        f"{'copy_ loop us':>14}"
+    )
     for name, make, number in (("torch (built-in)", _torch_state, 200), ("megatron (fake DDP)", _megatron_state, 100)):
         state = make()
-        modules = sum(1 for b in state.backends for m in getattr(b, "inners", [getattr(b, "module", None)]) if m is not None
-                      for _ in m.modules())
+        modules = sum(
+            1
+            for b in state.backends
+            for m in getattr(b, "inners", [getattr(b, "module", None)])
+            if m is not None
+            for _ in m.modules()
+        )
         snap = lambda: state.snapshot("params", tag="p", placement="device")  # noqa: E731, B023 - timed in this iteration
         rest = lambda: state.restore(core_of(state).snapshots.get("p"))  # noqa: E731, B023 - timed in this iteration
         snap()
         times = [min(timeit.repeat(fn, number=number, repeat=15)) / number * 1e6 for fn in (snap, rest)]
         slots = core_of(state).slots("params")
         tensors = sum(len(s.info.members) for s in slots)
-        print(f"{name:<22} {len(slots):>6} {tensors:>8} {modules:>8} {times[0]:>12.1f} {times[1]:>11.1f} "
-              f"{_plain_loop(state):>14.1f}")
+        print(
+            f"{name:<22} {len(slots):>6} {tensors:>8} {modules:>8} {times[0]:>12.1f} {times[1]:>11.1f} "
+            f"{_plain_loop(state):>14.1f}"
+        )
         state.close()
     return 0
 

@@ -40,10 +40,15 @@ def parse_small(spec: str) -> tuple[int, int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli_bench.add_arguments(p)
-    p.add_argument("--small", action="append", default=None, metavar="COUNTxSIZE",
-                   help="also time snapshot/restore/offload/onload of COUNT bf16 tensors of SIZE each beside a plain "
-                   "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none; 'none': no small "
-                   "cases)")
+    p.add_argument(
+        "--small",
+        action="append",
+        default=None,
+        metavar="COUNTxSIZE",
+        help="also time snapshot/restore/offload/onload of COUNT bf16 tensors of SIZE each beside a plain "
+        "copy_ loop (repeatable; default on CUDA: 2000x512KiB and 20000x16KiB, on the CPU: none; 'none': no small "
+        "cases)",
+    )
     p.add_argument("--small-tensors", type=int, default=0, help="one more small case: this many tensors ...")
     p.add_argument("--small-numel", type=int, default=65536, help="... of this many bf16 elements each")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the ratios here (matplotlib)")

@@ -133,7 +133,10 @@ def _release_megatron(ddp: Any, opt: Any) -> None:
 
     registry.drain()
     entry = registry._MODELS.get(ddp)
-    states = [entry.state() if entry is not None else None, *(r() for o in _leaves(opt) if (r := registry._OPTIMIZERS.get(o)))]
+    states = [
+        entry.state() if entry is not None else None,
+        *(r() for o in _leaves(opt) if (r := registry._OPTIMIZERS.get(o))),
+    ]
     for st in states:
         if st is not None and not st.closed:
             try:
@@ -170,17 +173,35 @@ def _megatron_case(name: str, args: argparse.Namespace, impls: dict[str, Any]) -
     import megatron_bench as mb
 
     mb.init_megatron(args.device)
-    spec = mb.GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
-                      experts=args.experts if name == "moe" else 0)
+    spec = mb.GPTSpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        experts=args.experts if name == "moe" else 0,
+    )
 
     def run(fns: Any, mix: str) -> tuple[Any, Any, int]:
         ddp, opt = mb.build_gpt(spec, args.device)
         mb.train_step(ddp, opt, mb.batch(spec, 0, args.device))
-        nbytes = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
+        nbytes = sum(
+            b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers
+        )
         fwd = lambda s: mb.logits(ddp, mb.batch(spec, 100 + s, args.device))  # noqa: E731, F821 - runs before the del below
         step = lambda s: mb.train_step(ddp, opt, mb.batch(spec, s + 1, args.device))  # noqa: E731, F821 - runs before the del below
-        res = run_sequence(fns, [ddp], opt, forward=fwd, train=step, n=args.n, cycles=args.cycles, mix=mix,
-                           native_offload=megatron_native_offload, sync=_sync)
+        res = run_sequence(
+            fns,
+            [ddp],
+            opt,
+            forward=fwd,
+            train=step,
+            n=args.n,
+            cycles=args.cycles,
+            mix=mix,
+            native_offload=megatron_native_offload,
+            sync=_sync,
+        )
         final = weights([ddp]) if res.error is None else None
         _release_megatron(ddp, opt)
         del ddp, opt
@@ -206,8 +227,14 @@ class _Blocks(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(4 * hidden, hidden)) for _ in range(layers))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(hidden),
+                torch.nn.Linear(hidden, 4 * hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * hidden, hidden),
+            )
+            for _ in range(layers)
+        )
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -237,7 +264,9 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
     mesh = init_device_mesh(args.device, (1,))
 
     def ids(step: int) -> torch.Tensor:
-        return torch.randint(0, args.vocab, (2, args.seq), generator=torch.Generator().manual_seed(step)).to(args.device)
+        return torch.randint(0, args.vocab, (2, args.seq), generator=torch.Generator().manual_seed(step)).to(
+            args.device
+        )
 
     def run(fns: Any, mix: str) -> tuple[Any, Any, int]:
         torch.manual_seed(0)
@@ -259,8 +288,17 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
 
         train(0)
         nbytes = sum(p._local_tensor.numel() * p._local_tensor.element_size() for p in model.parameters())
-        res = run_sequence(fns, model, opt, forward=forward, train=lambda s: train(s + 1), n=args.n, cycles=args.cycles,
-                           mix=mix, sync=_sync)
+        res = run_sequence(
+            fns,
+            model,
+            opt,
+            forward=forward,
+            train=lambda s: train(s + 1),
+            n=args.n,
+            cycles=args.cycles,
+            mix=mix,
+            sync=_sync,
+        )
         final = weights(model) if res.error is None else None
         del model, opt
         _free()
@@ -280,14 +318,32 @@ def _fsdp2_case(args: argparse.Namespace, impls: dict[str, Any]) -> list[dict[st
     return rows
 
 
-def _row(model: str, impl: str, mix: str, res: Any, ref: Any, final: Any, ref_final: Any, nbytes: int) -> dict[str, Any]:
+def _row(
+    model: str, impl: str, mix: str, res: Any, ref: Any, final: Any, ref_final: Any, nbytes: int
+) -> dict[str, Any]:
     report = compare(res, ref, final, ref_final)
     med = {k: sorted(v)[len(v) // 2] for k, v in res.seconds.items()}
     # per cycle: its copies and restores (the time verl's worker spends on pi_old), over whole runs only
-    pi_old = (sum(res.seconds.get("copy", [])) + sum(res.seconds.get("restore", []))) / _CYCLES[0] if res.error is None else None
-    return {"model": model, "impl": impl, "mix": mix, "bytes": nbytes, **report, "pi_old_cycle_seconds": pi_old,
-            "median_seconds": med, "gbps": {k: nbytes / s / 1e9 for k, s in med.items() if s > 0 and k in ("copy", "restore", "offload_model", "load_model")},
-            "seconds": res.seconds}
+    pi_old = (
+        (sum(res.seconds.get("copy", [])) + sum(res.seconds.get("restore", []))) / _CYCLES[0]
+        if res.error is None
+        else None
+    )
+    return {
+        "model": model,
+        "impl": impl,
+        "mix": mix,
+        "bytes": nbytes,
+        **report,
+        "pi_old_cycle_seconds": pi_old,
+        "median_seconds": med,
+        "gbps": {
+            k: nbytes / s / 1e9
+            for k, s in med.items()
+            if s > 0 and k in ("copy", "restore", "offload_model", "load_model")
+        },
+        "seconds": res.seconds,
+    }
 
 
 #: cycles per run (set by ``child``; ``_row`` divides by it)
@@ -308,8 +364,13 @@ def child(args: argparse.Namespace) -> int:
         if impl == "verl":
             impls["verl"] = verl_mod
         elif impl == "default-install":  # what install() gives by default: SAFE from stateshift, the rest verl's
-            impls[impl] = types.SimpleNamespace(**{n: getattr(ours if n in ours.SAFE else verl_mod, n)
-                                                   for n in ours.SAFE + ours.ON_REQUEST if hasattr(verl_mod, n)})
+            impls[impl] = types.SimpleNamespace(
+                **{
+                    n: getattr(ours if n in ours.SAFE else verl_mod, n)
+                    for n in ours.SAFE + ours.ON_REQUEST
+                    if hasattr(verl_mod, n)
+                }
+            )
         elif impl in ("stateshift", "stateshift-device"):
             impls[impl] = ours
         else:
@@ -320,7 +381,9 @@ def child(args: argparse.Namespace) -> int:
         from _harness import measure_ceilings
 
         info["ceilings"] = measure_ceilings(nbytes, torch.device(args.device))
-    Path(args.part).write_text(json.dumps({"rows": rows, **{f"{args.case}_{k}" if k == "ceilings" else k: v for k, v in info.items()}}))
+    Path(args.part).write_text(
+        json.dumps({"rows": rows, **{f"{args.case}_{k}" if k == "ceilings" else k: v for k, v in info.items()}})
+    )
     return 0
 
 
@@ -352,9 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cases", default="fsdp2,dense,moe")
-    ap.add_argument("--impls", default="stateshift,stateshift-device,default-install,verl",
-                    help="stateshift (every function; pi_old on pinned host), stateshift-device, default-install "
-                         "(install()'s default: stateshift's SAFE functions, verl's others), verl")
+    ap.add_argument(
+        "--impls",
+        default="stateshift,stateshift-device,default-install,verl",
+        help="stateshift (every function; pi_old on pinned host), stateshift-device, default-install "
+        "(install()'s default: stateshift's SAFE functions, verl's others), verl",
+    )
     ap.add_argument("--mixes", default="device,offloaded,native,mixed")
     ap.add_argument("--verl-whl", default=str(ROOT / ".whl-verl/verl-0.9.1-py3-none-any.whl"))
     ap.add_argument("--layers", type=int, default=2)
@@ -376,16 +442,30 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from _harness import git_sha, host_facts
 
-    result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                              "torch": torch.__version__, "stateshift": git_sha(), "host": {"name": socket.gethostname(), **host_facts()},
-                              "args": vars(args), "rows": [], "failed_cases": {}}
+    result: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "stateshift": git_sha(),
+        "host": {"name": socket.gethostname(), **host_facts()},
+        "args": vars(args),
+        "rows": [],
+        "failed_cases": {},
+    }
     t0 = time.perf_counter()
     card = result["machine"].split()[-1].lower() if args.device == "cuda" else "cpu"  # "NVIDIA H200" -> h200
     stem = f"{datetime.date.today()}-{card}-{args.name}"
     for case in args.cases.split(","):
         print(f"[verl_bench {time.perf_counter() - t0:6.1f} s] case {case}: a child process", flush=True)
         part = out / f".verl-part-{case}.json"
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--case", case, "--part", str(part)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *(argv if argv is not None else sys.argv[1:]),
+            "--case",
+            case,
+            "--part",
+            str(part),
+        ]
         proc = subprocess.run(cmd, capture_output=False)
         if proc.returncode != 0 or not part.exists():
             result["failed_cases"][case] = f"child exited {proc.returncode}"

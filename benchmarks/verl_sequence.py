@@ -51,15 +51,26 @@ class Fns:
 
 def megatron_fns(mod: Any) -> Fns:
     """``mod``: ``verl.utils.megatron_utils`` or ``stateshift.integrations.verl``."""
-    return Fns(mod.copy_megatron_model_to_cpu, mod.restore_megatron_model_from_cpu, mod.offload_megatron_model_to_cpu,
-               mod.load_megatron_model_to_gpu, mod.offload_megatron_optimizer, mod.load_megatron_optimizer)
+    return Fns(
+        mod.copy_megatron_model_to_cpu,
+        mod.restore_megatron_model_from_cpu,
+        mod.offload_megatron_model_to_cpu,
+        mod.load_megatron_model_to_gpu,
+        mod.offload_megatron_optimizer,
+        mod.load_megatron_optimizer,
+    )
 
 
 def fsdp2_fns(mod: Any, device_id: Any) -> Fns:
     """``mod``: ``verl.utils.fsdp_utils`` or ``stateshift.integrations.verl``; restore as verl's worker calls it."""
-    return Fns(mod.fsdp2_sharded_save_to_cpu, lambda m, saved: mod.fsdp2_sharded_load_from_cpu(m, *saved),
-               mod.offload_fsdp_model_to_cpu, mod.load_fsdp_model_to_gpu, mod.offload_fsdp_optimizer,
-               lambda o: mod.load_fsdp_optimizer(o, device_id))
+    return Fns(
+        mod.fsdp2_sharded_save_to_cpu,
+        lambda m, saved: mod.fsdp2_sharded_load_from_cpu(m, *saved),
+        mod.offload_fsdp_model_to_cpu,
+        mod.load_fsdp_model_to_gpu,
+        mod.offload_fsdp_optimizer,
+        lambda o: mod.load_fsdp_optimizer(o, device_id),
+    )
 
 
 def _weights(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +84,9 @@ def _weights(model: Any) -> list[tuple[str, torch.Tensor]]:
     out = []
     for i, c in enumerate(chunks):
         inner = getattr(c, "module", c) if isinstance(getattr(c, "buffers", None), list) else c
-        out += [(f"{i}.{n}", t) for n, t in inner.named_parameters()] + [(f"{i}.{n}", t) for n, t in inner.named_buffers()]
+        out += [(f"{i}.{n}", t) for n, t in inner.named_parameters()] + [
+            (f"{i}.{n}", t) for n, t in inner.named_buffers()
+        ]
     return out
 
 
@@ -135,9 +148,19 @@ class _Timed:
         return out
 
 
-def run_sequence(fns: Fns, model: Any, opt: Any, *, forward: Callable[[int], torch.Tensor], train: Callable[[int], None],
-                 n: int, cycles: int, mix: str = "offloaded", native_offload: Callable[[Any], None] | None = None,
-                 sync: Callable[[], None] = lambda: None) -> SequenceResult:
+def run_sequence(
+    fns: Fns,
+    model: Any,
+    opt: Any,
+    *,
+    forward: Callable[[int], torch.Tensor],
+    train: Callable[[int], None],
+    n: int,
+    cycles: int,
+    mix: str = "offloaded",
+    native_offload: Callable[[Any], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+) -> SequenceResult:
     """Run ``cycles`` cycles of ``n`` mini-batches (module docstring); ``forward(step)`` returns the old log-probs of
     mini-batch ``step`` (under ``torch.no_grad()``), ``train(step)`` is one training step."""
     if mix not in MIXES:
@@ -186,12 +209,21 @@ def run_sequence(fns: Fns, model: Any, opt: Any, *, forward: Callable[[int], tor
     return result
 
 
-def compare(got: SequenceResult, ref: SequenceResult, final: dict[str, torch.Tensor] | None, ref_final: dict[str, torch.Tensor]) -> dict[str, Any]:
+def compare(
+    got: SequenceResult, ref: SequenceResult, final: dict[str, torch.Tensor] | None, ref_final: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """Mismatching old log-probs (of those computed), whether the final weights equal the reference's, the error.
     ``final`` is ``None`` after an error (the weights may be released: reading them would fault)."""
     wrong = sum(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(got.old, ref.old, strict=True))
     final = final or {}
     same = final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
     differ = sorted(k for k in final if k in ref_final and not torch.equal(final[k], ref_final[k]))
-    return {"old_logprobs": len(ref.old), "computed": len(got.old), "mismatches": wrong,
-            "final_equal": bool(same and got.error is None), "final_differ": differ[:5], "error": got.error, "where": got.where}
+    return {
+        "old_logprobs": len(ref.old),
+        "computed": len(got.old),
+        "mismatches": wrong,
+        "final_equal": bool(same and got.error is None),
+        "final_differ": differ[:5],
+        "error": got.error,
+        "where": got.where,
+    }

@@ -163,8 +163,25 @@ def build_fsdp2(device: torch.device, small: bool) -> Any:
         from fsdp2_bench import init_distributed
 
         init_distributed(device)
-    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=256) \
-        if small else dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, vocab_size=32000)
+    size = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=256,
+        )
+        if small
+        else dict(
+            hidden_size=2048,
+            intermediate_size=5504,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=32000,
+        )
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**size)).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -215,8 +232,13 @@ def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
         return None
     cuda = device.type == "cuda"
     if not ray.is_initialized():
-        ray.init(num_cpus=2, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+        ray.init(
+            num_cpus=2,
+            num_gpus=1 if cuda else 0,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+        )
 
     @ray.remote
     class NaiveReceiver:
@@ -249,11 +271,19 @@ def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
     return statistics.median(times[1:])
 
 
-def run_case(state: ModelState, transport: str, device: torch.device, args: argparse.Namespace, version: list[int],
-             naive_of: Any = None) -> dict[str, Any]:
+def run_case(
+    state: ModelState,
+    transport: str,
+    device: torch.device,
+    args: argparse.Namespace,
+    version: list[int],
+    naive_of: Any = None,
+) -> dict[str, Any]:
     """Publish ``warmup + repeat`` versions; the receiver loads each; medians of the timed ones. With
     ``naive_of`` (the model), the naive path is timed too, through the same receiver process."""
-    pub = WeightPublisher(state, transport=transport, name=f"bench-{transport}", directory=args.shm_dir, ack_timeout_s=REPLY_S)
+    pub = WeightPublisher(
+        state, transport=transport, name=f"bench-{transport}", directory=args.shm_dir, ack_timeout_s=REPLY_S
+    )
     rx = Receiver(pub.handle().to_json(), str(device))
     rows, naive = [], None
     try:
@@ -265,22 +295,37 @@ def run_case(state: ModelState, transport: str, device: torch.device, args: argp
             got, load_s, pause_s, copy_s, received = rx.ask(("load", version[0]))
             assert got == version[0], (got, version[0])
             if i >= args.warmup:
-                rows.append((p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received))
+                rows.append(
+                    (p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received)
+                )
     finally:
         rx.close()
         pub.close()
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    return {"publish_s": med(0), "visible_s": med(1), "pause_s": med(2), "copy_s": med(6), "d2h_bytes": rows[-1][3],
-            "copied_bytes": rows[-1][4], "bytes": rows[-1][5], "received_bytes": rows[-1][7], "naive_s": naive}
+    return {
+        "publish_s": med(0),
+        "visible_s": med(1),
+        "pause_s": med(2),
+        "copy_s": med(6),
+        "d2h_bytes": rows[-1][3],
+        "copied_bytes": rows[-1][4],
+        "bytes": rows[-1][5],
+        "received_bytes": rows[-1][7],
+        "naive_s": naive,
+    }
 
 
-def bench_family(family: str, device: torch.device, args: argparse.Namespace, ceilings: dict[str, float]) -> list[dict[str, Any]]:
+def bench_family(
+    family: str, device: torch.device, args: argparse.Namespace, ceilings: dict[str, float]
+) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     model = FAMILIES[family](device, args.small)
     state = ModelState(model, pool=HostPool(shared=True, shm_dir=args.shm_dir))
     groups = tuple(state.forward_groups)  # what the publisher publishes by default
-    print(f"{family}: {state.nbytes(groups) / 1e9:.3f} GB published ({', '.join(groups)}), built in {time.perf_counter() - t0:.0f}s",
-          file=sys.stderr)
+    print(
+        f"{family}: {state.nbytes(groups) / 1e9:.3f} GB published ({', '.join(groups)}), built in {time.perf_counter() - t0:.0f}s",
+        file=sys.stderr,
+    )
     transports = ("cuda_ipc", "shared_host") if device.type == "cuda" else ("shared_host",)
     out, version, naive = [], [0], 0.0
     naive_ray = naive_ray_seconds(model, device) if args.ray_naive else None
@@ -301,8 +346,16 @@ def bench_family(family: str, device: torch.device, args: argparse.Namespace, ce
     return out
 
 
-def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s: float, naive_ray_s: float | None,
-         ceilings: dict[str, float], device: torch.device) -> dict[str, Any]:
+def _row(
+    family: str,
+    residency: str,
+    transport: str,
+    r: dict[str, Any],
+    naive_s: float,
+    naive_ray_s: float | None,
+    ceilings: dict[str, float],
+    device: torch.device,
+) -> dict[str, Any]:
     if device.type != "cuda":
         ceiling, bound = ceilings["host_memcpy_gbps"], "host_memcpy"
     elif transport == "cuda_ipc":
@@ -312,14 +365,30 @@ def _row(family: str, residency: str, transport: str, r: dict[str, Any], naive_s
     gbps = r["received_bytes"] / r["pause_s"] / 1e9  # bytes copied into the target over the whole pause
     copy_gbps = r["received_bytes"] / r["copy_s"] / 1e9  # the copies alone
     ours = r["visible_s"] + r["pause_s"]
-    return {"transport": transport, "family": family, "residency": residency, "bytes": r["bytes"], "received_bytes": r["received_bytes"],
-            "publish_s": round(r["publish_s"], 6), "visible_s": round(r["visible_s"], 6),
-            "publish_gbps": round(r["bytes"] / r["visible_s"] / 1e9, 2), "pause_s": round(r["pause_s"], 6),
-            "receive_gbps": round(gbps, 2), "ceiling_gbps": round(ceiling, 2), "bound": bound, "ratio": round(gbps / ceiling, 3),
-            "copy_s": round(r["copy_s"], 6), "copy_gbps": round(copy_gbps, 2), "copy_ratio": round(copy_gbps / ceiling, 3),
-            "naive_s": round(naive_s, 4), "vs_naive": round(naive_s / ours, 2),
-            "naive_ray_s": None if naive_ray_s is None else round(naive_ray_s, 4),
-            "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2), "d2h_bytes": r["d2h_bytes"], "copied_bytes": r["copied_bytes"]}
+    return {
+        "transport": transport,
+        "family": family,
+        "residency": residency,
+        "bytes": r["bytes"],
+        "received_bytes": r["received_bytes"],
+        "publish_s": round(r["publish_s"], 6),
+        "visible_s": round(r["visible_s"], 6),
+        "publish_gbps": round(r["bytes"] / r["visible_s"] / 1e9, 2),
+        "pause_s": round(r["pause_s"], 6),
+        "receive_gbps": round(gbps, 2),
+        "ceiling_gbps": round(ceiling, 2),
+        "bound": bound,
+        "ratio": round(gbps / ceiling, 3),
+        "copy_s": round(r["copy_s"], 6),
+        "copy_gbps": round(copy_gbps, 2),
+        "copy_ratio": round(copy_gbps / ceiling, 3),
+        "naive_s": round(naive_s, 4),
+        "vs_naive": round(naive_s / ours, 2),
+        "naive_ray_s": None if naive_ray_s is None else round(naive_ray_s, 4),
+        "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2),
+        "d2h_bytes": r["d2h_bytes"],
+        "copied_bytes": r["copied_bytes"],
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -328,12 +397,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny models: a check that everything runs (CPU is fine)")
-    p.add_argument("--families", default=None, help="comma-separated (default: torch,megatron,fsdp2 on CUDA; torch,fsdp2 on the CPU)")
+    p.add_argument(
+        "--families",
+        default=None,
+        help="comma-separated (default: torch,megatron,fsdp2 on CUDA; torch,fsdp2 on the CPU)",
+    )
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2, help="versions before timing (the receiver maps and registers the blocks)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="versions before timing (the receiver maps and registers the blocks)"
+    )
     p.add_argument("--shm-dir", default="/dev/shm")
-    p.add_argument("--no-ray-naive", dest="ray_naive", action="store_false",
-                   help="skip the ray.put / ray.get baseline (run when Ray is installed)")
+    p.add_argument(
+        "--no-ray-naive",
+        dest="ray_naive",
+        action="store_false",
+        help="skip the ray.put / ray.get baseline (run when Ray is installed)",
+    )
     args = p.parse_args(argv)
     default = "torch,megatron,fsdp2" if args.device == "cuda" else "torch,fsdp2"
     args.partial = args.families is not None and args.families != default
@@ -367,24 +446,48 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    slug = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower())
+    slug = (
+        "cpu"
+        if device.type == "cpu"
+        else re.sub(
+            r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).replace("NVIDIA", "").strip().split()[0].lower()
+        )
+    )
     stem = f"{datetime.date.today().isoformat()}-{slug}-weight-sync{'-small' if args.small else ''}"
     if args.partial:  # runs of some families each get a file of their own
         stem += "-" + "-".join(args.families)
-    result = {"machine": bench.machine_name(device), "host": bench.host_facts(), "torch": torch.__version__,
-              "stateshift": bench.git_sha(), "ceilings": ceilings, "small": args.small,
-              "shm_free_bytes": vfs.f_bavail * vfs.f_frsize, "repeat": args.repeat, "warmup": args.warmup, "errors": errors,
-              "rows": rows}
+    result = {
+        "machine": bench.machine_name(device),
+        "host": bench.host_facts(),
+        "torch": torch.__version__,
+        "stateshift": bench.git_sha(),
+        "ceilings": ceilings,
+        "small": args.small,
+        "shm_free_bytes": vfs.f_bavail * vfs.f_frsize,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+        "errors": errors,
+        "rows": rows,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     labels = [f"{r['family']}\n{r['transport']}\n{r['residency']}" for r in rows]
-    bench.plot_ratios(labels, [r["ratio"] for r in rows], f"weight sync, receiver / ceiling ({result['machine']})", args.out / f"{stem}.png")
-    print(f"{'family':<9} {'transport':<12} {'residency':<10} {'GB':>6} {'publish_s':>9} {'visible_s':>9} {'pause_s':>8} "
-          f"{'GB/s':>7} {'ratio':>6} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}")
+    bench.plot_ratios(
+        labels,
+        [r["ratio"] for r in rows],
+        f"weight sync, receiver / ceiling ({result['machine']})",
+        args.out / f"{stem}.png",
+    )
+    print(
+        f"{'family':<9} {'transport':<12} {'residency':<10} {'GB':>6} {'publish_s':>9} {'visible_s':>9} {'pause_s':>8} "
+        f"{'GB/s':>7} {'ratio':>6} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}"
+    )
     for r in rows:
-        print(f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
-              f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
-              f"{r['d2h_bytes'] / 1e9:>7.2f}")
+        print(
+            f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
+            f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
+            f"{r['d2h_bytes'] / 1e9:>7.2f}"
+        )
     print(f"wrote {args.out / stem}.json" + (f"; failed: {errors}" if errors else ""))
     return 1 if errors else 0
 

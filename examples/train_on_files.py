@@ -30,8 +30,10 @@ SPECIAL = ["<pad>", "<eos>", "<unk>", "<user>", "<assistant>"]
 OPERANDS = 10
 WORDS = ["what", "is", "+", "?"] + [str(i) for i in range(2 * OPERANDS - 1)]
 TEMPLATE = "{a} + {b} ?"
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 #: the run's settings beyond the files: small enough for a CPU test (seconds per seed). A short supervised
 #: warm-up on the training answers leaves held-out accuracy low; RL raises it. staleness_threshold=0 makes the
@@ -40,11 +42,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {%
 #: this tiny model learns faster. A constant learning rate and no entropy bonus: in 150 updates the default
 #: warm-up + cosine decay and the adaptive bonus left one seed of three 0.25 below the others
 SETTINGS = [
-    "model.family=hf", "reward.fn=exact_match", "rollout.max_new_tokens=3", "rollout.n=8",
-    "rollout.max_concurrent_prompts=16", "trainer.batch_prompts=16", "trainer.lr=1e-3", "trainer.entropy_coef=0.0",
-    "trainer.lr_schedule=constant", "trainer.lr_warmup_steps=0", "trainer.entropy_target=null",
-    "warmup.steps=100", "warmup.batch_size=32", "warmup.lr=3e-3", "task.max_prompt_len=16",
-    "async_training.staleness_threshold=0", "task.chat_template=false", "run.torch_threads=1", "run.progress=none",
+    "model.family=hf",
+    "reward.fn=exact_match",
+    "rollout.max_new_tokens=3",
+    "rollout.n=8",
+    "rollout.max_concurrent_prompts=16",
+    "trainer.batch_prompts=16",
+    "trainer.lr=1e-3",
+    "trainer.entropy_coef=0.0",
+    "trainer.lr_schedule=constant",
+    "trainer.lr_warmup_steps=0",
+    "trainer.entropy_target=null",
+    "warmup.steps=100",
+    "warmup.batch_size=32",
+    "warmup.lr=3e-3",
+    "task.max_prompt_len=16",
+    "async_training.staleness_threshold=0",
+    "task.chat_template=false",
+    "run.torch_threads=1",
+    "run.progress=none",
     "run.tensorboard=false",
 ]
 
@@ -62,9 +78,18 @@ def make_model(root: Path, *, seed: int = 0) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                         tie_word_embeddings=False, pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"])
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=vocab["<pad>"],
+        eos_token_id=vocab["<eos>"],
+    )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(out)
     return out
@@ -91,9 +116,21 @@ def run(out_dir: str | Path | None = None, *, seed: int = 0, steps: int = 150, e
     root.mkdir(parents=True, exist_ok=True)
     model = make_model(root)
     train_path, heldout_path = make_data(root)
-    cfg = resolve(None, ["task.name=file", f"task.train_path={train_path}", f"task.heldout_path={heldout_path}",
-                         f"model.hf_path={model}", *SETTINGS, f"trainer.steps={steps}", f"run.seed={seed}",
-                         f"run.eval_every={max(steps // 4, 1)}", f"run.out_dir={root / 'run'}", *extra])
+    cfg = resolve(
+        None,
+        [
+            "task.name=file",
+            f"task.train_path={train_path}",
+            f"task.heldout_path={heldout_path}",
+            f"model.hf_path={model}",
+            *SETTINGS,
+            f"trainer.steps={steps}",
+            f"run.seed={seed}",
+            f"run.eval_every={max(steps // 4, 1)}",
+            f"run.out_dir={root / 'run'}",
+            *extra,
+        ],
+    )
     return train(cfg)
 
 

@@ -70,8 +70,8 @@ def run(versions: int = 4, device: str | None = None) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             published[version] = checksum(model)
-            state.offload("params")                    # offloaded while "the rollouter generates"
-            pub.publish(version).wait(timeout=60)      # from the homes: nothing copied on the trainer
+            state.offload("params")  # offloaded while "the rollouter generates"
+            pub.publish(version).wait(timeout=60)  # from the homes: nothing copied on the trainer
         loaded = results.get(timeout=120)
         child.join(timeout=60)
     finally:
@@ -79,8 +79,12 @@ def run(versions: int = 4, device: str | None = None) -> dict[str, Any]:
             child.kill()
         pub.close()
         state.close()
-    return {"transport": pub.transport, "published": published, "loaded": dict(loaded),
-            "exact": all(published[v] == c for v, c in loaded) and loaded[-1][0] == versions - 1}
+    return {
+        "transport": pub.transport,
+        "published": published,
+        "loaded": dict(loaded),
+        "exact": all(published[v] == c for v, c in loaded) and loaded[-1][0] == versions - 1,
+    }
 
 
 if __name__ == "__main__":

@@ -109,10 +109,7 @@ def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str | None, str]:
     qualname = getattr(fn, "__qualname__", None)
     module = getattr(fn, "__module__", None)
     if not qualname or not module or "<locals>" in qualname or "<lambda>" in qualname:
-        raise TypeError(
-            f"run_distributed needs a module-level function (spawned ranks import it by "
-            f"name), got {fn!r}"
-        )
+        raise TypeError(f"run_distributed needs a module-level function (spawned ranks import it by name), got {fn!r}")
     mod = sys.modules.get(module)
     path = getattr(mod, "__file__", None)
     if module == "__main__" and path is None:
@@ -258,9 +255,18 @@ def run_distributed(
     for attempt in range(3):
         try:
             return _launch(
-                fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
-                backend=backend, seed=seed, num_threads=num_threads, env=env,
-                start_method=start_method, show_logs=show_logs,
+                fn,
+                world_size,
+                args=args,
+                kwargs=kwargs,
+                timeout=timeout,
+                grace=grace,
+                backend=backend,
+                seed=seed,
+                num_threads=num_threads,
+                env=env,
+                start_method=start_method,
+                show_logs=show_logs,
             )
         except RankError as err:
             # The free port was taken between probing and binding: try another.
@@ -311,9 +317,19 @@ def _launch(
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
             job = dict(
-                conn=send, rank=rank, world_size=world_size, port=port, fn=ref,
-                payload=payload, backend=backend, seed=seed, num_threads=num_threads,
-                timeout=timeout, env=child_env, sys_path=list(sys.path), log=logs[rank],
+                conn=send,
+                rank=rank,
+                world_size=world_size,
+                port=port,
+                fn=ref,
+                payload=payload,
+                backend=backend,
+                seed=seed,
+                num_threads=num_threads,
+                timeout=timeout,
+                env=child_env,
+                sys_path=list(sys.path),
+                log=logs[rank],
             )
             p = ctx.Process(
                 target=runpy.run_path,
@@ -386,20 +402,14 @@ def _launch(
     if failures:
         first = next(iter(failures))
         name, text, _ = failures[first]
-        lines = [
-            f"{len(failures)} of {world_size} ranks failed; first seen: rank {first} "
-            f"raised {name}: {text}"
-        ]
+        lines = [f"{len(failures)} of {world_size} ranks failed; first seen: rank {first} raised {name}: {text}"]
         for r, (name, text, tb) in failures.items():
             lines.append(f"\n--- rank {r}: {name}: {text}\n{tb}".rstrip())
         if pending:
             lines.append(f"\n(ranks {sorted(pending)} terminated after {grace:g}s grace)")
         raise RankError("\n".join(lines), failures)
     if pending:
-        raise TimeoutError(
-            f"ranks {sorted(pending)} of {world_size} did not finish within {timeout:g}s "
-            f"(terminated)"
-        )
+        raise TimeoutError(f"ranks {sorted(pending)} of {world_size} did not finish within {timeout:g}s (terminated)")
     return [results[r] for r in range(world_size)]
 
 

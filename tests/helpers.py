@@ -46,8 +46,14 @@ class CountingGPT(TinyGPT):
         return super().forward(ids, *args, **kwargs)
 
 
-def build_model(cfg: GPTConfig = SMALL, *, seed: int = 0, device: str | torch.device = "cpu", tied: bool = True,
-                dtype: torch.dtype = torch.float32) -> CountingGPT:
+def build_model(
+    cfg: GPTConfig = SMALL,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    tied: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> CountingGPT:
     """A ``CountingGPT`` whose weights depend on ``seed`` only, its parameters in ``dtype`` (the token count stays fp32)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -75,7 +81,9 @@ SRC = os.path.join(os.path.dirname(TESTS), "src")
 def run_isolated(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter (for what may crash the process: a segfault is a return code here),
     with ``sys.argv[1:3]`` = tests/ and src/ (the script puts them on its path) and ``args`` after them."""
-    return subprocess.run([sys.executable, "-c", code, TESTS, SRC, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, TESTS, SRC, *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_isolated(code: str, *printed: str, args: tuple[str, ...] = (), timeout: float = 300) -> None:
@@ -83,11 +91,22 @@ def assert_isolated(code: str, *printed: str, args: tuple[str, ...] = (), timeou
     return code and the tails of its output are the failure message."""
     proc = run_isolated(code, *args, timeout=timeout)
     assert proc.returncode == 0 and all(s in proc.stdout for s in printed), (
-        proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+        proc.returncode,
+        proc.stdout[-2000:],
+        proc.stderr[-3000:],
+    )
 
 
-def make(device: str = "cpu", *, seed: int = 0, cfg: GPTConfig = SMALL, lr: float = 1e-2, tied: bool = True,
-         dtype: torch.dtype = torch.float32, **shape: Any):
+def make(
+    device: str = "cpu",
+    *,
+    seed: int = 0,
+    cfg: GPTConfig = SMALL,
+    lr: float = 1e-2,
+    tied: bool = True,
+    dtype: torch.dtype = torch.float32,
+    **shape: Any,
+):
     """``build_model`` and its Adam; ``shape``: fields of ``cfg`` to change (``width=48``, ``layers=3``, ...)."""
     model = build_model(dataclasses.replace(cfg, **shape), seed=seed, device=device, tied=tied, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr)

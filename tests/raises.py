@@ -12,8 +12,9 @@ def raises_kind(cls: type[BaseException], kind: str, *, match: str | None = None
     that came instead)."""
 
     def check(e: BaseException) -> bool:
-        assert getattr(e, "kind", None) == kind, f"{type(e).__name__} of kind {getattr(e, 'kind', None)!r}, " \
-                                                 f"expected {kind!r}: {e}"
+        assert getattr(e, "kind", None) == kind, (
+            f"{type(e).__name__} of kind {getattr(e, 'kind', None)!r}, expected {kind!r}: {e}"
+        )
         return True
 
     return pytest.raises(cls, match=match, check=check)

@@ -120,8 +120,7 @@ class _MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.ReLU(), torch.nn.Linear(13, 8))
-            for _ in range(2)
+            torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.ReLU(), torch.nn.Linear(13, 8)) for _ in range(2)
         )
         self.head = torch.nn.Linear(8, 3)
 

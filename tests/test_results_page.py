@@ -20,7 +20,8 @@ def load_generator():
 def test_committed_results_page_equals_a_fresh_generation():
     page = load_generator()
     assert (ROOT / "docs" / "results.md").read_text() == page.render(), (
-        "docs/results.md is out of date: run `python3 benchmarks/results_page.py` and commit it")
+        "docs/results.md is out of date: run `python3 benchmarks/results_page.py` and commit it"
+    )
 
 
 def test_every_result_file_is_listed_and_every_listed_file_exists():
@@ -35,10 +36,20 @@ def test_every_result_file_is_listed_and_every_listed_file_exists():
 
 def test_a_new_result_file_gets_its_section(tmp_path):
     page = load_generator()
-    rows = [{"backend": "torch", "op": "offload", "residency": "device", "bytes": 2_000_000_000, "gbps": 50.0,
-             "ratio": 0.9, "bound": "d2h"}]
-    (tmp_path / "2030-01-01-cpu-torch.json").write_text(json.dumps(
-        {"machine": "cpu", "torch": "2.13", "stateshift": "0000000", "rows": rows}))
+    rows = [
+        {
+            "backend": "torch",
+            "op": "offload",
+            "residency": "device",
+            "bytes": 2_000_000_000,
+            "gbps": 50.0,
+            "ratio": 0.9,
+            "bound": "d2h",
+        }
+    ]
+    (tmp_path / "2030-01-01-cpu-torch.json").write_text(
+        json.dumps({"machine": "cpu", "torch": "2.13", "stateshift": "0000000", "rows": rows})
+    )
     text = page.render(tmp_path)
     assert "## 2030-01-01-cpu-torch\n" in text
     assert "| torch | offload | device | 2 | 50 | 0.9 | d2h |" in text

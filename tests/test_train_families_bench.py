@@ -14,15 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def bench():
     """``benchmarks/train_families_bench.py`` as a module (``benchmarks/`` is not a package)."""
-    spec = importlib.util.spec_from_file_location("train_families_bench", ROOT / "benchmarks" / "train_families_bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_families_bench", ROOT / "benchmarks" / "train_families_bench.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _run(family: str, seed: int, start: float, end: float, verbs: float | None = 0.01) -> dict:
-    return {"name": f"{family}/s{seed}", "family": family, "seed": seed, "heldout_accuracy_start": start,
-            "heldout_accuracy_end": end, "stateshift_verbs_fraction_of_step": verbs}
+    return {
+        "name": f"{family}/s{seed}",
+        "family": family,
+        "seed": seed,
+        "heldout_accuracy_start": start,
+        "heldout_accuracy_end": end,
+        "stateshift_verbs_fraction_of_step": verbs,
+    }
 
 
 def test_checks_pass_when_every_rise_beats_twice_the_spread_and_verbs_stay_under_five_percent(bench):
@@ -52,20 +60,43 @@ def test_verbs_at_or_above_five_percent_or_unknown_fail_their_run(bench):
 def test_a_family_with_a_missing_run_fails(bench):
     c = bench.checks([_run("megatron", s, 0.2, 0.9) for s in range(2)], ["megatron", "hf"], 3)
     assert not c["rise_vs_spread"]["megatron"]["pass"] and "2 of 3 runs" in c["rise_vs_spread"]["megatron"]["note"]
-    assert c["rise_vs_spread"]["hf"] == {"seeds": 0, "smallest_rise": None, "spread_of_final": None, "pass": False,
-                                         "note": "0 of 3 runs finished (at least 2 needed)"}
+    assert c["rise_vs_spread"]["hf"] == {
+        "seeds": 0,
+        "smallest_rise": None,
+        "spread_of_final": None,
+        "pass": False,
+        "note": "0 of 3 runs finished (at least 2 needed)",
+    }
     assert not c["all_pass"]
 
 
 def test_verbs_fraction_is_the_verbs_seconds_over_the_summed_step_times(bench):
-    r = {"name": "builtin/s1", "summary": {"verbs_s": 0.3, "sync": {"param_bytes": 10}, "status": "finished",
-                                           "rollout": {"executor": "process"}},
-         "records": [{"step": 1, "step_s": 2.0}, {"step": 2, "step_s": 4.0, "heldout_accuracy": 0.5,
-                                                   "trainer_idle_ratio": 0.1}],
-         "steps": 2, "wall_s": 6.5, "heldout_accuracy_start": 0.2, "heldout_accuracy_end": 0.5}
+    r = {
+        "name": "builtin/s1",
+        "summary": {
+            "verbs_s": 0.3,
+            "sync": {"param_bytes": 10},
+            "status": "finished",
+            "rollout": {"executor": "process"},
+        },
+        "records": [
+            {"step": 1, "step_s": 2.0},
+            {"step": 2, "step_s": 4.0, "heldout_accuracy": 0.5, "trainer_idle_ratio": 0.1},
+        ],
+        "steps": 2,
+        "wall_s": 6.5,
+        "heldout_accuracy_start": 0.2,
+        "heldout_accuracy_end": 0.5,
+    }
     e = bench.per_run(r)
     assert e["stateshift_verbs_fraction_of_step"] == pytest.approx(0.05)
-    assert (e["family"], e["seed"], e["rise"], e["heldout_curve"], e["executor"]) == ("builtin", 1, 0.3, [[2, 0.5]], "process")
+    assert (e["family"], e["seed"], e["rise"], e["heldout_curve"], e["executor"]) == (
+        "builtin",
+        1,
+        0.3,
+        [[2, 0.5]],
+        "process",
+    )
 
 
 def test_hf_model_directory_loads_with_the_tasks_vocabulary(bench, tmp_path):
@@ -86,7 +117,9 @@ def test_small_mode_writes_runs_and_checks(bench, tmp_path):
     assert [r["name"] for r in data["runs"]] == ["builtin/s0", "builtin/s1"] and not data["failures"]
     for r in data["runs"]:
         assert r["steps"] == 4 and r["stateshift_verbs_fraction_of_step"] > 0 and r["status"] == "finished"
-    assert set(data["checks"]["rise_vs_spread"]) == {"builtin"} and data["all_checks_pass"] == data["checks"]["all_pass"]
+    assert (
+        set(data["checks"]["rise_vs_spread"]) == {"builtin"} and data["all_checks_pass"] == data["checks"]["all_pass"]
+    )
     assert path.with_suffix(".png").exists()
 
 
@@ -94,14 +127,31 @@ def test_combine_merges_two_calls_and_recomputes_the_checks(bench, tmp_path):
     def part(name: str, families: list[str], runs: list[dict], failures: dict) -> Path:
         path = tmp_path / name / "2030-01-01-h100-train-families.json"
         path.parent.mkdir()
-        path.write_text(json.dumps({"machine": "1x H100", "command": f"call {name}", "seeds": 2, "runs": runs,
-                                    "failures": failures, "checks": bench.checks(runs, families, 2)}))
+        path.write_text(
+            json.dumps(
+                {
+                    "machine": "1x H100",
+                    "command": f"call {name}",
+                    "seeds": 2,
+                    "runs": runs,
+                    "failures": failures,
+                    "checks": bench.checks(runs, families, 2),
+                }
+            )
+        )
         return path
 
-    a = part("a", ["builtin"], [{**_run("builtin", s, 0.2, 0.9), "steps": 5, "heldout_curve": []} for s in range(2)], {})
+    a = part(
+        "a", ["builtin"], [{**_run("builtin", s, 0.2, 0.9), "steps": 5, "heldout_curve": []} for s in range(2)], {}
+    )
     b = part("b", ["hf"], [{**_run("hf", 0, 0.2, 0.9), "steps": 5, "heldout_curve": []}], {"hf/s1": "exit 1"})
     merged = bench.combine([a, b], tmp_path / "out")
     assert [r["name"] for r in merged["runs"]] == ["builtin/s0", "builtin/s1", "hf/s0"]
-    assert merged["checks"]["rise_vs_spread"]["builtin"]["pass"] and not merged["checks"]["rise_vs_spread"]["hf"]["pass"]
+    assert (
+        merged["checks"]["rise_vs_spread"]["builtin"]["pass"] and not merged["checks"]["rise_vs_spread"]["hf"]["pass"]
+    )
     assert merged["command"] == "call a + call b" and not merged["all_checks_pass"]
-    assert json.loads((tmp_path / "out" / a.name).read_text()) == merged and (tmp_path / "out" / a.name).with_suffix(".png").exists()
+    assert (
+        json.loads((tmp_path / "out" / a.name).read_text()) == merged
+        and (tmp_path / "out" / a.name).with_suffix(".png").exists()
+    )

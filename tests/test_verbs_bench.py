@@ -24,8 +24,29 @@ def vb():
 
 def test_a_small_run_writes_the_result_format_with_its_provenance_and_small_cases(vb, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = vb.main(["--layers", "1", "--width", "32", "--vocab", "64", "--seq", "8", "--repeat", "1", "--no-progress",
-                  "--small-tensors", "50", "--small-numel", "64", "--json", str(out), "--plot", str(tmp_path / "r.png")])
+    rc = vb.main(
+        [
+            "--layers",
+            "1",
+            "--width",
+            "32",
+            "--vocab",
+            "64",
+            "--seq",
+            "8",
+            "--repeat",
+            "1",
+            "--no-progress",
+            "--small-tensors",
+            "50",
+            "--small-numel",
+            "64",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "r.png"),
+        ]
+    )
     assert rc == 0 and "ratio" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert {"machine", "host", "torch", "stateshift", "ceilings", "rows", "model", "full_state", "pool"} <= data.keys()
@@ -34,8 +55,9 @@ def test_a_small_run_writes_the_result_format_with_its_provenance_and_small_case
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("small", "want"), [(None, [(2000, 512 << 10), (20000, 16 << 10)]), (["none"], []),
-                                            (["10x4KiB"], [(10, 4 << 10)])])
+@pytest.mark.parametrize(
+    ("small", "want"), [(None, [(2000, 512 << 10), (20000, 16 << 10)]), (["none"], []), (["10x4KiB"], [(10, 4 << 10)])]
+)
 def test_small_cases_on_cuda(vb, small, want):
     """On CUDA two small cases are the default; ``--small none`` runs the large-model rows only."""
     args = vb.parser().parse_args([x for spec in small or [] for x in ("--small", spec)])

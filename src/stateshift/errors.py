@@ -91,8 +91,18 @@ class StateShiftError(Exception):
         return _rebuild, (type(self), self.args), state
 
 
-StateKind = Literal["offloaded", "closed", "swap_active", "inside_compute", "foreign", "released",
-                    "not_releasable", "address_stable", "fsdp2", "no_pinning"]
+StateKind = Literal[
+    "offloaded",
+    "closed",
+    "swap_active",
+    "inside_compute",
+    "foreign",
+    "released",
+    "not_releasable",
+    "address_stable",
+    "fsdp2",
+    "no_pinning",
+]
 
 
 class StateError(StateShiftError, RuntimeError):
@@ -120,16 +130,29 @@ class StateError(StateShiftError, RuntimeError):
 
     kinds = get_args(StateKind)
 
-    def __init__(self, kind: StateKind, reason: str = "", *, group: str | None = None, tensor: str | None = None,
-                 residency: str | None = None, verb: str | None = None, compute: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: StateKind,
+        reason: str = "",
+        *,
+        group: str | None = None,
+        tensor: str | None = None,
+        residency: str | None = None,
+        verb: str | None = None,
+        compute: str | None = None,
+    ) -> None:
         self.reason = reason
         self.group, self.tensor, self.residency, self.verb, self.compute = group, tensor, residency, verb, compute
         if kind == "offloaded":
-            reason = (f"{reason} needs group {group!r} on the device, but it is not resident (first: {tensor!r} is "
-                      f"{residency}); call onload({group!r}) first")
+            reason = (
+                f"{reason} needs group {group!r} on the device, but it is not resident (first: {tensor!r} is "
+                f"{residency}); call onload({group!r}) first"
+            )
         elif kind == "inside_compute":
-            reason = (f"{verb}() was called from inside {compute} on the same thread: it would release storage "
-                      f"that the running computation reads. Call {verb}() after it returns")
+            reason = (
+                f"{verb}() was called from inside {compute} on the same thread: it would release storage "
+                f"that the running computation reads. Call {verb}() after it returns"
+            )
         elif tensor is not None and kind in ("foreign", "not_releasable"):
             reason = f"tensor {tensor!r}: {reason}"
         super().__init__(kind, reason)
@@ -155,8 +178,16 @@ class LayoutError(StateShiftError, ValueError):
 
     kinds = get_args(LayoutKind)
 
-    def __init__(self, kind: LayoutKind, reason: str = "", *, tensor: str | None = None, field: str = "layout",
-                 group: str | None = None, valid: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        kind: LayoutKind,
+        reason: str = "",
+        *,
+        tensor: str | None = None,
+        field: str = "layout",
+        group: str | None = None,
+        valid: tuple[str, ...] = (),
+    ) -> None:
         self.tensor, self.reason, self.field, self.group, self.valid = tensor, reason, field, group, valid
         if kind == "unknown_group":
             message = f"unknown group {group!r}; valid groups: {', '.join(valid) or '(none)'}"
@@ -225,8 +256,15 @@ class DiskError(StateShiftError, OSError):
 
     kinds = get_args(DiskKind)
 
-    def __init__(self, kind: DiskKind, reason: str, *, path: str | None = None, tensor: str | None = None,
-                 errno: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: DiskKind,
+        reason: str,
+        *,
+        path: str | None = None,
+        tensor: str | None = None,
+        errno: int | None = None,
+    ) -> None:
         self.reason, self.path, self.tensor = reason, path, tensor
         if errno is None:
             super().__init__(kind, reason)
@@ -272,13 +310,24 @@ class CheckpointError(StateShiftError, OSError):
 
     kinds = get_args(CheckpointKind)
 
-    def __init__(self, kind: CheckpointKind, reason: str, *, path: str | os.PathLike[str] | None = None,
-                 tensor: str | None = None, errno: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: CheckpointKind,
+        reason: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        tensor: str | None = None,
+        errno: int | None = None,
+    ) -> None:
         self.path = None if path is None else os.fspath(path)
         self.reason, self.tensor = reason, tensor
-        where = {"corrupt": "corrupt checkpoint file '{}': ", "incomplete": "incomplete checkpoint '{}': ",
-                 "not_found": "no stateshift checkpoint at '{}': ", "write": "cannot write checkpoint '{}': ",
-                 "read": "cannot read checkpoint file '{}': "}.get(kind, "")
+        where = {
+            "corrupt": "corrupt checkpoint file '{}': ",
+            "incomplete": "incomplete checkpoint '{}': ",
+            "not_found": "no stateshift checkpoint at '{}': ",
+            "write": "cannot write checkpoint '{}': ",
+            "read": "cannot read checkpoint file '{}': ",
+        }.get(kind, "")
         super().__init__(kind, where.format(self.path) + reason)
         self.errno = errno_mod.ENOENT if kind == "not_found" and errno is None else errno
 
@@ -311,9 +360,19 @@ class SyncError(StateShiftError, RuntimeError):
 
     kinds = get_args(SyncKind)
 
-    def __init__(self, kind: SyncKind, reason: str = "", *, receiver: str | None = None, version: int | None = None,
-                 cause: str | None = None, min_version: int | None = None, publisher_alive: bool = True,
-                 path: str | None = None, field: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: SyncKind,
+        reason: str = "",
+        *,
+        receiver: str | None = None,
+        version: int | None = None,
+        cause: str | None = None,
+        min_version: int | None = None,
+        publisher_alive: bool = True,
+        path: str | None = None,
+        field: str | None = None,
+    ) -> None:
         self.reason, self.receiver, self.version, self.cause = reason, receiver, version, cause
         self.min_version, self.publisher_alive, self.path, self.field = min_version, publisher_alive, path, field
         detail = f": {reason}" if reason else ""
@@ -321,8 +380,10 @@ class SyncError(StateShiftError, RuntimeError):
             held = f"holding version {version}" if version is not None else "holding no version"
             message = f"weight receiver {receiver!r} {cause} ({held}){detail}"
         elif kind == "reclaimed":
-            message = (f"version {version} held by weight receiver {receiver!r} was reclaimed by the publisher"
-                       f"{detail}; read it again")
+            message = (
+                f"version {version} held by weight receiver {receiver!r} was reclaimed by the publisher"
+                f"{detail}; read it again"
+            )
         elif kind == "mailbox":
             message = f"sync mailbox {path!r}: {field}: {reason}"
         else:
@@ -356,8 +417,16 @@ class ConfigError(StateShiftError, ValueError):
 
     kinds = get_args(ConfigKind)
 
-    def __init__(self, kind: ConfigKind, reason: str, *, key: str | None = None, name: str | None = None,
-                 path: str | os.PathLike[str] | None = None, line: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: ConfigKind,
+        reason: str,
+        *,
+        key: str | None = None,
+        name: str | None = None,
+        path: str | os.PathLike[str] | None = None,
+        line: int | None = None,
+    ) -> None:
         self.reason, self.key, self.name, self.line = reason, key, name, line
         self.path = None if path is None else os.fspath(path)
         if kind == "config":
@@ -370,15 +439,18 @@ class ConfigError(StateShiftError, ValueError):
         elif kind == "model_dir":
             message = f"model directory {self.path!r}: {name}: {reason}"
         elif kind == "metrics_log":
-            message = (f"{self.path}, line {line}: {reason}; a resume keeps the records up to its checkpoint from "
-                       "this file: repair or remove that line")
+            message = (
+                f"{self.path}, line {line}: {reason}; a resume keeps the records up to its checkpoint from "
+                "this file: repair or remove that line"
+            )
         else:
             message = reason
         super().__init__(kind, message)
 
 
-RunKind = Literal["stall", "stopped", "rollout_died", "trainer_died", "actor_start", "link_closed", "run_dir_busy",
-                  "reward"]
+RunKind = Literal[
+    "stall", "stopped", "rollout_died", "trainer_died", "actor_start", "link_closed", "run_dir_busy", "reward"
+]
 
 
 class RunError(StateShiftError, RuntimeError):
@@ -402,8 +474,15 @@ class RunError(StateShiftError, RuntimeError):
 
     kinds = get_args(RunKind)
 
-    def __init__(self, kind: RunKind, reason: str = "", *, path: str | os.PathLike[str] | None = None,
-                 fn: str | None = None, sample: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: RunKind,
+        reason: str = "",
+        *,
+        path: str | os.PathLike[str] | None = None,
+        fn: str | None = None,
+        sample: str | None = None,
+    ) -> None:
         self.reason, self.fn, self.sample = reason, fn, sample
         self.path = None if path is None else os.fspath(path)
         if kind == "run_dir_busy":

@@ -443,37 +443,80 @@ def test_real_source_has_the_attributes_the_fake_mirrors():
         pytest.skip(f"fake mirrors megatron-core {MCORE_VERSION}, found {_mcore_version()}")
     expect = {
         buf_mod._ParamAndGradBuffer: [
-            "self.param_data = None", "self.grad_data = torch.zeros", "self.param_data_cpu = None",
-            "self.param_index_map = {}", "self.buckets = []", "self.param_to_bucket = {}",
-            "self.numel = ", "self.numel_unpadded = ", "self.grad_data_size = 0", "self.param_data_size = 0",
-            "param.data = new_param_data", "param.main_grad = self._get(", "def offload_to_cpu(",
-            "def reload_from_cpu(", ".storage().resize_(0)", "self.param_data_cpu = self.param_data.cpu().pin_memory()",
+            "self.param_data = None",
+            "self.grad_data = torch.zeros",
+            "self.param_data_cpu = None",
+            "self.param_index_map = {}",
+            "self.buckets = []",
+            "self.param_to_bucket = {}",
+            "self.numel = ",
+            "self.numel_unpadded = ",
+            "self.grad_data_size = 0",
+            "self.param_data_size = 0",
+            "param.data = new_param_data",
+            "param.main_grad = self._get(",
+            "def offload_to_cpu(",
+            "def reload_from_cpu(",
+            ".storage().resize_(0)",
+            "self.param_data_cpu = self.param_data.cpu().pin_memory()",
             "if self.ddp_config.use_distributed_optimizer:\n                    self.param_data = torch.zeros(",
         ],
-        buf_mod._ParamAndGradBucket: ["self.param_data = param_data", "self.grad_data = grad_data", "self.offset = offset", "self.params_list = params"],
+        buf_mod._ParamAndGradBucket: [
+            "self.param_data = param_data",
+            "self.grad_data = grad_data",
+            "self.offset = offset",
+            "self.params_list = params",
+        ],
         buf_mod._ParamAndGradBucketGroup: ["self.cached_param_buffer_shard_list", "self.cached_grad_buffer_shard_list"],
         ddp_mod.DistributedDataParallel: [
-            "self.buffers, self.bucket_groups = ", "self.expert_parallel_buffers, self.expert_parallel_bucket_groups",
-            "self.param_to_bucket_group = {}", "if not param.requires_grad:\n                continue",
-            "getattr(param, 'allreduce', True)", "param.main_grad.add_(param.grad.data)", "def zero_grad_buffer(",
-            "def offload_grad_buffers(", "def restore_grad_buffers(", "self.grad_accs = []",
+            "self.buffers, self.bucket_groups = ",
+            "self.expert_parallel_buffers, self.expert_parallel_bucket_groups",
+            "self.param_to_bucket_group = {}",
+            "if not param.requires_grad:\n                continue",
+            "getattr(param, 'allreduce', True)",
+            "param.main_grad.add_(param.grad.data)",
+            "def zero_grad_buffer(",
+            "def offload_grad_buffers(",
+            "def restore_grad_buffers(",
+            "self.grad_accs = []",
         ],
         do_mod.DistributedOptimizer: [
-            "self.shard_fp32_from_float16_groups", "self.shard_float16_groups", "self.shard_fp32_groups",
-            "self.model_float16_groups", "self.model_fp32_groups", "self.buffers = list(",
-            "shard_main_param = shard_model_param.clone().float()", "model_param.main_param = shard_main_param",
-            "def _copy_main_params_to_model_params(", "def _copy_model_params_to_main_params(",
+            "self.shard_fp32_from_float16_groups",
+            "self.shard_float16_groups",
+            "self.shard_fp32_groups",
+            "self.model_float16_groups",
+            "self.model_fp32_groups",
+            "self.buffers = list(",
+            "shard_main_param = shard_model_param.clone().float()",
+            "model_param.main_param = shard_main_param",
+            "def _copy_main_params_to_model_params(",
+            "def _copy_model_params_to_main_params(",
             ".buckets[bucket_id].param_data",
         ],
-        opt_mod.MegatronOptimizer: ["self.optimizer = optimizer", "state = property(", "def offload_to_cpu(", "p.data = p.data.cpu()", "state_dict[k] = v.cpu()"],
+        opt_mod.MegatronOptimizer: [
+            "self.optimizer = optimizer",
+            "state = property(",
+            "def offload_to_cpu(",
+            "p.data = p.data.cpu()",
+            "state_dict[k] = v.cpu()",
+        ],
         opt_mod.Float16OptimizerWithFloat16Params: [
-            "self.float16_groups = []", "self.fp32_from_float16_groups = []", "self.fp32_from_fp32_groups = []",
-            "main_param = param.detach().clone().float()", "param.main_param = main_param",
+            "self.float16_groups = []",
+            "self.fp32_from_float16_groups = []",
+            "self.fp32_from_fp32_groups = []",
+            "main_param = param.detach().clone().float()",
+            "param.main_param = main_param",
             "main_param.grad = model_param.main_grad.float()",
         ],
         opt_mod.ChainedOptimizer: ["self.chained_optimizers = chained_optimizers", "return ProxyDict("],
         opt_mod.FP32Optimizer: ["param.grad = param.main_grad"],
-        router_mod.TopKRouter: ["'expert_bias'", "'local_tokens_per_expert'", "persistent=False", "self.expert_bias.data = self.expert_bias.data.to(torch.float32)", "self.local_tokens_per_expert += "],
+        router_mod.TopKRouter: [
+            "'expert_bias'",
+            "'local_tokens_per_expert'",
+            "persistent=False",
+            "self.expert_bias.data = self.expert_bias.data.to(torch.float32)",
+            "self.local_tokens_per_expert += ",
+        ],
         module_mod.Float16Module: ["self.add_module('module', module.bfloat16())"],
     }
     missing = []
@@ -581,11 +624,14 @@ def test_real_ddp_layout_matches_the_fake_on_cpu(tmp_path):
     port = str(29500 + os.getpid() % 1000)
     proc = subprocess.run(
         [sys.executable, str(script), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), port],
-        check=False, capture_output=True, text=True, timeout=300,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for case in json.loads(line[0][len("RESULT"):]):
+    for case in json.loads(line[0][len("RESULT") :]):
         assert case["real"] == case["fake"]
         assert case["grads_equal"]
         assert case["off_real"] == case["off_fake"]

@@ -122,7 +122,16 @@ def mesh_1d(device: str, world: int, *, ranks=None, names=None):
     return DeviceMesh(device, list(range(world)) if ranks is None else list(ranks), mesh_dim_names=names)
 
 
-def build(device: str, mesh, *, reshard=None, offload: bool = False, seed: int = 0, wrap_root: bool = True, buffers: bool = True):
+def build(
+    device: str,
+    mesh,
+    *,
+    reshard=None,
+    offload: bool = False,
+    seed: int = 0,
+    wrap_root: bool = True,
+    buffers: bool = True,
+):
     """``fully_shard`` each block, then the root; Adam. Same seed: the same model on every rank."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -228,8 +237,6 @@ def direct(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
     return out
 
 
-
-
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
     assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())[:6]}"
     for k, w in want.items():
@@ -274,7 +281,9 @@ def expected(values: dict[str, torch.Tensor], state: ModelState) -> dict[str, to
 
 def fixed_storages(state: ModelState) -> dict[int, tuple[int, int]]:
     """Slots whose storage cannot be resized: key -> (address, size). No verb may release or move them."""
-    return {s.key: (s.storage.data_ptr(), s.storage.nbytes()) for s in core_of(state).slots() if not s.storage.resizable()}
+    return {
+        s.key: (s.storage.data_ptr(), s.storage.nbytes()) for s in core_of(state).slots() if not s.storage.resizable()
+    }
 
 
 def assert_fixed_in_place(state: ModelState, fixed: dict[int, tuple[int, int]], what: str) -> None:
@@ -322,7 +331,9 @@ def every_verb_in_every_residency(rank, world, device="cpu", mesh_shape=None, mi
         # pinned host shards (CPUOffloadPolicy): already host memory, never released, always copied
         fixed = fixed_storages(state)
         if offload_policy:
-            assert any(s.key in fixed for s in core_of(state).slots("params")), "CPUOffloadPolicy: resizable host shards"
+            assert any(s.key in fixed for s in core_of(state).slots("params")), (
+                "CPUOffloadPolicy: resizable host shards"
+            )
         else:
             assert not fixed
 
@@ -583,8 +594,10 @@ def guards_and_fsdp_states(rank, world, device="cpu", mesh_shape=None, recover_a
     # the state's reader gate (it would release what the running forward reads), any other by FSDP's state
     if recover_api and hasattr(model, "reset_iter_state"):
         before = state.residency()
-        for verb, kind, match in ((lambda: state.offload("params"), "inside_compute", "from inside forward"),
-                                  (lambda: state.snapshot(tag="in-forward"), "fsdp2", "during a forward or backward")):
+        for verb, kind, match in (
+            (lambda: state.offload("params"), "inside_compute", "from inside forward"),
+            (lambda: state.snapshot(tag="in-forward"), "fsdp2", "during a forward or backward"),
+        ):
             hook = model.blocks[0].register_forward_pre_hook(lambda m, a, verb=verb: verb())
             with raises_kind(StateError, kind, match=match):
                 eval_loss(model, 0, device)
@@ -663,8 +676,12 @@ def sharding_mismatch(rank, world, device="cpu", variants=None):
 def hsdp_four_ranks(rank, world, device="cpu"):
     """HSDP on a (2, 2) mesh: placements (Replicate, Shard(0)); fingerprints differ from a flat mesh."""
     out = {}
-    out["verbs"] = every_verb_in_every_residency(rank, world, device, mesh_shape=(2, 2), mixes=["all_offloaded", "mixed"])
-    out["training"] = training_with_moves_equals_training_without(rank, world, device, mesh_shape=(2, 2), configs=[(None, False)])
+    out["verbs"] = every_verb_in_every_residency(
+        rank, world, device, mesh_shape=(2, 2), mixes=["all_offloaded", "mixed"]
+    )
+    out["training"] = training_with_moves_equals_training_without(
+        rank, world, device, mesh_shape=(2, 2), configs=[(None, False)]
+    )
     # reshard_after_forward=2 on a flat mesh of 4: a third state between forward and backward
     # (SHARDED_POST_FORWARD, its own storage), which the verbs reshard away first
     out["training_int"] = training_with_moves_equals_training_without(rank, world, device, configs=[(2, True)])
@@ -741,4 +758,7 @@ def test_detect_leaves_plain_models_to_the_torch_backend():
     model = Net()
     assert fsdp2.detect(model) is None
     assert not fsdp2.is_fsdp2(model)
-    assert [b.name for b in ModelState(model, torch.optim.Adam(model.parameters())).backends] == ["torch", "torch-optim"]
+    assert [b.name for b in ModelState(model, torch.optim.Adam(model.parameters())).backends] == [
+        "torch",
+        "torch-optim",
+    ]

@@ -115,7 +115,10 @@ MIXES = {
     "resident": lambda st, d: set(),
     "offloaded": lambda st, d: (st.offload(), set())[1],
     "params_offloaded": lambda st, d: (st.offload("params"), set())[1],
-    "partial": lambda st, d: (st.offload(["params", "optim", "buffers"], only=lambda n: "expert" in n or n.startswith("out.")), set())[1],
+    "partial": lambda st, d: (
+        st.offload(["params", "optim", "buffers"], only=lambda n: "expert" in n or n.startswith("out.")),
+        set(),
+    )[1],
     "grads_dropped": lambda st, d: (st.drop("grads"), _grad_slots(st, d))[1],
     "native_all": lambda st, d: (_native(d), _grad_slots(st, d))[1],
     "native_one_other_never": lambda st, d: (_native(d, which=0), _grad_slots(st, d, which=0))[1],
@@ -123,7 +126,12 @@ MIXES = {
     "native_grads_only": lambda st, d: (d.offload_grad_buffers(), _grad_slots(st, d))[1],
     "native_reloaded": lambda st, d: (_native(d), [b.reload_from_cpu() for b in buffers(d)], _grad_slots(st, d))[2],
     "native_then_stateshift": lambda st, d: (_native(d, which=0), st.offload(), _grad_slots(st, d, which=0))[2],
-    "stateshift_then_native": lambda st, d: (st.offload("optim"), st.offload("params", only=lambda n: "expert" in n), _native(d), _grad_slots(st, d))[3],
+    "stateshift_then_native": lambda st, d: (
+        st.offload("optim"),
+        st.offload("params", only=lambda n: "expert" in n),
+        _native(d),
+        _grad_slots(st, d),
+    )[3],
 }
 
 
@@ -160,7 +168,10 @@ def test_onload_from_every_residency_then_training_is_bit_identical(trained, mix
     assert_same(capture(state), _expected(state, truth, dropped))
     for i in range(2, 4):
         assert fake_train_step(ddp, opt, _x(i)) == fake_train_step(twin, twin_opt, _x(i))
-    assert_same(capture(state, ["params", "buffers", "optim"]), capture(ModelState(twin, twin_opt), ["params", "buffers", "optim"]))
+    assert_same(
+        capture(state, ["params", "buffers", "optim"]),
+        capture(ModelState(twin, twin_opt), ["params", "buffers", "optim"]),
+    )
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -218,8 +229,10 @@ def test_offload_onload_between_every_step_leaves_training_bit_identical(config)
     for i in range(2 * len(verbs)):
         assert fake_train_step(ddp, opt, _x(i)) == fake_train_step(twin, twin_opt, _x(i)), f"step {i}"
         verbs[i % len(verbs)]()
-    assert_same(capture(state, ["params", "frozen", "buffers", "optim"]),
-                capture(ModelState(twin, twin_opt), ["params", "frozen", "buffers", "optim"]))
+    assert_same(
+        capture(state, ["params", "frozen", "buffers", "optim"]),
+        capture(ModelState(twin, twin_opt), ["params", "frozen", "buffers", "optim"]),
+    )
 
 
 # ----------------------------------------------------------------------------- field failures (docs/notes/field.md)
@@ -594,7 +607,12 @@ def test_unwrapped_chunk_reference_model():
     state = ModelState(ref)
     assert [type(b) for b in state.backends] == [mg.MegatronModelBackend]
     assert {s.name for s in core_of(state).slots("frozen")} == {"frozen.weight"}
-    assert {m.name for s in core_of(state).slots("params") for m in s.info.members} == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+    assert {m.name for s in core_of(state).slots("params") for m in s.info.members} == {
+        "l1.weight",
+        "l1.bias",
+        "l2.weight",
+        "l2.bias",
+    }
     out = ref(_x(0))
     snap = state.snapshot(tag="ref")
     state.offload()
@@ -850,16 +868,38 @@ _HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.uti
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE_MCORE, reason="megatron-core is not installed (pip install 'megatron-core==0.16.1')")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/gpu/test_megatron_gpu.py runs on it for real")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is here: tests/gpu/test_megatron_gpu.py runs on it for real"
+)
 def test_real_megatron_core_on_cpu():
     """tests/gpu/test_megatron_gpu.py against the real megatron-core 0.16.1 GPTModel + DDP +
     DistributedOptimizer, on the CPU (megatron patched by benchmarks/megatron_bench.py)."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, STATESHIFT_MCORE_DEVICE="cpu", PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        STATESHIFT_MCORE_DEVICE="cpu",
+        PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-W", "ignore",
-         str(root / "tests" / "gpu" / "test_megatron_gpu.py")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=root, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "-W",
+            "ignore",
+            str(root / "tests" / "gpu" / "test_megatron_gpu.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=root,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]

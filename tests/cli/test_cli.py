@@ -17,8 +17,24 @@ def test_bench_writes_design_format(tmp_path, capsys):
     from stateshift import __version__
 
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--layers", "1", "--width", "32", "--vocab", "64", "--seq", "8", "--repeat", "1",
-               "--no-progress", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--layers",
+            "1",
+            "--width",
+            "32",
+            "--vocab",
+            "64",
+            "--seq",
+            "8",
+            "--repeat",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ratio" in printed and "pinned pool" in printed
@@ -35,11 +51,14 @@ def test_bench_writes_design_format(tmp_path, capsys):
     assert data["model"]["params"] > 0 and "full_state" in data and "pool" in data
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "--width", "30", "--heads", "4"], "divisible"),
-    (["bench", "--seq", "0"], "--seq must be > 0"),
-    (["bench", "--repeat", "0"], ">= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--width", "30", "--heads", "4"], "divisible"),
+        (["bench", "--seq", "0"], "--seq must be > 0"),
+        (["bench", "--repeat", "0"], ">= 1"),
+    ],
+)
 def test_bench_rejects_bad_sizes(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -78,6 +97,9 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
 
 
 def test_version_and_python_dash_m():
-    for cmd in ([sys.executable, "-m", "stateshift", "--version"], [sys.executable, "-m", "stateshift.cli", "--version"]):
+    for cmd in (
+        [sys.executable, "-m", "stateshift", "--version"],
+        [sys.executable, "-m", "stateshift.cli", "--version"],
+    ):
         out = subprocess.run(cmd, capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.startswith("stateshift "), out

@@ -13,8 +13,12 @@ from rl.rlkit import TINY
 from stateshift.cli import main
 from stateshift.train.checkpointing import SIDECAR
 
-COMMON = [*TINY, "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-          "run.checkpoint_every=2"]
+COMMON = [
+    *TINY,
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "run.checkpoint_every=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +50,19 @@ def _one_error_line(capsys, *names: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("damage, names", [
-    (lambda s: (s / SIDECAR).write_bytes((s / SIDECAR).read_bytes()[:77]), [SIDECAR, "step-4", "step-2", "truncated"]),
-    (lambda s: (s / SIDECAR).write_bytes(b""), [SIDECAR, "step-4", "step-2"]),
-    (lambda s: shutil.rmtree(s / "state"), ["state", "step-4", "step-2"]),
-    (lambda s: (s / SIDECAR).unlink(), [SIDECAR, "step-4"]),
-], ids=["truncated sidecar", "empty sidecar", "no state", "no sidecar"])
+@pytest.mark.parametrize(
+    "damage, names",
+    [
+        (
+            lambda s: (s / SIDECAR).write_bytes((s / SIDECAR).read_bytes()[:77]),
+            [SIDECAR, "step-4", "step-2", "truncated"],
+        ),
+        (lambda s: (s / SIDECAR).write_bytes(b""), [SIDECAR, "step-4", "step-2"]),
+        (lambda s: shutil.rmtree(s / "state"), ["state", "step-4", "step-2"]),
+        (lambda s: (s / SIDECAR).unlink(), [SIDECAR, "step-4"]),
+    ],
+    ids=["truncated sidecar", "empty sidecar", "no state", "no sidecar"],
+)
 def test_resume_without_an_intact_checkpoint_is_one_line_exit_2(run_dir, capsys, damage, names):
     _every_step(run_dir, damage)
     assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 2

@@ -117,7 +117,9 @@ def first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         return f"names differ: {sorted(got.keys() ^ want.keys())[:6]}"
     names = list(want)
     alike = all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape for k in names)
-    if alike and (not names or torch.equal(torch.cat([bits(got[k]) for k in names]), torch.cat([bits(want[k]) for k in names]))):
+    if alike and (
+        not names or torch.equal(torch.cat([bits(got[k]) for k in names]), torch.cat([bits(want[k]) for k in names]))
+    ):
         return None
     for k in names:
         if not same(got[k], want[k]):
@@ -328,8 +330,10 @@ Expected = type[BaseException] | tuple[type[BaseException], str]
 
 
 def _expected(e: BaseException, allowed: Iterable[Expected]) -> bool:
-    return any(isinstance(e, a) if isinstance(a, type) else isinstance(e, a[0]) and getattr(e, "kind", None) == a[1]
-               for a in allowed)
+    return any(
+        isinstance(e, a) if isinstance(a, type) else isinstance(e, a[0]) and getattr(e, "kind", None) == a[1]
+        for a in allowed
+    )
 
 
 def _name(e: BaseException | Expected) -> str:
@@ -386,7 +390,8 @@ class Machine:
     def _keys(self, groups: Iterable[str], prefix: str | None = None) -> list[Key]:
         gs = set(groups)
         return [
-            k for k, names in self.members.items()
+            k
+            for k, names in self.members.items()
             if k[0] in gs and (prefix is None or any(n.startswith(prefix) for n in names))
         ]
 
@@ -456,8 +461,16 @@ class Machine:
             return []
         return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime) for p in root.rglob("*"))
 
-    def _call(self, verb: str, fn: Callable[[], Any], *, must: tuple[Expected, ...] = (), budget: bool = False,
-              paths: Iterable[int] | None = None, may: tuple[Expected, ...] = ()) -> tuple[bool, Any]:
+    def _call(
+        self,
+        verb: str,
+        fn: Callable[[], Any],
+        *,
+        must: tuple[Expected, ...] = (),
+        budget: bool = False,
+        paths: Iterable[int] | None = None,
+        may: tuple[Expected, ...] = (),
+    ) -> tuple[bool, Any]:
         """Run ``fn``; (True, result) or (False, None) after an error it was allowed to raise.
 
         After an error: no pooled block leaked, no checkpoint directory changed
@@ -495,7 +508,11 @@ class Machine:
             raise AssertionError(f"{verb} succeeded; it must raise one of {[_name(t) for t in must]}")
         self.stats[verb] += 1
         budget_bytes = self.pool.budget_bytes
-        if budget_bytes is not None and self.pool.stats.allocations > allocations and not (paths and self.target.collective):
+        if (
+            budget_bytes is not None
+            and self.pool.stats.allocations > allocations
+            and not (paths and self.target.collective)
+        ):
             assert self.pool.stats.held_bytes <= budget_bytes, (
                 f"{verb} allocated pooled memory past the budget: holds {self.pool.stats.held_bytes} > {budget_bytes}"
             )
@@ -535,7 +552,9 @@ class Machine:
     def offload(self, groups: tuple[str, ...] | None, prefix: str | None) -> None:
         names = self._groups(groups)
         only = self._only(prefix)
-        ok, _ = self._call("offload", lambda: self.state.offload(groups, only=only), must=self._conflict(names), budget=True)
+        ok, _ = self._call(
+            "offload", lambda: self.state.offload(groups, only=only), must=self._conflict(names), budget=True
+        )
         if ok:
             for k in self._keys_only(names, prefix):
                 if self.res[k] is DEVICE and self.releasable[k]:
@@ -563,7 +582,9 @@ class Machine:
                     self.native.discard(k)
                     self.ref_zero(self.members[k])
 
-    def snapshot(self, groups: tuple[str, ...] | None, tag: str, version: int | None, placement: str, offload_first: bool) -> None:
+    def snapshot(
+        self, groups: tuple[str, ...] | None, tag: str, version: int | None, placement: str, offload_first: bool
+    ) -> None:
         names = groups if groups is not None else tuple(self.state.forward_groups)
         if offload_first and placement == "host":
             self.offload(names, None)  # the pi_old pattern: a host snapshot then shares the homes copy-on-write
@@ -594,8 +615,12 @@ class Machine:
                 storage = ref[info.members[0].name].untyped_storage()
                 part.region(i).copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (info.nbytes,), (1,)))
 
-        ok, snap = self._call("snapshot_from", lambda: core_of(self.state).snapshot_from(groups, fill, tag=tag, version=version),
-                              must=(_FillFailed,) if fail else (), budget=True)
+        ok, snap = self._call(
+            "snapshot_from",
+            lambda: core_of(self.state).snapshot_from(groups, fill, tag=tag, version=version),
+            must=(_FillFailed,) if fail else (),
+            budget=True,
+        )
         if self._everywhere(ok, lambda: self._unmake(snap, tag, version)):
             self._track(snap, names, tag, version)
 
@@ -684,7 +709,9 @@ class Machine:
             plugin = self.state.backends[1].rebuild_plugin()
             why = plugin.available()
             if why is None:
-                assert self._rebuild_exact(), "available() says the rebuild is exact; the reference's changes the params"
+                assert self._rebuild_exact(), (
+                    "available() says the rebuild is exact; the reference's changes the params"
+                )
                 fn = plugin
             elif "offloaded" in why and any(self.res[k] is not DEVICE for k in self._keys(("params",))):
                 fn, stashed = plugin, True  # partly offloaded params: the engine stashes them instead (no rebuild)
@@ -701,8 +728,15 @@ class Machine:
         if not ok:
             return
         keys = self._keys(t.groups)
-        frame = Frame(t, cm, t.groups, {k: self.res[k] for k in keys}, self.ref_clone(self._names(t.groups)), fn is not None and not stashed,
-                      frozenset(k for k in keys if k in self.native))
+        frame = Frame(
+            t,
+            cm,
+            t.groups,
+            {k: self.res[k] for k in keys},
+            self.ref_clone(self._names(t.groups)),
+            fn is not None and not stashed,
+            frozenset(k for k in keys if k in self.native),
+        )
         self.ref_write(t.values)
         for k in keys:
             self.res[k] = DEVICE
@@ -784,8 +818,11 @@ class Machine:
         self.step += 1
         try:
             with torch.set_grad_enabled(grad):
-                ok, out = self._call("forward", lambda: self.target.forward(self.model, self.step),
-                                     must=((StateError, "offloaded"),) if waiting else ())
+                ok, out = self._call(
+                    "forward",
+                    lambda: self.target.forward(self.model, self.step),
+                    must=((StateError, "offloaded"),) if waiting else (),
+                )
                 if ok:
                     want = self.target.forward(self.ref_model, self.step)
                     assert same(out.detach(), want.detach()), "forward output differs from the reference's"
@@ -798,21 +835,30 @@ class Machine:
         """A run directory: each save makes a fresh ``step-<n>`` in it and moves ``latest`` once durable."""
         return self.tmp / f"ckpt{path}"
 
-    def save(self, groups: tuple[str, ...] | None, path: int, mode: str, version: int | None, again: bool = False) -> None:
+    def save(
+        self, groups: tuple[str, ...] | None, path: int, mode: str, version: int | None, again: bool = False
+    ) -> None:
         names = groups if groups is not None else tuple(g for g in self.state.groups if g != "grads")
         if again and path in self.ckpts and mode == "sync":
             # checkpoints are never overwritten: the same directory again raises, nothing changes
             step = self.ckpts[path].step
             exists = (FileExistsError, (CheckpointError, "write")) if self.target.collective else (FileExistsError,)
-            self._call("save (exists)", lambda: save(self.state, self._path(path) / step, groups, tag="machine"),
-                       must=exists, budget=True, paths=[path])
+            self._call(
+                "save (exists)",
+                lambda: save(self.state, self._path(path) / step, groups, tag="machine"),
+                must=exists,
+                budget=True,
+                paths=[path],
+            )
             return
         self._seq += 1
         ckpt = Ckpt({g: self.ref_clone(self._names([g])) for g in names}, self._seq, version, f"step-{self._seq}")
         write = save if mode == "sync" else async_save
 
         def call():
-            return write(self.state, self._path(path) / ckpt.step, groups, tag="machine", version=version, update_latest=True)
+            return write(
+                self.state, self._path(path) / ckpt.step, groups, tag="machine", version=version, update_latest=True
+            )
 
         # with several ranks, a budget error on one rank makes the others raise (CheckpointError, "write")
         may = ((CheckpointError, "write"),) if self.target.collective else ()
@@ -827,7 +873,11 @@ class Machine:
         while self.pending:
             p = self.pending.pop(0)
             # an aborted write raises (StateError, "released"); with several ranks, the others (CheckpointError, "write")
-            aborted = ((StateError, "released"), (CheckpointError, "write")) if self.target.collective else ((StateError, "released"),)
+            aborted = (
+                ((StateError, "released"), (CheckpointError, "write"))
+                if self.target.collective
+                else ((StateError, "released"),)
+            )
             ok, _ = self._call("wait_save", p.handle.wait, may=aborted if p.abortable else ())
             if ok:
                 self._saved(p.path, p.ckpt)
@@ -848,10 +898,15 @@ class Machine:
 
         # with several ranks, an error on one rank (a budget) makes the others raise CheckpointError
         may = (CheckpointError,) if self.target.collective else ()
-        ok, manifest = self._call("load", lambda: load(self.state, self._path(path), groups), must=must, budget=True,
-                                  paths=[path], may=may)
+        ok, manifest = self._call(
+            "load", lambda: load(self.state, self._path(path), groups), must=must, budget=True, paths=[path], may=may
+        )
         if ok:
-            assert (manifest.tag, manifest.version) == ("machine", ckpt.version), (manifest.tag, manifest.version, ckpt.version)
+            assert (manifest.tag, manifest.version) == ("machine", ckpt.version), (
+                manifest.tag,
+                manifest.version,
+                ckpt.version,
+            )
             for g in names:
                 self.ref_write(ckpt.values[g])
             self._written(names)
@@ -871,7 +926,9 @@ class Machine:
         total = self.state.nbytes()
         levels = {None: None, "tight": 0, "some": total // 2, "roomy": 3 * total}
         self.pool.budget_bytes = None if pool is None else self.pool.stats.in_use_bytes + levels[pool]
-        core_of(self.state).snapshots.budget_bytes = None if snaps is None else core_of(self.state).snapshots.nbytes + levels[snaps]
+        core_of(self.state).snapshots.budget_bytes = (
+            None if snaps is None else core_of(self.state).snapshots.nbytes + levels[snaps]
+        )
         self.stats[f"budget {pool}/{snaps}"] += 1
 
     def close_reopen(self, pool: str) -> None:
@@ -886,7 +943,10 @@ class Machine:
             self._call("exit_swap (after close)", lambda: frame.cm.__exit__(None, None, None))  # noqa: B023 - a no-op now; called at once
             self._left(frame)
         self.wait_saves()
-        for k, r in self.res.items():  # close() re-grows everything it released: offloaded values back, dropped as zeros
+        for (
+            k,
+            r,
+        ) in self.res.items():  # close() re-grows everything it released: offloaded values back, dropped as zeros
             if r is not DEVICE and k not in self.native:
                 self.res[k] = DEVICE
         for verb in (lambda: state.offload(), lambda: state.onload(), lambda: state.snapshot(tag="x"), state.residency):
@@ -901,7 +961,9 @@ class Machine:
         # the model holds its values on the device, read straight from its tensors -- but for values
         # that live in Megatron's own host copy (its offload_to_cpu): those stay there (documented)
         framework = {n for k in self.native for n in self.members[k]}
-        direct = {n: t.detach() for n, t in listing(detect_backends(self.model, self.opt)).items() if n not in framework}
+        direct = {
+            n: t.detach() for n, t in listing(detect_backends(self.model, self.opt)).items() if n not in framework
+        }
         for name, t in direct.items():
             assert t.numel() == 0 or t.untyped_storage().nbytes() > 0, f"{name} has no storage after close()"
         diff = first_difference(direct, {k: v.detach() for k, v in self.ref().items() if k not in framework})
@@ -977,7 +1039,9 @@ class Machine:
         for tag in {k[0] for k in self.stored}:
             versions = [v for (t, v) in self.stored if t == tag and v is not None]
             want_key = (tag, max(versions)) if versions else (tag, None)
-            assert core_of(self.state).snapshots.get(tag) is self.stored[want_key].snap, f"get({tag!r}) is not {want_key}"
+            assert core_of(self.state).snapshots.get(tag) is self.stored[want_key].snap, (
+                f"get({tag!r}) is not {want_key}"
+            )
         counts: dict[str, Counter[str]] = {g: Counter() for g in self.state.groups}
         for s in core_of(self.state).slots():
             key = (s.info.group, s.name)
@@ -985,7 +1049,9 @@ class Machine:
             counts[s.info.group][s.residency.value] += 1
             if s.nbytes > 0:
                 released = s.storage.nbytes() == 0
-                assert released == (s.residency is not DEVICE), f"{key} is {s.residency} with {s.storage.nbytes()} bytes of storage"
+                assert released == (s.residency is not DEVICE), (
+                    f"{key} is {s.residency} with {s.storage.nbytes()} bytes of storage"
+                )
         for g, c in self.state.residency().items():
             assert {r: n for r, n in c.items() if n} == {r: n for r, n in counts[g].items() if n}, (g, c, counts[g])
         assert self.state.swapping == frozenset(self.swapping)
@@ -1023,8 +1089,13 @@ def spaces(target: type[Target] | Target) -> dict[str, dict[str, list[Any]]]:
         "offload": {"groups": some, "prefix": prefixes},
         "onload": {"groups": some, "prefix": prefixes},
         "drop": {"groups": [*singles, *itertools.combinations(G, 2)], "prefix": prefixes},
-        "snapshot": {"groups": whole, "tag": ["a", "b"], "version": [None, 1, 2], "placement": ["host", "device"],
-                     "offload_first": [False, True]},
+        "snapshot": {
+            "groups": whole,
+            "tag": ["a", "b"],
+            "version": [None, 1, 2],
+            "placement": ["host", "device"],
+            "offload_first": [False, True],
+        },
         "snapshot_from": {"groups": whole, "tag": ["a", "b"], "version": [None, 1, 2], "fail": [False, True]},
         "pi_old": {"stash": ["auto", "device", "host"], "rebuild": [True, False], "offload_after": [False, True]},
         "restore": {"pick": list(range(5))},
@@ -1032,8 +1103,13 @@ def spaces(target: type[Target] | Target) -> dict[str, dict[str, list[Any]]]:
         "enter_swap": {"pick": list(range(5)), "stash": ["auto", "device", "host"], "rebuild": [False, True]},
         "exit_swap": {"error": [False, False, True]},
         "train": {},
-        "save": {"groups": [None, *singles, G], "path": [0, 1], "mode": ["sync", "async"], "version": [None, 3],
-                 "again": [False, False, False, True]},
+        "save": {
+            "groups": [None, *singles, G],
+            "path": [0, 1],
+            "mode": ["sync", "async"],
+            "version": [None, 3],
+            "again": [False, False, False, True],
+        },
         "wait_saves": {},
         "load": {"path": [0, 1], "groups": [None, None, *singles]},
         "budget": {"pool": [None, "tight", "some", "roomy"], "snaps": [None, "tight", "some", "roomy"]},
@@ -1050,9 +1126,26 @@ def spaces(target: type[Target] | Target) -> dict[str, dict[str, list[Any]]]:
 
 #: how often the random driver picks each rule (relative)
 WEIGHTS = {
-    "offload": 6, "onload": 5, "drop": 3, "snapshot": 6, "restore": 5, "release": 2, "enter_swap": 4,
-    "exit_swap": 4, "train": 5, "save": 3, "wait_saves": 2, "load": 3, "budget": 2, "close_reopen": 1,
-    "native_offload": 2, "native_reload": 2, "forward": 3, "snapshot_from": 2, "pi_old": 2, "clear_snapshots": 1,
+    "offload": 6,
+    "onload": 5,
+    "drop": 3,
+    "snapshot": 6,
+    "restore": 5,
+    "release": 2,
+    "enter_swap": 4,
+    "exit_swap": 4,
+    "train": 5,
+    "save": 3,
+    "wait_saves": 2,
+    "load": 3,
+    "budget": 2,
+    "close_reopen": 1,
+    "native_offload": 2,
+    "native_reload": 2,
+    "forward": 3,
+    "snapshot_from": 2,
+    "pi_old": 2,
+    "clear_snapshots": 1,
     "step_in_swap": 1,
 }
 

@@ -281,7 +281,12 @@ def test_planner_puts_groups_on_the_host_while_the_budget_holds_then_on_disk(tmp
     state = ModelState(model, opt, pool=pool, disk_dir=tmp_path / "d", disk_window_bytes=64 << 10)
     want = live(model, opt)
     plan = state.plan_offload()
-    assert {d.group: d.to for d in plan.decisions} == {"params": "host", "buffers": "host", "grads": "disk", "optim": "disk"}
+    assert {d.group: d.to for d in plan.decisions} == {
+        "params": "host",
+        "buffers": "host",
+        "grads": "disk",
+        "optim": "disk",
+    }
     assert plan.host_peak_bytes <= pool.budget_bytes and plan.disk_bytes == sizes["grads"] + sizes["optim"]
     assert pool.stats.in_use_bytes == 0  # deciding allocated nothing
     state.offload(to="auto")
@@ -316,7 +321,9 @@ def test_pi_old_cycle_goes_to_disk_when_the_host_budget_is_short(tmp_path):
 
     model, opt = make()
     warm(model, opt)
-    state = ModelState(model, opt, pool=HostPool(budget_bytes=96 << 10), disk_dir=tmp_path / "d", disk_window_bytes=32 << 10)
+    state = ModelState(
+        model, opt, pool=HostPool(budget_bytes=96 << 10), disk_dir=tmp_path / "d", disk_window_bytes=32 << 10
+    )
     cycle = PiOldCycle(state)
     assert cycle.choose_placement() == "disk"  # the params do not fit in the host budget
     train_step(model, opt, 5)
@@ -433,8 +440,16 @@ def _odd_model():
     m = torch.nn.Module()
     m.ps = torch.nn.ParameterList(
         torch.nn.Parameter(torch.randn(n).to(dt), requires_grad=dt.is_floating_point)
-        for n, dt in [(1, torch.float32), (3, torch.bfloat16), (1023, torch.float32), (4097, torch.bfloat16),
-                      (1, torch.float64), (100_003, torch.float32), (5, torch.float16), (70_001, torch.bfloat16)]
+        for n, dt in [
+            (1, torch.float32),
+            (3, torch.bfloat16),
+            (1023, torch.float32),
+            (4097, torch.bfloat16),
+            (1, torch.float64),
+            (100_003, torch.float32),
+            (5, torch.float16),
+            (70_001, torch.bfloat16),
+        ]
     )
     m.register_buffer("count", torch.tensor([7], dtype=torch.int64))
     m.register_buffer("odd", torch.arange(13, dtype=torch.uint8))
@@ -447,7 +462,9 @@ def test_tiny_and_odd_tensors_round_trip_bit_exactly_in_both_modes(tmp_path, io_
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = ModelState(model, disk_dir=tmp_path / "disk", disk_window_bytes=window)
     state.offload(to="disk")
-    assert core_of(state).disk_home.io_mode == io_mode and io_mode in (state.describe_disk() or ""), state.describe_disk()
+    assert core_of(state).disk_home.io_mode == io_mode and io_mode in (state.describe_disk() or ""), (
+        state.describe_disk()
+    )
     snap = state.snapshot(tag="s", placement="disk")
     assert_same(snap.tensors(), capture(state))
     state.onload()

@@ -61,7 +61,9 @@ def test_a_failing_disk_snapshot_keeps_the_snapshot_it_would_replace(tmp_path, m
     assert_same(old.tensors(), want)
 
 
-@pytest.mark.parametrize(("placement", "at"), [("disk", 1), ("disk", 2), ("disk", 3), ("disk", 5), ("host", 1), ("host", 2)])
+@pytest.mark.parametrize(
+    ("placement", "at"), [("disk", 1), ("disk", 2), ("disk", 3), ("disk", 5), ("host", 1), ("host", 2)]
+)
 def test_a_restore_into_slots_on_disk_that_fails_changes_nothing(tmp_path, monkeypatch, placement, at):
     """Regression: restore wrote a snapshot's values straight over the disk region of slots on disk, so a
     write failing part way (a full disk, EIO) left some slots with the snapshot's values and some with
@@ -125,6 +127,7 @@ def test_swapped_from_a_disk_snapshot_whose_read_fails_changes_nothing(tmp_path,
     state.offload("optim", only=lambda name: "blocks.0." in name)  # a mix: some slots offloaded
     want, residency = capture(state), state.residency()
     calls = _fail_preadv(monkeypatch, at=at)
+
     def swap() -> None:
         with state.swapped(snap, stash=stash):
             pass

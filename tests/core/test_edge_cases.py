@@ -244,7 +244,12 @@ def _offloaded():
     [
         pytest.param(lambda model, opt: model.state_dict(), id="module.state_dict"),
         pytest.param(lambda model, opt: model.blocks[0].state_dict(keep_vars=True), id="submodule.state_dict"),
-        pytest.param(lambda model, opt: model.load_state_dict({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in _shapes(model).items()}), id="load_state_dict"),
+        pytest.param(
+            lambda model, opt: model.load_state_dict(
+                {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in _shapes(model).items()}
+            ),
+            id="load_state_dict",
+        ),
         pytest.param(lambda model, opt: opt.state_dict(), id="optimizer.state_dict"),
         pytest.param(lambda model, opt: opt.load_state_dict(opt.state_dict()), id="optimizer.load_state_dict"),
         pytest.param(lambda model, opt: opt.zero_grad(set_to_none=False), id="zero_grad(set_to_none=False)"),
@@ -403,8 +408,10 @@ _TREE_CHANGES = {
     "param moved to the neighbouring module": _move_to_neighbour,
     "param frozen": lambda m: m[0].weight.requires_grad_(False),
     "buffer replaced": lambda m: setattr(m[0], "a", torch.zeros(1)),
-    "buffers trading persistence": lambda m: (m[0].register_buffer("a", m[0].a, persistent=False),
-                                              m[0].register_buffer("b", m[0].b, persistent=True)),
+    "buffers trading persistence": lambda m: (
+        m[0].register_buffer("a", m[0].a, persistent=False),
+        m[0].register_buffer("b", m[0].b, persistent=True),
+    ),
     "module replaced": lambda m: m.__setitem__(1, torch.nn.Linear(2, 2, bias=False)),
     "module removed": lambda m: m._modules.pop("2"),
     "module added": lambda m: m[2].add_module("relu", torch.nn.ReLU()),
@@ -412,7 +419,7 @@ _TREE_CHANGES = {
     "module added two levels down": lambda m: m[3][0].add_module("relu", torch.nn.ReLU()),
     "module replaced two levels down": lambda m: m[3].__setitem__(0, torch.nn.Sequential(torch.nn.Tanh())),
     "param replaced two levels down": lambda m: setattr(m[3][1], "weight", torch.nn.Parameter(torch.zeros(1, 2))),
-    "subtrees swapped": lambda m: (m._modules.__setitem__("3", torch.nn.Sequential(m[3][1], m[3][0]))),
+    "subtrees swapped": lambda m: m._modules.__setitem__("3", torch.nn.Sequential(m[3][1], m[3][0])),
 }
 
 

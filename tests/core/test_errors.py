@@ -220,19 +220,23 @@ def test_errors_of_the_trainer_keep_their_detail_through_pickling():
         SyncError,
     )
 
-    errors = [ConfigError("config", "must be > 0", key="trainer.lr"),
-              ConfigError("weight_sync", "not in the rollout model", name="head.weight"),
-              ConfigError("metrics_log", "not JSON",
-                          path="run/metrics.jsonl", line=3), RunError("run_dir_busy",
-                                                                                                 path="run"),
-              DiskError.from_os_error(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
-              RunError("link_closed", "gone"), ConfigError("usage", "--device"), LayoutError("mismatch", "shape differs", tensor="w", field="shape"),
-              CheckpointError("read", "EIO", path="ck/params.safetensors", errno=5, tensor="w"),
-              CheckpointError("not_found", "nothing there", path="ck"), DiskError("tier", "no disk_dir"),
-              StateError("offloaded", "forward", group="params", tensor="w", residency="host"),
-              ObjectError("snapshot_handle", "not a handle", function="restore", got="dict"),
-              BudgetError("sync", "budget", holders=(("r", 1),)),
-              SyncError("receiver_lost", receiver="r", version=1, cause="died")]
+    errors = [
+        ConfigError("config", "must be > 0", key="trainer.lr"),
+        ConfigError("weight_sync", "not in the rollout model", name="head.weight"),
+        ConfigError("metrics_log", "not JSON", path="run/metrics.jsonl", line=3),
+        RunError("run_dir_busy", path="run"),
+        DiskError.from_os_error(OSError(28, "No space left on device"), "run/model.safetensors", "w"),
+        RunError("link_closed", "gone"),
+        ConfigError("usage", "--device"),
+        LayoutError("mismatch", "shape differs", tensor="w", field="shape"),
+        CheckpointError("read", "EIO", path="ck/params.safetensors", errno=5, tensor="w"),
+        CheckpointError("not_found", "nothing there", path="ck"),
+        DiskError("tier", "no disk_dir"),
+        StateError("offloaded", "forward", group="params", tensor="w", residency="host"),
+        ObjectError("snapshot_handle", "not a handle", function="restore", got="dict"),
+        BudgetError("sync", "budget", holders=(("r", 1),)),
+        SyncError("receiver_lost", receiver="r", version=1, cause="died"),
+    ]
     for err in errors:
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err) and back.kind == err.kind

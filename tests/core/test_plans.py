@@ -143,7 +143,14 @@ def test_staged_runs_copy_in_the_widest_word_every_size_allows():
     g = torch.Generator().manual_seed(0)
     model = torch.nn.ParameterList(
         torch.nn.Parameter(torch.randn(n, generator=g).to(dt))
-        for n, dt in [(7, torch.bfloat16), (5, torch.float32), (3, torch.float64), (9, torch.bfloat16), (1, torch.float16)] * 20
+        for n, dt in [
+            (7, torch.bfloat16),
+            (5, torch.float32),
+            (3, torch.float64),
+            (9, torch.bfloat16),
+            (1, torch.float16),
+        ]
+        * 20
     )
     state = ModelState(model)
     want = [p.detach().clone() for p in model]
@@ -283,7 +290,13 @@ def test_larger_small_slots_are_scattered_through_views_and_no_run_mixes_devices
     for p, w in zip(model, want, strict=True):
         assert torch.equal(p, w)
     sizes = [64] * 4
-    p = plan([0, 64, 128, 192], sizes, [False] * 4, lambda i: torch.empty(64, dtype=torch.uint8), devices=["a", "a", "b", "b"])
+    p = plan(
+        [0, 64, 128, 192],
+        sizes,
+        [False] * 4,
+        lambda i: torch.empty(64, dtype=torch.uint8),
+        devices=["a", "a", "b", "b"],
+    )
     assert [r.items for r in p.runs] == [(0, 1), (2, 3)]
 
 
@@ -316,5 +329,7 @@ def test_an_onload_resolves_each_run_only_after_its_storage_came_back():
             if storages[i].nbytes() != sizes[i]:
                 storages[i].resize_(sizes[i])
 
-    engine._host_runs(p, list(range(len(p.runs))), arena, False, before)  # the chunked runs, as the PCIe path moves them
+    engine._host_runs(
+        p, list(range(len(p.runs))), arena, False, before
+    )  # the chunked runs, as the PCIe path moves them
     assert torch.equal(views[0], arena[:64]) and torch.equal(views[1], arena[64:])

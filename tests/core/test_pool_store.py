@@ -175,7 +175,9 @@ def test_copy_engine_coalesces_small_neighbours():
     runs = _plan(sizes, _offsets(sizes), small=1000, chunk=4000).runs
     # a large item moves alone, in chunks of at most `chunk` bytes; a staged run stops at `chunk` bytes
     assert [len(r.items) for r in runs] == [2, 1, 1, 5, 2]
-    assert [(r.offset, r.nbytes) for r in runs[1:3]] == [(0, 4000), (4000, 1000)] and runs[1].items == runs[2].items == (2,)
+    assert [(r.offset, r.nbytes) for r in runs[1:3]] == [(0, 4000), (4000, 1000)] and runs[1].items == runs[
+        2
+    ].items == (2,)
     spaced = _plan([10, 10, 10], _offsets([10, 10, 10], gap=5000), small=1000, chunk=4000).runs
     assert [len(r.items) for r in spaced] == [1, 1, 1]  # too far apart to share one staged copy
 
@@ -197,7 +199,9 @@ def test_staged_runs_never_span_another_item():
     from stateshift.core.slot import MemberInfo, SlotInfo
 
     sizes = [4, 4096, 4, 100, 64, 4, 1, 2048, 63, 65]
-    infos = tuple(SlotInfo(f"t{i}", "optim", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
+    infos = tuple(
+        SlotInfo(f"t{i}", "optim", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes)
+    )
     layout = Layout.build(infos)
     moving = [i for i, n in enumerate(sizes) if n != 4]  # the 4-byte items are copied elsewhere
     for run in _plan(sizes, list(layout.offsets), indices=moving).runs:
@@ -214,7 +218,9 @@ def test_staged_move_copies_exactly(to_arena):
 
     g = torch.Generator().manual_seed(0)
     sizes = [int(x) for x in torch.randint(1, 3000, (60,), generator=g)] + [5000, 7]
-    infos = tuple(SlotInfo(f"t{i}", "g", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes))
+    infos = tuple(
+        SlotInfo(f"t{i}", "g", n, (MemberInfo(f"t{i}", (n,), "uint8", (1,), 0),)) for i, n in enumerate(sizes)
+    )
     layout = Layout.build(infos)
     arena = torch.randint(0, 256, (layout.total,), dtype=torch.uint8, generator=g)
     before = arena.clone()
@@ -223,7 +229,9 @@ def test_staged_move_copies_exactly(to_arena):
     skip = set(range(0, len(sizes), 7))  # items not in this batch must stay untouched
     regions = layout.regions(arena)
     engine = CopyEngine(torch.device("cpu"), small_bytes=4096, chunk_bytes=20000)
-    p = engine.plan(layout.offsets, sizes, [True] * len(sizes), devs.__getitem__, [i for i in range(len(sizes)) if i not in skip])
+    p = engine.plan(
+        layout.offsets, sizes, [True] * len(sizes), devs.__getitem__, [i for i in range(len(sizes)) if i not in skip]
+    )
     assert any(len(r.items) > 1 for r in p.runs)
     (engine.to_arena if to_arena else engine.from_arena)(p, arena).wait()
     for i in range(len(sizes)):

@@ -315,4 +315,3 @@ def test_a_verb_on_one_group_after_a_storage_moved_in_from_another_group():
     snap = state.snapshot(["params", "optim"], tag="after")
     state.restore(snap)
     assert torch.equal(p, want_p) and torch.equal(opt.state[p]["exp_avg"], want_opt)
-

@@ -110,13 +110,17 @@ def walk(target, seed: int, steps: int, tmpdir: str | None = None, who: str = ""
     try:
         drive(machine, random.Random(seed), steps, log=trail.append)
     except BaseException as e:
-        raise AssertionError(f"{target.name}{who}, seed {seed}, rules so far (last 25):\n" + "\n".join(trail[-25:])) from e
+        raise AssertionError(
+            f"{target.name}{who}, seed {seed}, rules so far (last 25):\n" + "\n".join(trail[-25:])
+        ) from e
     machine.teardown()
     return machine
 
 
 @pytest.mark.parametrize(
-    "make", [TorchTarget, *[lambda c=c: MegatronTarget(c) for c in CONFIGS]], ids=["torch", *[f"megatron-{c}" for c in CONFIGS]]
+    "make",
+    [TorchTarget, *[lambda c=c: MegatronTarget(c) for c in CONFIGS]],
+    ids=["torch", *[f"megatron-{c}" for c in CONFIGS]],
 )
 def test_seeded_walk(make, tmp_path):
     machine = walk(make(), SEED, WALK_STEPS, str(tmp_path))

@@ -33,6 +33,7 @@ def _storages(state: ModelState) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- close()
 
+
 def test_close_leaves_no_released_storage_behind():
     """``drop("grads")`` then ``close()``: the grads' storage stays at 0 bytes with the guards removed, so the
     next ``zero_grad(set_to_none=False)`` or backward segfaults (checked in a subprocess), and a new
@@ -42,9 +43,14 @@ def test_close_leaves_no_released_storage_behind():
     state = ModelState(model, opt)
     state.drop("grads")
     state.close()
-    released = [f"{n}.grad" for n, p in model.named_parameters() if p.grad is not None and p.grad.untyped_storage().nbytes() == 0]
-    crash = run_isolated(textwrap.dedent(
-        """
+    released = [
+        f"{n}.grad"
+        for n, p in model.named_parameters()
+        if p.grad is not None and p.grad.untyped_storage().nbytes() == 0
+    ]
+    crash = run_isolated(
+        textwrap.dedent(
+            """
         import sys; sys.path[:0] = sys.argv[1:3]
         from helpers import make, warm, train_step
         from stateshift import ModelState
@@ -52,7 +58,9 @@ def test_close_leaves_no_released_storage_behind():
         state = ModelState(model, opt); state.drop("grads"); state.close()
         train_step(model, opt, 1)
         """
-    ), timeout=120)
+        ),
+        timeout=120,
+    )
     assert not released, f"released after close(): {released[:3]}"
     assert crash.returncode == 0, f"a training step after close() died with return code {crash.returncode}"
     _fresh_capture(model, opt, ["grads"])  # a new state on the same model must work
@@ -92,6 +100,7 @@ def test_wait_after_close_reports_the_write(tmp_path):
 
 # ----------------------------------------------------------------------------- guards
 
+
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 def test_refused_forward_changes_nothing(backend):
     """The guards check each module's own tensors in its own forward pre-hook, so a forward with some
@@ -122,6 +131,7 @@ def test_refused_forward_changes_nothing(backend):
 
 # ----------------------------------------------------------------------------- budgets
 
+
 def test_snapshot_budget_counts_what_it_checks():
     """``snapshot_budget_bytes`` checks only the host bytes a new snapshot copies, while the store counts every
     snapshot's bytes: device snapshots pass the check and push the store past its budget, after which even
@@ -136,7 +146,9 @@ def test_snapshot_budget_counts_what_it_checks():
             state.snapshot("params", tag=tag, placement="device")
         except BudgetError as e:
             assert e.kind == "snapshot", e
-        assert core_of(state).snapshots.nbytes <= core_of(state).snapshots.budget_bytes, f"store holds {core_of(state).snapshots.nbytes} bytes"
+        assert core_of(state).snapshots.nbytes <= core_of(state).snapshots.budget_bytes, (
+            f"store holds {core_of(state).snapshots.nbytes} bytes"
+        )
 
 
 def test_snapshot_from_whose_fill_fails_keeps_the_snapshot_it_would_replace():
@@ -157,6 +169,7 @@ def test_snapshot_from_whose_fill_fails_keeps_the_snapshot_it_would_replace():
 
 
 # ----------------------------------------------------------------------------- Megatron's master rebuild
+
 
 @pytest.mark.parametrize("config", ["distrib", "dense_float16", "float16_no_param_data"])
 def test_rebuild_available_says_exact_when_params_are_not_the_masters(config):
@@ -221,6 +234,7 @@ def test_rebuild_with_params_partly_offloaded_is_refused_before_anything_changes
 
 
 # ----------------------------------------------------------------------------- Megatron's own offload
+
 
 def test_swapped_over_megatron_offloaded_params_keeps_megatrons_copy():
     """Params released by Megatron's ``offload_to_cpu`` live in its ``param_data_cpu`` (the slot's
@@ -306,6 +320,7 @@ def test_megatron_offload_inside_a_rebuild_swap_gives_the_current_params_back():
 
 # ----------------------------------------------------------------------------- swapped() semantics
 
+
 @pytest.mark.parametrize("how", ["stash", "rebuild"])
 def test_optimizer_step_inside_swapped_is_refused(how):
     """Found: with ``rebuild={"params": plugin}`` an optimizer step inside ``swapped(pi_old)`` came back in
@@ -335,6 +350,8 @@ def test_torch_optimizer_step_inside_swapped_is_refused():
         train_step(model, opt, 2)
     assert_same(capture(state, ["params", "optim"]), before)
     train_step(model, opt, 2)  # after the context: allowed
+
+
 def test_restore_of_what_a_rebuild_reads_is_refused():
     """The machine stepped around this one: a ``restore`` (or ``load``) of ``optim`` inside a
     ``swapped(..., rebuild=...)`` changed the masters the exit recomputes the params from, so the

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = f"""
 import json, os, sys
-sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT / 'src')!r}]
+sys.path[:0] = [{str(ROOT / "benchmarks")!r}, {str(ROOT / "src")!r}]
 import tms_bench
 print(json.dumps(tms_bench._graph_check()))
 sys.stdout.flush()

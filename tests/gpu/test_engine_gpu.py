@@ -47,7 +47,10 @@ def test_every_verb_through_many_staged_runs_and_chunks(placement):
     state = _state(model)
     want = _values(model)
     plan = core_of(state).groups["params"].plan(core_of(state).engine, list(range(len(model))))
-    assert sum(r.sizes is not None for r in plan.runs) > 10 and sum(r.sizes is None and r.offset > 0 for r in plan.runs) > 10
+    assert (
+        sum(r.sizes is not None for r in plan.runs) > 10
+        and sum(r.sizes is None and r.offset > 0 for r in plan.runs) > 10
+    )
     snap = state.snapshot("params", tag="s", placement=placement)
     with torch.no_grad():
         for p in model:
@@ -117,7 +120,9 @@ def test_device_placed_copies_on_two_streams_are_ordered_with_compute():
     copies must read the values as of the call (after a slow kernel still running on the current stream)
     and compute enqueued after the call must wait for them, in both directions."""
     g = torch.Generator(device="cuda").manual_seed(3)
-    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(1 << 20, device="cuda", generator=g)) for _ in range(24))
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(1 << 20, device="cuda", generator=g)) for _ in range(24)
+    )
     state = ModelState(model)
     want = [v + 1 for v in _values(model)]
     torch.cuda._sleep(50_000_000)  # the current stream stays busy while the copies are enqueued

@@ -28,7 +28,9 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "backends")) if p not in sys.path]
+sys.path[:0] = [
+    p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "backends")) if p not in sys.path
+]
 
 import test_fsdp2 as cases  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402

@@ -136,7 +136,9 @@ def test_pi_old_forward_is_bit_exact_and_current_weights_come_back(mb, residency
         mb.train_step(ddp, opt, mb.batch(spec, i, DEVICE))
     current = _weights(ddp)
     now = mb.logits(ddp, probe)
-    assert not torch.equal(current["param_data.0"], pi_old_weights["param_data.0"]), "training did not change the weights"
+    assert not torch.equal(current["param_data.0"], pi_old_weights["param_data.0"]), (
+        "training did not change the weights"
+    )
     assert not torch.equal(now, at_snapshot)
 
     with cycle.old_policy():

@@ -36,8 +36,13 @@ def test_process_executor_on_cuda(tmp_path, family, transport):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_process_executor_is_the_default_on_cuda_and_equals_the_thread_executor(tmp_path, family):
-    det = [f"model.family={family}", "run.device=cuda", "trainer.steps=6", "async_training.staleness_threshold=0",
-           "async_training.trigger_parameter_sync_step=2"]
+    det = [
+        f"model.family={family}",
+        "run.device=cuda",
+        "trainer.steps=6",
+        "async_training.staleness_threshold=0",
+        "async_training.trigger_parameter_sync_step=2",
+    ]
     proc = run(tiny(tmp_path / "p", *det), return_params=True)
     thread = run(tiny(tmp_path / "t", *det, "executor=inprocess"), return_params=True)
     assert proc.summary["rollout"]["executor"] == "process"

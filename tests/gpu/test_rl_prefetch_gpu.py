@@ -23,10 +23,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 #: deterministic (staleness 0: a schedule that does not depend on timing); an evaluation after every step parks
 #: the trainer each time, so every step prefetches params, grads and optimizer state
-COMMON = ["run.device=cuda", "executor=inprocess", "trainer.steps=6", "async_training.staleness_threshold=0",
-          "async_training.trigger_parameter_sync_step=2", "async_training.require_batches=2", "run.eval_every=1",
-          "trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
-          "trainer.old_logprob=pi_old"]
+COMMON = [
+    "run.device=cuda",
+    "executor=inprocess",
+    "trainer.steps=6",
+    "async_training.staleness_threshold=0",
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.require_batches=2",
+    "run.eval_every=1",
+    "trainer.param_offload=true",
+    "trainer.grad_offload=true",
+    "trainer.optimizer_offload=true",
+    "trainer.old_logprob=pi_old",
+]
 
 
 @pytest.mark.parametrize("family", ["builtin", "fsdp2", "megatron"])

@@ -25,7 +25,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-for _p in (ROOT / "src", ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "integrations", ROOT / "tests" / "backends"):
+for _p in (
+    ROOT / "src",
+    ROOT / "benchmarks",
+    ROOT / "tests",
+    ROOT / "tests" / "integrations",
+    ROOT / "tests" / "backends",
+):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -36,8 +42,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(device="cuda", layers=2, hidden=256, heads=4, vocab=512, seq=64, experts=4, n=3, cycles=2,
-                mixes=["device", "offloaded", "native", "mixed"])
+    base = dict(
+        device="cuda",
+        layers=2,
+        hidden=256,
+        heads=4,
+        vocab=512,
+        seq=64,
+        experts=4,
+        n=3,
+        cycles=2,
+        mixes=["device", "offloaded", "native", "mixed"],
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -54,14 +70,29 @@ def _impls(module: str) -> dict:
         verl_mod = mu if module == "megatron" else fu
         impls["verl"] = verl_mod
         # install()'s default: stateshift's SAFE functions beside verl's own others
-        impls["default-install"] = types.SimpleNamespace(**{n: getattr(ours if n in ours.SAFE else verl_mod, n)
-                                                            for n in ours.SAFE + ours.ON_REQUEST if hasattr(verl_mod, n)})
+        impls["default-install"] = types.SimpleNamespace(
+            **{
+                n: getattr(ours if n in ours.SAFE else verl_mod, n)
+                for n in ours.SAFE + ours.ON_REQUEST
+                if hasattr(verl_mod, n)
+            }
+        )
     return impls
 
 
 def _check(rows) -> None:
     for r in rows:
-        print(r["model"], r["impl"], r["mix"], "mismatches", r["mismatches"], "final_equal", r["final_equal"], "error", r["error"])
+        print(
+            r["model"],
+            r["impl"],
+            r["mix"],
+            "mismatches",
+            r["mismatches"],
+            "final_equal",
+            r["final_equal"],
+            "error",
+            r["error"],
+        )
     ours = [r for r in rows if r["impl"] in ("stateshift", "stateshift-device", "default-install")]
     assert ours
     for r in ours:

@@ -112,8 +112,16 @@ def sequence(rank, world, device="cpu", mixes=("device", "offloaded")):
     ref_model, ref_opt = F.build(device, mesh)
 
     def run(model, opt, fns, mix):
-        return run_sequence(fns, model, opt, forward=lambda s: F.logits(model, device, 100 + s),
-                            train=lambda s: F.train_step(model, opt, s, device), n=3, cycles=2, mix=mix)
+        return run_sequence(
+            fns,
+            model,
+            opt,
+            forward=lambda s: F.logits(model, device, 100 + s),
+            train=lambda s: F.train_step(model, opt, s, device),
+            n=3,
+            cycles=2,
+            mix=mix,
+        )
 
     ref = run(ref_model, ref_opt, reference_fns(), "device")
     ref_final = weights(ref_model)
@@ -161,8 +169,16 @@ def default_install_sequence(rank, world, device="cpu", buffers=True):
     ref_model, ref_opt = F.build(device, mesh, buffers=buffers)
 
     def run(model, opt, fns, mix):
-        return run_sequence(fns, model, opt, forward=lambda s: F.logits(model, device, 100 + s),
-                            train=lambda s: F.train_step(model, opt, s, device), n=3, cycles=2, mix=mix)
+        return run_sequence(
+            fns,
+            model,
+            opt,
+            forward=lambda s: F.logits(model, device, 100 + s),
+            train=lambda s: F.train_step(model, opt, s, device),
+            n=3,
+            cycles=2,
+            mix=mix,
+        )
 
     ref = run(ref_model, ref_opt, reference_fns(), "device")
     model, opt = F.build(device, mesh, buffers=buffers)
@@ -230,4 +246,6 @@ def test_plain_module_round_trip_and_the_ignored_device_id_is_said():
     with pytest.warns(UserWarning, match="goes back to cpu, where it lived, not to cuda:0"):
         V.load_fsdp_optimizer(opt, 0)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(a, b) for a, b in zip([v for st in opt.state.values() for v in st.values()], moments, strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip([v for st in opt.state.values() for v in st.values()], moments, strict=True)
+    )

@@ -89,7 +89,8 @@ def fake_verl(tmp_path, monkeypatch):
             "verl/__init__.py": f"__version__ = {version!r}\n",
             "verl/utils/__init__.py": "",
             "verl/utils/megatron_utils.py": _stub(MEGATRON) + "def unwrap_model(m):\n    return m\n",
-            "verl/utils/fsdp_utils.py": ("" if fsdp_importable else "import a_module_that_is_not_there\n") + _stub(FSDP),
+            "verl/utils/fsdp_utils.py": ("" if fsdp_importable else "import a_module_that_is_not_there\n")
+            + _stub(FSDP),
             "verl/workers/__init__.py": "",
             "verl/workers/engine/__init__.py": "",
             "verl/workers/engine/megatron_impl.py": textwrap.dedent("""
@@ -131,7 +132,9 @@ def fake_verl(tmp_path, monkeypatch):
 def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_originals(fake_verl, caplog):
     fake_verl()
     mu, fu = sys.modules["verl.utils.megatron_utils"], importlib.import_module("verl.utils.fsdp_utils")
-    engine, sep, unrelated = (sys.modules[m] for m in ("verl.workers.engine.megatron_impl", "verl.workers.separation", "verl.unrelated"))
+    engine, sep, unrelated = (
+        sys.modules[m] for m in ("verl.workers.engine.megatron_impl", "verl.workers.separation", "verl.unrelated")
+    )
     originals = {n: getattr(mu, n) for n in MEGATRON} | {n: getattr(fu, n) for n in FSDP}
     engine_before = {n: getattr(engine, n) for n in vars(engine) if n in MEGATRON}
     with caplog.at_level(logging.INFO, logger="stateshift.integrations.verl"):
@@ -147,7 +150,10 @@ def test_install_replaces_every_binding_and_uninstall_puts_back_exactly_the_orig
     assert sep.handlers() == (V.copy_megatron_model_to_cpu, V.restore_megatron_model_from_cpu)  # imported at call time
     assert unrelated.copy_megatron_model_to_cpu([]) == "mine"  # the same name bound to another function
     replaced = {(r.module, r.name) for r in inst.replaced}
-    assert {("verl.workers.engine.megatron_impl", "offload_megatron_model_to_cpu"), ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu")} <= replaced
+    assert {
+        ("verl.workers.engine.megatron_impl", "offload_megatron_model_to_cpu"),
+        ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu"),
+    } <= replaced
     assert len(replaced) == len(MEGATRON) + len(FSDP) + len(engine_before)
     assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in caplog.text
     assert "verl.workers.engine.megatron_impl.offload_megatron_model_to_cpu" in str(inst)
@@ -280,8 +286,14 @@ def test_autoinstall_through_verls_external_modules_hook(tmp_path):
         for name in filter(None, os.getenv("VERL_USE_EXTERNAL_MODULES", "").split(",")):
             importlib.import_module(name)
         """)
-    files = {"verl/__init__.py": init, "verl/utils/__init__.py": "", "verl/utils/megatron_utils.py": _stub(MEGATRON),
-             "verl/utils/fsdp_utils.py": _stub(FSDP), "verl/workers/__init__.py": "", "verl/workers/separation_worker.py": WORKER}
+    files = {
+        "verl/__init__.py": init,
+        "verl/utils/__init__.py": "",
+        "verl/utils/megatron_utils.py": _stub(MEGATRON),
+        "verl/utils/fsdp_utils.py": _stub(FSDP),
+        "verl/workers/__init__.py": "",
+        "verl/workers/separation_worker.py": WORKER,
+    }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -295,8 +307,12 @@ def test_autoinstall_through_verls_external_modules_hook(tmp_path):
         assert V.SETTINGS.placement == "device" and INSTALLATION is V.installed()
         print("ok")
         """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)]),
-           "VERL_USE_EXTERNAL_MODULES": "stateshift.integrations.verl.autoinstall",
-           "STATESHIFT_VERL_FUNCTIONS": "all", "STATESHIFT_VERL_PLACEMENT": "device"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)]),
+        "VERL_USE_EXTERNAL_MODULES": "stateshift.integrations.verl.autoinstall",
+        "STATESHIFT_VERL_FUNCTIONS": "all",
+        "STATESHIFT_VERL_PLACEMENT": "device",
+    }
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.stdout.strip() == "ok", out.stderr[-3000:]

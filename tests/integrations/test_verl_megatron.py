@@ -49,7 +49,9 @@ def assert_same(a, b, what=""):
 def optim_values(opt) -> dict[str, torch.Tensor]:
     out = {}
     for i, leaf in enumerate(getattr(opt, "chained_optimizers", [opt])):
-        for g, group in enumerate(getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups", [])):
+        for g, group in enumerate(
+            getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups", [])
+        ):
             out.update({f"{i}.m.{g}.{j}": t.detach().clone() for j, t in enumerate(group)})
         for j, st in enumerate(leaf.optimizer.state.values()):
             out.update({f"{i}.s.{j}.{k}": v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
@@ -162,8 +164,13 @@ def test_restore_refuses_what_is_not_its_handle_and_changes_nothing():
     fsdp_kind = take(V.model_state(models), "fsdp2", ["params"])
     released = V.copy_megatron_model_to_cpu(models)
     released.release()
-    cases = [({"model_chunk_0": {"buffer_states": [], "is_ddp": True}}, "dict"), (foreign, "another model"),
-             (fsdp_kind, "fsdp2 handle"), (released, "released"), (None, "nothing")]
+    cases = [
+        ({"model_chunk_0": {"buffer_states": [], "is_ddp": True}}, "dict"),
+        (foreign, "another model"),
+        (fsdp_kind, "fsdp2 handle"),
+        (released, "released"),
+        (None, "nothing"),
+    ]
     for bad, what in cases:
         with raises_kind(ObjectError, "snapshot_handle") as err:
             V.restore_megatron_model_from_cpu(models, bad)
@@ -206,6 +213,7 @@ def test_a_dropped_handle_gives_its_memory_back():
 
 # ------------------------------------------------------------------ verl's fully-async sequence
 
+
 def _run(config: str, fns, mix: str, n: int = 3, cycles: int = 2, kick: float = 0.0):
     """The sequence on a fresh model; ``kick``: after each step, move the MoE ``expert_bias`` by that much
     (a fast bias update rate, so that routing, and the old log-probs, depend on it)."""
@@ -222,8 +230,17 @@ def _run(config: str, fns, mix: str, n: int = 3, cycles: int = 2, kick: float = 
         with torch.no_grad():
             return ddp(_x(100 + step)).float().clone()
 
-    result = run_sequence(fns, models, opt, forward=forward, train=train, n=n,
-                          cycles=cycles, mix=mix, native_offload=megatron_native_offload)
+    result = run_sequence(
+        fns,
+        models,
+        opt,
+        forward=forward,
+        train=train,
+        n=n,
+        cycles=cycles,
+        mix=mix,
+        native_offload=megatron_native_offload,
+    )
     return result, (weights(models) if result.error is None else None)
 
 
@@ -248,7 +265,9 @@ def test_the_sequence_driver_sees_a_snapshot_that_misses_the_expert_bias():
     ref, ref_final = _run("distrib_ep", reference_fns(), "device", kick=1.0)
     params_only = reference_fns()
     keep = params_only.copy
-    params_only.copy = lambda m: {k: v for k, v in keep(m).items() if "expert_bias" not in k and "local_tokens" not in k}
+    params_only.copy = lambda m: {
+        k: v for k, v in keep(m).items() if "expert_bias" not in k and "local_tokens" not in k
+    }
     real_restore = params_only.restore
 
     def restore(m, saved):
@@ -262,6 +281,7 @@ def test_the_sequence_driver_sees_a_snapshot_that_misses_the_expert_bias():
 
 
 # ------------------------------------------------------------------ random sequences of every drop-in
+
 
 def _reference_step(ops, rng):
     return ops[int(torch.randint(len(ops), (1,), generator=rng))]
@@ -285,8 +305,21 @@ def test_random_sequences_of_every_function_against_a_twin_that_never_moves(seed
         assert_same(weights(models), weights([twin]), f"seed {seed}")
         assert_same(optim_values(opt), optim_values(twin_opt), f"seed {seed} optim")
 
-    ops = ["offload_model", "load_model", "load_partial", "native", "offload_opt", "load_opt", "offload_masters",
-           "load_masters", "copy", "restore", "drop_handle", "train", "check"]
+    ops = [
+        "offload_model",
+        "load_model",
+        "load_partial",
+        "native",
+        "offload_opt",
+        "load_opt",
+        "offload_masters",
+        "load_masters",
+        "copy",
+        "restore",
+        "drop_handle",
+        "train",
+        "check",
+    ]
     for _ in range(40):
         op = _reference_step(ops, rng)
         if op == "offload_model":
@@ -322,7 +355,6 @@ def test_random_sequences_of_every_function_against_a_twin_that_never_moves(seed
             check()
     check()
     assert len(core_of(V.model_state(models)).snapshots) == len(handles)
-
 
 
 def test_two_threads_share_one_state_and_lose_nothing():

@@ -20,8 +20,13 @@ from stateshift.train.launch import run
 from stateshift.train.rollout import KVRollouter, Wave
 from stateshift.train.trainer import Batch
 
-ALL_OFFLOAD = ["trainer.param_offload=true", "trainer.grad_offload=true", "trainer.optimizer_offload=true",
-               "trainer.old_logprob=pi_old", "async_training.trigger_parameter_sync_step=2"]
+ALL_OFFLOAD = [
+    "trainer.param_offload=true",
+    "trainer.grad_offload=true",
+    "trainer.optimizer_offload=true",
+    "trainer.old_logprob=pi_old",
+    "async_training.trigger_parameter_sync_step=2",
+]
 
 
 def check_run(tmp: Path, family: str, *extra: str) -> dict:
@@ -46,7 +51,9 @@ def _params(lm) -> dict[str, torch.Tensor]:
     for name, t in lm.module.state_dict().items():
         if isinstance(t, torch.Tensor):
             full = getattr(t, "full_tensor", None)
-            out[name] = (full() if callable(full) else t).detach().float().cpu().clone()  # no alias of storage an offload releases
+            out[name] = (
+                (full() if callable(full) else t).detach().float().cpu().clone()
+            )  # no alias of storage an offload releases
     return out
 
 
@@ -57,8 +64,9 @@ def check_sync_equal(tmp: Path, family: str, *extra: str) -> None:
     task, policy, trainer, rollouter = parked_trainer(cfg)
     items = [task.sample(__import__("random").Random(i)) for i in range(cfg.trainer.batch_prompts)]
     for _ in range(2):
-        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
-                          rollouter.sampling)
+        wave = Wave.start(
+            list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n, rollouter.sampling
+        )
         assert rollouter.generate(wave)
         trainer.update(Batch.of(wave.groups(task.score), task.pad_token), lambda name: _null())
         trainer.park()  # what the loop does before it waits for the next batch
@@ -115,8 +123,13 @@ def check_fresh_optimizer(tmp: Path, family: str) -> int:
     policy = build_policy(cfg, task)
     supervised_warmup(policy.lm, task, cfg.warmup, seed=0, stepper=policy.warmup_stepper(cfg.warmup.lr))
     zeroed = fresh_optimizer_state(policy.optimizer)
-    states = [t for o in _inner_optimizers(policy.optimizer) for st in o.state.values() for t in st.values()
-              if isinstance(t, torch.Tensor)]
+    states = [
+        t
+        for o in _inner_optimizers(policy.optimizer)
+        for st in o.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    ]
     assert len(states) == zeroed and all(int(t.count_nonzero()) == 0 for t in states)
     assert zeroed > 0 or family != "megatron"
     return zeroed
@@ -176,10 +189,13 @@ def check_kv_cache(tmp: Path, family: str, *extra: str) -> dict:
     assert torch.equal(cached.tokens, plain.tokens) and torch.equal(mask, plain.versions >= 0)
     dev = next(lm.module.parameters()).device
     with torch.no_grad():
-        recomputed, _ = sequence_logprobs(lm, cached.prompt_ids.to(dev), cached.prompt_mask.to(dev),
-                                          cached.tokens.to(dev), cfg.rollout.temperature)
-    diffs = {"vs_recompute": float((cached.logprobs - plain.logprobs)[mask].abs().max()),
-             "vs_sequence_logprobs": float((cached.logprobs - recomputed.cpu())[mask].abs().max())}
+        recomputed, _ = sequence_logprobs(
+            lm, cached.prompt_ids.to(dev), cached.prompt_mask.to(dev), cached.tokens.to(dev), cfg.rollout.temperature
+        )
+    diffs = {
+        "vs_recompute": float((cached.logprobs - plain.logprobs)[mask].abs().max()),
+        "vs_sequence_logprobs": float((cached.logprobs - recomputed.cpu())[mask].abs().max()),
+    }
     tol = KV_ATOL["bf16" if family == "megatron" else "fp32"]
     assert max(diffs.values()) <= tol, (diffs, tol)
     return diffs
@@ -188,8 +204,14 @@ def check_kv_cache(tmp: Path, family: str, *extra: str) -> dict:
 def check_process_equal(tmp: Path, family: str, *extra: str) -> None:
     """``executor=process`` against the thread executor at staleness 0, param offload on: the same losses, groups
     and final weights (the weights reach the rollouter process by name through shared memory)."""
-    det = [f"model.family={family}", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2",
-           "async_training.staleness_threshold=0", "trainer.param_offload=true", *extra]
+    det = [
+        f"model.family={family}",
+        "trainer.steps=4",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0",
+        "trainer.param_offload=true",
+        *extra,
+    ]
     proc = run(tiny(tmp / "process", "executor=process", *det), return_params=True)
     thread = run(tiny(tmp / "thread", "executor=inprocess", *det), return_params=True)
     assert proc.summary["rollout"]["executor"] == "process" and proc.summary["sync"]["syncs"] == 2
@@ -212,7 +234,9 @@ def main(family: str, tmp: Path) -> None:
         from megatron_bench import patch_megatron_for_cpu
 
         patch_megatron_for_cpu()
-        os.environ["STATESHIFT_TEST_ROLLOUT_PROCESS_HOOK"] = "megatron_bench:patch_megatron_for_cpu"  # its rollouter too
+        os.environ["STATESHIFT_TEST_ROLLOUT_PROCESS_HOOK"] = (
+            "megatron_bench:patch_megatron_for_cpu"  # its rollouter too
+        )
     check_run(tmp / "a", family)
     print("ok run", flush=True)
     check_run(tmp / "b", family, "trainer.old_logprob=bypass")

@@ -92,8 +92,12 @@ def install() -> None:
 
     if mode == "late_pause":
         KVRollouter.pause, KVRollouter.resume = late_pause, resume_marked
-    patches = {"slow": ("generate", slow), "slow_copy": ("update_weights", slow_copy), "raise": ("generate", boom),
-               "hang": ("generate", hang)}
+    patches = {
+        "slow": ("generate", slow),
+        "slow_copy": ("update_weights", slow_copy),
+        "raise": ("generate", boom),
+        "hang": ("generate", hang),
+    }
     if mode in patches:
         name, fn = patches[mode]
         setattr(KVRollouter, name, fn)

@@ -16,9 +16,19 @@ from stateshift.train.trainer import Batch, Trainer
 from stateshift.train.warmup import supervised_warmup
 
 TINY = [
-    "model.width=32", "model.heads=2", "warmup.steps=20", "warmup.batch_size=32", "task.heldout_size=40",
-    "trainer.batch_prompts=4", "rollout.n=4", "rollout.max_concurrent_prompts=4", "run.eval_every=1000",
-    "run.progress=none", "run.tensorboard=false", "run.plot=false", "run.torch_threads=1",
+    "model.width=32",
+    "model.heads=2",
+    "warmup.steps=20",
+    "warmup.batch_size=32",
+    "task.heldout_size=40",
+    "trainer.batch_prompts=4",
+    "rollout.n=4",
+    "rollout.max_concurrent_prompts=4",
+    "run.eval_every=1000",
+    "run.progress=none",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "run.torch_threads=1",
 ]
 
 
@@ -37,8 +47,13 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
     lm = build_policy(cfg, task).lm
     supervised_warmup(lm, task, cfg.warmup, seed=cfg.run.seed)
     r, t = cfg.rollout, cfg.trainer
-    sampling = Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                        stop_token=task.stop_token, pad_token=task.pad_token)
+    sampling = Sampling(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token=task.stop_token,
+        pad_token=task.pad_token,
+    )
     sampler = KVRollouter(lm, sampling, seed=cfg.run.seed + 1)
     prompts = random.Random(cfg.run.seed + 2)
     opt = torch.optim.Adam(lm.module.parameters(), lr=t.lr)
@@ -46,8 +61,14 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
     adaptive = 0.0
     for step in range(t.steps):
         for group in opt.param_groups:  # the trainer's schedule: warm-up, then decay over the run's updates
-            group["lr"] = algo.lr_at(step, base=t.lr, warmup=t.lr_warmup_steps, total=t.steps, schedule=t.lr_schedule,
-                                     min_ratio=t.lr_min_ratio)
+            group["lr"] = algo.lr_at(
+                step,
+                base=t.lr,
+                warmup=t.lr_warmup_steps,
+                total=t.steps,
+                schedule=t.lr_schedule,
+                min_ratio=t.lr_min_ratio,
+            )
         items = [task.sample(prompts) for _ in range(t.batch_prompts)]
         wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], r.n, sampling)
         assert sampler.generate(wave)
@@ -55,12 +76,15 @@ def sync_grpo_reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.
         with torch.no_grad():
             l_p = sequence_logprobs(lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, r.temperature)[0]
         adv = algo.grpo_advantages(batch.rewards, norm_std=t.norm_adv_std).reshape(-1)
-        bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=t.behaviour_weight, level=t.weight_level,
-                                    cap=t.weight_cap)
-        l_t, entropy = sequence_logprobs(lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, r.temperature,
-                                         with_entropy=True)
-        loss, _ = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=t.clip_low, clip_high=t.clip_high,
-                                clip_c=t.clip_c)
+        bw = algo.behaviour_weights(
+            l_p, batch.l_b, batch.mask, kind=t.behaviour_weight, level=t.weight_level, cap=t.weight_cap
+        )
+        l_t, entropy = sequence_logprobs(
+            lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, r.temperature, with_entropy=True
+        )
+        loss, _ = algo.ppo_loss(
+            l_t, l_p, adv, bw.weight, bw.mask, clip_low=t.clip_low, clip_high=t.clip_high, clip_c=t.clip_c
+        )
         coef = t.entropy_coef + adaptive
         if coef > 0:
             loss = loss - coef * algo.masked_mean(entropy, batch.mask)

@@ -41,8 +41,12 @@ def step(m: torch.nn.Module, k: int) -> None:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Bit for bit (NaN-safe: compares the bytes)."""
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and
-                                        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None:
@@ -81,7 +85,9 @@ def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     return start_many(fn, [args])[0]
 
 
-def start_many(fn: Callable[..., None], args: list[tuple[Any, ...]], ready: Callable[[], None] | None = None) -> list[tuple[Any, Any]]:
+def start_many(
+    fn: Callable[..., None], args: list[tuple[Any, ...]], ready: Callable[[], None] | None = None
+) -> list[tuple[Any, Any]]:
     """Start ``fn(*a, conn)`` for each ``a`` at once (call ``ready()`` meanwhile, if given); then wait for each
     one's first message (``"ready"``)."""
     out = []

@@ -78,7 +78,12 @@ def test_run_computes_old_logits_under_pi_old_and_trains_the_current_weights(pla
     assert cycle.stats.placement == ("host" if placement == "auto" else placement)
     if placement != "device" or core_of(state).engine.device is None:
         assert cycle.stats.pcie_bytes == cycle.stats.device_bytes == 0 and cycle.stats.host_bytes > 0
-    assert (cycle.stats.snapshots, cycle.stats.swaps, cycle.stats.skipped_swaps, cycle.stats.rebuilds) == (1, N - 1, 1, 0)
+    assert (cycle.stats.snapshots, cycle.stats.swaps, cycle.stats.skipped_swaps, cycle.stats.rebuilds) == (
+        1,
+        N - 1,
+        1,
+        0,
+    )
     assert find_rebuild(state) is None and cycle.rebuild is None
     assert "pi_old" not in {t for t, _ in core_of(state).snapshots.keys()}  # noqa: SIM118  # released at the end
 
@@ -113,7 +118,12 @@ def test_one_minibatch_needs_no_snapshot_and_skip_first_can_be_turned_off():
     cycle = PiOldCycle(state)
     cycle.run([batch(SMALL, 1)], lambda ids: _old_logits(model, ids), lambda ids: train_step(model, opt, 1))
     assert cycle.stats.snapshots == 0 and cycle.stats.swaps == 0
-    cycle.run([batch(SMALL, 2)] * 2, lambda ids: _old_logits(model, ids), lambda ids: train_step(model, opt, 2), skip_first=False)
+    cycle.run(
+        [batch(SMALL, 2)] * 2,
+        lambda ids: _old_logits(model, ids),
+        lambda ids: train_step(model, opt, 2),
+        skip_first=False,
+    )
     assert cycle.stats.snapshots == 1 and cycle.stats.swaps == 2 and cycle.stats.skipped_swaps == 1
 
 
@@ -269,10 +279,22 @@ def test_auto_rebuild_stashes_on_the_device_when_a_stash_fits_and_rebuilds_when_
     p = state.layout("params").total
     need = sum(state.layout(g).total for g in default_groups(state))
     headroom = 4 * gib  # the default: max(1 GiB, 5 % of 80 GiB)
-    auto, forced, never = PiOldCycle(state), PiOldCycle(state, rebuild=find_rebuild(state)), PiOldCycle(state, rebuild=None)
-    assert auto._decide() == ("device", False) and forced._decide() == ("device", True) and never._decide() == ("device", False)
+    auto, forced, never = (
+        PiOldCycle(state),
+        PiOldCycle(state, rebuild=find_rebuild(state)),
+        PiOldCycle(state, rebuild=None),
+    )
+    assert (
+        auto._decide() == ("device", False)
+        and forced._decide() == ("device", True)
+        and never._decide() == ("device", False)
+    )
     free["bytes"] = headroom + 2 * need - p  # pi_old and the buffers' stash fit, a stash of the params too does not
-    assert auto._decide() == ("device", True) and forced._decide() == ("device", True) and never._decide() == ("host", False)
+    assert (
+        auto._decide() == ("device", True)
+        and forced._decide() == ("device", True)
+        and never._decide() == ("host", False)
+    )
     free["bytes"] = headroom + need - 1  # not even pi_old
     assert auto._decide() == ("host", True) and never._decide() == ("host", False)
     assert PiOldCycle(state, placement="host")._decide() == ("host", True)
@@ -325,7 +347,9 @@ def test_host_placement_counts_the_swaps_host_stash_against_the_pool_budget(tmp_
 
     model = make()[0]
     need = ModelState(model).layout("params").total + ModelState(model).layout("buffers").total
-    state = ModelState(model, pool=HostPool(budget_bytes=need + need // 2), disk_dir=tmp_path / "d", disk_window_bytes=4 << 10)
+    state = ModelState(
+        model, pool=HostPool(budget_bytes=need + need // 2), disk_dir=tmp_path / "d", disk_window_bytes=4 << 10
+    )
     cycle = PiOldCycle(state)
     assert cycle.choose_placement() == "disk"
     weights = {k: v.clone() for k, v in model.state_dict().items()}

@@ -22,8 +22,7 @@ def _worker(seed: int = 0) -> RolloutWorker:
     control = RunControl()
     rollouter = KVRollouter(BuiltinLM(build_gpt(seed=1)), sampling, seed=seed)
     hub = QueueHub(AsyncConfig(staleness_threshold=1.0), 4, task, seed=seed + 1, cond=control.cond)
-    return RolloutWorker(rollouter, task, hub, WeightChannel(control, rollouter.pause), control, n=3,
-                         wave_prompts=4)
+    return RolloutWorker(rollouter, task, hub, WeightChannel(control, rollouter.pause), control, n=3, wave_prompts=4)
 
 
 def _advance(w: RolloutWorker, *, pause_after_tokens: int | None = None) -> None:

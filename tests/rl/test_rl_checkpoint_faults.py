@@ -16,8 +16,11 @@ from rl.rlkit import tiny
 from stateshift.train.checkpointing import SIDECAR
 from stateshift.train.launch import run
 
-COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-          "run.checkpoint_every=2"]
+COMMON = [
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "run.checkpoint_every=2",
+]
 
 
 def test_resume_rewrites_a_step_the_killed_run_left_behind(tmp_path):
@@ -122,8 +125,9 @@ def test_sigkill_inside_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     inside = []
     for attempt in range(2):
         root = tmp_path / f"attempt-{attempt}"
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             durations = _saves_until(proc, 3)
             time.sleep(rng.uniform(0.0, 0.8) * min(durations))  # a random moment inside save 3

@@ -23,36 +23,42 @@ def test_unknown_key_fails_naming_it(capsys):
     assert "'rollout.nn': unknown key" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override, key", [
-    ("trainer.lr=-1", "trainer.lr"),
-    ("trainer.lr=fast", "trainer.lr"),
-    ("rollout.n=1", "rollout.n"),
-    ("rollout.n=2.5", "rollout.n"),
-    ("trainer.old_logprob=recompute", "trainer.old_logprob"),
-    ("trainer.param_offload=maybe", "trainer.param_offload"),
-    ("async_training.staleness_threshold=-0.1", "async_training.staleness_threshold"),
-    ("run.checkpoint_every=3", "run.checkpoint_every"),
-    ("model.heads=3", "model.width"),
-    ("nosection.x=1", "nosection"),
-    ("trainer=1", "trainer"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.lr=-1", "trainer.lr"),
+        ("trainer.lr=fast", "trainer.lr"),
+        ("rollout.n=1", "rollout.n"),
+        ("rollout.n=2.5", "rollout.n"),
+        ("trainer.old_logprob=recompute", "trainer.old_logprob"),
+        ("trainer.param_offload=maybe", "trainer.param_offload"),
+        ("async_training.staleness_threshold=-0.1", "async_training.staleness_threshold"),
+        ("run.checkpoint_every=3", "run.checkpoint_every"),
+        ("model.heads=3", "model.width"),
+        ("nosection.x=1", "nosection"),
+        ("trainer=1", "trainer"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with raises_kind(ConfigError, "config") as info:
         resolve(None, [override])
     assert info.value.key == key, str(info.value)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["trainer.weight_level=sequence"], "trainer.weight_level"),  # the old ambiguous name: product or geomean?
-    (["task.name=longtail"], "rollout.max_new_tokens"),  # 5 tokens cannot hold 7 per term
-    (["task.name=longtail", "rollout.max_new_tokens=448", "model.family=fsdp2"], "task.name"),
-    (["task.name=longtail", "rollout.max_new_tokens=448", "run.checkpoint_every=4"], "run.checkpoint_every"),
-    (["rollout.batching=continuous", "run.checkpoint_every=4"], "rollout.batching"),
-    (["rollout.batching=continuous", "executor=ray"], "rollout.batching"),
-    (["async_training.mode=sync", "async_training.max_queue_size=100"], "async_training.max_queue_size"),
-    (["trainer.lr_min_ratio=2"], "trainer.lr_min_ratio"),
-    (["task.warmup_max_terms=100"], "task.warmup_max_terms"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.weight_level=sequence"], "trainer.weight_level"),  # the old ambiguous name: product or geomean?
+        (["task.name=longtail"], "rollout.max_new_tokens"),  # 5 tokens cannot hold 7 per term
+        (["task.name=longtail", "rollout.max_new_tokens=448", "model.family=fsdp2"], "task.name"),
+        (["task.name=longtail", "rollout.max_new_tokens=448", "run.checkpoint_every=4"], "run.checkpoint_every"),
+        (["rollout.batching=continuous", "run.checkpoint_every=4"], "rollout.batching"),
+        (["rollout.batching=continuous", "executor=ray"], "rollout.batching"),
+        (["async_training.mode=sync", "async_training.max_queue_size=100"], "async_training.max_queue_size"),
+        (["trainer.lr_min_ratio=2"], "trainer.lr_min_ratio"),
+        (["task.warmup_max_terms=100"], "task.warmup_max_terms"),
+    ],
+)
 def test_bad_combinations_name_the_key(overrides, key):
     with raises_kind(ConfigError, "config") as info:
         resolve(None, overrides)
@@ -63,7 +69,12 @@ def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("trainer:\n  lr: 0.002\n  old_logprob: proximal\nrollout:\n  n: 4\n")
     cfg = resolve(path, ["trainer.lr=1e-3", "rollout.n=8", "async_training.max_lag=null"])
-    assert (cfg.trainer.lr, cfg.trainer.old_logprob, cfg.rollout.n, cfg.async_training.max_lag) == (1e-3, "proximal", 8, None)
+    assert (cfg.trainer.lr, cfg.trainer.old_logprob, cfg.rollout.n, cfg.async_training.max_lag) == (
+        1e-3,
+        "proximal",
+        8,
+        None,
+    )
     path.write_text("trainer:\n  lrr: 1\n")
     with raises_kind(ConfigError, "config", match="trainer.lrr"):
         resolve(path)
@@ -103,14 +114,26 @@ def test_outputs_of_a_run(tmp_path):
     from stateshift.train.launch import run
 
     stream = io.StringIO()
-    result = run(tiny(tmp_path, "trainer.steps=4", "run.progress=auto", "run.plot=true", "run.eval_every=2"),
-                 stream=stream)
+    result = run(
+        tiny(tmp_path, "trainer.steps=4", "run.progress=auto", "run.plot=true", "run.eval_every=2"), stream=stream
+    )
     text = stream.getvalue()
     assert "\r" not in text and "step 4/4" in text and "held-out accuracy after warm-up" in text
     records = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "heldout_accuracy" in records[1]
-    for key in ("reward", "accuracy", "entropy", "clip_fraction", "staleness_tokens", "behaviour_weight_max", "ess",
-                "queue_depth", "time_update_s_total", "offload_bytes_total", "pi_old_bytes_total"):
+    for key in (
+        "reward",
+        "accuracy",
+        "entropy",
+        "clip_fraction",
+        "staleness_tokens",
+        "behaviour_weight_max",
+        "ess",
+        "queue_depth",
+        "time_update_s_total",
+        "offload_bytes_total",
+        "pi_old_bytes_total",
+    ):
         assert key in records[-1], key
     assert (result.out_dir / "curves.png").stat().st_size > 10_000
     summary = json.loads((result.out_dir / "summary.json").read_text())
@@ -145,18 +168,21 @@ def test_executor_ray_takes_every_family_and_the_gpu(override, monkeypatch):
     assert resolve(None, ["executor=ray", override]).executor == "ray"
 
 
-@pytest.mark.parametrize("override, key", [
-    ("trainer.lr=.inf", "trainer.lr"),
-    ("trainer.lr=inf", "trainer.lr"),
-    ("trainer.lr=nan", "trainer.lr"),
-    ("trainer.grad_clip=.nan", "trainer.grad_clip"),
-    ("trainer.kl_coef=.inf", "trainer.kl_coef"),
-    ("rollout.temperature=-.inf", "rollout.temperature"),
-    ("run.watchdog_s=.inf", "run.watchdog_s"),
-    ("run.max_wall_s=.inf", "run.max_wall_s"),
-    ("ray.trainer_cpus=inf", "ray.trainer_cpus"),
-    ("trainer.lr=" + "9" * 400, "trainer.lr"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.lr=.inf", "trainer.lr"),
+        ("trainer.lr=inf", "trainer.lr"),
+        ("trainer.lr=nan", "trainer.lr"),
+        ("trainer.grad_clip=.nan", "trainer.grad_clip"),
+        ("trainer.kl_coef=.inf", "trainer.kl_coef"),
+        ("rollout.temperature=-.inf", "rollout.temperature"),
+        ("run.watchdog_s=.inf", "run.watchdog_s"),
+        ("run.max_wall_s=.inf", "run.max_wall_s"),
+        ("ray.trainer_cpus=inf", "ray.trainer_cpus"),
+        ("trainer.lr=" + "9" * 400, "trainer.lr"),
+    ],
+)
 def test_non_finite_numbers_are_refused_naming_the_key(override, key, tmp_path):
     with raises_kind(ConfigError, "config") as info:
         resolve(None, [override])
@@ -201,8 +227,9 @@ def test_yaml_bomb_under_a_known_key_is_refused_quickly_in_bounded_memory(tmp_pa
     path = tmp_path / "bomb.yaml"
     limit = 4 * 2**30  # far below what formatting the expanded bomb takes (tens of GB)
     path.write_text(BOMB)
-    out = subprocess.run([sys.executable, "-c", BOUNDED, str(path), str(limit)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", BOUNDED, str(path), str(limit)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.startswith("ConfigError"), out.stderr[-2000:]
     _, _, length, seconds = out.stdout.split()
     assert int(length) < 400 and float(seconds) < 5

@@ -24,8 +24,9 @@ TASK = LongTailTask(max_terms=4, warmup_max_terms=2, heldout_size=20)
 
 
 def _model(seed: int = 0) -> BuiltinLM:
-    return BuiltinLM(build_gpt(GPTConfig(vocab=TASK.vocab_size, width=32, heads=2, max_len=TASK.max_prompt_len + 28),
-                               seed=seed))
+    return BuiltinLM(
+        build_gpt(GPTConfig(vocab=TASK.vocab_size, width=32, heads=2, max_len=TASK.max_prompt_len + 28), seed=seed)
+    )
 
 
 def _sampling(temperature: float) -> Sampling:
@@ -33,8 +34,9 @@ def _sampling(temperature: float) -> Sampling:
 
 
 def _continuous(lm, items, temperature, slots=4, n=2, seed=0):
-    eng = ContinuousEngine(BuiltinSlotLM(lm), _sampling(temperature), slots, n, torch.Generator().manual_seed(seed),
-                           torch.device("cpu"))
+    eng = ContinuousEngine(
+        BuiltinSlotLM(lm), _sampling(temperature), slots, n, torch.Generator().manual_seed(seed), torch.device("cpu")
+    )
     eng.add([(uid, it, TASK.prompt(it)) for uid, it in enumerate(items)])
     eng.version = 0
     groups, steps = [], 0
@@ -100,9 +102,17 @@ def test_sampled_lengths_follow_the_waves_distribution_with_every_slot_busy():
 
 
 def test_run_with_continuous_batching_on_the_longtail_task(tmp_path):
-    cfg = tiny(tmp_path, "task.name=longtail", "task.max_terms=4", "task.warmup_max_terms=2", "rollout.max_new_tokens=28",
-               "rollout.batching=continuous", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2",
-               "async_training.staleness_threshold=0.5")
+    cfg = tiny(
+        tmp_path,
+        "task.name=longtail",
+        "task.max_terms=4",
+        "task.warmup_max_terms=2",
+        "rollout.max_new_tokens=28",
+        "rollout.batching=continuous",
+        "trainer.steps=4",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0.5",
+    )
     result = run(cfg)
     s = result.summary
     assert s["status"] == "finished" and s["ledger"]["trained"] == 16

@@ -17,8 +17,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def test_on_policy_async_equals_sync_grpo_bit_for_bit(tmp_path):
     """trigger_parameter_sync_step=1, staleness 0: every sample is drawn by the weights it trains: synchronous GRPO."""
-    cfg = tiny(tmp_path, "trainer.steps=6", "async_training.trigger_parameter_sync_step=1",
-               "async_training.staleness_threshold=0")
+    cfg = tiny(
+        tmp_path,
+        "trainer.steps=6",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=0",
+    )
     assert cfg.trainer.old_logprob == "pi_old" and cfg.trainer.param_offload  # the default path, offload included
     result = run(cfg, return_params=True)
     ref_losses, ref_params = sync_grpo_reference(cfg)
@@ -32,10 +36,19 @@ def test_on_policy_async_equals_sync_grpo_bit_for_bit(tmp_path):
 
 def test_reference_detects_a_difference(tmp_path):
     """The comparison above can fail: one more update (or another seed) changes the losses and weights."""
-    cfg = tiny(tmp_path, "trainer.steps=3", "async_training.trigger_parameter_sync_step=1",
-               "async_training.staleness_threshold=0")
-    other = tiny(tmp_path, "trainer.steps=3", "async_training.trigger_parameter_sync_step=1",
-                 "async_training.staleness_threshold=0", "trainer.lr=5e-3")
+    cfg = tiny(
+        tmp_path,
+        "trainer.steps=3",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=0",
+    )
+    other = tiny(
+        tmp_path,
+        "trainer.steps=3",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=0",
+        "trainer.lr=5e-3",
+    )
     assert sync_grpo_reference(cfg)[0][1:] != sync_grpo_reference(other)[0][1:]
 
 
@@ -44,9 +57,16 @@ def test_pi_old_with_param_and_optimizer_offload(tmp_path):
 
     The trainer parks only before it waits for samples, or after an evaluation: an evaluation after every step
     makes every update start from offloaded state, whatever the queue does."""
-    cfg = tiny(tmp_path, "trainer.steps=8", "async_training.trigger_parameter_sync_step=2",
-               "async_training.staleness_threshold=0.5", "trainer.param_offload=true",
-               "trainer.optimizer_offload=true", "trainer.grad_offload=true", "run.eval_every=1")
+    cfg = tiny(
+        tmp_path,
+        "trainer.steps=8",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0.5",
+        "trainer.param_offload=true",
+        "trainer.optimizer_offload=true",
+        "trainer.grad_offload=true",
+        "run.eval_every=1",
+    )
     result = run(cfg)
     s = result.summary
     assert s["status"] == "finished" and result.steps == 8
@@ -55,13 +75,19 @@ def test_pi_old_with_param_and_optimizer_offload(tmp_path):
     assert max(r["pi_old_same_version_max_abs_diff"] for r in records) <= 1e-5
     # pi_old was really used (swaps while offloaded) and really differs from the current weights:
     assert s["pi_old"]["swaps"] >= 4 and max(r["kl_current_proximal"] != 0 for r in records)
-    assert {"offload.params", "offload.optim", "offload.grads", "onload.params", "onload.optim"} <= s["offload"]["bytes"].keys()
+    assert {"offload.params", "offload.optim", "offload.grads", "onload.params", "onload.optim"} <= s["offload"][
+        "bytes"
+    ].keys()
     assert s["offload"]["bytes"]["offload.optim"] > 0 and s["offload"]["bytes"]["offload.params"] > 0
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-              "run.checkpoint_every=2", "trainer.optimizer_offload=true"]
+    common = [
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0",
+        "run.checkpoint_every=2",
+        "trainer.optimizer_offload=true",
+    ]
     full = run(tiny(tmp_path / "a", "trainer.steps=6", *common), return_params=True)
     first = run(tiny(tmp_path / "b", "trainer.steps=5", *common))  # stopped after step 5; last checkpoint: step 4
     assert (first.out_dir / "checkpoints" / "latest").read_text() == "step-4"
@@ -85,12 +111,21 @@ def _records(out_dir):
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("overrides", [
-    ["trainer.old_logprob=bypass", "trainer.weight_level=sequence_product"],
-    ["trainer.old_logprob=loglinear", "trainer.weight_level=sequence_geomean", "async_training.require_batches=2"],
-    ["trainer.old_logprob=proximal", "trainer.behaviour_weight=mask", "trainer.kl_coef=0.1",
-     "async_training.max_head_offpolicyness=1", "async_training.max_lag=2", "async_training.partial_rollout=false"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.old_logprob=bypass", "trainer.weight_level=sequence_product"],
+        ["trainer.old_logprob=loglinear", "trainer.weight_level=sequence_geomean", "async_training.require_batches=2"],
+        [
+            "trainer.old_logprob=proximal",
+            "trainer.behaviour_weight=mask",
+            "trainer.kl_coef=0.1",
+            "async_training.max_head_offpolicyness=1",
+            "async_training.max_lag=2",
+            "async_training.partial_rollout=false",
+        ],
+    ],
+)
 def test_other_modes_run(tmp_path, overrides):
     result = run(tiny(tmp_path, "trainer.steps=6", "async_training.trigger_parameter_sync_step=2", *overrides))
     s = result.summary

@@ -31,9 +31,20 @@ def assets(tmp_path_factory):
 
 
 def file_cfg(assets, tmp_path, *overrides):
-    return resolve(None, ["task.name=file", f"task.train_path={assets['train']}", f"task.heldout_path={assets['heldout']}",
-                          f"model.hf_path={assets['model']}", "model.family=hf", *example.SETTINGS,
-                          "task.chat_template=true", f"run.out_dir={tmp_path / 'run'}", *overrides])
+    return resolve(
+        None,
+        [
+            "task.name=file",
+            f"task.train_path={assets['train']}",
+            f"task.heldout_path={assets['heldout']}",
+            f"model.hf_path={assets['model']}",
+            "model.family=hf",
+            *example.SETTINGS,
+            "task.chat_template=true",
+            f"run.out_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
 
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -60,10 +71,20 @@ def test_without_the_chat_template_the_text_is_encoded_as_it_is(assets, tmp_path
 
 
 def test_messages_field_and_nested_answer_key(assets, tmp_path):
-    train = write_jsonl(tmp_path / "m.jsonl", [json.dumps({"chat": [{"role": "user", "content": "what is 1 + 2 ?"}],
-                                                           "reward_model": {"ground_truth": "3"}})])
-    task = build_task(file_cfg(assets, tmp_path, f"task.train_path={train}", f"task.heldout_path={train}",
-                               "task.messages_key=chat", "task.answer_key=reward_model.ground_truth"))
+    train = write_jsonl(
+        tmp_path / "m.jsonl",
+        [json.dumps({"chat": [{"role": "user", "content": "what is 1 + 2 ?"}], "reward_model": {"ground_truth": "3"}})],
+    )
+    task = build_task(
+        file_cfg(
+            assets,
+            tmp_path,
+            f"task.train_path={train}",
+            f"task.heldout_path={train}",
+            "task.messages_key=chat",
+            "task.answer_key=reward_model.ground_truth",
+        )
+    )
     assert task.tokenizer.decode(task.prompt(0)) == "<user> what is 1 + 2 ? <assistant>"
     ids = task.tokenizer.encode("3", add_special_tokens=False)
     assert task.score(0, [*ids, task.stop_token]) == (1.0, True)
@@ -87,8 +108,10 @@ def test_parquet_and_jsonl_read_the_same_samples(assets, tmp_path):
 
 def test_overlong_prompts_are_skipped_counted_and_warned_never_truncated(assets, tmp_path):
     long = "what is " + " + ".join(["1"] * 10) + " ?"
-    train = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"prompt": "what is 1 + 2 ?", "answer": "3"}),
-                                               json.dumps({"prompt": long, "answer": "10"})])
+    train = write_jsonl(
+        tmp_path / "t.jsonl",
+        [json.dumps({"prompt": "what is 1 + 2 ?", "answer": "3"}), json.dumps({"prompt": long, "answer": "10"})],
+    )
     with pytest.warns(UserWarning, match=r"skipped 1 prompt.*t.jsonl:2 \(24 tokens\).*not truncated"):
         task = build_task(file_cfg(assets, tmp_path, f"task.train_path={train}"))
     assert task.skipped_long == {"train": 1, "heldout": 0} and task.n_train == 1
@@ -120,14 +143,17 @@ def test_each_epoch_is_a_permutation_fixed_by_the_seed(assets, tmp_path):
 # -- bad input, each named ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("lines", "match", "line", "key"), [
-    (['{"prompt": "what is 1 + 2 ?"}', '{"question": "x"}'], "no field 'prompt'", 2, "prompt"),
-    (['{"prompt": "what is 1 + 2 ?"}', '', '{"prompt": "what is 1 +'], "malformed JSON", 3, None),
-    (['["what is 1 + 2 ?"]'], "must hold a JSON object", 1, None),
-    ([], "empty: no records", None, None),
-    (['{"prompt": 7}'], "must be a string or a list", 1, "prompt"),
-    (['{"prompt": ""}'], "empty prompt", 1, "prompt"),
-])
+@pytest.mark.parametrize(
+    ("lines", "match", "line", "key"),
+    [
+        (['{"prompt": "what is 1 + 2 ?"}', '{"question": "x"}'], "no field 'prompt'", 2, "prompt"),
+        (['{"prompt": "what is 1 + 2 ?"}', "", '{"prompt": "what is 1 +'], "malformed JSON", 3, None),
+        (['["what is 1 + 2 ?"]'], "must hold a JSON object", 1, None),
+        ([], "empty: no records", None, None),
+        (['{"prompt": 7}'], "must be a string or a list", 1, "prompt"),
+        (['{"prompt": ""}'], "empty prompt", 1, "prompt"),
+    ],
+)
 def test_bad_training_file_names_file_line_and_field(assets, tmp_path, lines, match, line, key):
     bad = write_jsonl(tmp_path / "bad.jsonl", lines)
     with raises_kind(ConfigError, "data_file", match=match) as err:
@@ -180,8 +206,16 @@ def test_config_keys_required_for_a_file_task_are_named():
         resolve(None, ["task.name=file", "task.train_path=a.jsonl", "task.heldout_path=b.jsonl"])
     assert err.value.key == "task.tokenizer_path"
     with raises_kind(ConfigError, "config") as err:
-        resolve(None, ["task.name=file", "task.train_path=a.jsonl", "task.heldout_path=b.jsonl",
-                       "model.hf_path=m", "model.family=megatron"])
+        resolve(
+            None,
+            [
+                "task.name=file",
+                "task.train_path=a.jsonl",
+                "task.heldout_path=b.jsonl",
+                "model.hf_path=m",
+                "model.family=megatron",
+            ],
+        )
     assert err.value.key == "model.family"
     with raises_kind(ConfigError, "config") as err:
         resolve(None, ["task.name=files"])
@@ -190,9 +224,20 @@ def test_config_keys_required_for_a_file_task_are_named():
 
 def test_every_new_key_is_documented_for_help():
     docs = {key: doc for key, _, doc in field_docs()}
-    for key in ("task.train_path", "task.heldout_path", "task.prompt_key", "task.messages_key", "task.answer_key",
-                "task.max_prompt_len", "task.chat_template", "task.shuffle", "task.tokenizer_path", "reward.fn",
-                "reward.on_error", "reward.correct_at"):
+    for key in (
+        "task.train_path",
+        "task.heldout_path",
+        "task.prompt_key",
+        "task.messages_key",
+        "task.answer_key",
+        "task.max_prompt_len",
+        "task.chat_template",
+        "task.shuffle",
+        "task.tokenizer_path",
+        "reward.fn",
+        "reward.on_error",
+        "reward.correct_at",
+    ):
         assert docs[key], key
 
 
@@ -254,10 +299,14 @@ def test_on_error_zero_counts_instead_of_raising():
     assert reward.zeroed == 2
 
 
-@pytest.mark.parametrize(("spec", "match"), [
-    ("no_such_package_xyz.mod:fn", "does not import"), (f"{__name__}:missing", "no callable 'missing'"),
-    ("exactmatch", "neither a built-in"),
-])
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_package_xyz.mod:fn", "does not import"),
+        (f"{__name__}:missing", "no callable 'missing'"),
+        ("exactmatch", "neither a built-in"),
+    ],
+)
 def test_a_reward_path_that_does_not_load_is_named(assets, tmp_path, spec, match):
     with raises_kind(RunError, "reward", match=match) as err:
         build_task(file_cfg(assets, tmp_path, f"reward.fn={spec}"))
@@ -274,9 +323,17 @@ def test_task_warmup_pairs_need_answers(assets, tmp_path):
 
 # -- runs: end to end, resume -------------------------------------------------------------------------------
 
-RUN = ["warmup.steps=5", "trainer.batch_prompts=4", "rollout.n=4", "rollout.max_concurrent_prompts=4",
-       "async_training.staleness_threshold=0", "run.checkpoint_every=4", "run.eval_every=1000", "run.plot=false",
-       "task.heldout_size=8"]
+RUN = [
+    "warmup.steps=5",
+    "trainer.batch_prompts=4",
+    "rollout.n=4",
+    "rollout.max_concurrent_prompts=4",
+    "async_training.staleness_threshold=0",
+    "run.checkpoint_every=4",
+    "run.eval_every=1000",
+    "run.plot=false",
+    "task.heldout_size=8",
+]
 
 
 def small_train(assets, tmp_path) -> Path:
@@ -293,8 +350,14 @@ def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeyp
 
     trained: list[tuple[int, tuple[int, ...]]] = []  # (row, prompt) of every group trained, in order
     update = Trainer.update
-    monkeypatch.setattr(Trainer, "update", lambda self, batch, timer, **kw: (
-        trained.extend((g.item, g.prompt) for g in batch.groups), update(self, batch, timer, **kw))[1])
+    monkeypatch.setattr(
+        Trainer,
+        "update",
+        lambda self, batch, timer, **kw: (
+            trained.extend((g.item, g.prompt) for g in batch.groups),
+            update(self, batch, timer, **kw),
+        )[1],
+    )
     train = small_train(assets, tmp_path)
     run(file_cfg(assets, tmp_path / "a", f"task.train_path={train}", "trainer.steps=8", *RUN))
     whole, trained[:] = list(trained), []
@@ -304,8 +367,9 @@ def test_resume_mid_epoch_continues_at_the_same_sample(assets, tmp_path, monkeyp
     assert set(pos) == {"data_samples", "data_epoch", "data_offset", "data_train_sha256"}
     assert pos["data_samples"] == side.capture.next_uid and 0 < pos["data_offset"] < 12 and pos["data_epoch"] >= 1
     assert all(isinstance(v, (int, str)) for v in pos.values())
-    resumed = run(file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=8", *RUN),
-                  resume=first.out_dir)
+    resumed = run(
+        file_cfg(assets, tmp_path / "b", f"task.train_path={train}", "trainer.steps=8", *RUN), resume=first.out_dir
+    )
     assert trained == whole and len(whole) == 32  # the same rows, in the same order, across the resume
     rows = [row for row, _ in whole]
     assert sorted(rows[:12]) == sorted(rows[12:24]) == list(range(12)) and rows[:12] != rows[12:24]
@@ -340,7 +404,8 @@ def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(
     shutil.copytree(assets["model"], sharded)
     (sharded / "model.safetensors").unlink()
     AutoModelForCausalLM.from_pretrained(assets["model"], local_files_only=True).save_pretrained(
-        sharded, max_shard_size="20KB")
+        sharded, max_shard_size="20KB"
+    )
     shards = sorted(sharded.glob("model-*.safetensors"))
     assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
     whole = load_hf(str(assets["model"]), 1, seed=0).state_dict()

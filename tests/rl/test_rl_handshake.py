@@ -37,9 +37,15 @@ def test_a_pause_that_lands_after_the_rollouter_resumed_does_not_stall_the_run(t
 
     monkeypatch.setattr(KVRollouter, "pause", late_pause)
     monkeypatch.setattr(KVRollouter, "resume", resume)
-    cfg = tiny(tmp_path, "trainer.steps=4", "async_training.trigger_parameter_sync_step=1",
-               "async_training.staleness_threshold=0", "async_training.partial_rollout=true",
-               "run.watchdog_s=1", "run.stall_timeout_s=4")
+    cfg = tiny(
+        tmp_path,
+        "trainer.steps=4",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=0",
+        "async_training.partial_rollout=true",
+        "run.watchdog_s=1",
+        "run.stall_timeout_s=4",
+    )
     result = run(cfg)
     assert result.summary["status"] == "finished" and result.steps == 4
     assert result.summary["ledger"]["trained"] == 4 * 4

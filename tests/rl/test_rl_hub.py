@@ -18,10 +18,21 @@ def _hub(**cfg) -> QueueHub:
 
 def _groups(pairs, version: int = 0) -> list[Group]:
     t = torch.zeros(2, 3, dtype=torch.long)
-    return [Group(uid=uid, item=item, prompt=(1,), tokens=t, mask=torch.ones(2, 3, dtype=torch.bool),
-                  logprobs=torch.zeros(2, 3), versions=torch.full((2, 3), version), rewards=torch.zeros(2),
-                  exact=torch.zeros(2, dtype=torch.bool), finished=torch.ones(2, dtype=torch.bool))
-            for uid, item in pairs]
+    return [
+        Group(
+            uid=uid,
+            item=item,
+            prompt=(1,),
+            tokens=t,
+            mask=torch.ones(2, 3, dtype=torch.bool),
+            logprobs=torch.zeros(2, 3),
+            versions=torch.full((2, 3), version),
+            rewards=torch.zeros(2),
+            exact=torch.zeros(2, dtype=torch.bool),
+            finished=torch.ones(2, dtype=torch.bool),
+        )
+        for uid, item in pairs
+    ]
 
 
 def _take_all(hub: QueueHub) -> list[int]:
@@ -83,8 +94,13 @@ def test_orphans_survive_a_capture(tmp_path):
     from stateshift.train.executors.base import RolloutCapture
     from stateshift.train.sidecar import read_sidecar, write_sidecar
 
-    write_sidecar(tmp_path, step=1, version=1, extra={},
-                  capture=RolloutCapture(version=1, sample_rng=torch.Generator().get_state(), wave=None, **part))
+    write_sidecar(
+        tmp_path,
+        step=1,
+        version=1,
+        extra={},
+        capture=RolloutCapture(version=1, sample_rng=torch.Generator().get_state(), wave=None, **part),
+    )
     other = _hub()
     other.restore(read_sidecar(tmp_path).capture)
     assert other.start(0, 1, 8) == wave  # handed out first after the resume

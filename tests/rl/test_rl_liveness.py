@@ -94,17 +94,34 @@ def test_hung_rollouter_is_reported_then_stopped(tmp_path, monkeypatch):
 
 
 def _train_cmd(out, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "stateshift.cli", "train", "trainer.steps=100000", "warmup.steps=5",
-            "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",
-            "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
-            "run.torch_threads=1", f"run.out_dir={out}", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "stateshift.cli",
+        "train",
+        "trainer.steps=100000",
+        "warmup.steps=5",
+        "task.heldout_size=20",
+        "model.width=32",
+        "model.heads=2",
+        "trainer.batch_prompts=4",
+        "rollout.n=4",
+        "run.progress=lines",
+        "run.plot=false",
+        "run.tensorboard=false",
+        "run.eval_every=1000000",
+        "run.torch_threads=1",
+        f"run.out_dir={out}",
+        *overrides,
+    ]
 
 
 def _start_until_steps(cmd: list[str], out, steps: int = 2, timeout: float = 300) -> subprocess.Popen:
     """Start ``stateshift train`` and return once ``steps`` records are in its metrics.jsonl (RL runs: the signal
     then lands in the loop, not in start-up, however slow the machine); a thread drains its stderr."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     lines: list[str] = []
     drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
     drain.start()
@@ -147,8 +164,12 @@ def test_second_ctrl_c_stops_even_a_stuck_stop(tmp_path):
     """A run whose stop hangs (here: the rollout side never stops) still ends on a second Ctrl-C, summary written."""
     out = tmp_path / "run"
     hook = "import stateshift.train.executors.inprocess as m, time; m.InProcessRollouts.stop = lambda *a, **k: time.sleep(1e9)"
-    cmd = [sys.executable, "-c", f"{hook}; import sys; from stateshift.cli import main; sys.exit(main(sys.argv[1:]))",
-           *_train_cmd(out)[3:]]
+    cmd = [
+        sys.executable,
+        "-c",
+        f"{hook}; import sys; from stateshift.cli import main; sys.exit(main(sys.argv[1:]))",
+        *_train_cmd(out)[3:],
+    ]
     proc = _start_until_steps(cmd, out)
     proc.send_signal(signal.SIGINT)
     time.sleep(2)

@@ -18,9 +18,11 @@ from stateshift.train.trainer import Batch
 from stateshift.train.warmup import fresh_optimizer_state
 
 
-def _verl_vanilla_token_mean(log_prob, old_log_prob, advantages, response_mask, cliprange_low, cliprange_high,
-                             clip_ratio_c, rollout_is_weights):
+def _verl_vanilla_token_mean(
+    log_prob, old_log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c, rollout_is_weights
+):
     """verl's ``compute_policy_loss_vanilla`` with ``loss_agg_mode="token-mean"``, written out from its formulas."""
+
     def masked_mean(x, m):
         return (x * m).sum() / m.sum()
 
@@ -46,15 +48,17 @@ def test_ppo_loss_equals_verls_vanilla_dual_clip_token_mean():
     mask = torch.rand(6, 9, generator=g) > 0.25
     w = torch.rand(6, 9, generator=g) * 2
     loss, st = algo.ppo_loss(l_t, l_p, adv_seq, w, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ref, clipfrac, kl, lower = _verl_vanilla_token_mean(l_t, l_p, adv_seq[:, None].expand(6, 9), mask.float(), 0.2,
-                                                        0.28, 3.0, w)
+    ref, clipfrac, kl, lower = _verl_vanilla_token_mean(
+        l_t, l_p, adv_seq[:, None].expand(6, 9), mask.float(), 0.2, 0.28, 3.0, w
+    )
     assert torch.allclose(loss, ref, atol=1e-6)
     assert st.clip_fraction == pytest.approx(float(clipfrac), abs=1e-6) and st.clip_fraction > 0
     assert st.dual_clip_fraction == pytest.approx(float(lower), abs=1e-6) and st.dual_clip_fraction > 0
     assert st.kl_current_proximal == pytest.approx(float(kl.detach()), abs=1e-6)
     grad = torch.autograd.grad(loss, l_t)[0]
-    ref_grad = torch.autograd.grad(_verl_vanilla_token_mean(l_t, l_p, adv_seq[:, None].expand(6, 9), mask.float(),
-                                                            0.2, 0.28, 3.0, w)[0], l_t)[0]
+    ref_grad = torch.autograd.grad(
+        _verl_vanilla_token_mean(l_t, l_p, adv_seq[:, None].expand(6, 9), mask.float(), 0.2, 0.28, 3.0, w)[0], l_t
+    )[0]
     assert torch.allclose(grad, ref_grad, atol=1e-7)
 
 
@@ -99,8 +103,9 @@ def _two_batches(cfg):
     for seed in (1, 2):
         rng = random.Random(seed)
         items = [task.sample(rng) for _ in range(cfg.trainer.batch_prompts)]
-        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
-                          rollouter.sampling)
+        wave = Wave.start(
+            list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n, rollouter.sampling
+        )
         assert rollouter.generate(wave)
         out.append(Batch.of(wave.groups(task.score), task.pad_token))
     return trainer, out
@@ -108,8 +113,15 @@ def _two_batches(cfg):
 
 @pytest.mark.parametrize("mode", ["proximal", "loglinear"])
 def test_proximal_logprobs_are_computed_once_per_step_and_the_clip_binds(tmp_path, mode):
-    cfg = tiny(tmp_path, f"trainer.old_logprob={mode}", "trainer.lr=0.05", "trainer.lr_warmup_steps=0",
-               "trainer.param_offload=false", "trainer.clip_low=0.05", "trainer.clip_high=0.05")
+    cfg = tiny(
+        tmp_path,
+        f"trainer.old_logprob={mode}",
+        "trainer.lr=0.05",
+        "trainer.lr_warmup_steps=0",
+        "trainer.param_offload=false",
+        "trainer.clip_low=0.05",
+        "trainer.clip_high=0.05",
+    )
     trainer, batches = _two_batches(cfg)
     stats = trainer.train_step(batches, lambda name: contextlib.nullcontext())
     assert stats[0]["clip_fraction"] == 0.0 and stats[0]["kl_current_proximal"] == pytest.approx(0.0, abs=1e-6)
@@ -118,18 +130,30 @@ def test_proximal_logprobs_are_computed_once_per_step_and_the_clip_binds(tmp_pat
     assert trainer.steps == 1 and trainer.updates == 2
 
 
-LONGTAIL_CONTINUOUS = ["task.name=longtail", "task.max_terms=4", "task.warmup_max_terms=2", "rollout.max_new_tokens=28",
-                      "rollout.batching=continuous"]
+LONGTAIL_CONTINUOUS = [
+    "task.name=longtail",
+    "task.max_terms=4",
+    "task.warmup_max_terms=2",
+    "rollout.max_new_tokens=28",
+    "rollout.batching=continuous",
+]
 
 
 @pytest.mark.parametrize("extra", [[], LONGTAIL_CONTINUOUS], ids=["waves", "continuous"])
 def test_sync_mode_equals_async_at_staleness_zero(tmp_path, extra):
-    common = ["trainer.steps=4", "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-              "trainer.lr_warmup_steps=1", *extra]
+    common = [
+        "trainer.steps=4",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0",
+        "trainer.lr_warmup_steps=1",
+        *extra,
+    ]
     a = run(tiny(tmp_path / "a", *common), return_params=True)
     s = run(tiny(tmp_path / "s", *common, "async_training.mode=sync"), return_params=True)
-    s_stale = run(tiny(tmp_path / "t", *common, "async_training.mode=sync", "async_training.staleness_threshold=0.5"),
-                  return_params=True)  # sync ignores the staleness budget: the same samples
+    s_stale = run(
+        tiny(tmp_path / "t", *common, "async_training.mode=sync", "async_training.staleness_threshold=0.5"),
+        return_params=True,
+    )  # sync ignores the staleness budget: the same samples
     assert a.losses == s.losses == s_stale.losses and len(a.losses) == 4
     assert a.trained_uids == s.trained_uids
     assert a.params is not None and s.params is not None
@@ -140,8 +164,13 @@ def test_sync_mode_equals_async_at_staleness_zero(tmp_path, extra):
 
 def test_async_with_staleness_is_not_the_sync_run(tmp_path):
     """The comparison above can fail: async with a staleness budget trains other samples."""
-    common = ["trainer.steps=4", "async_training.trigger_parameter_sync_step=2", "trainer.lr_warmup_steps=1",
-              "async_training.staleness_threshold=1.0", "rollout.max_concurrent_prompts=2"]
+    common = [
+        "trainer.steps=4",
+        "async_training.trigger_parameter_sync_step=2",
+        "trainer.lr_warmup_steps=1",
+        "async_training.staleness_threshold=1.0",
+        "rollout.max_concurrent_prompts=2",
+    ]
     a = run(tiny(tmp_path / "a", *common))
     s = run(tiny(tmp_path / "s", *common, "async_training.mode=sync"))
     assert s.summary["ledger"]["by_version"] == {"0": 8, "1": 8}

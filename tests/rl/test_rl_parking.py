@@ -22,13 +22,18 @@ class _Null:
 
 
 def test_updates_back_to_back_move_no_params(tmp_path):
-    cfg = tiny(tmp_path, "trainer.param_offload=true", "trainer.old_logprob=pi_old",
-               "async_training.trigger_parameter_sync_step=4")
+    cfg = tiny(
+        tmp_path,
+        "trainer.param_offload=true",
+        "trainer.old_logprob=pi_old",
+        "async_training.trigger_parameter_sync_step=4",
+    )
     task, policy, trainer, rollouter = parked_trainer(cfg)
     items = [task.sample(random.Random(i)) for i in range(cfg.trainer.batch_prompts)]
     for _ in range(3):
-        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
-                          rollouter.sampling)
+        wave = Wave.start(
+            list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n, rollouter.sampling
+        )
         assert rollouter.generate(wave)
         trainer.update(Batch.of(wave.groups(task.score), task.pad_token), lambda name: _Null())
         assert trainer.state.residency()["params"]["host"] == 0  # still resident: the next update needs them

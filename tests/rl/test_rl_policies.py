@@ -103,11 +103,33 @@ def test_stop_accuracy_and_max_wall_end_a_run_early(tmp_path, monkeypatch):
 def test_megatron_policy_on_the_cpu(tmp_path):
     """``policy_checks.py megatron``: megatron-core 0.16.1 patched for the CPU (it allocates on CUDA otherwise)."""
     root = HERE.parents[1]
-    env = dict(os.environ, STATESHIFT_MCORE_DEVICE="cpu",
-               PYTHONPATH=os.pathsep.join([str(root / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "policy_checks.py"), "megatron", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env, check=False)
+    env = dict(
+        os.environ,
+        STATESHIFT_MCORE_DEVICE="cpu",
+        PYTHONPATH=os.pathsep.join([str(root / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(HERE / "policy_checks.py"), "megatron", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.split() == ["ok", "run", "ok", "bypass", "ok", "sync_equal", "ok",
-                                     "rollout_copy_alone", "ok", "fresh_optimizer", "ok", "kv_cache", "ok",
-                                     "process_equal"], proc.stdout
+    assert proc.stdout.split() == [
+        "ok",
+        "run",
+        "ok",
+        "bypass",
+        "ok",
+        "sync_equal",
+        "ok",
+        "rollout_copy_alone",
+        "ok",
+        "fresh_optimizer",
+        "ok",
+        "kv_cache",
+        "ok",
+        "process_equal",
+    ], proc.stdout

@@ -21,8 +21,12 @@ from stateshift.train.rollout import Wave
 from stateshift.train.trainer import Batch, Trainer, frees_device_memory
 
 #: every group parked between steps, prefetch on (tests comparing on and off override it: the later setting wins)
-ALL_OFFLOADS = ("trainer.param_offload=true", "trainer.optimizer_offload=true", "trainer.grad_offload=true",
-                "trainer.prefetch=true")
+ALL_OFFLOADS = (
+    "trainer.param_offload=true",
+    "trainer.optimizer_offload=true",
+    "trainer.grad_offload=true",
+    "trainer.prefetch=true",
+)
 
 
 def _timer(name: str) -> nullcontext[None]:
@@ -35,8 +39,9 @@ def _batches(cfg, n: int) -> list[Batch]:
     out = []
     for k in range(n):
         items = [task.sample(random.Random(100 * k + i)) for i in range(cfg.trainer.batch_prompts)]
-        wave = Wave.start(list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n,
-                          rollouter.sampling)
+        wave = Wave.start(
+            list(range(len(items))), items, [task.prompt(i) for i in items], cfg.rollout.n, rollouter.sampling
+        )
         assert rollouter.generate(wave)
         out.append(Batch.of(wave.groups(task.score), task.pad_token))
     return out
@@ -50,7 +55,7 @@ def _train(cfg, batches: list[Batch], steps: int) -> tuple[Trainer, list[float]]
     trainer.trigger = a.trigger_parameter_sync_step
     losses: list[float] = []
     for step in range(steps):
-        mine = batches[step * a.require_batches:(step + 1) * a.require_batches]
+        mine = batches[step * a.require_batches : (step + 1) * a.require_batches]
         losses += [s["loss"] for s in trainer.train_step(mine, _timer)]
         assert not trainer.prefetcher.inflight  # nothing stays in flight past a step
         if (step + 1) % a.trigger_parameter_sync_step == 0:
@@ -62,8 +67,12 @@ def _train(cfg, batches: list[Batch], steps: int) -> tuple[Trainer, list[float]]
 
 @pytest.mark.parametrize("mode", ["pi_old", "proximal", "bypass", "loglinear"])
 def test_prefetch_on_and_off_train_the_same_bits(tmp_path, mode):
-    common = (*ALL_OFFLOADS, f"trainer.old_logprob={mode}", "async_training.require_batches=2",
-              "async_training.trigger_parameter_sync_step=2")
+    common = (
+        *ALL_OFFLOADS,
+        f"trainer.old_logprob={mode}",
+        "async_training.require_batches=2",
+        "async_training.trigger_parameter_sync_step=2",
+    )
     on, off = tiny(tmp_path, *common, "trainer.prefetch=true"), tiny(tmp_path, *common, "trainer.prefetch=false")
     batches = _batches(on, 8)
     a, losses_a = _train(on, batches, 4)
@@ -88,7 +97,13 @@ def _recorded_step(cfg, sync: bool = True) -> list[str]:
     assert (trainer.updates_in_cycle == 0) is sync
     events: list[str] = []
     state, pf, policy = trainer.state, trainer.prefetcher, trainer.policy
-    onload, wait, logprobs, step, old_policy = state.onload, pf.wait, trainer._logprobs, policy.step, trainer.cycle.old_policy
+    onload, wait, logprobs, step, old_policy = (
+        state.onload,
+        pf.wait,
+        trainer._logprobs,
+        policy.step,
+        trainer.cycle.old_policy,
+    )
 
     def rec_onload(group, **kw):
         events.append(f"onload {group}")
@@ -124,32 +139,66 @@ def _recorded_step(cfg, sync: bool = True) -> list[str]:
 
 
 def test_prefetch_issues_the_onloads_first_and_waits_just_before_each_first_read(tmp_path):
-    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=true",
-               "async_training.trigger_parameter_sync_step=1")
+    cfg = tiny(
+        tmp_path,
+        *ALL_OFFLOADS,
+        "trainer.old_logprob=pi_old",
+        "trainer.prefetch=true",
+        "async_training.trigger_parameter_sync_step=1",
+    )
     assert _recorded_step(cfg) == [
-        "onload params", "onload optim", "onload grads",  # issued before any compute of the step
-        "wait params", "forward",  # the old log-probs: the first read of the params
+        "onload params",
+        "onload optim",
+        "onload grads",  # issued before any compute of the step
+        "wait params",
+        "forward",  # the old log-probs: the first read of the params
         "forward with grad",  # the update's forward: optimizer state and grads still on their way
-        "wait grads", "wait optim", "step",  # waited for just before the backward and optimizer step
+        "wait grads",
+        "wait optim",
+        "step",  # waited for just before the backward and optimizer step
     ]
 
 
 def test_without_prefetch_each_group_is_onloaded_where_it_is_first_needed(tmp_path):
-    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=false",
-               "async_training.trigger_parameter_sync_step=1")
-    assert _recorded_step(cfg) == ["onload params", "forward", "onload optim", "onload grads", "forward with grad",
-                                   "step"]
+    cfg = tiny(
+        tmp_path,
+        *ALL_OFFLOADS,
+        "trainer.old_logprob=pi_old",
+        "trainer.prefetch=false",
+        "async_training.trigger_parameter_sync_step=1",
+    )
+    assert _recorded_step(cfg) == [
+        "onload params",
+        "forward",
+        "onload optim",
+        "onload grads",
+        "forward with grad",
+        "step",
+    ]
 
 
 def test_a_pi_old_swap_runs_with_nothing_in_flight_and_the_prefetch_follows_it(tmp_path):
     """Later in a cycle the first forward runs under pi_old swapped into the released params: nothing is prefetched
     before it (Megatron's rebuild of the params reads the optimizer state), everything right after it."""
-    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.prefetch=true",
-               "async_training.trigger_parameter_sync_step=2")
+    cfg = tiny(
+        tmp_path,
+        *ALL_OFFLOADS,
+        "trainer.old_logprob=pi_old",
+        "trainer.prefetch=true",
+        "async_training.trigger_parameter_sync_step=2",
+    )
     assert _recorded_step(cfg, sync=False) == [
-        "swap in", "forward", "swap out",  # the old log-probs under pi_old, nothing in flight
-        "onload params", "onload optim", "onload grads", "wait params",
-        "forward with grad", "wait grads", "wait optim", "step",
+        "swap in",
+        "forward",
+        "swap out",  # the old log-probs under pi_old, nothing in flight
+        "onload params",
+        "onload optim",
+        "onload grads",
+        "wait params",
+        "forward with grad",
+        "wait grads",
+        "wait optim",
+        "step",
     ]
 
 
@@ -214,26 +263,36 @@ def test_on_cuda_the_onload_runs_on_the_prefetch_stream_and_the_compute_stream_w
     pf.issue("optim")
     log.append("compute: forward")
     assert pf.wait("optim") and not pf.wait("optim")
-    assert log == ["prefetch waits for compute", "onload optim on prefetch", "prefetch records e1", "compute: forward",
-                   "host waits for e1", "compute waits for e1"]
+    assert log == [
+        "prefetch waits for compute",
+        "onload optim on prefetch",
+        "prefetch records e1",
+        "compute: forward",
+        "host waits for e1",
+        "compute waits for e1",
+    ]
     assert seen == [("onload.optim", 8), ("prefetch_wait.optim", 0)]
     pf.issue("optim")
     with pytest.raises(ValueError, match="already"):
         pf.issue("optim")
 
 
-@pytest.mark.parametrize(("setting", "executor", "device", "rollout_device", "expected"), [
-    ("auto", "inprocess", "cuda:0", None, False),  # one process: its caching allocator serves both sides
-    ("auto", "process", "cuda:0", None, True),  # a rollouter process on the trainer's GPU
-    ("auto", "process", "cuda:0", "cuda:0", True),
-    ("auto", "process", "cuda:0", "cuda:1", False),  # ... on another GPU: nobody else wants this memory
-    ("auto", "ray", "cuda:0", None, True),  # an actor, colocated on a one-GPU cluster
-    ("auto", "process", "cpu", None, False),  # no effect on the CPU
-    ("driver", "inprocess", "cuda:0", None, True),
-    ("cache", "process", "cuda:0", None, False),
-])
-def test_freed_memory_goes_to_the_driver_only_where_another_process_may_want_it(setting, executor, device,
-                                                                                rollout_device, expected):
+@pytest.mark.parametrize(
+    ("setting", "executor", "device", "rollout_device", "expected"),
+    [
+        ("auto", "inprocess", "cuda:0", None, False),  # one process: its caching allocator serves both sides
+        ("auto", "process", "cuda:0", None, True),  # a rollouter process on the trainer's GPU
+        ("auto", "process", "cuda:0", "cuda:0", True),
+        ("auto", "process", "cuda:0", "cuda:1", False),  # ... on another GPU: nobody else wants this memory
+        ("auto", "ray", "cuda:0", None, True),  # an actor, colocated on a one-GPU cluster
+        ("auto", "process", "cpu", None, False),  # no effect on the CPU
+        ("driver", "inprocess", "cuda:0", None, True),
+        ("cache", "process", "cuda:0", None, False),
+    ],
+)
+def test_freed_memory_goes_to_the_driver_only_where_another_process_may_want_it(
+    setting, executor, device, rollout_device, expected
+):
     assert frees_device_memory(setting, executor, torch.device(device), rollout_device) is expected
 
 
@@ -245,8 +304,12 @@ def test_the_trainer_builds_its_state_with_the_resolved_setting(tmp_path):
 
 @pytest.mark.parametrize("mode", ["bypass", "proximal", "loglinear", "pi_old"])
 def test_no_pi_old_snapshot_in_the_modes_that_never_swap(tmp_path, mode):
-    cfg = tiny(tmp_path, f"trainer.old_logprob={mode}", "async_training.require_batches=2",
-               "async_training.trigger_parameter_sync_step=2")
+    cfg = tiny(
+        tmp_path,
+        f"trainer.old_logprob={mode}",
+        "async_training.require_batches=2",
+        "async_training.trigger_parameter_sync_step=2",
+    )
     trainer, _ = _train(cfg, _batches(cfg, 6), 3)
     tags = {snap.tag for snap in core_of(trainer.state).snapshots}
     verbs = set(trainer.meter.seconds)
@@ -260,8 +323,15 @@ def test_no_pi_old_snapshot_in_the_modes_that_never_swap(tmp_path, mode):
 def test_a_run_with_prefetch_equals_one_without(tmp_path):
     """Through the loop (``AsyncLoop.train_step`` prefetches once the samples are in hand): the same losses and
     weights; ``tests/gpu/test_rl_prefetch_gpu.py`` runs this on CUDA for every family."""
-    common = ["trainer.steps=4", "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2",
-              "async_training.require_batches=2", "run.eval_every=1", *ALL_OFFLOADS, "trainer.old_logprob=pi_old"]
+    common = [
+        "trainer.steps=4",
+        "async_training.staleness_threshold=0",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.require_batches=2",
+        "run.eval_every=1",
+        *ALL_OFFLOADS,
+        "trainer.old_logprob=pi_old",
+    ]
     on = run(tiny(tmp_path / "on", *common, "trainer.prefetch=true"), return_params=True)
     off = run(tiny(tmp_path / "off", *common, "trainer.prefetch=false"), return_params=True)
     assert on.losses == off.losses and on.params is not None and off.params is not None
@@ -285,8 +355,13 @@ def test_the_overlap_benchmark_runs_its_path_on_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("verb", ["park", "sync_snapshot", "begin_cycle", "take_reference", "close", "resident"])
 def test_every_other_verb_waits_for_the_onloads_in_flight_first(tmp_path, verb):
-    cfg = tiny(tmp_path, *ALL_OFFLOADS, "trainer.old_logprob=pi_old", "trainer.kl_coef=0.1",
-               "async_training.trigger_parameter_sync_step=1")
+    cfg = tiny(
+        tmp_path,
+        *ALL_OFFLOADS,
+        "trainer.old_logprob=pi_old",
+        "trainer.kl_coef=0.1",
+        "async_training.trigger_parameter_sync_step=1",
+    )
     trainer, _ = _train(cfg, _batches(cfg, 1), 1)  # (then a sync: the next step begins without a swap)
     trainer.prefetch_step()
     assert set(trainer.prefetcher.inflight) == {"params", "grads", "optim"}
@@ -294,8 +369,12 @@ def test_every_other_verb_waits_for_the_onloads_in_flight_first(tmp_path, verb):
     settle, state_verbs = trainer.prefetcher.settle, ("offload", "snapshot", "close", "onload")
     trainer.prefetcher.settle = lambda: (order.append("settle"), settle())[1]  # type: ignore[method-assign]
     wait = trainer.prefetcher.wait
-    trainer.prefetcher.wait = lambda group: (order.append(f"wait {group}") if group in trainer.prefetcher.inflight  # type: ignore[method-assign]
-                                             else None, wait(group))[1]
+    trainer.prefetcher.wait = lambda group: (
+        order.append(f"wait {group}")
+        if group in trainer.prefetcher.inflight  # type: ignore[method-assign]
+        else None,
+        wait(group),
+    )[1]
     for name in state_verbs:
         real = getattr(trainer.state, name)
         setattr(trainer.state, name, lambda *a, _real=real, _name=name, **k: (order.append(_name), _real(*a, **k))[1])

@@ -37,19 +37,36 @@ from stateshift.train.launch import run
 pytestmark = pytest.mark.slow
 
 #: a schedule that does not depend on timing (staleness 0), pi_old with param and optimizer offload, checkpoints
-DETERMINISTIC = ["trainer.steps=8", "async_training.trigger_parameter_sync_step=2",
-                 "async_training.staleness_threshold=0", "trainer.optimizer_offload=true", "run.checkpoint_every=4"]
+DETERMINISTIC = [
+    "trainer.steps=8",
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "trainer.optimizer_offload=true",
+    "run.checkpoint_every=4",
+]
 #: per-step metrics that measure time or depend on how far the rollouter got when the trainer looked
-TIMING = {"step_s", "wall_s", "queue_depth", "samples_per_s", "trainer_idle_ratio", "rollout_idle_ratio",
-          "offload_verb_s_total", "offload_bytes_total", "pi_old_bytes_total"}
+TIMING = {
+    "step_s",
+    "wall_s",
+    "queue_depth",
+    "samples_per_s",
+    "trainer_idle_ratio",
+    "rollout_idle_ratio",
+    "offload_verb_s_total",
+    "offload_bytes_total",
+    "pi_old_bytes_total",
+}
 LIVELY = ["run.watchdog_s=2", "run.stall_timeout_s=30"]
 
 
 def _shm() -> set[str]:
     """This process's weight files and shared pool blocks (after a collection: a finished run's pool is garbage)."""
     gc.collect()
-    return {n for n in os.listdir("/dev/shm")
-            if n.startswith((f"stateshift-weights-{os.getpid()}-", f"stateshift-pool-{os.getpid()}-"))}
+    return {
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith((f"stateshift-weights-{os.getpid()}-", f"stateshift-pool-{os.getpid()}-"))
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -103,8 +120,10 @@ def _no_group_twice(result) -> None:
 def test_process_executor_equals_the_thread_executor(tmp_path, transport):
     """Weights through the executor's own shared-memory file, or through the weight-sync library."""
     thread = run(tiny(tmp_path / "thread", *DETERMINISTIC), return_params=True)
-    proc = run(tiny(tmp_path / "process", "executor=process", f"rollout.weight_transport={transport}", *DETERMINISTIC),
-               return_params=True)
+    proc = run(
+        tiny(tmp_path / "process", "executor=process", f"rollout.weight_transport={transport}", *DETERMINISTIC),
+        return_params=True,
+    )
     assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
     assert proc.losses == thread.losses  # exact float equality
     assert proc.trained_uids == thread.trained_uids
@@ -123,16 +142,25 @@ def test_process_executor_equals_the_thread_executor(tmp_path, transport):
 def test_continuous_batching_in_a_rollouter_process_equals_it_on_the_thread(tmp_path):
     """``rollout.batching=continuous`` on the long-tail task: the ``ContinuousWorker`` in the rollouter process makes
     the same groups as on the thread (staleness 0: a schedule that does not depend on timing)."""
-    common = ["task.name=longtail", "task.max_terms=4", "task.warmup_max_terms=2", "rollout.max_new_tokens=28",
-              "rollout.batching=continuous", "trainer.steps=6", "async_training.trigger_parameter_sync_step=2",
-              "async_training.staleness_threshold=0"]
+    common = [
+        "task.name=longtail",
+        "task.max_terms=4",
+        "task.warmup_max_terms=2",
+        "rollout.max_new_tokens=28",
+        "rollout.batching=continuous",
+        "trainer.steps=6",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0",
+    ]
     thread = run(tiny(tmp_path / "thread", *common), return_params=True)
     proc = run(tiny(tmp_path / "process", "executor=process", *common), return_params=True)
     assert proc.summary["rollout"]["executor"] == "process" and thread.summary["rollout"]["executor"] == "inprocess"
     assert proc.losses == thread.losses and proc.trained_uids == thread.trained_uids
     assert proc.params is not None and thread.params is not None
     assert all(torch.equal(proc.params[k], v) for k, v in thread.params.items())
-    assert [r["rows_by_length"] for r in _records(proc.out_dir)] == [r["rows_by_length"] for r in _records(thread.out_dir)]
+    assert [r["rows_by_length"] for r in _records(proc.out_dir)] == [
+        r["rows_by_length"] for r in _records(thread.out_dir)
+    ]
 
 
 def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp_path):
@@ -143,9 +171,11 @@ def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp
     from stateshift.train.config import resolve
     from stateshift.train.executors.weights import resolved_transport, trainer_pool
 
-    for overrides, transport, shared in ((["executor=process"], "shared_host", True),
-                                         (["executor=process", "rollout.weight_transport=builtin"], "builtin", False),
-                                         (["executor=inprocess"], "shared_host", False)):
+    for overrides, transport, shared in (
+        (["executor=process"], "shared_host", True),
+        (["executor=process", "rollout.weight_transport=builtin"], "builtin", False),
+        (["executor=inprocess"], "shared_host", False),
+    ):
         cfg = resolve(None, overrides)
         assert resolved_transport(cfg) == transport
         assert (trainer_pool(cfg) is not None) == shared, overrides
@@ -161,8 +191,11 @@ def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("error")  # "the state's HostPool is not shared" would fail the run
         mp.setattr(publisher, "core_of", watch)
-        res = run(tiny(tmp_path, "executor=process", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2",
-                       *LIVELY))
+        res = run(
+            tiny(
+                tmp_path, "executor=process", "trainer.steps=4", "async_training.trigger_parameter_sync_step=2", *LIVELY
+            )
+        )
     assert res.summary["status"] == "finished"
     assert pools and all(p.shared for p in pools)
 
@@ -170,8 +203,9 @@ def test_shared_host_weights_are_published_from_the_trainers_own_shared_pool(tmp
 def test_rollouter_killed_mid_generation_is_restarted(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow")
     killed = _kill_when(tmp_path, "generating", after_s=0.3)
-    res = run(tiny(tmp_path, "executor=process", "trainer.steps=10", "async_training.trigger_parameter_sync_step=2",
-                   *LIVELY))
+    res = run(
+        tiny(tmp_path, "executor=process", "trainer.steps=10", "async_training.trigger_parameter_sync_step=2", *LIVELY)
+    )
     assert res.summary["status"] == "finished" and res.steps == 10
     (restart,) = res.summary["rollout"]["restarts"]
     assert restart["pid"] == killed["pid"] and restart["why"] == "killed by SIGKILL"
@@ -196,9 +230,18 @@ def test_a_successor_that_dies_before_it_is_ready_is_one_more_death_replaced_in_
 def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_again(tmp_path, monkeypatch, transport):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow_copy")
     killed = _kill_when(tmp_path, "copying")
-    res = run(tiny(tmp_path, "executor=process", f"rollout.weight_transport={transport}", "trainer.steps=6",
-                   "async_training.trigger_parameter_sync_step=2",
-                   "async_training.staleness_threshold=0", *LIVELY), return_params=True)
+    res = run(
+        tiny(
+            tmp_path,
+            "executor=process",
+            f"rollout.weight_transport={transport}",
+            "trainer.steps=6",
+            "async_training.trigger_parameter_sync_step=2",
+            "async_training.staleness_threshold=0",
+            *LIVELY,
+        ),
+        return_params=True,
+    )
     assert res.summary["status"] == "finished" and res.steps == 6
     (restart,) = res.summary["rollout"]["restarts"]
     assert restart["pid"] == killed["pid"] and restart["weights_version"] == 1
@@ -210,8 +253,9 @@ def test_rollouter_killed_mid_weight_copy_is_restarted_and_sent_the_weights_agai
 def test_past_max_restarts_a_death_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "slow")
     killed = _kill_when(tmp_path, "generating", after_s=0.2)
-    with raises_kind(RunError, "rollout_died",
-                     match=r"killed by SIGKILL -- after 0 restarts \(rollout.max_restarts=0\)"):
+    with raises_kind(
+        RunError, "rollout_died", match=r"killed by SIGKILL -- after 0 restarts \(rollout.max_restarts=0\)"
+    ):
         run(tiny(tmp_path, "executor=process", "trainer.steps=200", "rollout.max_restarts=0", *LIVELY))
     assert killed
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -242,8 +286,17 @@ def test_a_late_pause_does_not_stall_the_rollouter_process(tmp_path, monkeypatch
     """The handshake race of ``test_rl_handshake.py`` inside the rollouter process: the pause for a sync comes
     only after the rollouter could have taken the weights and resumed; the run still finishes."""
     monkeypatch.setenv("STATESHIFT_TEST_MODE", "late_pause")
-    res = run(tiny(tmp_path, "executor=process", "trainer.steps=4", "async_training.trigger_parameter_sync_step=1",
-                   "async_training.staleness_threshold=0", "run.watchdog_s=1", "run.stall_timeout_s=6"))
+    res = run(
+        tiny(
+            tmp_path,
+            "executor=process",
+            "trainer.steps=4",
+            "async_training.trigger_parameter_sync_step=1",
+            "async_training.staleness_threshold=0",
+            "run.watchdog_s=1",
+            "run.stall_timeout_s=6",
+        )
+    )
     assert res.summary["status"] == "finished" and res.summary["ledger"]["trained"] == 16
 
 
@@ -254,13 +307,18 @@ def test_a_rollouter_process_slower_to_start_than_the_stall_timeout_is_not_a_sta
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    common = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-              "run.checkpoint_every=2", "trainer.optimizer_offload=true"]
+    common = [
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=0",
+        "run.checkpoint_every=2",
+        "trainer.optimizer_offload=true",
+    ]
     full = run(tiny(tmp_path / "a", "trainer.steps=6", *common), return_params=True)  # the thread executor
     first = run(tiny(tmp_path / "b", "executor=process", "trainer.steps=5", *common))
     assert (first.out_dir / "checkpoints" / "latest").read_text() == "step-4"
-    resumed = run(tiny(tmp_path / "b", "executor=process", "trainer.steps=6", *common), resume=first.out_dir,
-                  return_params=True)
+    resumed = run(
+        tiny(tmp_path / "b", "executor=process", "trainer.steps=6", *common), resume=first.out_dir, return_params=True
+    )
     assert first.losses[:4] + resumed.losses == full.losses
     assert resumed.params is not None and full.params is not None
     for name, t in full.params.items():
@@ -279,13 +337,35 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does): exit code 130, summary written, the
     rollouter process gone too, no traceback from either."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", "trainer.steps=400",
-           "warmup.steps=5", "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4",
-           "rollout.n=4", "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
-           "run.torch_threads=1", f"run.out_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stateshift.cli",
+        "train",
+        "executor=process",
+        "trainer.steps=400",
+        "warmup.steps=5",
+        "task.heldout_size=20",
+        "model.width=32",
+        "model.heads=2",
+        "trainer.batch_prompts=4",
+        "rollout.n=4",
+        "run.progress=lines",
+        "run.plot=false",
+        "run.tensorboard=false",
+        "run.eval_every=1000000",
+        "run.torch_threads=1",
+        f"run.out_dir={out}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != HOOK_ENV}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**env, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # wait until RL steps (the rollouter process is up then)
@@ -301,8 +381,9 @@ def test_ctrl_c_stops_trainer_and_rollouter_process(tmp_path):
         deadline = time.monotonic() + 5  # nobody left in its process group: the rollouter process ended too
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _group_alive(proc.pid), subprocess.run(["ps", "-o", "pid,pgid,args", "-g", str(proc.pid)],
-                                                          capture_output=True, text=True).stdout
+        assert not _group_alive(proc.pid), subprocess.run(
+            ["ps", "-o", "pid,pgid,args", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -317,14 +398,36 @@ def test_trainer_process_killed_outright_takes_the_rollouter_with_it_and_its_fil
     from stateshift.train.executors.weights import HostWeightPublisher
 
     prefix = "stateshift-weights-" if transport == "builtin" else "stateshift-pool-"
-    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=process", f"rollout.weight_transport={transport}",
-           "trainer.steps=400", "warmup.steps=5",
-           "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4", "rollout.n=4",
-           "run.progress=lines", "run.plot=false", "run.tensorboard=false", "run.eval_every=1000000",
-           "run.torch_threads=1", f"run.out_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stateshift.cli",
+        "train",
+        "executor=process",
+        f"rollout.weight_transport={transport}",
+        "trainer.steps=400",
+        "warmup.steps=5",
+        "task.heldout_size=20",
+        "model.width=32",
+        "model.heads=2",
+        "trainer.batch_prompts=4",
+        "rollout.n=4",
+        "run.progress=lines",
+        "run.plot=false",
+        "run.tensorboard=false",
+        "run.eval_every=1000000",
+        "run.torch_threads=1",
+        f"run.out_dir={tmp_path / 'run'}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != HOOK_ENV}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
-                            env={**env, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stderr is not None
         for line in proc.stderr:

@@ -12,9 +12,18 @@ from stateshift.train.rollout import Group
 
 def _group(uid: int, version: int) -> Group:
     t = torch.zeros(2, 3, dtype=torch.long)
-    return Group(uid=uid, item=None, prompt=(1,), tokens=t, mask=torch.ones(2, 3, dtype=torch.bool),
-                 logprobs=torch.zeros(2, 3), versions=torch.full((2, 3), version), rewards=torch.zeros(2),
-                 exact=torch.zeros(2, dtype=torch.bool), finished=torch.ones(2, dtype=torch.bool))
+    return Group(
+        uid=uid,
+        item=None,
+        prompt=(1,),
+        tokens=t,
+        mask=torch.ones(2, 3, dtype=torch.bool),
+        logprobs=torch.zeros(2, 3),
+        versions=torch.full((2, 3), version),
+        rewards=torch.zeros(2),
+        exact=torch.zeros(2, dtype=torch.bool),
+        finished=torch.ones(2, dtype=torch.bool),
+    )
 
 
 def test_verl_staleness_budget():
@@ -89,9 +98,13 @@ def test_behaviour_weights_truncate_mask_sequence():
     m = algo.behaviour_weights(l_p, l_b, mask, kind="mask", lo=0.5, hi=2.0)
     assert m.mask.tolist() == [[False, True], [False, True]]
     s = algo.behaviour_weights(l_p, l_b, mask, kind="truncate", level="sequence_geomean", cap=10.0)
-    assert torch.allclose(s.weight[0], torch.full((2,), 3.0**0.5)) and torch.allclose(s.weight[1], torch.full((2,), 0.5))
+    assert torch.allclose(s.weight[0], torch.full((2,), 3.0**0.5)) and torch.allclose(
+        s.weight[1], torch.full((2,), 0.5)
+    )
     prod = algo.behaviour_weights(l_p, l_b, mask, kind="truncate", level="sequence_product", cap=10.0)
-    assert torch.allclose(prod.weight[0], torch.full((2,), 3.0)) and torch.allclose(prod.weight[1], torch.full((2,), 0.25))
+    assert torch.allclose(prod.weight[0], torch.full((2,), 3.0)) and torch.allclose(
+        prod.weight[1], torch.full((2,), 0.25)
+    )
     on = algo.behaviour_weights(l_b, l_b, mask)
     assert on.ess == 1.0 and on.raw_max == 1.0
 

@@ -34,13 +34,27 @@ from stateshift.train.launch import run
 #: (it runs concurrently in both executors: the queue depth at the end of a step, throughput, idle ratios)
 #: per-step metrics that depend on timing; the bytes the trainer's verbs move too, since it parks its state only when
 #: its next batch is not queued yet (``trainer.park`` before a wait), and pi_old's swaps move what is resident then
-TIMING = {"step_s", "wall_s", "queue_depth", "samples_per_s", "trainer_idle_ratio", "rollout_idle_ratio", "offload_verb_s_total",
-          "offload_bytes_total", "pi_old_bytes_total"}
+TIMING = {
+    "step_s",
+    "wall_s",
+    "queue_depth",
+    "samples_per_s",
+    "trainer_idle_ratio",
+    "rollout_idle_ratio",
+    "offload_verb_s_total",
+    "offload_bytes_total",
+    "pi_old_bytes_total",
+}
 
 #: a schedule that does not depend on timing (staleness 0: each version generates exactly what the trainer takes
 #: before the next sync), pi_old mode with param and optimizer offload, checkpoints
-DETERMINISTIC = ["trainer.steps=24", "async_training.trigger_parameter_sync_step=2",
-                 "async_training.staleness_threshold=0", "trainer.optimizer_offload=true", "run.checkpoint_every=4"]
+DETERMINISTIC = [
+    "trainer.steps=24",
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "trainer.optimizer_offload=true",
+    "run.checkpoint_every=4",
+]
 
 
 #: a run that stops moving fails in 30 s, not the default 10 minutes (a lost group would stall it)
@@ -101,7 +115,9 @@ def test_ray_equals_inprocess(tmp_path, inprocess):
 
 def _named(prefix: str) -> list[str]:
     """Names of the live named actors that start with ``prefix`` (in the order they were numbered)."""
-    return sorted((n for n in ray.util.list_named_actors() if n.startswith(prefix)), key=lambda n: int(n.split("-")[-1]))
+    return sorted(
+        (n for n in ray.util.list_named_actors() if n.startswith(prefix)), key=lambda n: int(n.split("-")[-1])
+    )
 
 
 def _rollouters() -> list[str]:
@@ -151,8 +167,9 @@ def _kill_rollouters(out_dir, rng: random.Random, kills: list[dict], done: threa
             raise
     kills.append({"name": first, "at": time.time(), "how": "ray.kill"})
     ray.kill(rollouter)
-    second = _wait_for(lambda: [n for n in _rollouters() if n != first], timeout=900, what="the successor",
-                       done=done)[-1]
+    second = _wait_for(lambda: [n for n in _rollouters() if n != first], timeout=900, what="the successor", done=done)[
+        -1
+    ]
     pid = ray.get(ray.get_actor(second).pid.remote())
     time.sleep(rng.uniform(0.0, 0.2))
     kills.append({"name": second, "at": time.time(), "how": "SIGKILL"})
@@ -167,12 +184,19 @@ KILL_RUN_STEPS = 64
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_killed_rollouters_are_reported_and_replaced_without_losing_a_group(tmp_path, seed, capfd):
-    cfg = tiny(tmp_path, "executor=ray", f"trainer.steps={KILL_RUN_STEPS}", "async_training.trigger_parameter_sync_step=2",
-               f"run.seed={seed}", *LIVELY)
+    cfg = tiny(
+        tmp_path,
+        "executor=ray",
+        f"trainer.steps={KILL_RUN_STEPS}",
+        "async_training.trigger_parameter_sync_step=2",
+        f"run.seed={seed}",
+        *LIVELY,
+    )
     kills: list[dict] = []
     done = threading.Event()
-    killer = threading.Thread(target=_kill_rollouters, args=(tmp_path / "run", random.Random(seed), kills, done),
-                              daemon=True)
+    killer = threading.Thread(
+        target=_kill_rollouters, args=(tmp_path / "run", random.Random(seed), kills, done), daemon=True
+    )
     killer.start()
     try:
         result = run(cfg)
@@ -283,10 +307,26 @@ def test_ctrl_c_at_the_cli_stops_the_run_cleanly(tmp_path):
     import subprocess
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "stateshift.cli", "train", "executor=ray", "ray.num_cpus=2", "trainer.steps=100000",
-           "warmup.steps=5", "task.heldout_size=20", "model.width=32", "model.heads=2", "trainer.batch_prompts=4",
-           "rollout.n=4", "run.progress=none", "run.plot=false", "run.tensorboard=false", "run.torch_threads=1",
-           f"run.out_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stateshift.cli",
+        "train",
+        "executor=ray",
+        "ray.num_cpus=2",
+        "trainer.steps=100000",
+        "warmup.steps=5",
+        "task.heldout_size=20",
+        "model.width=32",
+        "model.heads=2",
+        "trainer.batch_prompts=4",
+        "rollout.n=4",
+        "run.progress=none",
+        "run.plot=false",
+        "run.tensorboard=false",
+        "run.torch_threads=1",
+        f"run.out_dir={out}",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _steps_done(out) >= 3 or proc.poll() is not None, 300, "RL steps")
@@ -322,8 +362,9 @@ def side(tmp_path):
     task = build_task(cfg)
     trainer = Trainer(build_policy(cfg, task), cfg.trainer, temperature=1.0)
     control = RunControl()
-    made = RayRollouts(cfg, task, trainer.policy, control, version=0, capture=None, pg=pg, specs=specs,
-                       stream=sys.stderr)
+    made = RayRollouts(
+        cfg, task, trainer.policy, control, version=0, capture=None, pg=pg, specs=specs, stream=sys.stderr
+    )
     made.trainer = trainer
     watchdog = Watchdog(control, lambda: str(made.describe()), report_s=5, stall_s=30).start()  # no test hangs
     made.start()
@@ -377,6 +418,7 @@ def test_an_actor_death_raised_inside_the_trainer_is_not_reported_as_the_trainer
     def raising(err):
         def get(ref, timeout=None):
             raise err
+
         return types.SimpleNamespace(get=get, wait=lambda refs, timeout=None: (refs, []), exceptions=ray.exceptions)
 
     with pytest.raises(ray.exceptions.ActorDiedError) as got:
@@ -464,7 +506,11 @@ def test_a_rollouter_that_raises_stops_the_run_with_its_error(side, tmp_path):
         side.sync(snap, 1, capture=False, interrupt=True)
     wrong.release(snap)
     _wait_for(lambda: side.control.error is not None, 10, "the supervisor")
-    assert isinstance(side.control.error, ConfigError) and side.control.error.kind == "weight_sync" and side.control.failed_side == "rollout"
+    assert (
+        isinstance(side.control.error, ConfigError)
+        and side.control.error.kind == "weight_sync"
+        and side.control.failed_side == "rollout"
+    )
     with raises_kind(ConfigError, "weight_sync"):
         side.take(4, 0)
     assert side.stats().restarts == []
@@ -495,8 +541,17 @@ def test_tensors_cross_as_their_bytes_and_leave_the_sender_untouched():
     from stateshift.train.executors.wire import from_wire, to_wire
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    cases = [base, base[1:3], base[:, ::2], torch.tensor(3.5), torch.empty(0, 5), torch.rand(3).bfloat16(),
-             torch.tensor([True, False]), torch.arange(5, dtype=torch.int64), torch.rand(2, requires_grad=True)]
+    cases = [
+        base,
+        base[1:3],
+        base[:, ::2],
+        torch.tensor(3.5),
+        torch.empty(0, 5),
+        torch.rand(3).bfloat16(),
+        torch.tensor([True, False]),
+        torch.arange(5, dtype=torch.int64),
+        torch.rand(2, requires_grad=True),
+    ]
     for t in cases:
         wire = to_wire(t)
         back = from_wire(pickle.loads(pickle.dumps(wire, protocol=5)))

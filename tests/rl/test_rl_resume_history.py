@@ -45,15 +45,22 @@ def test_resume_drops_later_records_atomically(tmp_path):
         log.close()
 
 
-COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-          "run.checkpoint_every=2"]
+COMMON = [
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "run.checkpoint_every=2",
+]
 
 
 def _kill_early(out: Path, original: str, limit_s: float) -> None:
     """``stateshift train --resume out`` killed (SIGKILL) as soon as ``metrics.jsonl`` differs from ``original``
     -- or after ``limit_s`` of the run -- whichever comes first."""
-    proc = subprocess.Popen([sys.executable, "-m", "stateshift.cli", "train", "--resume", str(out), "trainer.steps=8"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stateshift.cli", "train", "--resume", str(out), "trainer.steps=8"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         t0, started = time.monotonic(), None
         while time.monotonic() - t0 < 60 and proc.poll() is None:

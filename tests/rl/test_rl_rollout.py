@@ -20,8 +20,9 @@ def _sampling(**kw) -> Sampling:
     return Sampling(**{"temperature": 1.0, "max_new_tokens": 6, "stop_token": STOP, "pad_token": PAD, **kw})
 
 
-def _check_logprobs(lm, wave: Wave, temperature: float, rows_versions: dict[int, object] | None = None,
-                    top_p: float = 1.0) -> None:
+def _check_logprobs(
+    lm, wave: Wave, temperature: float, rows_versions: dict[int, object] | None = None, top_p: float = 1.0
+) -> None:
     """The recorded l_b equal a full forward's: untruncated at top_p 1, else those of the truncated distribution."""
     full, _ = sequence_logprobs(lm, wave.prompt_ids, wave.prompt_mask, wave.tokens, temperature)
     mask = wave.versions >= 0
@@ -113,8 +114,16 @@ def test_update_weights_names_the_first_bad_tensor():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     import transformers  # in the test extra: a missing install fails here, it is not skipped
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     path = tmp_path_factory.mktemp("tiny-llama")
     cfg.save_pretrained(path)
     return path
@@ -136,7 +145,14 @@ def test_hf_model_trains_in_the_async_loop(hf_dir, tmp_path):
 
     from stateshift.train.launch import run
 
-    result = run(tiny(tmp_path, "model.family=hf", f"model.hf_path={hf_dir}", "trainer.steps=4",
-                      "async_training.trigger_parameter_sync_step=2"))
+    result = run(
+        tiny(
+            tmp_path,
+            "model.family=hf",
+            f"model.hf_path={hf_dir}",
+            "trainer.steps=4",
+            "async_training.trigger_parameter_sync_step=2",
+        )
+    )
     assert result.summary["status"] == "finished" and result.summary["sync"]["syncs"] == 2
     assert result.summary["sync"]["rollouter_copy_bytes"] == 2 * result.summary["sync"]["param_bytes"]

@@ -22,8 +22,12 @@ from stateshift.errors import CheckpointError
 from stateshift.train.checkpointing import SIDECAR, latest_checkpoint, load_checkpoint
 from stateshift.train.launch import run
 
-COMMON = ["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0",
-          "run.checkpoint_every=2", "run.keep_checkpoints=2"]
+COMMON = [
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +104,7 @@ def test_every_single_bit_flip_of_the_sidecar_is_refused_naming_it(run_dir, tmp_
 def test_truncated_sidecar_is_refused_naming_it(run_dir, tmp_path, keep):
     step = run_dir / "checkpoints" / "step-4"
     good = (step / SIDECAR).read_bytes()
-    (step / SIDECAR).write_bytes(good[:keep] if keep >= 0 else good[:len(good) // 2])
+    (step / SIDECAR).write_bytes(good[:keep] if keep >= 0 else good[: len(good) // 2])
     with raises_kind(CheckpointError, "corrupt") as info:
         load_checkpoint(step, _trainer(tmp_path))
     assert info.value.path == str(step / SIDECAR)
@@ -121,10 +125,10 @@ def test_resealed_sidecar_of_another_version_or_shape_is_refused(run_dir, tmp_pa
     with raises_kind(CheckpointError, "corrupt", match="format version 2"):
         load_checkpoint(step, _trainer(tmp_path))
     (hlen,) = struct.unpack_from("<Q", body)
-    header = json.loads(body[8:8 + hlen])
+    header = json.loads(body[8 : 8 + hlen])
     header["tensors"][0][1] = [2**61] * 300  # a hostile shape: refused at once, the message bounded
     raw = json.dumps(header).encode()
-    (step / SIDECAR).write_bytes(_reseal(struct.pack("<Q", len(raw)) + raw + body[8 + hlen:], 1))
+    (step / SIDECAR).write_bytes(_reseal(struct.pack("<Q", len(raw)) + raw + body[8 + hlen :], 1))
     t0 = time.perf_counter()
     with raises_kind(CheckpointError, "corrupt") as info:
         load_checkpoint(step, _trainer(tmp_path))
@@ -204,11 +208,25 @@ def _capture():
     wave.step = 2
     groups = wave.groups(task.score)
     gen = torch.Generator().manual_seed(5)
-    return RolloutCapture(version=1, prompt_rng=rng.getstate(), sample_rng=gen.get_state(), next_uid=10, wave=wave,
-                          queued=groups[:2], running=3, staleness_samples=4,
-                          ledger={"admitted": 9, "generated": 6, "trained": 2, "discarded": {"lag": 1},
-                                  "by_version": {"0": 4, "1": 2}, "regenerated": 0},
-                          orphans=((11, items[0]),))
+    return RolloutCapture(
+        version=1,
+        prompt_rng=rng.getstate(),
+        sample_rng=gen.get_state(),
+        next_uid=10,
+        wave=wave,
+        queued=groups[:2],
+        running=3,
+        staleness_samples=4,
+        ledger={
+            "admitted": 9,
+            "generated": 6,
+            "trained": 2,
+            "discarded": {"lag": 1},
+            "by_version": {"0": 4, "1": 2},
+            "regenerated": 0,
+        },
+        orphans=((11, items[0]),),
+    )
 
 
 def test_capture_round_trips_exactly(tmp_path):
@@ -223,7 +241,13 @@ def test_capture_round_trips_exactly(tmp_path):
     got = back.capture
     assert got.prompt_rng == cap.prompt_rng and torch.equal(got.sample_rng, cap.sample_rng)
     assert (got.version, got.next_uid, got.running, got.staleness_samples, got.ledger, got.orphans) == (
-        1, 10, 3, 4, cap.ledger, cap.orphans)
+        1,
+        10,
+        3,
+        4,
+        cap.ledger,
+        cap.orphans,
+    )
     for name in ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "done"):
         a, b = getattr(got.wave, name), getattr(wave, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -239,24 +263,37 @@ def _edit_header(path: Path, edit) -> None:
     """Change the header of the sidecar at ``path`` with ``edit(header)`` and re-seal it (a hostile writer)."""
     body = path.read_bytes()[52:]
     (hlen,) = struct.unpack_from("<Q", body)
-    header = json.loads(body[8:8 + hlen])
+    header = json.loads(body[8 : 8 + hlen])
     edit(header)
     raw = json.dumps(header).encode()
-    path.write_bytes(_reseal(struct.pack("<Q", len(raw)) + raw + body[8 + hlen:], 1))
+    path.write_bytes(_reseal(struct.pack("<Q", len(raw)) + raw + body[8 + hlen :], 1))
 
 
-@pytest.mark.parametrize("edit", [
-    lambda h: h["capture"].update(queued=h["capture"]["queued"] * 10_000),  # one tensor used 20,000 times
-    lambda h: h["tensors"].__setitem__(slice(None), [max(h["tensors"], key=lambda e: e[3])] * len(h["tensors"])),
-    lambda h: h["capture"]["wave"].update(step=10**30),
-    lambda h: h["capture"].update(prompt_rng=[3, [2**40] * 625, None]),
-    lambda h: h["capture"]["queued"][0].update(item={"type": "os.system", "fields": {"command": "touch x"}}),
-    lambda h: h["capture"]["queued"][0].update(uid=True),
-    lambda h: h["capture"]["wave"].update(n=3),
-    lambda h: h["capture"].update(extra_field=1),
-    lambda h: h.update(extra={"k": [1] * 10}),
-], ids=["tensor shared", "tensors overlap", "huge step", "bad random state", "unknown item type", "bool uid",
-        "wave rows", "unknown field", "nested extra"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h["capture"].update(queued=h["capture"]["queued"] * 10_000),  # one tensor used 20,000 times
+        lambda h: h["tensors"].__setitem__(slice(None), [max(h["tensors"], key=lambda e: e[3])] * len(h["tensors"])),
+        lambda h: h["capture"]["wave"].update(step=10**30),
+        lambda h: h["capture"].update(prompt_rng=[3, [2**40] * 625, None]),
+        lambda h: h["capture"]["queued"][0].update(item={"type": "os.system", "fields": {"command": "touch x"}}),
+        lambda h: h["capture"]["queued"][0].update(uid=True),
+        lambda h: h["capture"]["wave"].update(n=3),
+        lambda h: h["capture"].update(extra_field=1),
+        lambda h: h.update(extra={"k": [1] * 10}),
+    ],
+    ids=[
+        "tensor shared",
+        "tensors overlap",
+        "huge step",
+        "bad random state",
+        "unknown item type",
+        "bool uid",
+        "wave rows",
+        "unknown field",
+        "nested extra",
+    ],
+)
 def test_hostile_resealed_header_is_refused_quickly(tmp_path, edit):
     from stateshift.train.sidecar import read_sidecar, write_sidecar
 

@@ -126,8 +126,12 @@ def test_load_into_a_wrong_target_names_the_tensor_and_changes_nothing(trainer, 
     wrong_dtype = dict(wrong_shape, **{"2.weight": torch.zeros(512, 48)})
     missing = {k: v for k, v in target.state_dict(keep_vars=True).items() if k != "1.running_var"}
     extra = dict(target.state_dict(keep_vars=True), **{"3.weight": torch.zeros(1)})
-    for bad, field, name in [(wrong_shape, "shape", "2.weight"), (wrong_dtype, "dtype", "2.weight"),
-                             (missing, "extra", "1.running_var"), (extra, "missing", "3.weight")]:
+    for bad, field, name in [
+        (wrong_shape, "shape", "2.weight"),
+        (wrong_dtype, "dtype", "2.weight"),
+        (missing, "extra", "1.running_var"),
+        (extra, "missing", "3.weight"),
+    ]:
         with raises_kind(LayoutError, "mismatch") as err:
             rx.load_into(bad)
         assert (err.value.field, err.value.tensor) == (field, name)
@@ -184,17 +188,23 @@ def _rewrite_manifest(pub, version, edit):
         f.write(raw if isinstance(raw, bytes) else json.dumps(raw).encode())
 
 
-@pytest.mark.parametrize("edit,field", [
-    (lambda o: b"{not json", "json"),
-    (lambda o: (o["parts"][0].__setitem__("file", "../../etc/passwd"), o)[1], "part 0 file"),
-    (lambda o: (o["parts"][0].__setitem__("file", "stateshift-pool-1-ab-1/../x"), o)[1], "part 0 file"),
-    (lambda o: (o["parts"][0]["tensors"][0].__setitem__(2, [1 << 40, 1 << 40]), o)[1], "tensor '0.weight'"),
-    (lambda o: (o["parts"][0]["tensors"][0].__setitem__(1, "os.system"), o)[1], "tensor '0.weight' dtype"),
-    (lambda o: (o["parts"][0].__setitem__("size", 1 << 62), o)[1], "part 'params' file"),
-    (lambda o: (o.__setitem__("base", 0), [p.__setitem__("changed", [10 ** 6]) for p in o["parts"]], o)[2], "part 0 changed"),
-    (lambda o: (o.__setitem__("base", 0), o)[1], "changed"),
-    (lambda o: (o.__setitem__("base", 5), [p.__setitem__("changed", []) for p in o["parts"]], o)[2], "version"),
-])
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda o: b"{not json", "json"),
+        (lambda o: (o["parts"][0].__setitem__("file", "../../etc/passwd"), o)[1], "part 0 file"),
+        (lambda o: (o["parts"][0].__setitem__("file", "stateshift-pool-1-ab-1/../x"), o)[1], "part 0 file"),
+        (lambda o: (o["parts"][0]["tensors"][0].__setitem__(2, [1 << 40, 1 << 40]), o)[1], "tensor '0.weight'"),
+        (lambda o: (o["parts"][0]["tensors"][0].__setitem__(1, "os.system"), o)[1], "tensor '0.weight' dtype"),
+        (lambda o: (o["parts"][0].__setitem__("size", 1 << 62), o)[1], "part 'params' file"),
+        (
+            lambda o: (o.__setitem__("base", 0), [p.__setitem__("changed", [10**6]) for p in o["parts"]], o)[2],
+            "part 0 changed",
+        ),
+        (lambda o: (o.__setitem__("base", 0), o)[1], "changed"),
+        (lambda o: (o.__setitem__("base", 5), [p.__setitem__("changed", []) for p in o["parts"]], o)[2], "version"),
+    ],
+)
 def test_hostile_manifest_is_refused_typed_before_anything_is_mapped(pub, edit, field):
     pub.publish(1).wait(5)
     _rewrite_manifest(pub, 1, edit)
@@ -208,9 +218,14 @@ def test_hostile_manifest_is_refused_typed_before_anything_is_mapped(pub, edit, 
 
 def test_hostile_mailbox_and_handles_are_refused_typed(pub):
     h = pub.handle()
-    for text in ["[]", "{", json.dumps(dict(json.loads(h.to_json()), prefix="../x")),
-                 json.dumps(dict(json.loads(h.to_json()), transport="pickle")),
-                 json.dumps(dict(json.loads(h.to_json()), pid=-1)), json.dumps(dict(json.loads(h.to_json()), extra=1))]:
+    for text in [
+        "[]",
+        "{",
+        json.dumps(dict(json.loads(h.to_json()), prefix="../x")),
+        json.dumps(dict(json.loads(h.to_json()), transport="pickle")),
+        json.dumps(dict(json.loads(h.to_json()), pid=-1)),
+        json.dumps(dict(json.loads(h.to_json()), extra=1)),
+    ]:
         with raises_kind(SyncError, "mailbox"):
             WeightReceiver(text, name="r")
     with pytest.raises(ValueError):
@@ -228,8 +243,22 @@ def test_handle_round_trips_as_json():
 
 
 def test_manifest_refuses_a_tensor_past_its_part():
-    raw = json.dumps({"version": 1, "transport": "shared_host", "parts": [
-        {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", [17], [1], 0, 0]]}]})
+    raw = json.dumps(
+        {
+            "version": 1,
+            "transport": "shared_host",
+            "parts": [
+                {
+                    "group": "params",
+                    "size": 64,
+                    "file": None,
+                    "ipc": None,
+                    "offset": 0,
+                    "tensors": [["w", "float32", [17], [1], 0, 0]],
+                }
+            ],
+        }
+    )
     with raises_kind(SyncError, "mailbox") as err:
         Manifest.parse(raw.encode(), "m")
     assert err.value.field == "tensor 'w'"
@@ -378,8 +407,22 @@ def test_a_shared_pool_in_another_directory_than_the_publisher_is_refused_before
 
 def test_an_entry_checked_before_does_not_let_a_lookalike_through():
     def raw(shape):
-        return json.dumps({"version": 1, "transport": "shared_host", "parts": [
-            {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0, "tensors": [["w", "float32", shape, [1], 0, 0]]}]}).encode()
+        return json.dumps(
+            {
+                "version": 1,
+                "transport": "shared_host",
+                "parts": [
+                    {
+                        "group": "params",
+                        "size": 64,
+                        "file": None,
+                        "ipc": None,
+                        "offset": 0,
+                        "tensors": [["w", "float32", shape, [1], 0, 0]],
+                    }
+                ],
+            }
+        ).encode()
 
     assert Manifest.parse(raw([16]), "m").parts[0].tensors[0].shape == (16,)
     for bad in ([16.0], [True]):  # equal to 16 / 1 as dictionary keys, not as entries
@@ -464,7 +507,9 @@ def test_one_receiver_serves_one_read_at_a_time(trainer, pub):
     pub.publish(1).wait(5)
     rx = WeightReceiver(pub.handle(), name="r")
     with rx.receive() as (v, _):
-        with raises_kind(SyncError, "reentrant"):  # inside another read on the same thread: refused, the outer one intact
+        with raises_kind(
+            SyncError, "reentrant"
+        ):  # inside another read on the same thread: refused, the outer one intact
             rx.load_into(model(2))
         other = threading.Thread(target=rx.load_into, args=(model(3),))
         other.start()

@@ -49,7 +49,10 @@ def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_re
     pub = WeightPublisher(state, name="p", ack_timeout_s=20, poll_s=0.02)
     procs = []
     try:
-        (p0, c0), (p1, c1) = start(receiver_main, pub.handle().to_json(), "r0", None), start(receiver_main, pub.handle().to_json(), "r1", None)
+        (p0, c0), (p1, c1) = (
+            start(receiver_main, pub.handle().to_json(), "r0", None),
+            start(receiver_main, pub.handle().to_json(), "r1", None),
+        )
         procs += [p0, p1]
         pub.publish(1).wait(10)
         for c in (c0, c1):
@@ -119,10 +122,14 @@ def test_a_publisher_killed_inside_a_publish_leaves_receivers_on_the_last_whole_
 def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
     m = model(0)
     state = ModelState(m)
-    pub = WeightPublisher(state, transport="broadcast", name="bc", broadcast_receivers=2, bucket_bytes=4096, ack_timeout_s=60)
+    pub = WeightPublisher(
+        state, transport="broadcast", name="bc", broadcast_receivers=2, bucket_bytes=4096, ack_timeout_s=60
+    )
     procs = []
     try:
-        started = start_many(receiver_main, [(pub.handle().to_json(), "b0", None), (pub.handle().to_json(), "b1", None)])
+        started = start_many(
+            receiver_main, [(pub.handle().to_json(), "b0", None), (pub.handle().to_json(), "b1", None)]
+        )
         procs += [p for p, _ in started]
         first = pub.publish(1)
         for _, c in started:  # a collective: every receiver reads at once
@@ -189,4 +196,6 @@ def test_fsdp2_shards_load_into_a_model_sharded_the_same_way():
 
     before = set(os.listdir("/dev/shm"))
     assert run_distributed(_fsdp2_rank, world_size=2, timeout=120) == [True, True]
-    assert [f for f in set(os.listdir("/dev/shm")) - before if f.startswith(("stateshift-pool-", "stateshift-sync-"))] == []
+    assert [
+        f for f in set(os.listdir("/dev/shm")) - before if f.startswith(("stateshift-pool-", "stateshift-sync-"))
+    ] == []

@@ -151,7 +151,11 @@ def meta_of(t: torch.Tensor) -> tuple[Any, ...]:
 
 def is_fsdp2(model: Any) -> bool:
     """True when ``model`` is, or contains, a module wrapped with ``fully_shard``."""
-    return FSDPModule is not None and isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+    return (
+        FSDPModule is not None
+        and isinstance(model, nn.Module)
+        and any(isinstance(m, FSDPModule) for m in model.modules())
+    )
 
 
 def _param_groups(fsdp_state: Any) -> list[Any]:
@@ -348,7 +352,8 @@ class FSDP2ModuleBackend(TorchModuleBackend):
         if below is None:
             names = unit.names
             below = [
-                u for u in self._units
+                u
+                for u in self._units
                 if u is unit or any(n == "" or m.startswith(f"{n}.") for n in names for m in u.names)
             ]
             self._below_cache[id(unit)] = below
@@ -369,7 +374,9 @@ class FSDP2ModuleBackend(TorchModuleBackend):
         # implicit backward prefetch: the group that ran forward just before this one
         groups = unit.groups()
         order = getattr(getattr(groups[0], "comm_ctx", None), "post_forward_order", []) if groups else []
-        prev = {id(order[i - 1]) for g in groups for i in getattr(g, "_post_forward_indices", ()) if 0 < i <= len(order)}
+        prev = {
+            id(order[i - 1]) for g in groups for i in getattr(g, "_post_forward_indices", ()) if 0 < i <= len(order)
+        }
         if prev:
             needs += [u for u in self._units if any(id(g) in prev for g in u.groups())]
         return needs
@@ -398,7 +405,9 @@ class FSDP2ModuleBackend(TorchModuleBackend):
                     check(self._shard_storages(self._forward_needs(unit)), where)
                     check(self._plain(unit), where)
 
-                def post_forward(mod: nn.Module, args: Any, output: Any, unit: _Unit = unit, label: str = label) -> None:
+                def post_forward(
+                    mod: nn.Module, args: Any, output: Any, unit: _Unit = unit, label: str = label
+                ) -> None:
                     if not torch.is_grad_enabled():
                         return
 

@@ -109,7 +109,9 @@ class ModuleGuards:
                 label = owner or type(m).__name__
                 self.handles.append(m.register_forward_pre_hook(self._forward_hook(f"forward of module {label!r}")))
                 self.handles.append(m.register_forward_hook(self._leave_hook(), always_call=True))
-                self.handles.append(m.register_state_dict_pre_hook(self._module_hook(f"state_dict() of module {label!r}")))
+                self.handles.append(
+                    m.register_state_dict_pre_hook(self._module_hook(f"state_dict() of module {label!r}"))
+                )
                 self.handles.append(
                     m.register_load_state_dict_pre_hook(self._module_hook(f"load_state_dict() into module {label!r}"))
                 )
@@ -142,7 +144,9 @@ class ModuleGuards:
         self.handles.append(root.register_forward_pre_hook(tree_hook, prepend=True))
         self.handles.append(root.register_forward_hook(self._leave_hook(), always_call=True))
         params = functools.partial(nn.Module.parameters, root)
-        self.handles.append(root.register_forward_hook(backward_guard(check, lambda: map(local, params()), f"backward through {label}")))
+        self.handles.append(
+            root.register_forward_hook(backward_guard(check, lambda: map(local, params()), f"backward through {label}"))
+        )
 
     def _forward_hook(self, where: str) -> Callable[..., None]:
         """A forward pre-hook that enters the reader gate (``check.enter``), then checks the module's own tensors."""

@@ -75,7 +75,11 @@ def modules_of(root: torch.nn.Module) -> list[torch.nn.Module]:
 
 _REQUIRES_GRAD, _FALSE = itertools.repeat("requires_grad"), itertools.repeat(False)
 _CHILDREN, _PARAMS, _BUFFERS = map(operator.attrgetter, ("_modules", "_parameters", "_buffers"))
-_NON_PERSISTENT, _values, _flat = operator.attrgetter("_non_persistent_buffers_set"), dict.values, itertools.chain.from_iterable
+_NON_PERSISTENT, _values, _flat = (
+    operator.attrgetter("_non_persistent_buffers_set"),
+    dict.values,
+    itertools.chain.from_iterable,
+)
 
 
 def tree_signature(mods: list[torch.nn.Module]) -> tuple[Any, ...]:
@@ -93,11 +97,21 @@ def tree_signature(mods: list[torch.nn.Module]) -> tuple[Any, ...]:
     children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
     non_persistent = list(map(_NON_PERSISTENT, mods))
     pvals = list(_flat(map(_values, params)))
-    return (tuple(map(id, mods)), tuple(map(len, children)), tuple(_flat(children)),
-            tuple(map(id, _flat(map(_values, children)))),  # which key holds which child (None ones included)
-            tuple(map(len, params)), tuple(_flat(params)), tuple(map(id, pvals)), tuple(map(getattr, pvals, _REQUIRES_GRAD, _FALSE)),
-            tuple(map(len, buffers)), tuple(_flat(buffers)), tuple(map(id, _flat(map(_values, buffers)))),
-            tuple(map(len, non_persistent)), tuple(_flat(non_persistent)))
+    return (
+        tuple(map(id, mods)),
+        tuple(map(len, children)),
+        tuple(_flat(children)),
+        tuple(map(id, _flat(map(_values, children)))),  # which key holds which child (None ones included)
+        tuple(map(len, params)),
+        tuple(_flat(params)),
+        tuple(map(id, pvals)),
+        tuple(map(getattr, pvals, _REQUIRES_GRAD, _FALSE)),
+        tuple(map(len, buffers)),
+        tuple(_flat(buffers)),
+        tuple(map(id, _flat(map(_values, buffers)))),
+        tuple(map(len, non_persistent)),
+        tuple(_flat(non_persistent)),
+    )
 
 
 @dataclass
@@ -147,7 +161,9 @@ def named_parameters(module: torch.nn.Module, prefix: str = "") -> Iterator[tupl
                 yield join(owner, leaf), p
 
 
-def named_buffers(module: torch.nn.Module, prefix: str = "", *, persistent: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def named_buffers(
+    module: torch.nn.Module, prefix: str = "", *, persistent: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     for owner, m in walk(module, prefix):
         for leaf, b in m._buffers.items():
             if b is not None and (leaf not in m._non_persistent_buffers_set) == persistent:
@@ -160,7 +176,11 @@ def state_dict_names(module: torch.nn.Module) -> list[str]:
     names: list[str] = []
     for owner, m in walk(module, ""):
         names += [join(owner, leaf) for leaf, p in m._parameters.items() if p is not None]
-        names += [join(owner, leaf) for leaf, b in m._buffers.items() if b is not None and leaf not in m._non_persistent_buffers_set]
+        names += [
+            join(owner, leaf)
+            for leaf, b in m._buffers.items()
+            if b is not None and leaf not in m._non_persistent_buffers_set
+        ]
     return names
 
 
@@ -217,7 +237,11 @@ class TorchModuleBackend:
         if "grads" not in self._lists or not all(map(operator.is_, grads, self._last_grads)):
             local, meta = self.to_local, self.meta_of
             self._last_grads = grads
-            self._lists["grads"] = [Entry(f"{n}.grad", "grads", local(g), meta(g)) for (n, _), g in zip(self._named, grads, strict=True) if g is not None]
+            self._lists["grads"] = [
+                Entry(f"{n}.grad", "grads", local(g), meta(g))
+                for (n, _), g in zip(self._named, grads, strict=True)
+                if g is not None
+            ]
         return self._lists["grads"]
 
     def coverage(self) -> dict[str, list[str]]:
@@ -225,7 +249,9 @@ class TorchModuleBackend:
         return {
             "params": [n for n, _ in named_parameters(self.module, self.prefix)],
             "buffers": [n for n, _ in named_buffers(self.module, self.prefix)],
-            "untracked non-persistent buffers": [n for n, _ in named_buffers(self.module, self.prefix, persistent=False)],
+            "untracked non-persistent buffers": [
+                n for n, _ in named_buffers(self.module, self.prefix, persistent=False)
+            ],
         }
 
     def install_guards(self, check: Check) -> list[Handle]:
@@ -325,7 +351,9 @@ class TorchOptimizerBackend:
             opt.register_step_post_hook(post_step),
             opt.register_state_dict_pre_hook(pre_state_dict),
             opt.register_load_state_dict_pre_hook(pre_load),
-            MethodGuard(check, opt, "zero_grad", self.grads, "optimizer.zero_grad(set_to_none=False)", when=zero_grad_checks),
+            MethodGuard(
+                check, opt, "zero_grad", self.grads, "optimizer.zero_grad(set_to_none=False)", when=zero_grad_checks
+            ),
         ]
 
     def checkpoint_facts(self) -> CheckpointFacts:

@@ -1,9 +1,9 @@
 """The ``stateshift`` command.
 
-    stateshift train            # the fully-async RL trainer on its built-in task (stateshift train --help)
-    stateshift bench            # every verb in every residency on the built-in model
-    stateshift bench --help     # sizes, device, output files
-    stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
+stateshift train            # the fully-async RL trainer on its built-in task (stateshift train --help)
+stateshift bench            # every verb in every residency on the built-in model
+stateshift bench --help     # sizes, device, output files
+stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from .train import add_parser as _train_parser
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="stateshift", description="Move, snapshot and restore a training model's state.")
+    parser = argparse.ArgumentParser(
+        prog="stateshift", description="Move, snapshot and restore a training model's state."
+    )
     parser.add_argument("--version", action="version", version=f"stateshift {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
@@ -30,5 +32,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args))
-
-

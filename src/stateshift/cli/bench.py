@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:N]'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--minibatches", type=int, default=4, help="N of the pi_old cycle")
-    p.add_argument("--json", type=Path, default=None,
-                   help="write the results here (format: docs/design/result-format.md)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write the results here (format: docs/design/result-format.md)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -143,13 +144,16 @@ def build(cfg: GPTConfig, device: torch.device, dtype: str) -> tuple[ModelState,
     state = ModelState(model, opt)
     nbytes = state.nbytes("params")
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e6:.1f}M params, {nbytes / 1e9:.3f} GB of params ({dtype}) on {device}; "
-          f"state tracked: {state.nbytes() / 1e9:.3f} GB")
+    print(
+        f"model: {params / 1e6:.1f}M params, {nbytes / 1e9:.3f} GB of params ({dtype}) on {device}; "
+        f"state tracked: {state.nbytes() / 1e9:.3f} GB"
+    )
     return state, {"params": params, "param_bytes": nbytes, "dtype": dtype}
 
 
-def measure(state: ModelState, args: argparse.Namespace,
-            progress: timing.Progress) -> tuple[timing.BenchResult, dict[str, float]]:
+def measure(
+    state: ModelState, args: argparse.Namespace, progress: timing.Progress
+) -> tuple[timing.BenchResult, dict[str, float]]:
     """The ceilings on the params' bytes, then every verb in every residency (``timing.bench_state``).
 
     Args:
@@ -162,10 +166,20 @@ def measure(state: ModelState, args: argparse.Namespace,
     """
     device = core_of(state).engine.device or torch.device("cpu")
     ceilings = timing.measure_ceilings(state.nbytes("params"), device, repeat=args.repeat)
-    result = timing.BenchResult(machine=timing.machine_name(device), torch=torch.__version__, stateshift=__version__,
-                                ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()})
-    rows, extra = timing.bench_state(state, backend="torch", ceilings=ceilings, repeat=args.repeat,
-                                     cycle_minibatches=args.minibatches, progress=progress)
+    result = timing.BenchResult(
+        machine=timing.machine_name(device),
+        torch=torch.__version__,
+        stateshift=__version__,
+        ceilings={k: float(f"{v:.4g}") for k, v in ceilings.items()},
+    )
+    rows, extra = timing.bench_state(
+        state,
+        backend="torch",
+        ceilings=ceilings,
+        repeat=args.repeat,
+        cycle_minibatches=args.minibatches,
+        progress=progress,
+    )
     result.rows += rows
     result.extra.update(extra)
     return result, ceilings
@@ -185,17 +199,27 @@ def report(result: timing.BenchResult, state: ModelState, ceilings: dict[str, fl
     print()
     print("ceilings (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
     if result.host:
-        print(f"host: {result.host['cpu']}; Python workload {result.host['python_us']:.0f} us (host-bound rows scale with it)")
+        print(
+            f"host: {result.host['cpu']}; Python workload {result.host['python_us']:.0f} us (host-bound rows scale with it)"
+        )
     if "d2h_gbps" not in ceilings:
-        print("CPU only: 'device' rows are the model's own (CPU) memory, every copy is a host memcpy, "
-              "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)")
-    print(f"pinned pool: pinned={stats.pinned} held={stats.held_bytes / 1e9:.3f} GB in use={stats.in_use_bytes / 1e9:.3f} GB "
-          f"allocations={stats.allocations} reuses={stats.reuses} requested={stats.requested_bytes / 1e9:.3f} GB")
+        print(
+            "CPU only: 'device' rows are the model's own (CPU) memory, every copy is a host memcpy, "
+            "and every ratio is against the host memcpy ceiling (a zero-copy verb can exceed 1)"
+        )
+    print(
+        f"pinned pool: pinned={stats.pinned} held={stats.held_bytes / 1e9:.3f} GB in use={stats.in_use_bytes / 1e9:.3f} GB "
+        f"allocations={stats.allocations} reuses={stats.reuses} requested={stats.requested_bytes / 1e9:.3f} GB"
+    )
     full = result.extra.get("full_state") or {}
     if full:
-        print(f"full offload of {full['bytes'] / 1e9:.3f} GB: allocated -{full['allocated_drop_bytes'] / 1e9:.3f} GB, "
-              f"reserved -{full['reserved_drop_bytes'] / 1e9:.3f} GB, driver free +{full['driver_free_gain_bytes'] / 1e9:.3f} GB "
-              f"(free_device_memory={full['free_device_memory']}); the onload after it: {full['onload_after_gbps']:.1f} GB/s")
+        print(
+            f"full offload of {full['bytes'] / 1e9:.3f} GB: allocated -{full['allocated_drop_bytes'] / 1e9:.3f} GB, "
+            f"reserved -{full['reserved_drop_bytes'] / 1e9:.3f} GB, driver free +{full['driver_free_gain_bytes'] / 1e9:.3f} GB "
+            f"(free_device_memory={full['free_device_memory']}); the onload after it: {full['onload_after_gbps']:.1f} GB/s"
+        )
     if "gpu_allocated_after_offload" in result.extra:
-        print(f"GPU allocated: {result.extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
-              f"{result.extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after")
+        print(
+            f"GPU allocated: {result.extra['gpu_allocated_before_offload'] / 1e9:.3f} GB before offload, "
+            f"{result.extra['gpu_allocated_after_offload'] / 1e9:.3f} GB after"
+        )

@@ -35,10 +35,13 @@ _DESCRIPTION = (
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``inspect`` sub-command to an argparse ``add_subparsers()`` object."""
-    p = subparsers.add_parser("inspect", help="show a checkpoint's manifest and tensors, and verify its checksums",
-                              description=_DESCRIPTION)
+    p = subparsers.add_parser(
+        "inspect", help="show a checkpoint's manifest and tensors, and verify its checksums", description=_DESCRIPTION
+    )
     p.add_argument("path", help="checkpoint directory, or a directory whose 'latest' names one")
-    p.add_argument("--no-verify", action="store_true", help="skip hashing the data (manifest, sizes and headers are still checked)")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip hashing the data (manifest, sizes and headers are still checked)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--limit", type=int, default=0, help="print at most this many tensors (0: all)")
     p.set_defaults(func=cmd_inspect)
@@ -58,10 +61,27 @@ def _tensors(ckpt: Checkpoint) -> list[dict[str, Any]]:
     from ..core.layout import dtype_of
 
     if ckpt.manifest.dcp_tensors:
-        return [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": math.prod(t.shape) * dtype_of(t.dtype).itemsize,
-                 "file": "(dcp)"} for n, t in ckpt.manifest.dcp_tensors.items()]
-    return [{"name": t.name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": t.nbytes,
-             "file": name} for name, e in ckpt.manifest.files.items() for t in e.tensors]
+        return [
+            {
+                "name": n,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "bytes": math.prod(t.shape) * dtype_of(t.dtype).itemsize,
+                "file": "(dcp)",
+            }
+            for n, t in ckpt.manifest.dcp_tensors.items()
+        ]
+    return [
+        {
+            "name": t.name,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "bytes": t.nbytes,
+            "file": name,
+        }
+        for name, e in ckpt.manifest.files.items()
+        for t in e.tensors
+    ]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -87,8 +107,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         _print_tables(info, tensors, args.limit)
         if verified:
-            print(f"\nchecksums OK: {len(info['files'])} files, {_human(sum(f['bytes'] for f in info['files'].values()))} "
-                  f"verified (crc32) in {time.perf_counter() - t0:.2f} s")
+            print(
+                f"\nchecksums OK: {len(info['files'])} files, {_human(sum(f['bytes'] for f in info['files'].values()))} "
+                f"verified (crc32) in {time.perf_counter() - t0:.2f} s"
+            )
         elif verified is None:
             print("\nchecksums not verified (--no-verify)")
     if error is not None:
@@ -99,8 +121,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _print_tables(info: dict[str, Any], tensors: list[dict[str, Any]], limit: int) -> None:
     print(f"checkpoint  {info['path']}")
-    for key in ("tag", "version", "backend", "layout_format", "world_size", "total_bytes", "created",
-                "library_version", "torch_version", "checksum_algorithm"):
+    for key in (
+        "tag",
+        "version",
+        "backend",
+        "layout_format",
+        "world_size",
+        "total_bytes",
+        "created",
+        "library_version",
+        "torch_version",
+        "checksum_algorithm",
+    ):
         value = info.get(key)
         print(f"{key:<20}{value} ({_human(value)})" if key == "total_bytes" else f"{key:<20}{value}")
     if info.get("extra"):

@@ -82,8 +82,10 @@ class BenchResult:
         return out
 
     def table(self) -> str:
-        head = (f"{'backend':<9} {'op':<13} {'residency':<9} {'case':<14} {'GB':>7} {'seconds':>8} {'GB/s':>7} {'ratio':>6} "
-                f"{'queued':>6} {'vs loop':>7}  bound")
+        head = (
+            f"{'backend':<9} {'op':<13} {'residency':<9} {'case':<14} {'GB':>7} {'seconds':>8} {'GB/s':>7} {'ratio':>6} "
+            f"{'queued':>6} {'vs loop':>7}  bound"
+        )
         lines = [head, "-" * len(head)]
         for r in self.rows:
             vs = f"{r.vs_loop:>7.2f}" if r.vs_loop is not None else f"{'':>7}"
@@ -113,7 +115,9 @@ class Progress:
             return
         width = 24
         filled = width * self.done // max(self.total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {what:<40}")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {what:<40}"
+        )
         if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -203,10 +207,20 @@ def plain_loops(tensors: list[torch.Tensor], *, repeat: int) -> dict[str, tuple[
     starts = _aligned_starts(sizes)
     nbytes = sum(sizes)
     cuda = bool(data) and data[0].is_cuda
-    block = torch.empty(starts[-1] + sizes[-1] if data else 0, dtype=torch.uint8, pin_memory=cuda)  # one allocation, as a user would
+    block = torch.empty(
+        starts[-1] + sizes[-1] if data else 0, dtype=torch.uint8, pin_memory=cuda
+    )  # one allocation, as a user would
     host = [block[a : a + n].view(t.dtype).view(t.shape) for a, n, t in zip(starts, sizes, data, strict=True)]
-    out = {"d2h": (nbytes, timed(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat)),
-           "h2d": (nbytes, timed(lambda: [t.copy_(h, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat))}
+    out = {
+        "d2h": (
+            nbytes,
+            timed(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat),
+        ),
+        "h2d": (
+            nbytes,
+            timed(lambda: [t.copy_(h, non_blocking=True) for h, t in zip(host, data, strict=True)], repeat=repeat),
+        ),
+    }
     if cuda:
         dev = [torch.empty_like(t) for t in data]
         out["d2d"] = (nbytes, timed(lambda: [d.copy_(t) for d, t in zip(dev, data, strict=True)], repeat=repeat))
@@ -270,7 +284,6 @@ def machine_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
-
 @dataclass
 class VerbBench:
     """Times every verb on ``groups`` of ``state`` in each residency, appending ``Row``s (see ``bench_state``)."""
@@ -292,12 +305,24 @@ class VerbBench:
         self.nbytes = self.state.nbytes(self.groups)
         host = self.ceilings["host_memcpy_gbps"]
         c = self.ceilings
-        self.d2h, self.h2d, self.d2d = (c["d2h_gbps"], c["h2d_gbps"], c["d2d_gbps"]) if self.cuda else (host, host, host)
+        self.d2h, self.h2d, self.d2d = (
+            (c["d2h_gbps"], c["h2d_gbps"], c["d2d_gbps"]) if self.cuda else (host, host, host)
+        )
         self.names = ("d2h", "h2d", "d2d") if self.cuda else ("host_memcpy",) * 3
         self.loops: dict[str, tuple[int, float]] = {}
 
-    def add(self, op: str, residency: str, seconds: float, ceiling: float, bound: str, note: str = "", *,
-            loop: str | None = None, queued: float | None = None) -> None:
+    def add(
+        self,
+        op: str,
+        residency: str,
+        seconds: float,
+        ceiling: float,
+        bound: str,
+        note: str = "",
+        *,
+        loop: str | None = None,
+        queued: float | None = None,
+    ) -> None:
         """One row; ``loop``: the direction of the plain loop to compare with, ``queued``: ``timed_device`` seconds."""
         gbps = self.nbytes / seconds / 1e9 if seconds > 0 else float("inf")
         # the device-copy ceiling counts bytes read + written: count the row's bytes the same way
@@ -314,18 +339,39 @@ class VerbBench:
         if self.progress is not None:
             self.progress.step(f"{op} ({residency})")
 
-    def add_bound(self, op: str, seconds: float, moved: int, bound_seconds: float, bound: str, note: str, case: str = "") -> None:
+    def add_bound(
+        self, op: str, seconds: float, moved: int, bound_seconds: float, bound: str, note: str, case: str = ""
+    ) -> None:
         """A row whose bound is a sum of phases at their ceilings (``bound_seconds``); ratio = bound / measured."""
-        self.rows.append(Row(self.backend, op, "device", self.dev.type, moved, seconds, moved / seconds / 1e9,
-                             bound_seconds / seconds, bound if self.cuda else "host_memcpy", note, case))
+        self.rows.append(
+            Row(
+                self.backend,
+                op,
+                "device",
+                self.dev.type,
+                moved,
+                seconds,
+                moved / seconds / 1e9,
+                bound_seconds / seconds,
+                bound if self.cuda else "host_memcpy",
+                note,
+                case,
+            )
+        )
         if self.progress is not None:
             self.progress.step(op)
 
     def add_mixed(self, op: str, seconds: float, pcie_bytes: int, d2d_bytes: int, note: str) -> None:
         """A row that moves bytes over PCIe and on the device: its bound is the sum of both at their ceilings."""
         bound = pcie_bytes / (min(self.d2h, self.h2d) * 1e9) + 2 * d2d_bytes / (self.d2d * 1e9)
-        self.add_bound(op, seconds, pcie_bytes + d2d_bytes, bound, "pcie+d2d",
-                       note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB")
+        self.add_bound(
+            op,
+            seconds,
+            pcie_bytes + d2d_bytes,
+            bound,
+            "pcie+d2d",
+            note + f"; pcie {pcie_bytes / 1e9:.2f} GB, device {d2d_bytes / 1e9:.2f} GB",
+        )
 
     def bidir_seconds(self, n: int) -> float:
         """Bound of one host-stash swap of ``n`` bytes: in = n out and n in at once, out = n in."""
@@ -344,30 +390,75 @@ class VerbBench:
         self.loops = plain_loops(tensors, repeat=r)
         self.add("snapshot", "device", timed(self.snap, repeat=r), self.d2h, d2h_name, loop="d2h")
         snap_dev = lambda: self.snap("device")  # noqa: E731
-        self.add("snapshot", "device", timed(snap_dev, repeat=r), self.d2d, d2d_name, note="placement=device", loop="d2d",
-                 queued=timed_device(snap_dev, repeat=r))
+        self.add(
+            "snapshot",
+            "device",
+            timed(snap_dev, repeat=r),
+            self.d2d,
+            d2d_name,
+            note="placement=device",
+            loop="d2d",
+            queued=timed_device(snap_dev, repeat=r),
+        )
         self.saved = st.snapshot(g, tag="bench-saved")
         self.add("restore", "device", timed(lambda: st.restore(self.saved), repeat=r), self.h2d, h2d_name, loop="h2d")
         saved_dev = st.snapshot(g, tag="bench-saved-dev", placement="device")
         restore_dev = lambda: st.restore(saved_dev)  # noqa: E731
-        self.add("restore", "device", timed(restore_dev, repeat=r), self.d2d, d2d_name, note="placement=device", loop="d2d",
-                 queued=timed_device(restore_dev, repeat=r))
+        self.add(
+            "restore",
+            "device",
+            timed(restore_dev, repeat=r),
+            self.d2d,
+            d2d_name,
+            note="placement=device",
+            loop="d2d",
+            queued=timed_device(restore_dev, repeat=r),
+        )
         mem_before = torch.cuda.memory_allocated(self.dev) if self.cuda else 0
-        self.add("offload", "device", timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r), self.d2h, d2h_name, loop="d2h")
+        self.add(
+            "offload",
+            "device",
+            timed(lambda: st.offload(g), setup=lambda: st.onload(g), repeat=r),
+            self.d2h,
+            d2h_name,
+            loop="d2h",
+        )
         if self.cuda:
             sync()
-            self.extra.update(gpu_allocated_before_offload=mem_before, tracked_bytes=self.nbytes,
-                              gpu_allocated_after_offload=torch.cuda.memory_allocated(self.dev))
-        self.add("onload", "host", timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r), self.h2d, h2d_name, loop="h2d")
+            self.extra.update(
+                gpu_allocated_before_offload=mem_before,
+                tracked_bytes=self.nbytes,
+                gpu_allocated_after_offload=torch.cuda.memory_allocated(self.dev),
+            )
+        self.add(
+            "onload",
+            "host",
+            timed(lambda: st.onload(g), setup=lambda: st.offload(g), repeat=r),
+            self.h2d,
+            h2d_name,
+            loop="h2d",
+        )
 
     def offloaded(self) -> None:
         """Snapshot and restore with the groups offloaded (copy-on-write homes)."""
         st = self.state
         st.offload(self.groups)
-        self.add("snapshot", "host", timed(self.snap, repeat=self.repeat), self.ceilings["host_memcpy_gbps"], "host_memcpy",
-                 note="zero-copy (copy-on-write home)")
-        self.add("restore", "host", timed(lambda: st.restore(self.saved), repeat=self.repeat), self.ceilings["host_memcpy_gbps"],
-                 "host_memcpy", note="pointer copy")
+        self.add(
+            "snapshot",
+            "host",
+            timed(self.snap, repeat=self.repeat),
+            self.ceilings["host_memcpy_gbps"],
+            "host_memcpy",
+            note="zero-copy (copy-on-write home)",
+        )
+        self.add(
+            "restore",
+            "host",
+            timed(lambda: st.restore(self.saved), repeat=self.repeat),
+            self.ceilings["host_memcpy_gbps"],
+            "host_memcpy",
+            note="pointer copy",
+        )
         st.onload(self.groups)
 
     def swaps(self) -> None:
@@ -378,17 +469,30 @@ class VerbBench:
             with st.swapped(self.saved, stash=stash):  # type: ignore[arg-type]
                 pass
 
-        self.add_bound("swap", timed(lambda: swap("host"), repeat=self.repeat), 3 * n, self.bidir_seconds(n), "bidir+h2d",
-                       "host snapshot, stash on host: in = out+in at once, out = in", case="bidirectional")
+        self.add_bound(
+            "swap",
+            timed(lambda: swap("host"), repeat=self.repeat),
+            3 * n,
+            self.bidir_seconds(n),
+            "bidir+h2d",
+            "host snapshot, stash on host: in = out+in at once, out = in",
+            case="bidirectional",
+        )
         on_dev = self.cuda
-        self.add_mixed("swap", timed(lambda: swap("device"), repeat=self.repeat), n if on_dev else 3 * n,
-                       2 * n if on_dev else 0, "host snapshot, stash on device")
+        self.add_mixed(
+            "swap",
+            timed(lambda: swap("device"), repeat=self.repeat),
+            n if on_dev else 3 * n,
+            2 * n if on_dev else 0,
+            "host snapshot, stash on device",
+        )
 
     def cycles(self, n: int) -> None:
         """The pi_old cycle of ``n`` mini-batches without a rebuild: pi_old on the host with a host stash
         (bidirectional), on the host with a device stash, on the device."""
         st, nb = self.state, self.nbytes
         for placement, stash in (("host", "host"), ("host", "device"), ("device", "device")):
+
             def cycle(placement: str = placement, stash: str = stash) -> None:
                 pi_old = st.snapshot(self.groups, tag="pi_old", placement=placement)  # type: ignore[arg-type]
                 for _ in range(n):
@@ -401,7 +505,13 @@ class VerbBench:
                 bound = nb / (self.d2h * 1e9) + n * self.bidir_seconds(nb)
                 self.add_bound("pi_old_cycle", t, (1 + 3 * n) * nb, bound, "bidir+h2d", note, case="bidirectional")
             elif placement == "host":
-                self.add_mixed("pi_old_cycle", t, (1 + n) * nb if self.cuda else (1 + 3 * n) * nb, 2 * n * nb if self.cuda else 0, note)
+                self.add_mixed(
+                    "pi_old_cycle",
+                    t,
+                    (1 + n) * nb if self.cuda else (1 + 3 * n) * nb,
+                    2 * n * nb if self.cuda else 0,
+                    note,
+                )
             else:
                 self.add_mixed("pi_old_cycle", t, 0, (1 + 3 * n) * nb, note)
 
@@ -457,8 +567,13 @@ def memory_handed_back(state: ModelState, groups: tuple[str, ...] | None = None)
     state.onload(groups)
     sync()
     t_on = time.perf_counter() - t0
-    return {"bytes": total, "allocated_drop_bytes": a0 - a1, "reserved_drop_bytes": r0 - r1, "driver_free_gain_bytes": f1 - f0,
-            "free_device_memory": state.free_device_memory, "offload_gbps": total / t_off / 1e9, "homes_pinned_bytes": pinned,
-            "onload_after_gbps": total / t_on / 1e9}
-
-
+    return {
+        "bytes": total,
+        "allocated_drop_bytes": a0 - a1,
+        "reserved_drop_bytes": r0 - r1,
+        "driver_free_gain_bytes": f1 - f0,
+        "free_device_memory": state.free_device_memory,
+        "offload_gbps": total / t_off / 1e9,
+        "homes_pinned_bytes": pinned,
+        "onload_after_gbps": total / t_on / 1e9,
+    }

@@ -47,11 +47,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.lr=1e-3 rollout.n=8")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.lr=1e-3 rollout.n=8"
+    )
     p.add_argument("--config", type=Path, default=None, help="a YAML file of config sections (overrides apply on top)")
-    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
-                   help="continue the run in DIR (its config.yaml and latest checkpoint, or the newest intact one kept, "
-                        "with a warning naming each skipped; overrides apply on top)")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="continue the run in DIR (its config.yaml and latest checkpoint, or the newest intact one kept, "
+        "with a warning naming each skipped; overrides apply on top)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.set_defaults(func=cmd_train)
 
@@ -68,14 +75,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config_path = args.config
     if args.resume is not None and args.config is not None:
-        print("error: --resume uses the run's own config.yaml; give changes as key=value, not --config",
-              file=sys.stderr)
+        print(
+            "error: --resume uses the run's own config.yaml; give changes as key=value, not --config", file=sys.stderr
+        )
         return 2
     if args.resume is not None:
         config_path = args.resume / "config.yaml"
         if not config_path.is_file():
-            print(f"error: --resume {args.resume}: no config.yaml there (is it the run.out_dir of a run?)",
-                  file=sys.stderr)
+            print(
+                f"error: --resume {args.resume}: no config.yaml there (is it the run.out_dir of a run?)",
+                file=sys.stderr,
+            )
             return 2
     try:
         cfg = resolve(config_path, args.overrides)
@@ -93,11 +103,13 @@ def _one_line(exc: BaseException) -> str:
 
 
 #: OS errors about the run directory itself, with what to do
-_DIR_FAULTS = {PermissionError: "check its permissions, or choose another run.out_dir",
-               FileExistsError: "run.out_dir (or --resume DIR) must be a directory",
-               NotADirectoryError: "run.out_dir (or --resume DIR) must be a directory",
-               IsADirectoryError: "a file of the run directory is a directory: remove it or choose another run.out_dir",
-               FileNotFoundError: "check the path (run.out_dir, or --resume DIR)"}
+_DIR_FAULTS = {
+    PermissionError: "check its permissions, or choose another run.out_dir",
+    FileExistsError: "run.out_dir (or --resume DIR) must be a directory",
+    NotADirectoryError: "run.out_dir (or --resume DIR) must be a directory",
+    IsADirectoryError: "a file of the run directory is a directory: remove it or choose another run.out_dir",
+    FileNotFoundError: "check the path (run.out_dir, or --resume DIR)",
+}
 
 
 def _run(cfg: Any, resume: Path | None) -> int:
@@ -115,8 +127,15 @@ def _run(cfg: Any, resume: Path | None) -> int:
         wrote = _stat(summary) not in (None, before)
         signum = signals.signum or signal.SIGINT
         by = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
-        print(f"\ninterrupted{by}: the rollout side was stopped; " + (f"{summary} says where the run was" if wrote
-              else "it stopped before the run started (no summary.json written)"), file=sys.stderr)
+        print(
+            f"\ninterrupted{by}: the rollout side was stopped; "
+            + (
+                f"{summary} says where the run was"
+                if wrote
+                else "it stopped before the run started (no summary.json written)"
+            ),
+            file=sys.stderr,
+        )
         return 128 + signum
     except (CheckpointError, LayoutError, ConfigError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)

@@ -126,7 +126,10 @@ def _probe_direct(path: Path, fd: int, align: int) -> tuple[int | None, str]:
     try:
         dfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | O_DIRECT)
     except OSError as exc:
-        return None, f"the filesystem refused O_DIRECT ({_errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror})"
+        return (
+            None,
+            f"the filesystem refused O_DIRECT ({_errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror})",
+        )
     scratch = torch.zeros(2 * align, dtype=torch.uint8)
     start = -scratch.data_ptr() % align
     block = _byte_view(scratch[start : start + align])  # an aligned block, whatever the allocator gave
@@ -138,7 +141,10 @@ def _probe_direct(path: Path, fd: int, align: int) -> tuple[int | None, str]:
             os.ftruncate(fd, 0)
     except OSError as exc:
         os.close(dfd)
-        return None, f"an aligned O_DIRECT transfer failed ({_errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror})"
+        return (
+            None,
+            f"an aligned O_DIRECT transfer failed ({_errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror})",
+        )
     return dfd, f"O_DIRECT accepted with alignment {align}"
 
 
@@ -156,8 +162,9 @@ class DiskHome:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise DiskError("tier",
-                            f"cannot use {str(self.directory)!r} for disk homes: {exc.strerror or exc}") from None
+            raise DiskError(
+                "tier", f"cannot use {str(self.directory)!r} for disk homes: {exc.strerror or exc}"
+            ) from None
         sweep_stale(self.directory)
         host = socket.gethostname().replace("-", "_")
         self.path = self.directory / f"stateshift-{host}-{os.getpid()}-{secrets.token_hex(6)}.disk"
@@ -166,8 +173,9 @@ class DiskHome:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             _LIVE.discard(self.path.name)
-            raise DiskError("tier",
-                            f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}") from None
+            raise DiskError(
+                "tier", f"cannot create a disk home in {str(self.directory)!r}: {exc.strerror or exc}"
+            ) from None
         self.align = alignment(self.fd)
         if direct is None:
             direct = os.environ.get("STATESHIFT_DISK_DIRECT", "1") != "0"
@@ -197,8 +205,10 @@ class DiskHome:
 
     def describe(self) -> str:
         """The file, the I/O mode and why, and the bytes each descriptor moved so far."""
-        return (f"{self.path}: {self.io_mode} ({self.why}); {self.bytes_direct / 1e6:.1f} MB direct, "
-                f"{self.bytes_buffered / 1e6:.1f} MB buffered")
+        return (
+            f"{self.path}: {self.io_mode} ({self.why}); {self.bytes_direct / 1e6:.1f} MB direct, "
+            f"{self.bytes_buffered / 1e6:.1f} MB buffered"
+        )
 
     def close(self) -> None:
         self._finalizer()
@@ -258,8 +268,9 @@ class DiskHome:
             for a, b, direct in self.pieces(offset, data.data_ptr(), mv.nbytes):
                 self._io(mv[a:b], offset + a, direct, write=True)
         except OSError as exc:
-            raise DiskError("tier",
-                            f"writing the disk home {str(self.path)!r} failed: {_what(exc)}; nothing was moved") from None
+            raise DiskError(
+                "tier", f"writing the disk home {str(self.path)!r} failed: {_what(exc)}; nothing was moved"
+            ) from None
 
     def _io(self, mv: memoryview, offset: int, direct: bool, write: bool) -> None:
         """All of ``mv`` to (``write``) or from the file at ``offset``: through the ``O_DIRECT`` descriptor
@@ -429,7 +440,9 @@ class StagedIO:
         return moved
 
     @staticmethod
-    def _flush(t: Transfer, lo: int, spans: list[tuple[int, int]], view: torch.Tensor, disk: DiskHome, base: int, nbytes: int) -> int:
+    def _flush(
+        t: Transfer, lo: int, spans: list[tuple[int, int]], view: torch.Tensor, disk: DiskHome, base: int, nbytes: int
+    ) -> int:
         t.wait()
         for a, b in spans:
             disk.write(base + a, view[a - lo : b - lo])
@@ -471,7 +484,9 @@ class StagedIO:
         bufs, moved = self.buffers(), 0
         for lo, hi, ks in windows([(r.start, r.end) for r in p.runs], self.chunk):
             view = staged(bufs[0], lo, hi, disk.align)
-            self.engine.copy([(view[p.runs[k].start - lo : p.runs[k].end - lo], arena[p.runs[k].start : p.runs[k].end]) for k in ks]).wait()
+            self.engine.copy(
+                [(view[p.runs[k].start - lo : p.runs[k].end - lo], arena[p.runs[k].start : p.runs[k].end]) for k in ks]
+            ).wait()
             for a, b in extents(p.runs, ks):
                 disk.write(base + a, view[a - lo : b - lo])
             moved += sum(p.runs[k].nbytes for k in ks)
@@ -489,7 +504,9 @@ class StagedIO:
             view = staged(bufs[0], lo, hi, disk.align)
             for a, b in extents(p.runs, ks):
                 disk.read(base + a, view[a - lo : b - lo])
-            t = self.engine.copy([(arena[p.runs[k].start : p.runs[k].end], view[p.runs[k].start - lo : p.runs[k].end - lo]) for k in ks])
+            t = self.engine.copy(
+                [(arena[p.runs[k].start : p.runs[k].end], view[p.runs[k].start - lo : p.runs[k].end - lo]) for k in ks]
+            )
         self._bufs[0].pending = t.merged(self._bufs[0].pending)
         return t
 

@@ -26,6 +26,7 @@ from .transfer import Transfer
 
 _log = logging.getLogger("stateshift")
 
+
 class DiskTier:
     """The ``disk`` residency (``tiers.Tier``): slots whose values are in the state's ``DiskHome``, made
     on first use in ``directory``; and disk snapshot parts, spans of the same file.
@@ -35,7 +36,9 @@ class DiskTier:
 
     residency = Residency.DISK
 
-    def __init__(self, table: SlotTable, io: StagedIO, directory: str | None, device: DeviceTier, host: HostTier) -> None:
+    def __init__(
+        self, table: SlotTable, io: StagedIO, directory: str | None, device: DeviceTier, host: HostTier
+    ) -> None:
         self.table, self.io, self.directory, self.device, self.host = table, io, directory, device, host
         self.engine = io.engine
         self.disk: DiskHome | None = None
@@ -48,8 +51,9 @@ class DiskTier:
         """
         if self.disk is None:
             if self.directory is None:
-                raise DiskError("tier",
-                                "offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set")
+                raise DiskError(
+                    "tier", "offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set"
+                )
             self.disk = self.table.disk = DiskHome(self.directory)
         return self.disk
 
@@ -132,7 +136,9 @@ class DiskTier:
             if gs.slots[i].native_home is not None:
                 disk.write(base + gs.layout.offsets[i], gs.home_region(i).contiguous())
         if by[Residency.DISK]:
-            self.io.disk_to_disk(gs.plan(self.engine, by[Residency.DISK], w), disk, disk.region(gs.name, gs.layout.total), base)
+            self.io.disk_to_disk(
+                gs.plan(self.engine, by[Residency.DISK], w), disk, disk.region(gs.name, gs.layout.total), base
+            )
         if by[Residency.DROPPED]:
             self.io.zero(gs.plan(self.engine, by[Residency.DROPPED], w), disk, base)
         if by[Residency.DEVICE]:
@@ -149,7 +155,9 @@ class DiskTier:
                 disk.read(base + run.start, gs.home.data[run.start : run.end])
         return self.io.into(gs.plan(self.engine, device, self.io.chunk), disk, base) if device else Transfer()
 
-    def write_part(self, gs: GroupState, part: SnapshotPart, offloaded: list[Slot], fresh: HostBlock | None) -> Transfer:
+    def write_part(
+        self, gs: GroupState, part: SnapshotPart, offloaded: list[Slot], fresh: HostBlock | None
+    ) -> Transfer:
         """Restore from a disk part: device slots in place, offloaded (not on disk) ones into a private home."""
         home_idx: list[int] = []
         if offloaded:

@@ -67,8 +67,17 @@ class Core:
     """
 
     def __init__(
-        self, sources: list[Source], pool: HostPool, device: torch.device | None, *, snapshot_budget_bytes: int | None,
-        guarded: bool, free_device_memory: bool, address_stable: bool, disk_dir: str | None, disk_window_bytes: int,
+        self,
+        sources: list[Source],
+        pool: HostPool,
+        device: torch.device | None,
+        *,
+        snapshot_budget_bytes: int | None,
+        guarded: bool,
+        free_device_memory: bool,
+        address_stable: bool,
+        disk_dir: str | None,
+        disk_window_bytes: int,
         facade: Any,
     ) -> None:
         self.backends, self.pool, self.facade, self.guarded = sources, pool, facade, guarded
@@ -83,9 +92,15 @@ class Core:
         self.host = HostTier(self.engine, pool, self.device)
         self.dropped = DroppedTier(self.engine, self.device)
         self.disk_dir = disk_dir
-        self.disk = DiskTier(self.table, StagedIO(self.engine, pool, disk_window_bytes), disk_dir, self.device, self.host)
-        self.tiers: dict[Residency, Tier] = {Residency.DEVICE: self.device, Residency.HOST: self.host,
-                                             Residency.DROPPED: self.dropped, Residency.DISK: self.disk}
+        self.disk = DiskTier(
+            self.table, StagedIO(self.engine, pool, disk_window_bytes), disk_dir, self.device, self.host
+        )
+        self.tiers: dict[Residency, Tier] = {
+            Residency.DEVICE: self.device,
+            Residency.HOST: self.host,
+            Residency.DROPPED: self.dropped,
+            Residency.DISK: self.disk,
+        }
         self.device.sources = {r: t for r, t in self.tiers.items() if r is not Residency.DEVICE}
         self.swapping: set[str] = set()
         self.rebuild_reads: Counter[str] = Counter()
@@ -219,7 +234,13 @@ class Core:
                 continue  # written in place
             offloaded = [s for s in gs.slots if s.residency is not Residency.DEVICE]
             on_disk = any(s.residency is Residency.DISK for s in offloaded)
-            if part.host is not None and offloaded and len(offloaded) == len(gs.slots) and not gs.has_native() and not on_disk:
+            if (
+                part.host is not None
+                and offloaded
+                and len(offloaded) == len(gs.slots)
+                and not gs.has_native()
+                and not on_disk
+            ):
                 adopt.append((gs, part))  # every slot offloaded: the snapshot's block becomes the home
             elif any(s.residency is not Residency.DISK for s in offloaded):
                 rewrite[gs.name] = [s for s in offloaded if s.residency is not Residency.DISK]
@@ -243,8 +264,9 @@ class Core:
                 slot = self.table.slots.get(storage_key(t))
                 if slot is None:
                     raise StateError("offloaded", where, group="(untracked)", tensor="(a tensor)", residency="released")
-                raise StateError("offloaded", where,
-                                 group=slot.info.group, tensor=slot.name, residency=slot.residency.value)
+                raise StateError(
+                    "offloaded", where, group=slot.info.group, tensor=slot.name, residency=slot.residency.value
+                )
 
     def _check_not_swapped(self, t: torch.Tensor, where: str) -> None:
         slot = self.table.slots.get(storage_key(t))
@@ -258,7 +280,13 @@ class Core:
 
     # -- memory and snapshots ---------------------------------------------------------------------------
     def make_room_for(
-        self, tag: str, version: int | None, gss: list[GroupState], host_sizes: list[int], *, replaced_after: bool = False
+        self,
+        tag: str,
+        version: int | None,
+        gss: list[GroupState],
+        host_sizes: list[int],
+        *,
+        replaced_after: bool = False,
     ) -> Snapshot | None:
         """Check budgets for a new snapshot of ``gss`` under ``(tag, version)``; returns the snapshot it replaces.
 
@@ -268,7 +296,11 @@ class Core:
         memory cannot be reused for it), so the pool must hold both at once."""
         self.snapshots.check_budget(sum(gs.layout.total for gs in gss), replacing=(tag, version))
         old = self.snapshots.find(tag, version)
-        freeing = 0 if old is None or replaced_after else sum(p.host.nbytes for p in old.parts if p.host is not None and not p.host.shared)
+        freeing = (
+            0
+            if old is None or replaced_after
+            else sum(p.host.nbytes for p in old.parts if p.host is not None and not p.host.shared)
+        )
         self.pool.check_room(sum(host_sizes), freeing=freeing)
         return old
 

@@ -93,8 +93,11 @@ def _adopt_native(slot: Slot, es: list[Entry], table: SlotTable) -> None:
         slot.residency = Residency.DROPPED
     else:
         if native.values.numel() * native.values.element_size() != slot.nbytes:
-            raise StateError("foreign", f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}",
-                             tensor=es[0].name)
+            raise StateError(
+                "foreign",
+                f"the framework's host copy holds {native.values.nbytes} bytes, expected {slot.nbytes}",
+                tensor=es[0].name,
+            )
         slot.residency = Residency.HOST
     slot.native_home = native
 
@@ -111,7 +114,9 @@ def _follow_framework(slots: list[Slot], entries: Sequence[Entry], keys: list[in
     No framework copy anywhere and every storage holding memory (the resident steady state) or no slot
     resident (the offloaded one) leaves nothing to follow: that is checked without a Python loop (a verb
     pays this per slot)."""
-    if not any(map(_NATIVE, slots)) and (0 not in map(_NBYTES, map(_STORAGE, slots)) or Residency.DEVICE not in map(_RESIDENCY, slots)):
+    if not any(map(_NATIVE, slots)) and (
+        0 not in map(_NBYTES, map(_STORAGE, slots)) or Residency.DEVICE not in map(_RESIDENCY, slots)
+    ):
         return
     for s in slots:
         size = s.storage.nbytes()
@@ -147,8 +152,13 @@ class GroupState:
         if p is None:
             slots = self.slots
             p = self.plans[key] = engine.plan(
-                self.layout.offsets, [s.nbytes for s in slots], [s.device.type == "cpu" for s in slots],
-                lambda i: slots[i].bytes(), indices, chunk, devices=[s.device for s in slots],
+                self.layout.offsets,
+                [s.nbytes for s in slots],
+                [s.device.type == "cpu" for s in slots],
+                lambda i: slots[i].bytes(),
+                indices,
+                chunk,
+                devices=[s.device for s in slots],
             )
         return p
 
@@ -233,7 +243,9 @@ class GroupState:
         """Slots ``indices`` -> ``out`` and ``inp`` -> the slots, both directions at once."""
         return engine.exchange(self.plan(engine, indices), out, inp) if indices else Transfer()
 
-    def copy_home(self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, into_home: bool = False) -> Transfer:
+    def copy_home(
+        self, engine: CopyEngine, indices: list[int], arena: torch.Tensor, *, into_home: bool = False
+    ) -> Transfer:
         """Offloaded slots ``indices``: their values (home or framework copy) -> ``arena``, or back with
         ``into_home``. Both arenas share the layout, so each run is one range copy."""
         native = [i for i in indices if self.slots[i].native_home is not None]
@@ -343,14 +355,24 @@ class SlotTable:
             for g in b.groups:
                 if g in wanted:
                     entries = by_group[g] = b.entries(g)
-                    bad = next((e for e in entries if e.group != g), None) if entries is not self.groups[g].entries else None
+                    bad = (
+                        next((e for e in entries if e.group != g), None)
+                        if entries is not self.groups[g].entries
+                        else None
+                    )
                     if bad is not None:
-                        raise ObjectError("backend",
-                                          f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}")
+                        raise ObjectError(
+                            "backend", f"backend {b.name!r} listed {bad.name!r} of group {bad.group!r} as group {g!r}"
+                        )
         return by_group
 
     def _refresh_group(self, gs: GroupState, entries: Sequence[Entry], keys: list[int], seen: dict[int, Slot]) -> None:
-        if gs.listed is not None and keys == gs.listed[2] and seen.keys().isdisjoint(gs.by_key) and self._same(gs, entries):
+        if (
+            gs.listed is not None
+            and keys == gs.listed[2]
+            and seen.keys().isdisjoint(gs.by_key)
+            and self._same(gs, entries)
+        ):
             seen.update(gs.by_key)  # the same tensor objects, storages and names: nothing changed
             gs.entries = entries
             _follow_framework(gs.slots, entries, keys, self)
@@ -387,7 +409,9 @@ class SlotTable:
         if entries is gs.entries:
             return True
         assert gs.listed is not None
-        return [e.name for e in entries] == gs.listed[0] and all(map(operator.is_, (e.tensor for e in entries), gs.listed[1]))
+        return [e.name for e in entries] == gs.listed[0] and all(
+            map(operator.is_, (e.tensor for e in entries), gs.listed[1])
+        )
 
     def _slot_for(self, key: int, group: str, es: list[Entry]) -> tuple[Slot, bool]:
         """The slot for one storage, and whether its fingerprint may have changed."""
@@ -396,7 +420,9 @@ class SlotTable:
             old is not None
             and old.info.group == group
             and len(old.tensors) == len(es)
-            and all(e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members, strict=True))
+            and all(
+                e.tensor is t and e.name == m.name for e, t, m in zip(es, old.tensors, old.info.members, strict=True)
+            )
         ):
             return old, False  # the same tensor objects under the same names: nothing to re-derive
         first = es[0]
@@ -456,7 +482,9 @@ class SlotTable:
             base = self.disk.region(gs.name, old_layout.total)
             try:
                 for s in from_disk:
-                    self.disk.read(base + old_layout.offsets[old_index[s.key]], layout.region(new_home.data, new_index[s.key]))
+                    self.disk.read(
+                        base + old_layout.offsets[old_index[s.key]], layout.region(new_home.data, new_index[s.key])
+                    )
             except BaseException:
                 self.pool.release(new_home)
                 raise

@@ -84,15 +84,23 @@ class Layout:
         casting: set[int] = set()
         for name, (ws, wm) in want.items():
             if name not in have:
-                raise LayoutError("mismatch", f"in the {source} (group {ws.group!r}) but not in the model",
-                                  tensor=name, field="missing")
+                raise LayoutError(
+                    "mismatch",
+                    f"in the {source} (group {ws.group!r}) but not in the model",
+                    tensor=name,
+                    field="missing",
+                )
             i, hm = have[name]
             if _member_differs(name, hm, wm, source, cast and self.slots[i].covers_storage and ws.covers_storage):
                 casting.add(i)
         for name, (i, _) in have.items():
             if name not in want:
-                raise LayoutError("mismatch", f"in the model (group {self.slots[i].group!r}) but not in the {source}",
-                                  tensor=name, field="extra")
+                raise LayoutError(
+                    "mismatch",
+                    f"in the model (group {self.slots[i].group!r}) but not in the {source}",
+                    tensor=name,
+                    field="extra",
+                )
         self._check_sharing(expected, source, casting)
         return frozenset(casting)
 
@@ -111,29 +119,50 @@ class Layout:
             ws = by_first.get(hs.members[0].name) if hs.members else None
             if ws is None or [m.name for m in hs.members] != [m.name for m in ws.members]:
                 theirs = [m.name for m in ws.members] if ws is not None else "another grouping"
-                raise LayoutError("mismatch", f"storage sharing differs: the model's storage holds {[m.name for m in hs.members]}, the {source}'s {theirs}",
-                                  tensor=hs.name, field="sharing")
+                raise LayoutError(
+                    "mismatch",
+                    f"storage sharing differs: the model's storage holds {[m.name for m in hs.members]}, the {source}'s {theirs}",
+                    tensor=hs.name,
+                    field="sharing",
+                )
             if i not in casting and hs.nbytes != ws.nbytes:
-                raise LayoutError("mismatch", f"storage holds {hs.nbytes} bytes in the model, {ws.nbytes} in the {source}",
-                                  tensor=hs.name, field="nbytes")
+                raise LayoutError(
+                    "mismatch",
+                    f"storage holds {hs.nbytes} bytes in the model, {ws.nbytes} in the {source}",
+                    tensor=hs.name,
+                    field="nbytes",
+                )
 
 
 def _member_differs(name: str, have: MemberInfo, want: MemberInfo, source: str, castable: bool) -> bool:
     """Raise on the first field that differs; ``True`` when only the dtype differs and a cast is allowed."""
     if have.shape != want.shape:
-        raise LayoutError("mismatch", f"shape is {list(have.shape)} in the model but {list(want.shape)} in the {source}",
-                          tensor=name, field="shape")
+        raise LayoutError(
+            "mismatch",
+            f"shape is {list(have.shape)} in the model but {list(want.shape)} in the {source}",
+            tensor=name,
+            field="shape",
+        )
     cast = False
     if have.dtype != want.dtype:
         if not castable:
-            raise LayoutError("mismatch", f"dtype is {have.dtype} in the model but {want.dtype} in the {source}",
-                              tensor=name, field="dtype")
+            raise LayoutError(
+                "mismatch",
+                f"dtype is {have.dtype} in the model but {want.dtype} in the {source}",
+                tensor=name,
+                field="dtype",
+            )
         cast = True
     elif have.stride != want.stride or have.offset != want.offset:
         field = "stride" if have.stride != want.stride else "offset"
-        raise LayoutError("mismatch", f"{field} is {getattr(have, field)} in the model but {getattr(want, field)} in the {source}",
-                          tensor=name, field=field)
+        raise LayoutError(
+            "mismatch",
+            f"{field} is {getattr(have, field)} in the model but {getattr(want, field)} in the {source}",
+            tensor=name,
+            field=field,
+        )
     if have.meta != want.meta:
-        raise LayoutError("mismatch", f"meta is {have.meta} in the model but {want.meta} in the {source}",
-                          tensor=name, field="meta")
+        raise LayoutError(
+            "mismatch", f"meta is {have.meta} in the model but {want.meta} in the {source}", tensor=name, field="meta"
+        )
     return cast

@@ -114,7 +114,7 @@ class ReaderGate:
 
     def _forget_stale(self, stack: list[tuple[FrameType, str]], top: FrameType | None) -> None:
         """Drop this thread's readers whose frames are gone (left by an exception that skipped a hook)."""
-        del stack[_live_prefix(stack, top):]
+        del stack[_live_prefix(stack, top) :]
         if not stack:
             with self._cond:
                 self._readers.pop(threading.get_ident(), None)

@@ -191,8 +191,10 @@ class HostPool:
             raise ValueError(f"budget_bytes must be >= 0, not {budget_bytes}")
         cuda = torch.cuda.is_available()
         if pin is True and not cuda:
-            raise StateError("no_pinning",
-                             "pin=True but no CUDA device is available; use pin='auto' to fall back to plain host memory")
+            raise StateError(
+                "no_pinning",
+                "pin=True but no CUDA device is available; use pin='auto' to fall back to plain host memory",
+            )
         self.pinned: bool = cuda if pin == "auto" else bool(pin)
         self.budget_bytes = budget_bytes
         self.shared = bool(shared)
@@ -324,8 +326,10 @@ class HostPool:
         """A new file of exactly ``nbytes`` bytes in ``shm_dir``, mapped shared (private to this user)."""
         vfs = os.statvfs(self.shm_dir)
         if vfs.f_bavail * vfs.f_frsize < nbytes:  # a mapped page past a full tmpfs is a SIGBUS, not an error: ask first
-            raise BudgetError("pool",
-                              f"shared host block of {nbytes} bytes: {self.shm_dir} has {vfs.f_bavail * vfs.f_frsize} bytes free")
+            raise BudgetError(
+                "pool",
+                f"shared host block of {nbytes} bytes: {self.shm_dir} has {vfs.f_bavail * vfs.f_frsize} bytes free",
+            )
         self._serial += 1
         path = os.path.join(self.shm_dir, f"{SHARED_PREFIX}{os.getpid()}-{id(self):x}-{self._serial}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -360,7 +364,9 @@ class HostPool:
         block = HostBlock(data=data, nbytes=nbytes, pinned=pinned, _mm=mm, path=path)
         self._blocks[id(block)] = block
         self._held += nbytes
-        _log.debug("host pool: new %s block of %d bytes (%d held)", "pinned" if pinned else "pageable", nbytes, self._held)
+        _log.debug(
+            "host pool: new %s block of %d bytes (%d held)", "pinned" if pinned else "pageable", nbytes, self._held
+        )
         self._peak = max(self._peak, self._held)
         return block
 

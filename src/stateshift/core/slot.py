@@ -247,4 +247,7 @@ def regrow_all(slots: Sequence[Slot]) -> None:
     without a Python loop: an onload runs this between its copies, so per-slot Python here delays them."""
     storages, sizes = list(map(_SLOT_STORAGE, slots)), list(map(_SLOT_NBYTES, slots))
     short = list(map(operator.ne, map(_STORAGE_NBYTES, storages), sizes))
-    collections.deque(map(torch.UntypedStorage.resize_, itertools.compress(storages, short), itertools.compress(sizes, short)), maxlen=0)
+    collections.deque(
+        map(torch.UntypedStorage.resize_, itertools.compress(storages, short), itertools.compress(sizes, short)),
+        maxlen=0,
+    )

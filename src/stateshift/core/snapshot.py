@@ -102,7 +102,9 @@ class Snapshot:
     ) -> Snapshot:
         """A snapshot of ``parts`` (the engine's constructor): host parts go back to ``pool`` on release;
         ``transfer`` is what must complete before the values may be read."""
-        return cls(tag=tag, version=version, placement=placement, parts=parts, _pool=pool, _transfer=transfer or Transfer())
+        return cls(
+            tag=tag, version=version, placement=placement, parts=parts, _pool=pool, _transfer=transfer or Transfer()
+        )
 
     @property
     def transfer(self) -> Transfer:
@@ -169,7 +171,10 @@ class Snapshot:
                     typed = region.view(dtype) if region.numel() % dtype.itemsize == 0 else None
                     if typed is None:
                         raise RuntimeError(f"slot {slot.name!r} is not a whole number of {m.dtype} elements")
-                    yield m.name, typed.as_strided(m.shape, m.stride, typed.storage_offset() + m.offset // dtype.itemsize)
+                    yield (
+                        m.name,
+                        typed.as_strided(m.shape, m.stride, typed.storage_offset() + m.offset // dtype.itemsize),
+                    )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Copies of every member's values (on the snapshot's placement), keyed by name. Waits first."""

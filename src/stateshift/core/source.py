@@ -89,6 +89,7 @@ def set_detector(detector: Detector) -> None:
 def detect(model: Any, optimizer: Any) -> list[Source]:
     """The sources for ``model`` and ``optimizer``, by the registered detector."""
     if _detector is None:
-        raise ObjectError("backend",
-                          "no backend registry is loaded: import stateshift (or pass backends=[...] explicitly)")
+        raise ObjectError(
+            "backend", "no backend registry is loaded: import stateshift (or pass backends=[...] explicitly)"
+        )
     return _detector(model, optimizer)

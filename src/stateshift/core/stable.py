@@ -59,8 +59,9 @@ def _tms() -> Any:
     try:
         from torch_memory_saver import torch_memory_saver  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise StateError("address_stable",
-                         f"address_stable=True needs torch_memory_saver ({exc}): pip install 'stateshift[tms]'") from None
+        raise StateError(
+            "address_stable", f"address_stable=True needs torch_memory_saver ({exc}): pip install 'stateshift[tms]'"
+        ) from None
     try:
         torch_memory_saver.hook_mode = "torch"  # in-process pluggable allocator, no LD_PRELOAD
     except AttributeError:
@@ -93,8 +94,9 @@ class AddressStable:
             need = sum(s.nbytes for s in slots)
             free, _ = torch.cuda.mem_get_info(self.device)
             if free < need:
-                raise StateError("address_stable",
-                                 f"group {group!r}: {need} bytes to map back, {free} free on {self.device}")
+                raise StateError(
+                    "address_stable", f"group {group!r}: {need} bytes to map back, {free} free on {self.device}"
+                )
             self.tms.resume(self.tag(group))
             self._paused.discard(group)
             return
@@ -114,8 +116,10 @@ class AddressStable:
 
     def _whole(self, group: str, whole: bool, verb: str) -> None:
         if not whole:
-            raise StateError("address_stable",
-                             f"group {group!r} is address-stable: {verb} moves it whole (no only=, no partly resident group)")
+            raise StateError(
+                "address_stable",
+                f"group {group!r} is address-stable: {verb} moves it whole (no only=, no partly resident group)",
+            )
 
 
 def make_policy(address_stable: bool, device: torch.device | None, prefix: str) -> StoragePolicy:
@@ -123,6 +127,8 @@ def make_policy(address_stable: bool, device: torch.device | None, prefix: str) 
     if not address_stable:
         return InPlace()
     if device is None:
-        warnings.warn("address_stable=True has no effect on a machine without CUDA (storages are host memory)", stacklevel=3)
+        warnings.warn(
+            "address_stable=True has no effect on a machine without CUDA (storages are host memory)", stacklevel=3
+        )
         return InPlace()
     return AddressStable(device, prefix)

@@ -126,7 +126,6 @@ class ModelState:
         StateError("address_stable"): ``address_stable=True`` without ``torch_memory_saver`` on a CUDA machine.
     """
 
-
     def __init__(
         self,
         model: Any,
@@ -147,10 +146,16 @@ class ModelState:
             raise ValueError(f"disk_window_bytes must be at least 1 byte, not {disk_window_bytes}")
         sources = list(backends) if backends is not None else detect(model, optimizer)
         self._core = core = Core(
-            sources, pool if pool is not None else HostPool(pin=pin), device,  # type: ignore[arg-type]
-            snapshot_budget_bytes=snapshot_budget_bytes, guarded=guard, free_device_memory=free_device_memory,
-            address_stable=address_stable, disk_dir=None if disk_dir is None else os.fspath(disk_dir),
-            disk_window_bytes=disk_window_bytes, facade=self,
+            sources,
+            pool if pool is not None else HostPool(pin=pin),  # type: ignore[arg-type]
+            device,
+            snapshot_budget_bytes=snapshot_budget_bytes,
+            guarded=guard,
+            free_device_memory=free_device_memory,
+            address_stable=address_stable,
+            disk_dir=None if disk_dir is None else os.fspath(disk_dir),
+            disk_window_bytes=disk_window_bytes,
+            facade=self,
         )
         #: the decisions of the last ``offload(..., to="auto")``
         self.last_offload_plan: OffloadPlan | None = None
@@ -254,7 +259,9 @@ class ModelState:
 
     # -- verbs ------------------------------------------------------------------------------------------
     @locked
-    def offload(self, groups: GroupArg = None, *, only: Only = None, to: Literal["host", "disk", "auto"] = "host") -> Transfer:
+    def offload(
+        self, groups: GroupArg = None, *, only: Only = None, to: Literal["host", "disk", "auto"] = "host"
+    ) -> Transfer:
         """Copy device-resident slots to their homes and release their device storage.
 
         ``to="host"``: into pinned host homes; ``host`` and ``disk`` slots stay
@@ -289,7 +296,9 @@ class ModelState:
         return transfer
 
     @locked
-    def plan_offload(self, groups: GroupArg = None, *, only: Only = None, host_budget_bytes: int | None = None) -> OffloadPlan:
+    def plan_offload(
+        self, groups: GroupArg = None, *, only: Only = None, host_budget_bytes: int | None = None
+    ) -> OffloadPlan:
         """Where ``offload(groups, to="auto")`` would put each group, and the host memory it would hold at its
         peak, decided before anything is allocated.
 
@@ -348,7 +357,12 @@ class ModelState:
 
     @locked
     def snapshot(
-        self, groups: GroupArg = None, *, tag: str = "snapshot", version: int | None = None, placement: Placement = "host",
+        self,
+        groups: GroupArg = None,
+        *,
+        tag: str = "snapshot",
+        version: int | None = None,
+        placement: Placement = "host",
     ) -> Snapshot:
         """Copy the groups' current values, wherever they live, into a new snapshot.
 

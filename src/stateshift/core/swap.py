@@ -95,7 +95,11 @@ def swap_in(core: Core, snapshot: Snapshot, rebuild: dict[str, Callable[[], None
         core.groups[part.group].layout.check_compatible(part.layout)
     swap = Swap(names, {g: fn for g, fn in rebuild.items() if _rebuildable(core, g)})
     rebuild = swap.rebuild
-    stashing = [core.groups[p.group] for p in snapshot.parts if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in core.groups[p.group].slots)]
+    stashing = [
+        core.groups[p.group]
+        for p in snapshot.parts
+        if p.group not in rebuild and any(s.residency is Residency.DEVICE for s in core.groups[p.group].slots)
+    ]
     _new_stashes(core, swap, stashing, core.stash_on_device(stash, stashing))
     try:
         _give_storage(core, swap, snapshot)
@@ -140,7 +144,9 @@ def _new_stashes(core: Core, swap: Swap, groups: list[GroupState], on_device: bo
             swap.stashes.append(core.device.arena(gs))
         else:
             swap.stashes.append(core.pool.acquire(gs.layout.total))
-    swap.arenas = {gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)}
+    swap.arenas = {
+        gs.name: (st if isinstance(st, torch.Tensor) else st.data) for gs, st in zip(groups, swap.stashes, strict=True)
+    }
 
 
 def _give_storage(core: Core, swap: Swap, snapshot: Snapshot) -> None:
@@ -152,7 +158,9 @@ def _give_storage(core: Core, swap: Swap, snapshot: Snapshot) -> None:
     for part in snapshot.parts:
         gs = core.groups[part.group]
         swap.resident[gs.name] = gs.select(lambda s: s.residency is Residency.DEVICE)
-        offloaded = swap.offloaded[gs.name] = [(i, s.residency, s.native_home) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE]
+        offloaded = swap.offloaded[gs.name] = [
+            (i, s.residency, s.native_home) for i, s in enumerate(gs.slots) if s.residency is not Residency.DEVICE
+        ]
         for _, _, native in offloaded:
             if native is not None:
                 native.forget()

@@ -266,7 +266,11 @@ class HostTier:
             old, gs.home = gs.home, fresh
             if old is not None:
                 keys = {s.key for s in rewriting}
-                carry = [i for i, s in enumerate(gs.slots) if s.residency is Residency.HOST and s.native_home is None and s.key not in keys]
+                carry = [
+                    i
+                    for i, s in enumerate(gs.slots)
+                    if s.residency is Residency.HOST and s.native_home is None and s.key not in keys
+                ]
                 if carry:
                     old.sync()
                     for i in carry:

@@ -69,10 +69,35 @@ _tls = threading.local()
 _NO_READ = frozenset(
     getattr(torch.ops.aten, name)
     for name in (
-        "detach", "alias", "lift_fresh", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-        "randn_like", "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
-        "is_pinned", "record_stream", "set_", "resize_", "resize_as_", "result_type", "is_same_size", "size",
-        "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "is_pinned",
+        "record_stream",
+        "set_",
+        "resize_",
+        "resize_as_",
+        "result_type",
+        "is_same_size",
+        "size",
+        "stride",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "_has_compatible_shallow_copy_type",
     )
     if hasattr(torch.ops.aten, name)
 )
@@ -111,7 +136,9 @@ def _first_in(values: Any, released: Mapping[int, Slot]) -> Slot | None:
         if isinstance(a, torch.Tensor):
             slot = _slot_of(a, released)
         elif isinstance(a, (list, tuple)):
-            slot = next((r for x in a if isinstance(x, torch.Tensor) and (r := _slot_of(x, released)) is not None), None)
+            slot = next(
+                (r for x in a if isinstance(x, torch.Tensor) and (r := _slot_of(x, released)) is not None), None
+            )
         else:
             continue
         if slot is not None:
@@ -125,8 +152,13 @@ def first_released(args: Any, kwargs: Mapping[str, Any] | None, released: Mappin
 
 
 def _refuse(slot: Slot, what: str) -> StateError:
-    return StateError("offloaded", f"{what} (a direct read or write)",
-                      group=slot.info.group, tensor=slot.name, residency=slot.residency.value)
+    return StateError(
+        "offloaded",
+        f"{what} (a direct read or write)",
+        group=slot.info.group,
+        tensor=slot.name,
+        residency=slot.residency.value,
+    )
 
 
 class _DispatchCheck(TorchDispatchMode):
@@ -146,9 +178,16 @@ class _DispatchCheck(TorchDispatchMode):
 
 
 _RAW_READS = frozenset(
-    f for f in (
-        torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.__array__,
-        torch.Tensor.__dlpack__, torch.Tensor.numpy, torch.Tensor.tolist, torch._C.TensorBase.numpy,
+    f
+    for f in (
+        torch.Tensor.__repr__,
+        torch.Tensor.__str__,
+        torch.Tensor.__format__,
+        torch.Tensor.__array__,
+        torch.Tensor.__dlpack__,
+        torch.Tensor.numpy,
+        torch.Tensor.tolist,
+        torch._C.TensorBase.numpy,
         torch._C.TensorBase.tolist,
     )
 )
@@ -240,8 +279,12 @@ def _turn_off() -> None:
     modes = getattr(_tls, "modes", None)
     if modes is not None:
         _remove(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0])
-        _remove(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
-                torch._C._push_on_torch_function_stack, modes[1])
+        _remove(
+            torch._C._len_torch_function_stack,
+            torch._C._pop_torch_function_stack,
+            torch._C._push_on_torch_function_stack,
+            modes[1],
+        )
         _tls.modes = None
 
 
@@ -255,10 +298,15 @@ def _turn_on() -> None:
     modes = (_DispatchCheck(), _FunctionCheck())
     _tls.modes = modes
     try:
-        _push_bottom(torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack,
-                     modes[0])
-        _push_bottom(torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
-                     torch._C._push_on_torch_function_stack, modes[1])
+        _push_bottom(
+            torch._C._len_torch_dispatch_stack, _pop_dispatch, torch._C._push_on_torch_dispatch_stack, modes[0]
+        )
+        _push_bottom(
+            torch._C._len_torch_function_stack,
+            torch._C._pop_torch_function_stack,
+            torch._C._push_on_torch_function_stack,
+            modes[1],
+        )
     except BaseException:
         _turn_off()
         raise

@@ -107,7 +107,9 @@ class Transfer:
         nbytes = dict(self.nbytes)
         for k, v in other.nbytes.items():
             nbytes[k] = nbytes.get(k, 0) + v
-        return Transfer(self.events + other.events, nbytes, self.timing + other.timing, self.host_seconds + other.host_seconds)
+        return Transfer(
+            self.events + other.events, nbytes, self.timing + other.timing, self.host_seconds + other.host_seconds
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -190,7 +192,11 @@ class Run:
         if not self._in_words(span):
             regions, slots = self._as_bytes(span, devs)
             torch._foreach_copy_(slots, regions)
-        elif self.counts is not None and self.nbytes < FUSED_SCATTER_BELOW * len(self.items) and devs[0].device == span.device:
+        elif (
+            self.counts is not None
+            and self.nbytes < FUSED_SCATTER_BELOW * len(self.items)
+            and devs[0].device == span.device
+        ):
             torch.split_with_sizes_copy(span.view(self.word), self.counts, out=devs)
         else:
             torch._foreach_copy_(devs, self.views(span))
@@ -236,8 +242,13 @@ class Plan:
         the runs already resolved are shared, the others resolve on first use."""
         runs = tuple(replace(self.runs[k], start=self.runs[k].start - lo, end=self.runs[k].end - lo) for k in ks)
         devs = self._devs
-        return Plan(runs, tuple(self.host[k] for k in ks), sum(r.nbytes for r in runs), self.view_of,
-                    None if devs is None else [devs[k] for k in ks])
+        return Plan(
+            runs,
+            tuple(self.host[k] for k in ks),
+            sum(r.nbytes for r in runs),
+            self.view_of,
+            None if devs is None else [devs[k] for k in ks],
+        )
 
     def whole(self) -> Plan:
         """The same copies with each large slot in one piece: chunks only pay off across PCIe (a pipeline);
@@ -247,7 +258,13 @@ class Plan:
             host: list[bool] = []
             for run, h in zip(self.runs, self.host, strict=True):
                 last = runs[-1] if runs else None
-                if run.sizes is None and run.offset and last is not None and last.sizes is None and last.items == run.items:
+                if (
+                    run.sizes is None
+                    and run.offset
+                    and last is not None
+                    and last.sizes is None
+                    and last.items == run.items
+                ):
                     runs[-1] = Run(last.start, run.end, run.items, offset=last.offset)
                 else:
                     runs.append(run)
@@ -352,8 +369,12 @@ class CopyEngine:
         chunk_bytes: int = CHUNK_BYTES,
         timing: bool = True,
     ) -> None:
-        if (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda" and device.index is None):
-            device = torch.device("cuda", torch.cuda.current_device())  # (a CUDA device without an index: the current one)
+        if (device is None and torch.cuda.is_available()) or (
+            device is not None and device.type == "cuda" and device.index is None
+        ):
+            device = torch.device(
+                "cuda", torch.cuda.current_device()
+            )  # (a CUDA device without an index: the current one)
         self.device = device if device is not None and device.type == "cuda" else None
         self.small_bytes = small_bytes
         self.chunk_bytes = chunk_bytes
@@ -378,7 +399,9 @@ class CopyEngine:
     ) -> Plan:
         """``plan`` with this engine's small-slot and chunk sizes (``chunk``: no run longer than this instead)."""
         chunk = self.chunk_bytes if chunk is None else chunk
-        return plan(offsets, sizes, on_host, view_of, indices, small=min(self.small_bytes, chunk), chunk=chunk, devices=devices)
+        return plan(
+            offsets, sizes, on_host, view_of, indices, small=min(self.small_bytes, chunk), chunk=chunk, devices=devices
+        )
 
     # -- arena copies -------------------------------------------------------------------------
     def to_arena(self, p: Plan, arena: torch.Tensor, *, frees_sources: bool = False) -> Transfer:
@@ -413,19 +436,32 @@ class CopyEngine:
             return contextlib.nullcontext()
         return torch.cuda.device(self.device)
 
-    def _arena(self, p: Plan, arena: torch.Tensor, *, out: bool, frees_sources: bool, before: BeforeRun | None = None) -> Transfer:
+    def _arena(
+        self, p: Plan, arena: torch.Tensor, *, out: bool, frees_sources: bool, before: BeforeRun | None = None
+    ) -> Transfer:
         if arena.is_cpu:
             whole = p.whole()
             t = self._host_runs(whole, [k for k, h in enumerate(whole.host) if h], arena, out, before)
             pcie = [k for k, h in enumerate(p.host) if not h]
             if pcie:
                 with self._on_device():
-                    t = t.merged(self._pcie(p, pcie, arena if out else None, None if out else arena, frees_sources=frees_sources, before=before))
+                    t = t.merged(
+                        self._pcie(
+                            p,
+                            pcie,
+                            arena if out else None,
+                            None if out else arena,
+                            frees_sources=frees_sources,
+                            before=before,
+                        )
+                    )
             return t
         with self._on_device():
             return self._device_runs(p.whole(), arena, out, before)
 
-    def _host_runs(self, p: Plan, ks: list[int], arena: torch.Tensor, out: bool, before: BeforeRun | None = None) -> Transfer:
+    def _host_runs(
+        self, p: Plan, ks: list[int], arena: torch.Tensor, out: bool, before: BeforeRun | None = None
+    ) -> Transfer:
         """Runs whose slots and arena are both host memory: plain copies on this thread."""
         if not ks:
             return Transfer()
@@ -491,7 +527,13 @@ class CopyEngine:
 
     # -- PCIe -----------------------------------------------------------------------------------
     def _pcie(
-        self, p: Plan, ks: list[int], out: torch.Tensor | None, inp: torch.Tensor | None, *, frees_sources: bool,
+        self,
+        p: Plan,
+        ks: list[int],
+        out: torch.Tensor | None,
+        inp: torch.Tensor | None,
+        *,
+        frees_sources: bool,
         before: BeforeRun | None = None,
     ) -> Transfer:
         """Runs ``ks`` across PCIe: slots -> ``out`` and/or ``inp`` -> slots (host arenas), pipelined per run.
@@ -534,12 +576,23 @@ class CopyEngine:
         events = [d2h.record_event(), h2d.record_event()]
         for e in events:
             current.wait_event(e)
-        timing = [(st, s.record_event(torch.cuda.Event(enable_timing=True))) for st, s in zip(starts, (d2h, h2d), strict=True) if st is not None]
+        timing = [
+            (st, s.record_event(torch.cuda.Event(enable_timing=True)))
+            for st, s in zip(starts, (d2h, h2d), strict=True)
+            if st is not None
+        ]
         return Transfer(events, {k: v for k, v in nbytes.items() if v}, timing)
 
     @staticmethod
-    def _out(run: Run, devs: Tensors, span: torch.Tensor, ring: _Ring,
-             current: torch.cuda.Stream, side: torch.cuda.Stream, frees_sources: bool) -> int:
+    def _out(
+        run: Run,
+        devs: Tensors,
+        span: torch.Tensor,
+        ring: _Ring,
+        current: torch.cuda.Stream,
+        side: torch.cuda.Stream,
+        frees_sources: bool,
+    ) -> int:
         if run.sizes is None:
             with _On(side, current):
                 span.copy_(devs[0], non_blocking=True)
@@ -555,8 +608,14 @@ class CopyEngine:
         return run.nbytes
 
     @staticmethod
-    def _in(run: Run, devs: Tensors, span: torch.Tensor, ring: _Ring | None,
-            side: torch.cuda.Stream, current: torch.cuda.Stream) -> int:
+    def _in(
+        run: Run,
+        devs: Tensors,
+        span: torch.Tensor,
+        ring: _Ring | None,
+        side: torch.cuda.Stream,
+        current: torch.cuda.Stream,
+    ) -> int:
         """One run in. A staged run crosses PCIe into a ring buffer on the side stream and is scattered
         by the current stream, so the next run's PCIe copy overlaps this scatter. The scatter comes
         after every earlier current-stream write of the run's slots (their storage coming back, and in
@@ -618,7 +677,9 @@ class CopyEngine:
         s = stream or torch.cuda.current_stream(self.device)
         return s.record_event(torch.cuda.Event(enable_timing=True))
 
-    def _timed_end(self, start: torch.cuda.Event | None, stream: torch.cuda.Stream) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+    def _timed_end(
+        self, start: torch.cuda.Event | None, stream: torch.cuda.Stream
+    ) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
         if start is None:
             return []
         return [(start, stream.record_event(torch.cuda.Event(enable_timing=True)))]

@@ -76,8 +76,10 @@ def _plan(core: Core, gss: list[GroupState], only: Only, budget: int | None) -> 
             to_disk += gs.layout.total
         else:
             where = "and no disk tier is set (disk_dir)" if directory is None else "and the disk is too full"
-            raise BudgetError("pool",
-                              f"group {gs.name!r} ({need} bytes) fits in neither the host budget ({budget} bytes for homes, {held} held) {where}")
+            raise BudgetError(
+                "pool",
+                f"group {gs.name!r} ({need} bytes) fits in neither the host budget ({budget} bytes for homes, {held} held) {where}",
+            )
         peak = max(peak, held + (2 * core.disk.io.window if to_disk else 0))
     return OffloadPlan(tuple(decisions), peak, to_disk)
 
@@ -106,10 +108,16 @@ def snapshot(core: Core, groups: GroupArg, tag: str, version: int | None, placem
         raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
     gss = core.listed(groups if groups is not None else core.forward, check_swap=False)
     shared = {gs.name for gs in gss if placement == "host" and gs.home_is_whole()}
-    old = core.make_room_for(tag, version, gss, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared])
+    old = core.make_room_for(
+        tag, version, gss, [gs.layout.total for gs in gss if placement == "host" and gs.name not in shared]
+    )
     device_arenas = {gs.name: core.device.arena(gs) for gs in gss if placement == "device"}
     if placement == "disk":  # writes can fail (a full disk): the old snapshot goes only once the new one is written
-        return core.store(Snapshot.of(tag=tag, version=version, placement=placement, parts=core.disk.snapshot_parts(gss), pool=core.pool))
+        return core.store(
+            Snapshot.of(
+                tag=tag, version=version, placement=placement, parts=core.disk.snapshot_parts(gss), pool=core.pool
+            )
+        )
     if old is not None:
         core.snapshots.discard(old)
     parts: list[SnapshotPart] = []
@@ -121,10 +129,18 @@ def snapshot(core: Core, groups: GroupArg, tag: str, version: int | None, placem
             transfer = transfer.merged(gs.home.pending)
             continue
         arena = device_arenas.get(gs.name)
-        part = SnapshotPart(gs.name, gs.layout, device=arena) if arena is not None else SnapshotPart(gs.name, gs.layout, host=core.pool.acquire(gs.layout.total))
+        part = (
+            SnapshotPart(gs.name, gs.layout, device=arena)
+            if arena is not None
+            else SnapshotPart(gs.name, gs.layout, host=core.pool.acquire(gs.layout.total))
+        )
         parts.append(part)
         transfer = transfer.merged(read_group(core, gs, part.arena))
-    return core.store(Snapshot.of(tag=tag, version=version, placement=placement, parts=tuple(parts), pool=core.pool, transfer=transfer))
+    return core.store(
+        Snapshot.of(
+            tag=tag, version=version, placement=placement, parts=tuple(parts), pool=core.pool, transfer=transfer
+        )
+    )
 
 
 def read_group(core: Core, gs: GroupState, arena: torch.Tensor) -> Transfer:
@@ -147,7 +163,11 @@ def restore(core: Core, snapshot: Snapshot) -> Transfer:
 
 
 def _write_parts(
-    core: Core, snapshot: Snapshot, parts: list[SnapshotPart], fresh: dict[str, HostBlock], rewrite: Mapping[str, list[Slot]]
+    core: Core,
+    snapshot: Snapshot,
+    parts: list[SnapshotPart],
+    fresh: dict[str, HostBlock],
+    rewrite: Mapping[str, list[Slot]],
 ) -> Transfer:
     """Copy ``parts`` into their groups: disk slots into new regions first (only these writes can fail),
     device slots in place, the others into (private) homes."""
@@ -179,7 +199,9 @@ def close(core: Core) -> None:
     for swap, snap in reversed(list(core.swaps)):
         swap_out(core, swap, snap)
     core.table.refresh()
-    core.device.bring_back(core.groups.values(), lambda s: s.residency is not Residency.DEVICE and s.native_home is None)
+    core.device.bring_back(
+        core.groups.values(), lambda s: s.residency is not Residency.DEVICE and s.native_home is None
+    )
     for h in core.handles:
         h.remove()
     core.handles.clear()

@@ -104,9 +104,12 @@ def behaviour_weights(
         n = max(int(mask.sum()), 1)
         ess = float(vals.sum() ** 2 / (n * (vals**2).sum())) if vals.numel() else 1.0
         return BehaviourWeights(
-            weight=weight, mask=new_mask,
-            raw_mean=float(vals.mean()) if vals.numel() else 1.0, raw_max=float(vals.max()) if vals.numel() else 1.0,
-            adjusted_fraction=float(adjusted.sum()) / n, ess=ess,
+            weight=weight,
+            mask=new_mask,
+            raw_mean=float(vals.mean()) if vals.numel() else 1.0,
+            raw_max=float(vals.max()) if vals.numel() else 1.0,
+            adjusted_fraction=float(adjusted.sum()) / n,
+            ess=ess,
         )
 
 
@@ -160,8 +163,9 @@ def kl_k3(l_t: torch.Tensor, l_ref: torch.Tensor) -> torch.Tensor:
     return d.exp() - d - 1.0
 
 
-def loglinear_proximal(l_b: torch.Tensor, l_t: torch.Tensor, behaviour_step: torch.Tensor, step: int,
-                       mask: torch.Tensor) -> torch.Tensor:
+def loglinear_proximal(
+    l_b: torch.Tensor, l_t: torch.Tensor, behaviour_step: torch.Tensor, step: int, mask: torch.Tensor
+) -> torch.Tensor:
     """AReaL's ``prox_logp_method=loglinear``: ``l_p ~ l_b + a (l_t - l_b)`` without a forward of its own.
 
     ``a = (v_prox - v_b) / (v_theta - v_b)`` per token, in trainer steps: ``v_prox = step`` (the weights at the

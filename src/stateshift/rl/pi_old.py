@@ -229,7 +229,11 @@ class PiOldCycle:
             return "device", not stash
         host = rebuilt if plugin else stashed  # on the host the plug-in always pays: a stash crosses PCIe
         budget = core_of(self.state).pool.budget_bytes
-        if budget is None or core_of(self.state).pool.stats.in_use_bytes + host <= budget or self.state.disk_dir is None:
+        if (
+            budget is None
+            or core_of(self.state).pool.stats.in_use_bytes + host <= budget
+            or self.state.disk_dir is None
+        ):
             return "host", plugin
         return "disk", plugin
 
@@ -241,7 +245,9 @@ class PiOldCycle:
             return None
         free, total = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        return free - (self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20))
+        return free - (
+            self.device_headroom_bytes if self.device_headroom_bytes is not None else max(1 << 30, total // 20)
+        )
 
     def begin(self, version: int | None = None) -> Snapshot:
         """Take pi_old from the current weights (replacing the previous cycle's). Returns at once (async copy)."""
@@ -266,7 +272,11 @@ class PiOldCycle:
         slots = self._list(snap.groups)  # one listing for the checks and the accounting below
         rebuild: dict[str, Callable[[], None]] = {}
         plugin = self.rebuild if self._rebuilding else None
-        if plugin is not None and plugin.group in snap.groups and any(s.residency is Residency.DEVICE for s in slots[plugin.group]):
+        if (
+            plugin is not None
+            and plugin.group in snap.groups
+            and any(s.residency is Residency.DEVICE for s in slots[plugin.group])
+        ):
             why = plugin.available()
             if why is None:
                 rebuild[plugin.group] = plugin
@@ -360,8 +370,10 @@ class PiOldCycle:
         to_dev = placement == "device" and self._device_snapshot_on_accelerator()
         for g in self.groups:
             slots = self._slots(g)
-            whole_home = placement == "host" and slots and all(
-                s.residency is Residency.HOST and s.native_home is None for s in slots
+            whole_home = (
+                placement == "host"
+                and slots
+                and all(s.residency is Residency.HOST and s.native_home is None for s in slots)
             )
             for s in slots:
                 if s.residency is Residency.DEVICE:
@@ -369,7 +381,9 @@ class PiOldCycle:
                 elif s.residency is Residency.HOST and not whole_home:
                     self._move(s.nbytes, False, to_dev)  # from the (CPU) home
 
-    def _account_swap(self, snap: Snapshot, rebuild: dict[str, Callable[[], None]], slots: Mapping[str, list[Any]]) -> None:
+    def _account_swap(
+        self, snap: Snapshot, rebuild: dict[str, Callable[[], None]], slots: Mapping[str, list[Any]]
+    ) -> None:
         for part in snap.parts:
             at_dev = part.device is not None and part.device.device.type != "cpu"
             # the stash waits where pi_old lives (``stash=snap.placement``: same device as the part)
@@ -379,7 +393,9 @@ class PiOldCycle:
                 if s.residency is Residency.DEVICE and part.group not in rebuild:
                     self.stats.stashed_bytes += s.nbytes
                     self._move(s.nbytes, on_dev, at_dev)  # stash out
-                    if on_dev and part.host is not None and part.host.pinned:  # out to pinned host memory while pi_old comes in
+                    if (
+                        on_dev and part.host is not None and part.host.pinned
+                    ):  # out to pinned host memory while pi_old comes in
                         self.stats.both_ways_bytes += s.nbytes  # (a disk part moves one way, then the other)
                     self._move(s.nbytes, at_dev, on_dev)  # and back
         for fn in rebuild.values():

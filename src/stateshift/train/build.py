@@ -25,8 +25,14 @@ def _addition(cfg: TrainConfig) -> Task:
 
 def _longtail(cfg: TrainConfig) -> Task:
     t = cfg.task
-    return LongTailTask(min_terms=t.min_terms, max_terms=t.max_terms, warmup_max_terms=t.warmup_max_terms,
-                        partial_credit=t.partial_credit, stop_credit=t.stop_credit, heldout_size=t.heldout_size)
+    return LongTailTask(
+        min_terms=t.min_terms,
+        max_terms=t.max_terms,
+        warmup_max_terms=t.warmup_max_terms,
+        partial_credit=t.partial_credit,
+        stop_credit=t.stop_credit,
+        heldout_size=t.heldout_size,
+    )
 
 
 def _file(cfg: TrainConfig) -> Task:
@@ -36,11 +42,24 @@ def _file(cfg: TrainConfig) -> Task:
 
     t, r = cfg.task, cfg.reward
     tokenizer = load_tokenizer(t.tokenizer_path or cfg.model.hf_path)
-    spec = FileSpec(prompt_key=t.prompt_key, messages_key=t.messages_key, answer_key=t.answer_key,
-                    max_prompt_len=t.max_prompt_len, chat_template=t.chat_template)
+    spec = FileSpec(
+        prompt_key=t.prompt_key,
+        messages_key=t.messages_key,
+        answer_key=t.answer_key,
+        max_prompt_len=t.max_prompt_len,
+        chat_template=t.chat_template,
+    )
     reward = Reward(r.fn, on_error=r.on_error, correct_at=r.correct_at)
-    return FileTask(t.train_path, t.heldout_path, tokenizer, reward, spec=spec, seed=cfg.run.seed, shuffle=t.shuffle,
-                    heldout_size=t.heldout_size)
+    return FileTask(
+        t.train_path,
+        t.heldout_path,
+        tokenizer,
+        reward,
+        spec=spec,
+        seed=cfg.run.seed,
+        shuffle=t.shuffle,
+        heldout_size=t.heldout_size,
+    )
 
 
 #: ``task.name`` -> how the task is built from the config (every name of ``TaskConfig.name``'s ``Literal``)
@@ -70,8 +89,9 @@ def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # ->
     has_weights = bool(weight_files(root))
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
-        raise ConfigError("config", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens",
-                          key="model.hf_path")
+        raise ConfigError(
+            "config", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens", key="model.hf_path"
+        )
     if getattr(config, "max_position_embeddings", positions) < positions:
         raise ConfigError(
             "config",

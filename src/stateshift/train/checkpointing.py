@@ -68,8 +68,9 @@ def _groups(trainer: Trainer) -> tuple[str, ...]:
     return tuple(g for g in ("params", "optim") if g in trainer.state.groups and trainer.state.nbytes(g))
 
 
-def save_checkpoint(root: Path, step: int, trainer: Trainer, capture: RolloutCapture, extra: dict[str, Any],
-                    keep: int) -> Path:
+def save_checkpoint(
+    root: Path, step: int, trainer: Trainer, capture: RolloutCapture, extra: dict[str, Any], keep: int
+) -> Path:
     """Write ``root/step-<step>`` and point ``root/latest`` at it; keep the newest ``keep``.
 
     Safe to kill at any moment: ``latest`` moves last (atomically), so it names the previous complete
@@ -113,8 +114,9 @@ def latest_checkpoint(root: Path) -> Path:
     except OSError as e:
         raise CheckpointError("read", describe_os_error(e), path=root / "latest", errno=e.errno) from e
     if named is None:
-        raise CheckpointError("not_found", "no 'latest' file: no checkpoint was saved (was run.checkpoint_every set?)",
-                              path=root)
+        raise CheckpointError(
+            "not_found", "no 'latest' file: no checkpoint was saved (was run.checkpoint_every set?)", path=root
+        )
     if not _STEP_NAME.fullmatch(named.name):
         raise CheckpointError(
             "corrupt",
@@ -137,8 +139,9 @@ def load_checkpoint(path: Path, trainer: Trainer) -> Resumed:
     """
     path = Path(os.path.abspath(path))
     if path.is_symlink() or (path / "state").is_symlink():
-        raise CheckpointError("corrupt", "is (or holds) a symbolic link; a checkpoint holds only its own files",
-                              path=path)
+        raise CheckpointError(
+            "corrupt", "is (or holds) a symbolic link; a checkpoint holds only its own files", path=path
+        )
     if not path.is_dir():
         raise CheckpointError("not_found", "no such checkpoint directory", path=path)
     side = read_sidecar(path)

@@ -91,8 +91,11 @@ class TaskConfig:
         _check("task.min_terms", self.min_terms >= 1, "must be >= 1")
         _check("task.max_terms", self.max_terms >= self.min_terms, "must be >= task.min_terms")
         _check("task.max_terms", self.max_terms <= 101, "must be <= 101 (partial sums of 4 digits)")
-        _check("task.warmup_max_terms", self.min_terms <= self.warmup_max_terms <= self.max_terms,
-               "must be in [task.min_terms, task.max_terms]")
+        _check(
+            "task.warmup_max_terms",
+            self.min_terms <= self.warmup_max_terms <= self.max_terms,
+            "must be in [task.min_terms, task.max_terms]",
+        )
         _check("task.max_prompt_len", self.max_prompt_len > 0, "must be > 0")
         if self.name == "file":
             for key in ("train_path", "heldout_path", "prompt_key"):
@@ -144,8 +147,11 @@ class ModelConfig:
             _check(f"model.{name}", getattr(self, name) > 0, "must be > 0")
         _check("model.width", self.width % self.heads == 0, f"must be divisible by model.heads ({self.heads})")
         _check("model.positions", self.positions in ("learned", "rotary"), "must be 'learned' or 'rotary'")
-        _check("model.positions", self.positions == "learned" or (self.width // self.heads) % 2 == 0,
-               "rotary needs an even head width (model.width / model.heads)")
+        _check(
+            "model.positions",
+            self.positions == "learned" or (self.width // self.heads) % 2 == 0,
+            "rotary needs an even head width (model.width / model.heads)",
+        )
         _check("model.hf_path", self.family != "hf" or bool(self.hf_path), "is required when model.family=hf")
 
 
@@ -207,11 +213,17 @@ class RolloutConfig:
         _check("rollout.temperature", self.temperature > 0, "must be > 0 (sampling)")
         _check("rollout.top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         _check("rollout.max_new_tokens", self.max_new_tokens > 0, "must be > 0")
-        _check("rollout.device", self.device is None or self.device == "cpu" or self.device.startswith("cuda"),
-               "must be null, 'cpu' or 'cuda:N'")
+        _check(
+            "rollout.device",
+            self.device is None or self.device == "cpu" or self.device.startswith("cuda"),
+            "must be null, 'cpu' or 'cuda:N'",
+        )
         _check("rollout.max_restarts", self.max_restarts >= 0, "must be >= 0")
-        _check("rollout.weight_transport", self.weight_transport != "cuda_ipc" or (self.device or "cuda").startswith("cuda"),
-               "cuda_ipc needs the rollouter on a GPU")
+        _check(
+            "rollout.weight_transport",
+            self.weight_transport != "cuda_ipc" or (self.device or "cuda").startswith("cuda"),
+            "cuda_ipc needs the rollouter on a GPU",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -244,9 +256,16 @@ class AsyncConfig:
         _check("async_training.staleness_threshold", self.staleness_threshold >= 0, "must be >= 0")
         _check("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step >= 1, "must be >= 1")
         _check("async_training.require_batches", self.require_batches >= 1, "must be >= 1")
-        _check("async_training.max_head_offpolicyness", self.max_head_offpolicyness is None or self.max_head_offpolicyness >= 0,
-               "must be >= 0 or null")
-        _check("async_training.max_queue_size", self.max_queue_size is None or self.max_queue_size >= 1, "must be >= 1 or null")
+        _check(
+            "async_training.max_head_offpolicyness",
+            self.max_head_offpolicyness is None or self.max_head_offpolicyness >= 0,
+            "must be >= 0 or null",
+        )
+        _check(
+            "async_training.max_queue_size",
+            self.max_queue_size is None or self.max_queue_size >= 1,
+            "must be >= 1 or null",
+        )
         _check("async_training.max_lag", self.max_lag is None or self.max_lag >= 0, "must be >= 0 or null")
 
 
@@ -339,8 +358,15 @@ class TrainerConfig:
         for name in ("lr", "weight_cap", "weight_lo", "weight_hi", "clip_c"):
             _check(f"trainer.{name}", getattr(self, name) > 0, "must be > 0")
         _check("trainer.entropy_target", self.entropy_target is None or self.entropy_target > 0, "must be > 0 or null")
-        for name in ("clip_low", "clip_high", "grad_clip", "kl_coef", "entropy_coef", "entropy_adapt_rate",
-                     "entropy_coef_max"):
+        for name in (
+            "clip_low",
+            "clip_high",
+            "grad_clip",
+            "kl_coef",
+            "entropy_coef",
+            "entropy_adapt_rate",
+            "entropy_coef_max",
+        ):
             _check(f"trainer.{name}", getattr(self, name) >= 0, "must be >= 0")
         _check("trainer.clip_low", self.clip_low < 1, "must be < 1")
         _check("trainer.clip_c", self.clip_c > 1, "must be > 1 (dual clip)")
@@ -387,9 +413,14 @@ class RunConfig:
         if self.device == "cuda":
             import torch
 
-            _check("run.device", torch.cuda.is_available(),
-                   "is 'cuda' but torch sees no CUDA device here (torch.cuda.is_available() is False)")
-        _check("run.stop_accuracy", self.stop_accuracy is None or 0 < self.stop_accuracy <= 1, "must be in (0, 1] or null")
+            _check(
+                "run.device",
+                torch.cuda.is_available(),
+                "is 'cuda' but torch sees no CUDA device here (torch.cuda.is_available() is False)",
+            )
+        _check(
+            "run.stop_accuracy", self.stop_accuracy is None or 0 < self.stop_accuracy <= 1, "must be in (0, 1] or null"
+        )
         _check("run.max_wall_s", self.max_wall_s is None or self.max_wall_s > 0, "must be > 0 or null")
         _check("run.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check("run.keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1")
@@ -473,46 +504,88 @@ class TrainConfig:
 
     def _check_task(self) -> None:
         """What each task needs from the model and the rollout."""
-        _check("rollout.max_new_tokens", self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
-               f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task")
-        _check("task.name", self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
-               "longtail runs on model.family builtin or hf in this version (megatron and fsdp2 size their positions "
-               "for the addition task)")
-        _check("run.checkpoint_every", self.task.name != "longtail" or self.run.checkpoint_every == 0,
-               "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)")
-        _check("rollout.batching", self.rollout.batching == "wave" or (self.executor in ("inprocess", "process")
-               and self.model.family == "builtin" and self.run.checkpoint_every == 0),
-               "continuous needs executor=inprocess or process, model.family=builtin and run.checkpoint_every=0 in "
-               "this version")
-        _check("rollout.max_new_tokens", self.model.family != "builtin" or self.task.name != "addition"
-               or self.rollout.max_new_tokens <= 8,
-               "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)")
+        _check(
+            "rollout.max_new_tokens",
+            self.task.name != "longtail" or self.rollout.max_new_tokens >= 7 * self.task.max_terms,
+            f"must be >= 7 * task.max_terms ({7 * self.task.max_terms}) for the longtail task",
+        )
+        _check(
+            "task.name",
+            self.task.name != "longtail" or self.model.family in ("builtin", "hf"),
+            "longtail runs on model.family builtin or hf in this version (megatron and fsdp2 size their positions "
+            "for the addition task)",
+        )
+        _check(
+            "run.checkpoint_every",
+            self.task.name != "longtail" or self.run.checkpoint_every == 0,
+            "must be 0 with task.name=longtail in this version (its items are not in the checkpoint format yet)",
+        )
+        _check(
+            "rollout.batching",
+            self.rollout.batching == "wave"
+            or (
+                self.executor in ("inprocess", "process")
+                and self.model.family == "builtin"
+                and self.run.checkpoint_every == 0
+            ),
+            "continuous needs executor=inprocess or process, model.family=builtin and run.checkpoint_every=0 in "
+            "this version",
+        )
+        _check(
+            "rollout.max_new_tokens",
+            self.model.family != "builtin" or self.task.name != "addition" or self.rollout.max_new_tokens <= 8,
+            "must be <= 8 for the built-in model (16 positions, 8 of them the prompt)",
+        )
         if self.task.name == "file":
-            _check("task.tokenizer_path", bool(self.task.tokenizer_path or self.model.hf_path),
-                   "task.name=file needs a tokenizer: set model.hf_path or task.tokenizer_path")
-            _check("model.family", self.model.family != "megatron",
-                   "task.name=file runs the builtin, hf and fsdp2 families (no Hugging Face to Megatron conversion)")
+            _check(
+                "task.tokenizer_path",
+                bool(self.task.tokenizer_path or self.model.hf_path),
+                "task.name=file needs a tokenizer: set model.hf_path or task.tokenizer_path",
+            )
+            _check(
+                "model.family",
+                self.model.family != "megatron",
+                "task.name=file runs the builtin, hf and fsdp2 families (no Hugging Face to Megatron conversion)",
+            )
 
     def _check_schedule(self) -> None:
         """Checkpoints at syncs; a sync-mode queue that holds a version."""
         every, trigger = self.run.checkpoint_every, self.async_training.trigger_parameter_sync_step
-        _check("run.checkpoint_every", every % trigger == 0,
-               f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs")
+        _check(
+            "run.checkpoint_every",
+            every % trigger == 0,
+            f"must be a multiple of async_training.trigger_parameter_sync_step ({trigger}): checkpoints are taken at syncs",
+        )
         a, per_version = self.async_training, self.trainer.batch_prompts * self.async_training.require_batches * trigger
-        _check("async_training.max_queue_size", a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
-               f"must hold a version's groups in sync mode ({per_version}) or be null")
+        _check(
+            "async_training.max_queue_size",
+            a.mode == "async" or a.max_queue_size is None or a.max_queue_size >= per_version,
+            f"must hold a version's groups in sync mode ({per_version}) or be null",
+        )
 
     def _check_placement(self) -> None:
         """Where the rollouter runs and what that needs."""
         rdev = self.rollout.device
-        _check("rollout.device", rdev is None or self.executor == "process" or rdev == self.run.device,
-               "is read with executor=process only (the other executors compute where run.device says)")
-        _check("rollout.device", rdev is None or rdev.split(":")[0] == self.run.device,
-               f"must be on run.device's kind ({self.run.device}): trainer and rollouter exchange weights in host memory")
-        _check("executor", self.executor != "ray" or importlib.util.find_spec("ray") is not None,
-               "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'")
-        _check("ray.num_cpus", self.ray.num_cpus is None or self.ray.num_cpus >= self.ray.trainer_cpus + self.ray.rollout_cpus,
-               f"must hold ray.trainer_cpus + ray.rollout_cpus ({self.ray.trainer_cpus + self.ray.rollout_cpus:g})")
+        _check(
+            "rollout.device",
+            rdev is None or self.executor == "process" or rdev == self.run.device,
+            "is read with executor=process only (the other executors compute where run.device says)",
+        )
+        _check(
+            "rollout.device",
+            rdev is None or rdev.split(":")[0] == self.run.device,
+            f"must be on run.device's kind ({self.run.device}): trainer and rollouter exchange weights in host memory",
+        )
+        _check(
+            "executor",
+            self.executor != "ray" or importlib.util.find_spec("ray") is not None,
+            "executor=ray needs Ray, which is not installed here: pip install 'stateshift[ray]'",
+        )
+        _check(
+            "ray.num_cpus",
+            self.ray.num_cpus is None or self.ray.num_cpus >= self.ray.trainer_cpus + self.ray.rollout_cpus,
+            f"must hold ray.trainer_cpus + ray.rollout_cpus ({self.ray.trainer_cpus + self.ray.rollout_cpus:g})",
+        )
 
 
 # --------------------------------------------------------------------------- from dicts, YAML, overrides
@@ -545,8 +618,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError("config", f"must be a string, not {show(value)}", key=key)
         return value
-    raise ConfigError("config", f"unsupported type {hint!r}",
-                      key=key)  # pragma: no cover - every field is one of the above
+    raise ConfigError(
+        "config", f"unsupported type {hint!r}", key=key
+    )  # pragma: no cover - every field is one of the above
 
 
 def _finite(key: str, value: Any) -> float:
@@ -562,8 +636,9 @@ def _finite(key: str, value: Any) -> float:
     try:
         number = float(number)
     except OverflowError:
-        raise ConfigError("config", f"must be a finite number, not {show(value)} (too large for a float)",
-                          key=key) from None
+        raise ConfigError(
+            "config", f"must be a finite number, not {show(value)} (too large for a float)", key=key
+        ) from None
     if not math.isfinite(number):
         raise ConfigError("config", f"must be a finite number, not {number}", key=key)
     return number
@@ -599,8 +674,10 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 def as_dict(cfg: Any) -> dict[str, Any]:
     """Nested plain dicts (what ``config.yaml`` holds)."""
-    return {f.name: (as_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
-            for f in dataclasses.fields(cfg)}
+    return {
+        f.name: (as_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+        for f in dataclasses.fields(cfg)
+    }
 
 
 #: the largest config file read (a config is a few KB)
@@ -718,7 +795,12 @@ def _docstrings(cls: type) -> dict[str, str]:
     assert isinstance(node, ast.ClassDef)
     out: dict[str, str] = {}
     for stmt, nxt in zip(node.body, node.body[1:]):  # noqa: B905 - pairs of neighbours
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             out[stmt.target.id] = " ".join(nxt.value.value.split())
     return out

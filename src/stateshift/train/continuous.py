@@ -63,10 +63,11 @@ __all__ = ["ContinuousEngine", "ContinuousInProcessRollouts", "ContinuousWorker"
 class SlotLM(Protocol):
     """A causal LM with a static per-row KV cache (see the module docstring)."""
 
-    def new_slot_cache(self, rows: int) -> Any:
-        ...
+    def new_slot_cache(self, rows: int) -> Any: ...
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: Any) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: Any
+    ) -> torch.Tensor:
         """Logits (batch, new, vocab); ``rows`` the slots fed (``None``: all, in order)."""
         ...
 
@@ -82,7 +83,9 @@ class BuiltinSlotLM:
         p = next(self.module.parameters())
         return SlotCache.empty(self.module.cfg, rows, p.device, p.dtype)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: Any) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: Any
+    ) -> torch.Tensor:
         return self.module(ids, positions=positions, cache=cache, rows=rows)
 
 
@@ -116,8 +119,9 @@ class _Row:
 class ContinuousEngine:
     """The slots, their static KV cache and the pending rows; called from one thread (the rollout thread)."""
 
-    def __init__(self, lm: SlotLM, sampling: Sampling, rows: int, n: int, generator: torch.Generator,
-                 device: torch.device) -> None:
+    def __init__(
+        self, lm: SlotLM, sampling: Sampling, rows: int, n: int, generator: torch.Generator, device: torch.device
+    ) -> None:
         self.lm, self.sampling, self.n, self.generator, self.device = lm, sampling, n, generator, device
         self.cache = lm.new_slot_cache(rows)
         self.slots: list[_Row | None] = [None] * rows
@@ -206,8 +210,12 @@ class ContinuousEngine:
                 row.finished = stop
                 self.slots[i] = None
                 g = row.group
-                g.rows[row.index] = {"tokens": row.tokens, "logprobs": row.logprobs, "versions": row.versions,
-                                     "finished": [row.finished]}
+                g.rows[row.index] = {
+                    "tokens": row.tokens,
+                    "logprobs": row.logprobs,
+                    "versions": row.versions,
+                    "finished": [row.finished],
+                }
                 g.done += 1
                 if g.done == g.n:
                     done_groups.append(g)
@@ -216,7 +224,9 @@ class ContinuousEngine:
         if cont:
             keep = idx[cont]
             pos = self.lens[keep]
-            logits = self.lm(tok[cont][:, None], pos[:, None], keep if len(cont) < len(self.slots) else None, self.cache)
+            logits = self.lm(
+                tok[cont][:, None], pos[:, None], keep if len(cont) < len(self.slots) else None, self.cache
+            )
             self.logits[keep] = logits[:, -1].float()  # type: ignore[index]
             self.lens[keep] = pos + 1
         return done_groups
@@ -242,9 +252,18 @@ def to_group(g: _GroupState, task: Task, pad: int) -> Group:
         versions[i, :k] = torch.tensor(r["versions"])
         finished[i] = r["finished"][0]
         scored.append(task.score(g.item, r["tokens"]))
-    return Group(uid=g.uid, item=g.item, prompt=tuple(g.prompt), tokens=tokens, mask=versions >= 0, logprobs=logprobs,
-                 versions=versions, rewards=torch.tensor([s[0] for s in scored]),
-                 exact=torch.tensor([s[1] for s in scored]), finished=finished)
+    return Group(
+        uid=g.uid,
+        item=g.item,
+        prompt=tuple(g.prompt),
+        tokens=tokens,
+        mask=versions >= 0,
+        logprobs=logprobs,
+        versions=versions,
+        rewards=torch.tensor([s[0] for s in scored]),
+        exact=torch.tensor([s[1] for s in scored]),
+        finished=finished,
+    )
 
 
 class ContinuousWorker(RolloutWorker):
@@ -252,8 +271,17 @@ class ContinuousWorker(RolloutWorker):
     handshake, same reports)."""
 
     def __init__(self, base: RolloutWorker, rows: int) -> None:
-        super().__init__(base.rollouter, base.task, base.port, base.channel, base.control, n=base.n,
-                         wave_prompts=base.wave_prompts, owner=base.owner, torch_threads=base.torch_threads)
+        super().__init__(
+            base.rollouter,
+            base.task,
+            base.port,
+            base.channel,
+            base.control,
+            n=base.n,
+            wave_prompts=base.wave_prompts,
+            owner=base.owner,
+            torch_threads=base.torch_threads,
+        )
         r = self.rollouter
         self.engine = ContinuousEngine(slot_lm(r.lm), r.sampling, rows, base.n, r.generator, r.device)
 
@@ -307,8 +335,9 @@ class ContinuousWorker(RolloutWorker):
 class ContinuousInProcessRollouts(InProcessRollouts):
     """``InProcessRollouts`` with a ``ContinuousWorker`` on its thread."""
 
-    def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: Any = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int, capture: Any = None
+    ) -> None:
         super().__init__(cfg, task, policy, control, version=version, capture=capture)
         import threading
 
@@ -317,4 +346,3 @@ class ContinuousInProcessRollouts(InProcessRollouts):
 
     def occupancy(self) -> float:
         return self.worker.engine.occupancy  # type: ignore[attr-defined]
-

@@ -111,8 +111,15 @@ class RunControl:
 class Watchdog:
     """A daemon thread that reports (and, past the stall timeout, stops) a run where nothing moves."""
 
-    def __init__(self, control: RunControl, describe: Callable[[], str], *, report_s: float, stall_s: float,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        control: RunControl,
+        describe: Callable[[], str],
+        *,
+        report_s: float,
+        stall_s: float,
+        stream: TextIO | None = None,
+    ) -> None:
         self.control = control
         self.describe = describe
         self.report_s = report_s

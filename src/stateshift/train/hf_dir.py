@@ -27,15 +27,17 @@ def weight_files(path: str | Path) -> list[Path]:
     """
     root = Path(path)
     if not (root / "config.json").is_file():
-        raise ConfigError("model_dir", "missing (model.hf_path must be a local model directory)",
-                          path=root, name="config.json")
+        raise ConfigError(
+            "model_dir", "missing (model.hf_path must be a local model directory)", path=root, name="config.json"
+        )
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError("model_dir", f"not a shard index ({type(exc).__name__}: {exc})",
-                              path=root, name=index.name) from None
+            raise ConfigError(
+                "model_dir", f"not a shard index ({type(exc).__name__}: {exc})", path=root, name=index.name
+            ) from None
         for shard in shards:
             if not (root / shard).is_file():
                 raise ConfigError("model_dir", f"listed in {index.name} but missing", path=root, name=shard)
@@ -55,8 +57,12 @@ def load_tokenizer(path: str | Path) -> Any:
     if not root.is_dir():
         raise ConfigError("model_dir", "not a directory", path=root, name=".")
     if not any((root / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError("model_dir", f"missing (no tokenizer file: one of {', '.join(TOKENIZER_FILES)})",
-                          path=root, name="tokenizer.json")
+        raise ConfigError(
+            "model_dir",
+            f"missing (no tokenizer file: one of {', '.join(TOKENIZER_FILES)})",
+            path=root,
+            name="tokenizer.json",
+        )
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # a generic tokenizer (tokenizer.json as it is): loaded as such, not as the class config.json's model type
@@ -65,11 +71,16 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         tok = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(root, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError("model_dir", f"transformers cannot load the tokenizer: {exc}",
-                          path=root, name="tokenizer.json") from exc
+        raise ConfigError(
+            "model_dir", f"transformers cannot load the tokenizer: {exc}", path=root, name="tokenizer.json"
+        ) from exc
     if tok.eos_token_id is None:
-        raise ConfigError("model_dir", "the tokenizer has no eos_token (the rollouts stop on it): set eos_token there",
-                          path=root, name="tokenizer_config.json")
+        raise ConfigError(
+            "model_dir",
+            "the tokenizer has no eos_token (the rollouts stop on it): set eos_token there",
+            path=root,
+            name="tokenizer_config.json",
+        )
     return tok
 
 

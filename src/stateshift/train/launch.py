@@ -18,8 +18,9 @@ from .executors.inprocess import InProcessRollouts
 from .loop import RolloutsFactory, RunResult, train_here
 
 
-def run(cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None,
-        return_params: bool = False) -> RunResult:
+def run(
+    cfg: TrainConfig, *, resume: Path | None = None, stream: TextIO | None = None, return_params: bool = False
+) -> RunResult:
     """Train ``cfg`` (or continue the run in ``resume``); ``loop``'s module docstring gives the shape.
 
     The run directory is locked for the duration (``RunError("run_dir_busy")`` if another run holds it).

@@ -81,8 +81,9 @@ class RunResult:
 RolloutsFactory = Callable[..., Rollouts]
 
 
-def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool,
-               rollouts: RolloutsFactory) -> RunResult:
+def train_here(
+    cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return_params: bool, rollouts: RolloutsFactory
+) -> RunResult:
     """The run in this process (the caller holds the run directory's lock); ``rollouts`` builds the rollout side.
 
     ``summary.json`` is written on every way out once the run directory is locked: by ``StartUp`` if start-up
@@ -105,8 +106,12 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
         if loop.control.interrupted:  # Ctrl-C while the last step was stopping the rollout side: no final evaluation
             raise KeyboardInterrupt
         held_end = loop.final_heldout()
-        print(f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
-              f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+        print(
+            f"held-out accuracy: {loop.held_start:.3f} after warm-up -> {held_end:.3f} after RL "
+            f"({loop.step} steps, {time.perf_counter() - t0:.0f} s)",
+            file=stream,
+            flush=True,
+        )
         result = loop.result(held_end, time.perf_counter() - t0)
         if return_params:
             snap = loop.trainer.sync_snapshot()  # a host snapshot works in any residency
@@ -117,34 +122,42 @@ def train_here(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, return
         loop.trainer.close()  # on every way out: pinned (or shared) host memory back now, not at collection
 
 
-def _start(cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: RolloutsFactory,
-           start: StartUp) -> AsyncLoop:
+def _start(
+    cfg: TrainConfig, out: Path, resume: bool, stream: TextIO, rollouts: RolloutsFactory, start: StartUp
+) -> AsyncLoop:
     """Build the policy and the trainer, load the checkpoint (``resume``) or warm up, build the loop."""
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     free = frees_device_memory(cfg.trainer.freed_memory, cfg.executor, policy.device, cfg.rollout.device)
-    trainer = Trainer(policy, cfg.trainer, temperature=cfg.rollout.temperature, pool=trainer_pool(cfg),
-                      free_device_memory=free)
+    trainer = Trainer(
+        policy, cfg.trainer, temperature=cfg.rollout.temperature, pool=trainer_pool(cfg), free_device_memory=free
+    )
     resumed = None
     if resume:
         start.phase = "loading the checkpoint"
-        resumed = resume_checkpoint(out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True))
+        resumed = resume_checkpoint(
+            out / "checkpoints", trainer, warn=lambda line: print(line, file=stream, flush=True)
+        )
         if (out / "metrics.jsonl").exists():
             read_records(out / "metrics.jsonl")  # a damaged log is refused now, before anything changes
         start.step = resumed.step
     config_mod.save(cfg, out / "config.yaml")  # after the checkpoint: a refused resume changes nothing
     if resumed is None:
         start.phase = "warm-up"
-        warm = supervised_warmup(policy.lm, task, cfg.warmup, seed=cfg.run.seed,
-                                 stepper=policy.warmup_stepper(cfg.warmup.lr))
+        warm = supervised_warmup(
+            policy.lm, task, cfg.warmup, seed=cfg.run.seed, stepper=policy.warmup_stepper(cfg.warmup.lr)
+        )
         if cfg.warmup.steps:
             fresh_optimizer_state(policy.optimizer)  # RL starts with fresh moments in every family (Megatron's leak)
         start.phase = "held-out evaluation"
         held_start = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
-        print(f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
-              file=stream, flush=True)
+        print(
+            f"held-out accuracy after warm-up ({cfg.warmup.steps} steps, {warm['warmup_s']:.1f} s): {held_start:.3f}",
+            file=stream,
+            flush=True,
+        )
     else:
         check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
         if check is not None:
@@ -174,12 +187,22 @@ class StartUp:
         except BaseException as exc:
             refused = self.phase == "loading the checkpoint" and isinstance(exc, StateShiftError)
             if not refused:
-                what = ("interrupted" if isinstance(exc, KeyboardInterrupt)
-                        else f"failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
+                what = (
+                    "interrupted"
+                    if isinstance(exc, KeyboardInterrupt)
+                    else f"failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+                )
                 try:
-                    write_summary(self.out, {"status": f"{what} during start-up ({self.phase})", "steps": self.step,
-                                             "wall_s": time.perf_counter() - self.t0, "out_dir": str(self.out),
-                                             "config": config_mod.as_dict(self.cfg)})
+                    write_summary(
+                        self.out,
+                        {
+                            "status": f"{what} during start-up ({self.phase})",
+                            "steps": self.step,
+                            "wall_s": time.perf_counter() - self.t0,
+                            "out_dir": str(self.out),
+                            "config": config_mod.as_dict(self.cfg),
+                        },
+                    )
                 except OSError:  # (an unwritable directory) the original error is the one to report
                     pass
             raise
@@ -193,8 +216,17 @@ def write_summary(out: Path, summary: dict[str, Any]) -> None:
 class AsyncLoop:
     """The parts of one run and the steps of its loop (trainer thread)."""
 
-    def __init__(self, cfg: TrainConfig, task: Any, trainer: Trainer, out: Path, stream: TextIO,
-                 resumed: Resumed | None, held_start: float, rollouts: RolloutsFactory) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Any,
+        trainer: Trainer,
+        out: Path,
+        stream: TextIO,
+        resumed: Resumed | None,
+        held_start: float,
+        rollouts: RolloutsFactory,
+    ) -> None:
         self.cfg, self.task, self.trainer, self.out, self.stream = cfg, task, trainer, out, stream
         self.held_start = held_start
         self.step = self.first_step = resumed.step if resumed is not None else 0
@@ -203,14 +235,17 @@ class AsyncLoop:
         self.control = RunControl()
         capture: RolloutCapture | None = resumed.capture if resumed is not None else None
         extra = {"state": trainer.state} if getattr(rollouts, "takes_state", False) else {}
-        self.rollouts = rollouts(cfg, task, trainer.policy, self.control, version=trainer.version, capture=capture,
-                                 **extra)
+        self.rollouts = rollouts(
+            cfg, task, trainer.policy, self.control, version=trainer.version, capture=capture, **extra
+        )
         self.t_start = time.perf_counter()  # RL's wall clock starts once the rollout side is up (a process: seconds)
-        self.metrics = MetricsLog(out, tensorboard=cfg.run.tensorboard,
-                                  resume_step=resumed.step if resumed is not None else None)
+        self.metrics = MetricsLog(
+            out, tensorboard=cfg.run.tensorboard, resume_step=resumed.step if resumed is not None else None
+        )
         self.progress = Progress(cfg.trainer.steps, cfg.run.progress, self.stream)
-        self.watchdog = Watchdog(self.control, self.describe, report_s=cfg.run.watchdog_s,
-                                 stall_s=cfg.run.stall_timeout_s, stream=stream)
+        self.watchdog = Watchdog(
+            self.control, self.describe, report_s=cfg.run.watchdog_s, stall_s=cfg.run.stall_timeout_s, stream=stream
+        )
         self.times: dict[str, float] = {}
         self.losses: list[float] = []
         self.trained_uids: list[int] = []
@@ -308,7 +343,9 @@ class AsyncLoop:
 
     def train_step(self) -> dict[str, Any]:
         """``require_batches`` mini-batches, one update each (``Trainer.train_step``); returns the step's metrics."""
-        groups = [self.step_groups(self.cfg.trainer.batch_prompts) for _ in range(self.cfg.async_training.require_batches)]
+        groups = [
+            self.step_groups(self.cfg.trainer.batch_prompts) for _ in range(self.cfg.async_training.require_batches)
+        ]
         with self.timer("offload"):  # the samples are here: what is parked starts back while the batches are built
             self.trainer.prefetch_step()
         batches = [Batch.of(g, self.task.pad_token) for g in groups]
@@ -328,8 +365,9 @@ class AsyncLoop:
             self.trainer.version += 1
             # none where the rollout side publishes from the state itself: of resident params it is a full copy
             snap = self.trainer.sync_snapshot() if getattr(self.rollouts, "reads_snapshot", True) else None
-            outcome = self.rollouts.sync(snap, self.trainer.version, capture=checkpoint,
-                                         interrupt=self.cfg.async_training.partial_rollout)
+            outcome = self.rollouts.sync(
+                snap, self.trainer.version, capture=checkpoint, interrupt=self.cfg.async_training.partial_rollout
+            )
             if snap is not None:
                 self.trainer.release(snap)  # not on failure: a rollout thread may still be reading it
             self.syncs += 1
@@ -344,13 +382,13 @@ class AsyncLoop:
         Taken after the step's record is in ``metrics.jsonl``: a run killed at any moment and resumed from
         its latest checkpoint thus has every record up to that step, and drops those after it (trained again).
         """
-        extra: dict[str, Any] = {"heldout_accuracy_start": self.held_start,
-                                 "entropy_coef": self.trainer.entropy_coef}
+        extra: dict[str, Any] = {"heldout_accuracy_start": self.held_start, "entropy_coef": self.trainer.entropy_coef}
         position = getattr(self.task, "position", None)  # a task reading files: where it is in them
         if position is not None:  # plain ints and strings: data_samples, data_epoch, data_offset, data_train_sha256
             extra.update({f"data_{k}": v for k, v in position(captured.next_uid).items()})
-        save_checkpoint(self.out / "checkpoints", self.step, self.trainer, captured, extra,
-                        self.cfg.run.keep_checkpoints)
+        save_checkpoint(
+            self.out / "checkpoints", self.step, self.trainer, captured, extra, self.cfg.run.keep_checkpoints
+        )
 
     def evaluate(self) -> float:
         with self.timer("eval"), self.trainer.resident():
@@ -370,9 +408,16 @@ class AsyncLoop:
 
     def describe(self) -> str:
         side = self.rollouts.describe()
-        return describe_sides(self.control, {"queue": side["queue"], "in_flight": side["in_flight"],
-                                             "trainer_version": self.trainer.version,
-                                             "rollout_version": side["rollout_version"], "step": self.step})
+        return describe_sides(
+            self.control,
+            {
+                "queue": side["queue"],
+                "in_flight": side["in_flight"],
+                "trainer_version": self.trainer.version,
+                "rollout_version": side["rollout_version"],
+                "step": self.step,
+            },
+        )
 
     def finish(self, wall_s: float) -> None:
         """Stop the rollout side, account for what is left, write the summary (whatever happened, a second
@@ -399,16 +444,26 @@ class AsyncLoop:
         write_summary(self.out, self.summary)
         why = None
         if self.cfg.run.plot:
-            why = plot_curves(self.metrics.records, self.metrics.staleness, self.summary["time_split_s"],
-                              self.out / "curves.png", title=f"stateshift train: {self.out.name}",
-                              heldout_ends=((0, self.held_start), (self.step, held)))
+            why = plot_curves(
+                self.metrics.records,
+                self.metrics.staleness,
+                self.summary["time_split_s"],
+                self.out / "curves.png",
+                title=f"stateshift train: {self.out.name}",
+                heldout_ends=((0, self.held_start), (self.step, held)),
+            )
         if why:
             print(f"note: no curves.png: {why}", file=self.stream)
         return held
 
     def result(self, held_end: float, wall_s: float) -> RunResult:
-        return RunResult(out_dir=self.out, heldout_accuracy_start=self.held_start, heldout_accuracy_end=held_end,
-                         steps=self.step, wall_s=wall_s, summary=self.summary, losses=self.losses,
-                         trained_uids=self.trained_uids)
-
-
+        return RunResult(
+            out_dir=self.out,
+            heldout_accuracy_start=self.held_start,
+            heldout_accuracy_end=held_end,
+            steps=self.step,
+            wall_s=wall_s,
+            summary=self.summary,
+            losses=self.losses,
+            trained_uids=self.trained_uids,
+        )

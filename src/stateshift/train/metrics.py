@@ -38,9 +38,11 @@ class Progress:
         if self.mode == "none":
             return
         held = rec.get("heldout_accuracy")
-        text = (f"step {step}/{self.total} reward {rec['reward']:.3f} acc {rec['accuracy']:.3f}"
-                + (f" heldout {held:.3f}" if held is not None else "")
-                + f" v{rec['version']} queue {rec['queue_depth']} {time.monotonic() - self.t0:.0f}s")
+        text = (
+            f"step {step}/{self.total} reward {rec['reward']:.3f} acc {rec['accuracy']:.3f}"
+            + (f" heldout {held:.3f}" if held is not None else "")
+            + f" v{rec['version']} queue {rec['queue_depth']} {time.monotonic() - self.t0:.0f}s"
+        )
         if self.mode == "bar":
             done = int(30 * step / self.total)
             print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}", end="", file=self.stream, flush=True)
@@ -135,9 +137,14 @@ class MetricsLog:
             self.tb.close()
 
 
-def plot_curves(records: list[dict[str, Any]], staleness: Counter[int], time_split: dict[str, float],
-                path: Path, title: str = "", heldout_ends: tuple[tuple[int, float], tuple[int, float]] | None = None
-                ) -> str | None:
+def plot_curves(
+    records: list[dict[str, Any]],
+    staleness: Counter[int],
+    time_split: dict[str, float],
+    path: Path,
+    title: str = "",
+    heldout_ends: tuple[tuple[int, float], tuple[int, float]] | None = None,
+) -> str | None:
     """Write the curves PNG; returns why not (matplotlib missing) or ``None``.
 
     ``heldout_ends``: (step, accuracy) after the warm-up and after RL, drawn with the periodic evaluations.

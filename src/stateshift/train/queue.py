@@ -61,15 +61,25 @@ class Ledger:
     regenerated: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"admitted": self.admitted, "generated": self.generated, "trained": self.trained,
-                "discarded": dict(self.discarded), "by_version": {str(k): v for k, v in sorted(self.by_version.items())},
-                "regenerated": self.regenerated}
+        return {
+            "admitted": self.admitted,
+            "generated": self.generated,
+            "trained": self.trained,
+            "discarded": dict(self.discarded),
+            "by_version": {str(k): v for k, v in sorted(self.by_version.items())},
+            "regenerated": self.regenerated,
+        }
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Ledger:
-        return Ledger(admitted=d["admitted"], generated=d["generated"], trained=d["trained"],
-                      discarded=Counter(d["discarded"]), by_version=Counter({int(k): v for k, v in d["by_version"].items()}),
-                      regenerated=d.get("regenerated", 0))
+        return Ledger(
+            admitted=d["admitted"],
+            generated=d["generated"],
+            trained=d["trained"],
+            discarded=Counter(d["discarded"]),
+            by_version=Counter({int(k): v for k, v in d["by_version"].items()}),
+            regenerated=d.get("regenerated", 0),
+        )
 
 
 class SampleQueue:
@@ -78,11 +88,15 @@ class SampleQueue:
     def __init__(self, cfg: AsyncConfig, required: int) -> None:
         self.cfg = cfg
         self.required = required
-        staleness = 0.0 if cfg.mode == "sync" else cfg.staleness_threshold  # sync: each version generates its steps' worth
+        staleness = (
+            0.0 if cfg.mode == "sync" else cfg.staleness_threshold
+        )  # sync: each version generates its steps' worth
         self.max_required = int(required * (1 + staleness) * cfg.trigger_parameter_sync_step)
         self.capacity = cfg.max_queue_size if cfg.max_queue_size is not None else self.max_required
         if self.capacity < required:
-            raise ValueError(f"async_training.max_queue_size ({self.capacity}) must hold one trainer step ({required} groups)")
+            raise ValueError(
+                f"async_training.max_queue_size ({self.capacity}) must hold one trainer step ({required} groups)"
+            )
         self.items: deque[Group] = deque()
         self.running = 0
         #: groups the trainer took whose step has not completed yet

@@ -70,29 +70,43 @@ def by_length(batches: list[Batch], version: int) -> dict[str, dict[str, float]]
             acc.setdefault(key, []).append(e)
             stale.setdefault(key, []).append(s)
     order = sorted(acc, key=lambda k: int(k.split("-")[0]))
-    return {"rows_by_length": {k: float(len(acc[k])) for k in order},
-            "accuracy_by_length": {k: _mean(acc[k]) for k in order},
-            "staleness_by_length": {k: _mean(stale[k]) for k in order}}
+    return {
+        "rows_by_length": {k: float(len(acc[k])) for k in order},
+        "accuracy_by_length": {k: _mean(acc[k]) for k in order},
+        "staleness_by_length": {k: _mean(stale[k]) for k in order},
+    }
 
 
-def step_metrics(step: int, version: int, batches: list[Batch], stats: list[dict[str, float]], depth: int,
-                 loop: RunView) -> dict[str, Any]:
+def step_metrics(
+    step: int, version: int, batches: list[Batch], stats: list[dict[str, float]], depth: int, loop: RunView
+) -> dict[str, Any]:
     """Task, policy, off-policy and system metrics of one step (cumulative seconds and bytes where named ``_total``)."""
     rewards = torch.cat([b.rewards.reshape(-1) for b in batches])
     exact = torch.cat([g.exact for b in batches for g in b.groups]).float()
     finished = torch.cat([g.finished for b in batches for g in b.groups]).float()
     lengths = torch.cat([b.mask.sum(1) for b in batches]).float()
-    spans = torch.cat([torch.where(b.mask, b.versions, -(10**9)).amax(1) - torch.where(b.mask, b.versions, 10**9).amin(1)
-                       for b in batches]).float()
+    spans = torch.cat(
+        [
+            torch.where(b.mask, b.versions, -(10**9)).amax(1) - torch.where(b.mask, b.versions, 10**9).amin(1)
+            for b in batches
+        ]
+    ).float()
     stale = staleness_counts(batches, version)
     n_tok = sum(stale.values()) or 1
     side = loop.rollouts.stats()
     rec: dict[str, Any] = {
-        "step": step, "version": version, "rollout_version": side.version, "queue_depth": depth,
-        "reward": float(rewards.mean()), "accuracy": float(exact.mean()), "response_length": float(lengths.mean()),
+        "step": step,
+        "version": version,
+        "rollout_version": side.version,
+        "queue_depth": depth,
+        "reward": float(rewards.mean()),
+        "accuracy": float(exact.mean()),
+        "response_length": float(lengths.mean()),
         "eos_rate": float(finished.mean()),
-        "staleness_mean": sum(k * v for k, v in stale.items()) / n_tok, "staleness_max": max(stale, default=0),
-        "version_span_mean": float(spans.mean()), "version_span_max": float(spans.max()),
+        "staleness_mean": sum(k * v for k, v in stale.items()) / n_tok,
+        "staleness_max": max(stale, default=0),
+        "version_span_mean": float(spans.mean()),
+        "version_span_max": float(spans.max()),
         "staleness_tokens": {str(k): v for k, v in sorted(stale.items())},
         **by_length(batches, version),
     }
@@ -109,14 +123,21 @@ def system_metrics(loop: RunView, side: RolloutStats) -> dict[str, Any]:
     wall = max(time.perf_counter() - loop.t_start, 1e-9)
     meter, cycle = loop.trainer.meter, loop.trainer.cycle.stats
     return {
-        "time_generate_s_total": side.busy_s, "time_old_logprob_s_total": t.get("old_logprob", 0.0),
-        "time_update_s_total": t.get("update", 0.0), "time_sync_s_total": t.get("sync", 0.0),
-        "time_offload_s_total": t.get("offload", 0.0), "time_wait_s_total": t.get("wait", 0.0),
-        "time_reward_s_total": side.reward_s, "reward_zeroed_total": side.reward_zeroed,
-        "offload_bytes_total": meter.total_bytes(), "offload_verb_s_total": meter.total_seconds(),
+        "time_generate_s_total": side.busy_s,
+        "time_old_logprob_s_total": t.get("old_logprob", 0.0),
+        "time_update_s_total": t.get("update", 0.0),
+        "time_sync_s_total": t.get("sync", 0.0),
+        "time_offload_s_total": t.get("offload", 0.0),
+        "time_wait_s_total": t.get("wait", 0.0),
+        "time_reward_s_total": side.reward_s,
+        "reward_zeroed_total": side.reward_zeroed,
+        "offload_bytes_total": meter.total_bytes(),
+        "offload_verb_s_total": meter.total_seconds(),
         "pi_old_bytes_total": cycle.pcie_bytes + cycle.device_bytes + cycle.host_bytes,
-        "trainer_idle_ratio": t.get("wait", 0.0) / wall, "rollout_idle_ratio": 1.0 - min(side.busy_s / wall, 1.0),
-        "samples_per_s": side.generated * loop.cfg.rollout.n / wall, "rollout_restarts": len(side.restarts),
+        "trainer_idle_ratio": t.get("wait", 0.0) / wall,
+        "rollout_idle_ratio": 1.0 - min(side.busy_s / wall, 1.0),
+        "samples_per_s": side.generated * loop.cfg.rollout.n / wall,
+        "rollout_restarts": len(side.restarts),
     } | ({"rollout_row_occupancy": loop.rollouts.occupancy()} if hasattr(loop.rollouts, "occupancy") else {})
 
 
@@ -129,34 +150,52 @@ def summarize(loop: RunView, wall_s: float) -> dict[str, Any]:
     pi_old_bytes = cycle["pcie_bytes"] + cycle["device_bytes"] + cycle["host_bytes"]
     side = loop.final_stats or RolloutStats()
     return {
-        "status": loop.status, "steps": loop.step, "wall_s": wall_s, "out_dir": str(loop.out),
+        "status": loop.status,
+        "steps": loop.step,
+        "wall_s": wall_s,
+        "out_dir": str(loop.out),
         "heldout_accuracy_start": loop.held_start,
         "ledger": loop.ledger,
         "rollout": {"executor": loop.cfg.executor, "restarts": side.restarts, "refused_late_groups": side.refused},
-        "time_split_s": {"generate": side.busy_s, "old_logprob": loop.times.get("old_logprob", 0.0),
-                         "update": loop.times.get("update", 0.0), "sync": loop.times.get("sync", 0.0),
-                         "offload": loop.times.get("offload", 0.0), "wait": loop.times.get("wait", 0.0),
-                         "eval": loop.times.get("eval", 0.0)},
-        "offload": {"bytes": dict(meter.nbytes), "seconds": dict(meter.seconds),
-                    "bytes_per_step": meter.total_bytes() / steps},
+        "time_split_s": {
+            "generate": side.busy_s,
+            "old_logprob": loop.times.get("old_logprob", 0.0),
+            "update": loop.times.get("update", 0.0),
+            "sync": loop.times.get("sync", 0.0),
+            "offload": loop.times.get("offload", 0.0),
+            "wait": loop.times.get("wait", 0.0),
+            "eval": loop.times.get("eval", 0.0),
+        },
+        "offload": {
+            "bytes": dict(meter.nbytes),
+            "seconds": dict(meter.seconds),
+            "bytes_per_step": meter.total_bytes() / steps,
+        },
         "pi_old": {**cycle, "bytes_per_step": pi_old_bytes / steps},
-        "sync": {"syncs": loop.syncs, "rollouter_copy_s": side.copy_s,
-                 "rollouter_copy_bytes": side.copy_bytes,
-                 "param_bytes": trainer.state.nbytes("params")},
+        "sync": {
+            "syncs": loop.syncs,
+            "rollouter_copy_s": side.copy_s,
+            "rollouter_copy_bytes": side.copy_bytes,
+            "param_bytes": trainer.state.nbytes("params"),
+        },
         "staleness_tokens": {str(k): v for k, v in sorted(loop.metrics.staleness.items())},
         "watchdog_reports": loop.watchdog.reports,
         "pool": core_of(trainer.state).pool.stats.as_dict(),
         "verbs_s": meter.total_seconds(),
-        "memory": {**memory_peaks(trainer), **({"rollout_device_peak_allocated_bytes": side.device_peak_bytes}
-                                               if side.device_peak_bytes else {})},
+        "memory": {
+            **memory_peaks(trainer),
+            **({"rollout_device_peak_allocated_bytes": side.device_peak_bytes} if side.device_peak_bytes else {}),
+        },
         "config": loop.cfg_dict,
     }
 
 
 def memory_peaks(trainer: Any) -> dict[str, Any]:
     """Peak device memory of this process (CUDA: allocated and reserved by PyTorch) and peak pinned host pool bytes."""
-    out: dict[str, Any] = {"device": str(trainer.device),
-                           "pinned_pool_peak_bytes": core_of(trainer.state).pool.stats.peak_held_bytes}
+    out: dict[str, Any] = {
+        "device": str(trainer.device),
+        "pinned_pool_peak_bytes": core_of(trainer.state).pool.stats.peak_held_bytes,
+    }
     if trainer.device.type == "cuda":
         out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
         out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(trainer.device)

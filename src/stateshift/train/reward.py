@@ -103,8 +103,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's module's, reported as such
-        raise RunError("reward", f"module {module_name!r} does not import: {type(exc).__name__}: {exc}",
-                       fn=spec) from exc
+        raise RunError(
+            "reward", f"module {module_name!r} does not import: {type(exc).__name__}: {exc}", fn=spec
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RunError("reward", f"module {module_name!r} has no callable {attr!r}", fn=spec)

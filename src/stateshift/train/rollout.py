@@ -52,8 +52,9 @@ def check_weight(name: str, target: torch.Tensor | None, value: torch.Tensor) ->
 
 def missing_weights(missing: list[str]) -> ConfigError:
     """The error for weights of the rollout model that were not sent (``missing``, the first named)."""
-    return ConfigError("weight_sync", f"not sent, but the rollout model has it ({len(missing)} missing)",
-                       name=missing[0])
+    return ConfigError(
+        "weight_sync", f"not sent, but the rollout model has it ({len(missing)} missing)", name=missing[0]
+    )
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -109,9 +110,14 @@ class Wave:
         ids, mask = left_pad(rows, sampling.pad_token)
         shape = (len(rows), sampling.max_new_tokens)
         return Wave(
-            uids=list(uids), items=list(items), n=n, prompt_ids=ids, prompt_mask=mask,
+            uids=list(uids),
+            items=list(items),
+            n=n,
+            prompt_ids=ids,
+            prompt_mask=mask,
             tokens=torch.full(shape, sampling.pad_token, dtype=torch.long),
-            logprobs=torch.zeros(shape), versions=torch.full(shape, -1, dtype=torch.long),
+            logprobs=torch.zeros(shape),
+            versions=torch.full(shape, -1, dtype=torch.long),
             done=torch.zeros(len(rows), dtype=torch.bool),
         )
 
@@ -123,9 +129,16 @@ class Wave:
         """A working copy on ``device`` (the same wave when it is there already)."""
         if self.tokens.device == device:
             return self
-        return Wave(uids=self.uids, items=self.items, n=self.n, step=self.step,
-                    **{k: getattr(self, k).to(device) for k in ("prompt_ids", "prompt_mask", "tokens", "logprobs",
-                                                                "versions", "done")})
+        return Wave(
+            uids=self.uids,
+            items=self.items,
+            n=self.n,
+            step=self.step,
+            **{
+                k: getattr(self, k).to(device)
+                for k in ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "done")
+            },
+        )
 
     def take_progress(self, work: Wave) -> None:
         """Copy what ``work`` (a working copy made by ``to``) generated back into this wave's tensors."""
@@ -143,12 +156,20 @@ class Wave:
             rows = slice(g * self.n, (g + 1) * self.n)
             scored = [score(item, self.tokens[r][mask[r]].tolist()) for r in range(rows.start, rows.stop)]
             width = self.prompt_mask[rows.start].sum()
-            out.append(Group(
-                uid=uid, item=item, prompt=tuple(self.prompt_ids[rows.start, -int(width):].tolist()) if width else (),
-                tokens=self.tokens[rows].clone(), mask=mask[rows].clone(), logprobs=self.logprobs[rows].clone(),
-                versions=self.versions[rows].clone(), rewards=torch.tensor([s[0] for s in scored]),
-                exact=torch.tensor([s[1] for s in scored]), finished=self.done[rows].clone(),
-            ))
+            out.append(
+                Group(
+                    uid=uid,
+                    item=item,
+                    prompt=tuple(self.prompt_ids[rows.start, -int(width) :].tolist()) if width else (),
+                    tokens=self.tokens[rows].clone(),
+                    mask=mask[rows].clone(),
+                    logprobs=self.logprobs[rows].clone(),
+                    versions=self.versions[rows].clone(),
+                    rewards=torch.tensor([s[0] for s in scored]),
+                    exact=torch.tensor([s[1] for s in scored]),
+                    finished=self.done[rows].clone(),
+                )
+            )
         return out
 
 
@@ -227,8 +248,9 @@ class KVRollouter:
     def _targets(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name (``_extra_state`` entries that are not tensors left out); read at the first sync."""
         if self._targets_cache is None:
-            self._targets_cache = {n: t for n, t in self.lm.module.state_dict(keep_vars=True).items()
-                                   if isinstance(t, torch.Tensor)}
+            self._targets_cache = {
+                n: t for n, t in self.lm.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)
+            }
         return self._targets_cache
 
     def _on_stream(self) -> Any:

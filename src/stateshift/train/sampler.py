@@ -85,8 +85,13 @@ class HFCausalLM:
         return DynamicCache()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.module(input_ids=ids, attention_mask=key_mask.long(), position_ids=positions,
-                          use_cache=cache is not None, **{self._cache_arg: cache})
+        out = self.module(
+            input_ids=ids,
+            attention_mask=key_mask.long(),
+            position_ids=positions,
+            use_cache=cache is not None,
+            **{self._cache_arg: cache},
+        )
         return out.logits
 
 
@@ -108,8 +113,8 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for i, p in enumerate(prompts):
         if p:
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = True
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = True
     return ids, mask
 
 
@@ -133,7 +138,9 @@ def behaviour_logp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return kept - torch.logsumexp(kept, -1, keepdim=True)
 
 
-def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, behaviour log-probs) for the last-position ``logits`` (batch, vocab); temperature 0 is greedy.
 
     The log-prob is that of the distribution the token was drawn from (``behaviour_logp``: truncated and

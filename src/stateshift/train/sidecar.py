@@ -59,11 +59,33 @@ MAX_RANK = 8
 _I64 = 2**63
 #: task items that are dataclasses, by the name written for them (register a new task's item type here)
 ITEM_TYPES: dict[str, type] = {"addition.Problem": Problem}
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                                                     torch.bool, torch.float16, torch.bfloat16, torch.float32,
-                                                     torch.float64)}
-_CAPTURE_KEYS = {"version", "prompt_rng", "sample_rng", "next_uid", "wave", "queued", "running", "staleness_samples",
-                 "ledger", "orphans"}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    )
+}
+_CAPTURE_KEYS = {
+    "version",
+    "prompt_rng",
+    "sample_rng",
+    "next_uid",
+    "wave",
+    "queued",
+    "running",
+    "staleness_samples",
+    "ledger",
+    "orphans",
+}
 _GROUP_TENSORS = ("tokens", "mask", "logprobs", "versions", "rewards", "exact", "finished")
 _WAVE_TENSORS = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "versions", "done")
 _LEDGER_COUNTS = ("admitted", "generated", "trained", "regenerated")
@@ -115,45 +137,70 @@ def _item_out(item: Any) -> Any:
     for name, cls in ITEM_TYPES.items():
         if type(item) is cls:
             return {"type": name, "fields": {f.name: getattr(item, f.name) for f in dataclasses.fields(cls)}}
-    raise TypeError(f"a task item of type {type(item).__name__} cannot go into the sidecar: register it "
-                    "(stateshift.train.sidecar.register_item_type)")
+    raise TypeError(
+        f"a task item of type {type(item).__name__} cannot go into the sidecar: register it "
+        "(stateshift.train.sidecar.register_item_type)"
+    )
 
 
 def _group_out(g: Group, w: _Writer) -> dict[str, Any]:
-    return {"uid": g.uid, "item": _item_out(g.item), "prompt": list(g.prompt),
-            **{k: w.tensor(getattr(g, k)) for k in _GROUP_TENSORS}}
+    return {
+        "uid": g.uid,
+        "item": _item_out(g.item),
+        "prompt": list(g.prompt),
+        **{k: w.tensor(getattr(g, k)) for k in _GROUP_TENSORS},
+    }
 
 
 def _wave_out(wave: Wave | None, w: _Writer) -> dict[str, Any] | None:
     if wave is None:
         return None
-    return {"uids": list(wave.uids), "items": [_item_out(i) for i in wave.items], "n": wave.n, "step": wave.step,
-            **{k: w.tensor(getattr(wave, k)) for k in _WAVE_TENSORS}}
+    return {
+        "uids": list(wave.uids),
+        "items": [_item_out(i) for i in wave.items],
+        "n": wave.n,
+        "step": wave.step,
+        **{k: w.tensor(getattr(wave, k)) for k in _WAVE_TENSORS},
+    }
 
 
 def _capture_out(cap: RolloutCapture | None, w: _Writer) -> dict[str, Any] | None:
     if cap is None:
         return None
     version, internal, gauss = cap.prompt_rng
-    return {"version": cap.version, "prompt_rng": [version, list(internal), gauss], "sample_rng": w.tensor(cap.sample_rng),
-            "next_uid": cap.next_uid, "wave": _wave_out(cap.wave, w), "queued": [_group_out(g, w) for g in cap.queued],
-            "running": cap.running, "staleness_samples": cap.staleness_samples, "ledger": cap.ledger,
-            "orphans": [[uid, _item_out(item)] for uid, item in cap.orphans]}
+    return {
+        "version": cap.version,
+        "prompt_rng": [version, list(internal), gauss],
+        "sample_rng": w.tensor(cap.sample_rng),
+        "next_uid": cap.next_uid,
+        "wave": _wave_out(cap.wave, w),
+        "queued": [_group_out(g, w) for g in cap.queued],
+        "running": cap.running,
+        "staleness_samples": cap.staleness_samples,
+        "ledger": cap.ledger,
+        "orphans": [[uid, _item_out(item)] for uid, item in cap.orphans],
+    }
 
 
 def encode(step: int, version: int, capture: RolloutCapture | None, extra: dict[str, Any]) -> bytes:
     """The bytes of a sidecar (see the module docstring). ``TypeError``/``ValueError`` for what it cannot hold."""
     w = _Writer()
-    header = {"step": step, "version": version, "extra": dict(extra), "capture": _capture_out(capture, w),
-              "tensors": w.entries}
+    header = {
+        "step": step,
+        "version": version,
+        "extra": dict(extra),
+        "capture": _capture_out(capture, w),
+        "tensors": w.entries,
+    }
     raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
     body = struct.pack("<Q", len(raw)) + raw + b"".join(w.chunks)
     head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), b"")[:20]
     return head + hashlib.sha256(head + body).digest() + body
 
 
-def write_sidecar(directory: Path, *, step: int, version: int, capture: RolloutCapture | None,
-                  extra: dict[str, Any]) -> Path:
+def write_sidecar(
+    directory: Path, *, step: int, version: int, capture: RolloutCapture | None, extra: dict[str, Any]
+) -> Path:
     """Write ``directory/rl_state.bin`` atomically and durably (temporary name, fsync, rename); returns its path."""
     path = Path(directory) / SIDECAR
     write_durable(path, encode(step, version, capture, extra))
@@ -179,8 +226,9 @@ def _open(directory: Path) -> tuple[bytes, str]:
     try:
         with fmt.open_regular(directory, SIDECAR) as (fd, size, path):
             if size > MAX_SIDECAR_BYTES:
-                raise CheckpointError("corrupt", f"{size} bytes, more than a sidecar may hold ({MAX_SIDECAR_BYTES})",
-                                      path=path)
+                raise CheckpointError(
+                    "corrupt", f"{size} bytes, more than a sidecar may hold ({MAX_SIDECAR_BYTES})", path=path
+                )
             return _read_all(fd, size), path
     except FileNotFoundError:
         if os.path.lexists(directory / LEGACY_SIDECAR):
@@ -191,8 +239,9 @@ def _open(directory: Path) -> tuple[bytes, str]:
                 "start a new run, or resume from a checkpoint this version wrote",
                 path=directory,
             ) from None
-        raise CheckpointError("incomplete", f"no {SIDECAR} (it is written last: the save did not finish)",
-                              path=directory) from None
+        raise CheckpointError(
+            "incomplete", f"no {SIDECAR} (it is written last: the save did not finish)", path=directory
+        ) from None
     except OSError as e:
         if isinstance(e, CheckpointError):
             raise
@@ -202,21 +251,24 @@ def _open(directory: Path) -> tuple[bytes, str]:
 def _body(data: bytes, path: str) -> bytes:
     """The verified body of the sidecar ``data``: magic, version, length and SHA-256 checked, nothing parsed."""
     if len(data) < PREFIX.size:
-        raise CheckpointError("corrupt", f"truncated: {len(data)} bytes, shorter than the {PREFIX.size}-byte prefix",
-                              path=path)
+        raise CheckpointError(
+            "corrupt", f"truncated: {len(data)} bytes, shorter than the {PREFIX.size}-byte prefix", path=path
+        )
     magic, version, length, digest = PREFIX.unpack_from(data)
     if magic != MAGIC:
         what = "a torch/pickle file" if data[:1] == b"\x80" or data[:4] == b"PK\x03\x04" else "not an RL sidecar"
-        raise CheckpointError("corrupt", f"{what} (bad magic); never unpickled: a sidecar is {SIDECAR} format",
-                              path=path)
+        raise CheckpointError(
+            "corrupt", f"{what} (bad magic); never unpickled: a sidecar is {SIDECAR} format", path=path
+        )
     if version != FORMAT_VERSION:
-        raise CheckpointError("corrupt", f"format version {version}; this stateshift reads version {FORMAT_VERSION}",
-                              path=path)
+        raise CheckpointError(
+            "corrupt", f"format version {version}; this stateshift reads version {FORMAT_VERSION}", path=path
+        )
     if length != len(data) - PREFIX.size:
         raise CheckpointError(
             "corrupt", f"truncated or extended: {len(data)} bytes, the prefix says {PREFIX.size + length}", path=path
         )
-    body = data[PREFIX.size:]
+    body = data[PREFIX.size :]
     if hashlib.sha256(data[:20] + body).digest() != digest:
         raise CheckpointError("corrupt", "SHA-256 mismatch: the file changed after it was written", path=path)
     return body
@@ -238,10 +290,11 @@ def read_sidecar(directory: str | os.PathLike[str]) -> Sidecar:
     if len(body) < 8 or (hlen := struct.unpack_from("<Q", body)[0]) > len(body) - 8:
         raise CheckpointError("corrupt", "the header length runs past the end of the file", path=path)
     if hlen > MAX_HEADER_BYTES:
-        raise CheckpointError("corrupt", f"a header of {hlen} bytes, more than a sidecar's may be ({MAX_HEADER_BYTES})",
-                              path=path)
-    header = fmt.load_json(body[8:8 + hlen], path, "the header")
-    return _Reader(path, memoryview(body)[8 + hlen:]).sidecar(header)
+        raise CheckpointError(
+            "corrupt", f"a header of {hlen} bytes, more than a sidecar's may be ({MAX_HEADER_BYTES})", path=path
+        )
+    header = fmt.load_json(body[8 : 8 + hlen], path, "the header")
+    return _Reader(path, memoryview(body)[8 + hlen :]).sidecar(header)
 
 
 # --------------------------------------------------------------------------- reading: the schema
@@ -283,8 +336,10 @@ class _Reader:
             return v
         if isinstance(v, float) and math.isfinite(v):
             return v
-        raise self.fail(f"{what} must be a JSON scalar (a string, a 64-bit integer, a finite number, a boolean or "
-                        f"null), not {show(v)}")
+        raise self.fail(
+            f"{what} must be a JSON scalar (a string, a 64-bit integer, a finite number, a boolean or "
+            f"null), not {show(v)}"
+        )
 
     def sidecar(self, h: Any) -> Sidecar:
         h = self.obj(h, {"step", "version", "extra", "capture", "tensors"}, "the header")
@@ -294,8 +349,12 @@ class _Reader:
             raise self.fail(f"extra must be an object, not {show(extra)}")
         extra = {k: self.scalar(v, f"extra[{show(k)}]") for k, v in extra.items()}
         capture = None if h["capture"] is None else self.capture(h["capture"])
-        return Sidecar(step=self.int(h["step"], "step", 0), version=self.int(h["version"], "version", 0),
-                       capture=capture, extra=extra)
+        return Sidecar(
+            step=self.int(h["step"], "step", 0),
+            version=self.int(h["version"], "version", 0),
+            capture=capture,
+            extra=extra,
+        )
 
     def tensor(self, ref: Any, what: str, rank: int | None = None) -> torch.Tensor:
         """The tensor ``ref`` (an index into ``tensors``) names, checked before any size is computed."""
@@ -310,7 +369,9 @@ class _Reader:
         offset = self.int(entry[2], f"tensors[{i}] offset", 0, len(self.payload))
         nbytes = self.int(entry[3], f"tensors[{i}] nbytes", 0, len(self.payload) - offset)
         if len(shape) > MAX_RANK or (rank is not None and len(shape) != rank):
-            raise self.fail(f"tensors[{i}] ({what}) has {len(shape)} dims, expected {rank if rank is not None else '<= 8'}")
+            raise self.fail(
+                f"tensors[{i}] ({what}) has {len(shape)} dims, expected {rank if rank is not None else '<= 8'}"
+            )
         dims = [self.int(d, f"tensors[{i}] shape", 0, len(self.payload)) for d in shape]
         numel = 0 if 0 in dims else 1
         for d in dims if numel else ():
@@ -324,7 +385,7 @@ class _Reader:
             raise self.fail(f"tensors[{i}] ({what}): the tensors overlap (more bytes than the file holds)")
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype)
-        raw = torch.frombuffer(bytearray(self.payload[offset:offset + nbytes]), dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(self.payload[offset : offset + nbytes]), dtype=torch.uint8)
         if dtype == torch.bool and bool((raw > 1).any()):
             raise self.fail(f"tensors[{i}] ({what}) is boolean but holds bytes other than 0 and 1")
         return raw.view(dtype).reshape(dims)
@@ -342,13 +403,17 @@ class _Reader:
     def capture(self, c: Any) -> RolloutCapture:
         c = self.obj(c, _CAPTURE_KEYS, "capture")
         return RolloutCapture(
-            version=self.int(c["version"], "capture.version", 0), prompt_rng=self.random_state(c["prompt_rng"]),
-            sample_rng=self.tensor(c["sample_rng"], "capture.sample_rng", 1), next_uid=self.int(c["next_uid"], "next_uid", 0),
+            version=self.int(c["version"], "capture.version", 0),
+            prompt_rng=self.random_state(c["prompt_rng"]),
+            sample_rng=self.tensor(c["sample_rng"], "capture.sample_rng", 1),
+            next_uid=self.int(c["next_uid"], "next_uid", 0),
             wave=None if c["wave"] is None else self.wave(c["wave"]),
             queued=[self.group(g, f"queued[{i}]") for i, g in enumerate(self.list(c["queued"], "queued"))],
-            running=self.int(c["running"], "running", 0), staleness_samples=self.int(c["staleness_samples"], "staleness", 0),
+            running=self.int(c["running"], "running", 0),
+            staleness_samples=self.int(c["staleness_samples"], "staleness", 0),
             ledger=self.ledger(c["ledger"]),
-            orphans=tuple(self.orphan(o, i) for i, o in enumerate(self.list(c["orphans"], "orphans"))))
+            orphans=tuple(self.orphan(o, i) for i, o in enumerate(self.list(c["orphans"], "orphans"))),
+        )
 
     def orphan(self, o: Any, i: int) -> tuple[int, Any]:
         pair = self.list(o, f"orphans[{i}]")
@@ -384,10 +449,13 @@ class _Reader:
         t = {k: self.tensor(v[k], f"{what}.{k}", 2 if k in _GROUP_TENSORS[:4] else 1) for k in _GROUP_TENSORS}
         n = t["tokens"].shape[0]
         if any(t[k].shape != t["tokens"].shape for k in _GROUP_TENSORS[1:4]) or any(
-                t[k].shape != (n,) for k in _GROUP_TENSORS[4:]):
+            t[k].shape != (n,) for k in _GROUP_TENSORS[4:]
+        ):
             raise self.fail(f"{what}: the shapes of its tensors disagree")
         prompt = tuple(self.int(x, f"{what}.prompt token", 0) for x in self.list(v["prompt"], f"{what}.prompt"))
-        return Group(uid=self.int(v["uid"], f"{what}.uid", 0), item=self.item(v["item"], f"{what}.item"), prompt=prompt, **t)
+        return Group(
+            uid=self.int(v["uid"], f"{what}.uid", 0), item=self.item(v["item"], f"{what}.item"), prompt=prompt, **t
+        )
 
     def wave(self, v: Any) -> Wave:
         v = self.obj(v, {"uids", "items", "n", "step", *_WAVE_TENSORS}, "capture.wave")
@@ -396,9 +464,12 @@ class _Reader:
         n = self.int(v["n"], "wave.n", 1, len(self.payload) + 1)
         t = {k: self.tensor(v[k], f"wave.{k}", 1 if k == "done" else 2) for k in _WAVE_TENSORS}
         rows = len(uids) * n
-        if len(items) != len(uids) or any(x.shape[0] != rows for x in t.values()) or any(
-                t[k].shape != t["tokens"].shape for k in ("logprobs", "versions")) or t["prompt_mask"].shape != t[
-                "prompt_ids"].shape:
+        if (
+            len(items) != len(uids)
+            or any(x.shape[0] != rows for x in t.values())
+            or any(t[k].shape != t["tokens"].shape for k in ("logprobs", "versions"))
+            or t["prompt_mask"].shape != t["prompt_ids"].shape
+        ):
             raise self.fail("capture.wave: the lengths of uids, items and its tensors disagree")
         step = self.int(v["step"], "wave.step", 0, t["tokens"].shape[1])
         return Wave(uids=uids, items=items, n=n, step=step, **t)

@@ -95,12 +95,21 @@ class Batch:
 
         def cat(name: str, fill: float | int | bool) -> torch.Tensor:
             parts = [getattr(g, name) for g in groups]
-            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
-                              if t.shape[1] < width else t for t in parts])
+            return torch.cat(
+                [
+                    torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) if t.shape[1] < width else t
+                    for t in parts
+                ]
+            )
 
         return Batch(
-            groups=tuple(groups), prompt_ids=ids, prompt_mask=mask,
-            tokens=cat("tokens", pad), mask=cat("mask", False), l_b=cat("logprobs", 0.0), versions=cat("versions", -1),
+            groups=tuple(groups),
+            prompt_ids=ids,
+            prompt_mask=mask,
+            tokens=cat("tokens", pad),
+            mask=cat("mask", False),
+            l_b=cat("logprobs", 0.0),
+            versions=cat("versions", -1),
             rewards=torch.stack([g.rewards for g in groups]),
         )
 
@@ -167,8 +176,16 @@ class OffloadMeter:
 class Trainer:
     """The policy being optimised, its ``ModelState``, pi_old and the reference snapshot."""
 
-    def __init__(self, policy: Policy, cfg: TrainerConfig, *, temperature: float, version: int = 0,
-                 pool: HostPool | None = None, free_device_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: TrainerConfig,
+        *,
+        temperature: float,
+        version: int = 0,
+        pool: HostPool | None = None,
+        free_device_memory: bool | None = None,
+    ) -> None:
         self.policy = policy
         self.lm = policy.lm
         self.model = policy.model
@@ -221,8 +238,11 @@ class Trainer:
     def park(self) -> None:
         """Before the trainer waits: offload what the config says (params, grads, optimizer state)."""
         self.prefetcher.settle()  # nothing is offloaded while its onload is in flight
-        for group, on in (("params", self.cfg.param_offload), ("grads", self.cfg.grad_offload),
-                          ("optim", self.cfg.optimizer_offload)):
+        for group, on in (
+            ("params", self.cfg.param_offload),
+            ("grads", self.cfg.grad_offload),
+            ("optim", self.cfg.optimizer_offload),
+        ):
             if on and group in self.state.groups and self.state.residency()[group]["device"]:
                 self._verb("offload", group)
                 self.parked.add(group)
@@ -292,8 +312,9 @@ class Trainer:
 
     # -- log-probs -------------------------------------------------------------------------------
     def _logprobs(self, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return sequence_logprobs(self.lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, self.temperature,
-                                 with_entropy=with_entropy)
+        return sequence_logprobs(
+            self.lm, batch.prompt_ids, batch.prompt_mask, batch.tokens, self.temperature, with_entropy=with_entropy
+        )
 
     @torch.no_grad()
     def old_logprobs(self, batch: Batch) -> torch.Tensor | None:
@@ -369,8 +390,14 @@ class Trainer:
     def lr_now(self) -> float:
         """The learning rate of the next update (``algo.lr_at`` of the config's schedule)."""
         c = self.cfg
-        return algo.lr_at(self.updates, base=c.lr, warmup=c.lr_warmup_steps, total=self.total_updates,
-                          schedule=c.lr_schedule, min_ratio=c.lr_min_ratio)
+        return algo.lr_at(
+            self.updates,
+            base=c.lr,
+            warmup=c.lr_warmup_steps,
+            total=self.total_updates,
+            schedule=c.lr_schedule,
+            min_ratio=c.lr_min_ratio,
+        )
 
     def _set_lr(self) -> float:
         lr = self.lr_now()
@@ -386,10 +413,19 @@ class Trainer:
         assert entropy is not None
         if l_p is None:  # loglinear: behaviour versions -> trainer steps (version v was sent after v * trigger steps)
             l_p = algo.loglinear_proximal(batch.l_b, l_t, batch.versions * self.trigger, self.steps, batch.mask)
-        bw = algo.behaviour_weights(l_p, batch.l_b, batch.mask, kind=cfg.behaviour_weight, level=cfg.weight_level,
-                                    cap=cfg.weight_cap, lo=cfg.weight_lo, hi=cfg.weight_hi)
-        loss, ls = algo.ppo_loss(l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                 clip_c=cfg.clip_c)
+        bw = algo.behaviour_weights(
+            l_p,
+            batch.l_b,
+            batch.mask,
+            kind=cfg.behaviour_weight,
+            level=cfg.weight_level,
+            cap=cfg.weight_cap,
+            lo=cfg.weight_lo,
+            hi=cfg.weight_hi,
+        )
+        loss, ls = algo.ppo_loss(
+            l_t, l_p, adv, bw.weight, bw.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c
+        )
         coef = cfg.entropy_coef + self.entropy_coef
         if coef > 0:
             loss = loss - coef * algo.masked_mean(entropy, batch.mask)
@@ -406,15 +442,24 @@ class Trainer:
         mask = batch.mask
         ent = float(algo.masked_mean(entropy.detach(), mask))
         if cfg.entropy_target is not None:
-            self.entropy_coef = min(max(self.entropy_coef + cfg.entropy_adapt_rate * (cfg.entropy_target - ent), 0.0),
-                                    cfg.entropy_coef_max)
+            self.entropy_coef = min(
+                max(self.entropy_coef + cfg.entropy_adapt_rate * (cfg.entropy_target - ent), 0.0), cfg.entropy_coef_max
+            )
         return self._pi_old_check(batch, l_p) | {
-            "loss": float(loss.detach()), "lr": lr, "entropy_coef": coef, "entropy": ent, "grad_norm": float(grad_norm),
-            "clip_fraction": ls.clip_fraction, "dual_clip_fraction": ls.dual_clip_fraction,
-            "kl_current_proximal": ls.kl_current_proximal, "kl_ref": kl_ref,
+            "loss": float(loss.detach()),
+            "lr": lr,
+            "entropy_coef": coef,
+            "entropy": ent,
+            "grad_norm": float(grad_norm),
+            "clip_fraction": ls.clip_fraction,
+            "dual_clip_fraction": ls.dual_clip_fraction,
+            "kl_current_proximal": ls.kl_current_proximal,
+            "kl_ref": kl_ref,
             "kl_proximal_behaviour": float(algo.masked_mean(-algo.safe_log_ratio(l_p, batch.l_b, mask), mask)),
-            "behaviour_weight_mean": bw.raw_mean, "behaviour_weight_max": bw.raw_max,
-            "behaviour_adjusted_fraction": bw.adjusted_fraction, "ess": bw.ess,
+            "behaviour_weight_mean": bw.raw_mean,
+            "behaviour_weight_max": bw.raw_max,
+            "behaviour_adjusted_fraction": bw.adjusted_fraction,
+            "ess": bw.ess,
             "zero_advantage_groups": float((batch.rewards.std(1) == 0).float().mean()),
         }
 
@@ -424,8 +469,10 @@ class Trainer:
             return {}
         same = batch.mask & (batch.versions == self.cycle.snapshot.version)
         diff = (l_p - batch.l_b)[same].abs()
-        return {"pi_old_same_version_tokens": float(same.sum()),
-                "pi_old_same_version_max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
+        return {
+            "pi_old_same_version_tokens": float(same.sum()),
+            "pi_old_same_version_max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        }
 
     @contextmanager
     def resident(self) -> Iterator[None]:

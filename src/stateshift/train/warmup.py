@@ -63,8 +63,9 @@ def fresh_optimizer_state(optimizer: Any) -> int:
     return zeroed
 
 
-def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int,
-                      stepper: Stepper | None = None) -> dict[str, float]:
+def supervised_warmup(
+    lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int, stepper: Stepper | None = None
+) -> dict[str, float]:
     """Teacher-forced cross entropy on the answers of ``task.warmup_batch`` problems (easy ones).
 
     ``stepper`` runs each optimizer step (``Policy.warmup_stepper``); by default a fresh Adam of its own
@@ -88,8 +89,12 @@ def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int,
         mask = torch.cat([prompt_mask, answers >= 0], dim=1).to(dev)
         answers = answers.to(dev)
         logits = lm(ids, positions_of(mask), mask, None)[:, prompt_ids.shape[1] - 1 : -1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.reshape(-1), ignore_index=-100,
-                               label_smoothing=cfg.label_smoothing)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            answers.reshape(-1),
+            ignore_index=-100,
+            label_smoothing=cfg.label_smoothing,
+        )
         step(loss)
     return {"warmup_loss": float(loss.detach()), "warmup_s": time.perf_counter() - t0}
 
@@ -98,8 +103,9 @@ def supervised_warmup(lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int,
 def heldout_accuracy(lm: CausalLM, task: Task, max_new_tokens: int, *, batch: int = 512) -> float:
     """Exact-match accuracy of greedy answers to ``task.heldout()`` (problems never trained on)."""
     items = task.heldout()
-    sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token=task.stop_token,
-                        pad_token=task.pad_token)
+    sampling = Sampling(
+        temperature=0.0, max_new_tokens=max_new_tokens, stop_token=task.stop_token, pad_token=task.pad_token
+    )
     sampler = KVRollouter(lm, sampling, seed=0)
     exact = 0
     for start in range(0, len(items), batch):

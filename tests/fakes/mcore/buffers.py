@@ -10,6 +10,7 @@ import torch
 
 MCORE_VERSION = "0.16.1"
 
+
 class BufferType(Enum):
     """distributed/param_and_grad_buffer.py:47 ``BufferType``."""
 
@@ -336,13 +337,17 @@ class FakeParamAndGradBuffer:
             p.main_grad = self._get(p.data.shape, start, BufferType.GRAD)  # :837
             if b_id != cur_bucket_id:
                 s, e = self.bucket_indices[cur_bucket_id]
-                self.buckets.append(self._new_bucket(bucket_params, s, e, per_bucket_numel_unpadded[cur_bucket_id], cur_bucket_id))
+                self.buckets.append(
+                    self._new_bucket(bucket_params, s, e, per_bucket_numel_unpadded[cur_bucket_id], cur_bucket_id)
+                )
                 bucket_params = []
                 cur_bucket_id = b_id
             bucket_params.append(p)
         if bucket_params:
             s, e = self.bucket_indices[cur_bucket_id]
-            self.buckets.append(self._new_bucket(bucket_params, s, e, per_bucket_numel_unpadded[cur_bucket_id], cur_bucket_id))
+            self.buckets.append(
+                self._new_bucket(bucket_params, s, e, per_bucket_numel_unpadded[cur_bucket_id], cur_bucket_id)
+            )
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """:894"""
@@ -416,5 +421,3 @@ class FakeParamAndGradBuffer:
             _resize_storage(self.grad_data, self.grad_data_size)
             self.grad_data.zero_()
             self.grad_data_size = 0
-
-

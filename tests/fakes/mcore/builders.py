@@ -88,14 +88,22 @@ def build_fake_optimizer(
     bf16 = any(_is_float16(p) for c in chunks for p in c.parameters() if p.requires_grad)
     if kind == "distrib":
         if not udo:
-            raise ValueError("kind='distrib' needs a DDP built with use_distributed_optimizer=True (param_data is None otherwise)")
-        cfg = FakeOptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, use_distributed_optimizer=True)
+            raise ValueError(
+                "kind='distrib' needs a DDP built with use_distributed_optimizer=True (param_data is None otherwise)"
+            )
+        cfg = FakeOptimizerConfig(
+            lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, use_distributed_optimizer=True
+        )
         return _one_optimizer(chunks, cfg, None, ("buffers", "expert_parallel_buffers"))
     if kind == "float16":
-        cfg = FakeOptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=True, use_distributed_optimizer=False)
+        cfg = FakeOptimizerConfig(
+            lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=True, use_distributed_optimizer=False
+        )
         return FakeFloat16OptimizerWithFloat16Params(_make_inner_adam(_build_param_groups(chunks, None), cfg), cfg)
     if kind == "chained":
-        cfg = FakeOptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, use_distributed_optimizer=udo)
+        cfg = FakeOptimizerConfig(
+            lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16, use_distributed_optimizer=udo
+        )
         opts = [
             _one_optimizer(chunks, cfg, False, ("buffers",)),
             _one_optimizer(chunks, cfg, True, ("expert_parallel_buffers",)),
@@ -119,4 +127,3 @@ def fake_train_step(ddp, optimizer, x: torch.Tensor, target: torch.Tensor | None
     fake_finalize_model_grads(chunks)
     optimizer.step()
     return loss.item()
-

@@ -338,5 +338,3 @@ class FakeChainedOptimizer(FakeMegatronOptimizer):
         """:1419-1422"""
         for o in self.chained_optimizers:
             o.restore_from_cpu()
-
-

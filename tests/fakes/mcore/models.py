@@ -122,5 +122,3 @@ def fake_finalize_model_grads(model: list[FakeDistributedDataParallel], bias_upd
         for m in chunk.modules():
             if hasattr(m, "expert_bias") and m.expert_bias is not None:
                 m.local_tokens_per_expert.zero_()
-
-

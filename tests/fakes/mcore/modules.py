@@ -235,5 +235,3 @@ class FakeDistributedDataParallel(torch.nn.Module):
 
 #: Short alias used in the brief.
 FakeDDP = FakeDistributedDataParallel
-
-

@@ -50,8 +50,10 @@ def _build_param_groups(model_chunks: Sequence[torch.nn.Module], expert: bool | 
             wd_mult = 0.0 if (len(p.shape) == 1 or name.endswith(".bias")) else 1.0
             groups.setdefault((wd_mult, is_ep), []).append(p)
     out = []
-    for (wd_mult, is_ep) in sorted(groups, key=lambda k: (k[0] != 1.0, k[1])):
-        out.append({"params": groups[(wd_mult, is_ep)], "is_expert_parallel": is_ep, "wd_mult": wd_mult, "lr_mult": 1.0})
+    for wd_mult, is_ep in sorted(groups, key=lambda k: (k[0] != 1.0, k[1])):
+        out.append(
+            {"params": groups[(wd_mult, is_ep)], "is_expert_parallel": is_ep, "wd_mult": wd_mult, "lr_mult": 1.0}
+        )
     return out
 
 
@@ -311,5 +313,3 @@ class FakeFP32Optimizer(FakeMegatronOptimizer):
 
     def state_dict(self):
         return self.optimizer.state_dict()
-
-

@@ -50,7 +50,9 @@ CONFIGS = {
 def build(config: str, seed: int = 0):
     c = CONFIGS[config]
     model = FakeMoEModel(HIDDEN, seed=seed) if c["model"] == "moe" else FakeDenseModel(HIDDEN, seed=seed)
-    ddp = build_fake_ddp(model, use_distributed_optimizer=c["udo"], expert_parallel_param_filter=_is_expert if c["ep"] else None)
+    ddp = build_fake_ddp(
+        model, use_distributed_optimizer=c["udo"], expert_parallel_param_filter=_is_expert if c["ep"] else None
+    )
     return ddp, build_fake_optimizer(ddp, c["kind"])
 
 

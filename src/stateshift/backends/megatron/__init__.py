@@ -102,8 +102,10 @@ def backends(model: Any, optimizer: Any = None) -> list[Any]:
         elif isinstance(optimizer, torch.optim.Optimizer):
             out.append(TorchOptimizerBackend(optimizer, dict(mb.param_names)))
         else:
-            raise ObjectError("backend",
-                              f"optimizer of type {type(optimizer).__name__} is neither a Megatron optimizer nor a torch.optim.Optimizer")
+            raise ObjectError(
+                "backend",
+                f"optimizer of type {type(optimizer).__name__} is neither a Megatron optimizer nor a torch.optim.Optimizer",
+            )
     return out
 
 

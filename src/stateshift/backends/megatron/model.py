@@ -45,8 +45,6 @@ def _reinstate_grad_size(buf: Any, size: int) -> None:
     buf.grad_data_size = size
 
 
-
-
 @dataclass
 class _BufferRef:
     chunk: int
@@ -100,12 +98,18 @@ class MegatronModelBackend:
                 if p is not None:
                     self.param_names.setdefault(id(p), join(owner, leaf))
         self._views: dict[int, list[tuple[str, torch.nn.Parameter]]] = {
-            id(ref.buffer): [(self.param_name(p, f"{self._base(ref)}.params.{k}"), p) for k, p in enumerate(ref.buffer.params)]
+            id(ref.buffer): [
+                (self.param_name(p, f"{self._base(ref)}.params.{k}"), p) for k, p in enumerate(ref.buffer.params)
+            ]
             for ref in self._refs
         }
 
     def _walk(self) -> list[tuple[str, torch.nn.Module]]:
-        return [(owner, m) for inner, prefix in zip(self.inners, self.prefixes, strict=True) for owner, m in walk(inner, prefix)]
+        return [
+            (owner, m)
+            for inner, prefix in zip(self.inners, self.prefixes, strict=True)
+            for owner, m in walk(inner, prefix)
+        ]
 
     def _normalize_expert_bias(self) -> None:
         """Do now what the router does at its first forward: keep ``expert_bias`` in fp32.
@@ -240,10 +244,16 @@ class MegatronModelBackend:
         if storage_bytes(pd) > 0 or cpu is None:
             return None  # released by stateshift (tracked), or by someone else (StateError("foreign"))
         if cpu.dtype != pd.dtype or cpu.numel() != pd.numel():
-            raise StateError("foreign", f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
-                             tensor=f"{base}.param_data")
-        return NativeHome(values=cpu, on_onload=functools.partial(_forget_param_cpu, buf, cpu),
-                          on_released=functools.partial(_reinstate_param_cpu, buf, cpu))
+            raise StateError(
+                "foreign",
+                f"Megatron's param_data_cpu is {cpu.dtype} x {cpu.numel()}, the buffer {pd.dtype} x {pd.numel()}",
+                tensor=f"{base}.param_data",
+            )
+        return NativeHome(
+            values=cpu,
+            on_onload=functools.partial(_forget_param_cpu, buf, cpu),
+            on_released=functools.partial(_reinstate_param_cpu, buf, cpu),
+        )
 
     def _sync_native(self, cpu: torch.Tensor, device: torch.device) -> None:
         """Wait for Megatron's own (event-less, non-blocking) copy into ``param_data_cpu`` once per new write.
@@ -267,8 +277,11 @@ class MegatronModelBackend:
         native = None
         if storage_bytes(gd) == 0 and getattr(buf, "grad_data_size", 0) > 0:
             size = buf.grad_data_size
-            native = NativeHome(values=None, on_onload=functools.partial(_forget_grad_size, buf),
-                                on_released=functools.partial(_reinstate_grad_size, buf, size))
+            native = NativeHome(
+                values=None,
+                on_onload=functools.partial(_forget_grad_size, buf),
+                on_released=functools.partial(_reinstate_grad_size, buf, size),
+            )
         yield Entry(f"{base}.grad_data", "grads", gd, nbytes=gd.numel() * gd.element_size(), native_home=native)
         for name, p in self._views[id(buf)]:
             mg = getattr(p, "main_grad", None)

@@ -64,8 +64,10 @@ def chunks_of(model: Any) -> list[torch.nn.Module] | None:
 def inner_module(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model inside DDP and Float16Module wrappers."""
     m: Any = chunk
-    while is_ddp_chunk(m) or is_float16_wrapper(m) or isinstance(
-        m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while (
+        is_ddp_chunk(m)
+        or is_float16_wrapper(m)
+        or isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
     ):
         m = m.module
     return m
@@ -106,7 +108,11 @@ def state_owners(opt: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(model param, inner-optimizer key) for every inner param whose state is listed."""
     pairs = master_pairs(opt)
     if hasattr(opt, "shard_fp32_groups"):
-        pairs += [(p, s) for mg, sg in zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True) for p, s in zip(mg, sg, strict=True)]
+        pairs += [
+            (p, s)
+            for mg, sg in zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True)
+            for p, s in zip(mg, sg, strict=True)
+        ]
     elif hasattr(opt, "fp32_from_fp32_groups"):
         pairs += [(p, p) for g in opt.fp32_from_fp32_groups for p in g]
     return pairs

@@ -47,7 +47,9 @@ class MegatronOptimizerBackend:
         out = []
         for opt in self.leaves:
             inner = getattr(opt, "optimizer", None)
-            out.append((id(opt), id(inner), None if inner is None else tuple(len(g["params"]) for g in inner.param_groups)))
+            out.append(
+                (id(opt), id(inner), None if inner is None else tuple(len(g["params"]) for g in inner.param_groups))
+            )
         return tuple(out)
 
     def plan(self) -> list[tuple[Any, list[tuple[str, torch.Tensor, tuple[Any, ...]]], list[tuple[str, torch.Tensor]]]]:
@@ -129,9 +131,17 @@ class MegatronOptimizerBackend:
 
     def install_guards(self, check: Check) -> list[Handle]:
         handles: list[Handle] = []
-        for method, tensors in (("step", self.touched), ("offload_to_cpu", self.inner_touched), ("restore_from_cpu", self.inner_touched)):
+        for method, tensors in (
+            ("step", self.touched),
+            ("offload_to_cpu", self.inner_touched),
+            ("restore_from_cpu", self.inner_touched),
+        ):
             if callable(getattr(self.optimizer, method, None)):
-                handles.append(MethodGuard(check, self.optimizer, method, tensors, what=f"optimizer.{method}()", writes=method == "step"))
+                handles.append(
+                    MethodGuard(
+                        check, self.optimizer, method, tensors, what=f"optimizer.{method}()", writes=method == "step"
+                    )
+                )
         for opt in self.leaves:
             inner = getattr(opt, "optimizer", None)
             if isinstance(inner, torch.optim.Optimizer):

@@ -22,7 +22,9 @@ class MastersOwner(Protocol):
 
     def signature(self) -> tuple[Any, ...]: ...
 
-    def plan(self) -> list[tuple[Any, list[tuple[str, torch.Tensor, tuple[Any, ...]]], list[tuple[str, torch.Tensor]]]]: ...
+    def plan(
+        self,
+    ) -> list[tuple[Any, list[tuple[str, torch.Tensor, tuple[Any, ...]]], list[tuple[str, torch.Tensor]]]]: ...
 
 
 class MasterRebuild:
@@ -57,7 +59,9 @@ class MasterRebuild:
         sig = self.backend.signature()
         if sig == self._sig:
             return
-        targets: list[tuple[torch.Tensor, int | None, int | None]] = []  # each master's destination: (tensor, start, end)
+        targets: list[
+            tuple[torch.Tensor, int | None, int | None]
+        ] = []  # each master's destination: (tensor, start, end)
         srcs: list[torch.Tensor] = []
         whole: set[int] = set()
         for opt in self.backend.leaves:
@@ -73,7 +77,9 @@ class MasterRebuild:
                 if master.numel() == p.numel():
                     whole.add(id(p))
         model = self.backend.model
-        self._gather = model is not None and any(id(p) not in whole for ref in model.ddp_buffers() for p in ref.buffer.params)
+        self._gather = model is not None and any(
+            id(p) not in whole for ref in model.ddp_buffers() for p in ref.buffer.params
+        )
         self._targets, self._masters, self._views = targets, srcs, None
         self._nbytes = (
             sum(m.numel() * m.element_size() for m in srcs),
@@ -86,7 +92,9 @@ class MasterRebuild:
         """The views the masters are cast into (made once while resident; a view follows its storage
         through release and re-growth)."""
         if self._views is None:
-            self._views = [t.detach() if start is None else t.detach().view(-1)[start:end] for t, start, end in self._targets]
+            self._views = [
+                t.detach() if start is None else t.detach().view(-1)[start:end] for t, start, end in self._targets
+            ]
         return self._views
 
     def _static_reason(self) -> str | None:
@@ -96,7 +104,9 @@ class MasterRebuild:
         leaves = self.backend.leaves
         for opt in leaves:
             cfg = getattr(opt, "config", None)
-            if getattr(cfg, "use_precision_aware_optimizer", False) or getattr(getattr(opt, "ddp_config", None), "use_megatron_fsdp", False):
+            if getattr(cfg, "use_precision_aware_optimizer", False) or getattr(
+                getattr(opt, "ddp_config", None), "use_megatron_fsdp", False
+            ):
                 return f"{type(opt).__name__} keeps its masters elsewhere (precision-aware optimizer / Megatron-FSDP)"
             if not hasattr(opt, "shard_fp32_from_float16_groups") and not hasattr(opt, "fp32_from_float16_groups"):
                 return f"{type(opt).__name__} has no fp32 masters (the model params are the optimizer's own values)"
@@ -158,8 +168,10 @@ class MasterRebuild:
         vectorised and scalar casts give a NaN different bits). Three kernels per master and one host
         sync; only when some value differs, a second pass that lets NaN match NaN."""
         if self._differ(nan_equal=False) and self._differ(nan_equal=True):
-            return ("the params are not the fp32 masters' cast (written since the last optimizer step: a restore or "
-                    "load of params, a swapped() of optim, or a write outside the optimizer)")
+            return (
+                "the params are not the fp32 masters' cast (written since the last optimizer step: a restore or "
+                "load of params, a swapped() of optim, or a write outside the optimizer)"
+            )
         return None
 
     def _differ(self, *, nan_equal: bool) -> bool:
@@ -183,7 +195,9 @@ class MasterRebuild:
         """The masters, by name in group ``optim``: the engine makes them resident for the rebuild."""
         self._prepare()
         keys = {id(m) for m in self._masters}
-        return {"optim": frozenset(name for _, masters, _ in self.backend.plan() for name, m, _ in masters if id(m) in keys)}
+        return {
+            "optim": frozenset(name for _, masters, _ in self.backend.plan() for name, m, _ in masters if id(m) in keys)
+        }
 
     def nbytes(self) -> tuple[int, int]:
         """(bytes read from masters, bytes written into params) per rebuild."""

@@ -42,8 +42,10 @@ def _fsdp1(name: str, *args: Any) -> Any:
     """FSDP1 is not stateshift's: verl's own function, when ``install()`` kept it."""
     fn = original(name)
     if fn is None:
-        raise ObjectError("backend",
-                          f"{name}: FSDP1 (FullyShardedDataParallel) is not supported by stateshift; use verl's own function")
+        raise ObjectError(
+            "backend",
+            f"{name}: FSDP1 (FullyShardedDataParallel) is not supported by stateshift; use verl's own function",
+        )
     return fn(*args)
 
 
@@ -102,9 +104,18 @@ def load_fsdp_optimizer(optimizer: Any, device_id: Any) -> None:
         return
     state = optimizer_state(optimizer)
     want = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    elsewhere = sorted({str(s.device) for s in core_of(state).slots("optim") if s.device.type != want.type or (want.index is not None and s.device.index not in (None, want.index))})
+    elsewhere = sorted(
+        {
+            str(s.device)
+            for s in core_of(state).slots("optim")
+            if s.device.type != want.type or (want.index is not None and s.device.index not in (None, want.index))
+        }
+    )
     if elsewhere:
-        warnings.warn(f"load_fsdp_optimizer: the optimizer state goes back to {', '.join(elsewhere)}, where it lived, not to {want}", stacklevel=2)
+        warnings.warn(
+            f"load_fsdp_optimizer: the optimizer state goes back to {', '.join(elsewhere)}, where it lived, not to {want}",
+            stacklevel=2,
+        )
     state.onload("optim")
 
 
@@ -150,8 +161,12 @@ def fsdp2_sharded_load_from_cpu(model: Any, cpu_sharded_state: SnapshotHandle, t
     state = model_state(model)
     snap = check_handle(cpu_sharded_state, state, "fsdp2", "fsdp2_sharded_load_from_cpu")
     if getattr(target_spec, "device_mesh", None) != current:
-        raise LayoutError("mismatch", f"target_spec's mesh {getattr(target_spec, 'device_mesh', target_spec)} is not the model's {current}",
-                          tensor="(device mesh)", field="meta")
+        raise LayoutError(
+            "mismatch",
+            f"target_spec's mesh {getattr(target_spec, 'device_mesh', target_spec)} is not the model's {current}",
+            tensor="(device mesh)",
+            field="meta",
+        )
     state.restore(snap)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -99,7 +99,9 @@ class Installation:
 
     def __str__(self) -> str:
         where = sorted({r.module for r in self.replaced})
-        lines = [f"stateshift replaced {len(self.replaced)} bindings of verl {self.version or '(unknown version)'} in {len(where)} modules:"]
+        lines = [
+            f"stateshift replaced {len(self.replaced)} bindings of verl {self.version or '(unknown version)'} in {len(where)} modules:"
+        ]
         lines += [f"  {r.module}.{r.name}" for r in self.replaced]
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
         kept = sorted(set(SAFE + ON_REQUEST) - self.functions)
@@ -168,7 +170,9 @@ def _selected(functions: str | Iterable[str]) -> frozenset[str]:
     return names
 
 
-def install(*, placement: Placement = "host", guard: bool = True, functions: str | Iterable[str] = "safe") -> Installation:
+def install(
+    *, placement: Placement = "host", guard: bool = True, functions: str | Iterable[str] = "safe"
+) -> Installation:
     """Replace verl's offload, load, copy and restore functions with stateshift's, wherever they are bound.
 
     Args:
@@ -200,7 +204,10 @@ def install(*, placement: Placement = "host", guard: bool = True, functions: str
     found = {name: hit for name, hit in every.items() if name in chosen}
     inst.version = _verl_version()
     if inst.version not in TESTED_VERSIONS:
-        warnings.warn(f"stateshift.integrations.verl was tested with verl {', '.join(TESTED_VERSIONS)}, not {inst.version}", stacklevel=2)
+        warnings.warn(
+            f"stateshift.integrations.verl was tested with verl {', '.join(TESTED_VERSIONS)}, not {inst.version}",
+            stacklevel=2,
+        )
     for what, why in inst.skipped.items():
         warnings.warn(f"stateshift.integrations.verl.install: {what} left as is ({why})", stacklevel=2)
     SETTINGS.placement, SETTINGS.guard, SETTINGS.verl = placement, guard, inst.verl

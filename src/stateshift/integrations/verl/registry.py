@@ -70,6 +70,8 @@ SETTINGS = Settings()
 def original(name: str) -> Any | None:
     """verl's own function ``name`` while installed, else ``None``."""
     return SETTINGS.verl.get(name)
+
+
 _VERSIONS = itertools.count()
 _LOCK = threading.RLock()
 #: snapshots whose handles were collected, released at the next call (see the module docstring)
@@ -149,7 +151,9 @@ def _optimizer_backends(optimizer: Any) -> list[Any]:
         return [MegatronOptimizerBackend(optimizer)]
     if isinstance(optimizer, torch.optim.Optimizer):
         return [FSDP2OptimizerBackend(optimizer)]  # plain tensors are their own local shards
-    raise TypeError(f"not an optimizer stateshift knows: {type(optimizer).__name__} (a torch.optim.Optimizer or a Megatron optimizer)")
+    raise TypeError(
+        f"not an optimizer stateshift knows: {type(optimizer).__name__} (a torch.optim.Optimizer or a Megatron optimizer)"
+    )
 
 
 def optimizer_state(optimizer: Any) -> ModelState:
@@ -216,16 +220,30 @@ def check_handle(handle: object, state: ModelState, kind: str, function: str) ->
     """The handle's snapshot, after checking it is a live handle of ``kind`` taken from ``state``."""
     got = type(handle).__name__
     if not isinstance(handle, SnapshotHandle):
-        hint = " (a dict is what verl's own copy function returns: take the snapshot with the stateshift one too)" if isinstance(handle, dict) else ""
-        raise ObjectError("snapshot_handle", f"expected a stateshift SnapshotHandle from the matching copy function{hint}",
-                          function=function, got=got)
+        hint = (
+            " (a dict is what verl's own copy function returns: take the snapshot with the stateshift one too)"
+            if isinstance(handle, dict)
+            else ""
+        )
+        raise ObjectError(
+            "snapshot_handle",
+            f"expected a stateshift SnapshotHandle from the matching copy function{hint}",
+            function=function,
+            got=got,
+        )
     if handle.kind != kind:
-        raise ObjectError("snapshot_handle", f"a {handle.kind} handle given to a {kind} restore",
-                          function=function, got=got)
+        raise ObjectError(
+            "snapshot_handle", f"a {handle.kind} handle given to a {kind} restore", function=function, got=got
+        )
     if handle.state is not state:
-        why = "its model state was closed" if handle.state.closed else "it was taken from another model (rebuilt, or another worker's)"
-        raise ObjectError("snapshot_handle", f"the handle does not belong to this model: {why}",
-                          function=function, got=got)
+        why = (
+            "its model state was closed"
+            if handle.state.closed
+            else "it was taken from another model (rebuilt, or another worker's)"
+        )
+        raise ObjectError(
+            "snapshot_handle", f"the handle does not belong to this model: {why}", function=function, got=got
+        )
     if handle.snapshot.released:
         raise ObjectError("snapshot_handle", "the handle was released", function=function, got=got)
     return handle.snapshot

@@ -52,12 +52,16 @@ def _group(store: Any, rank: int, size: int, backend: str, host: str, timeout_s:
 class BroadcastSender:
     """Rank 0: hosts the store, joins the group (``connect``, on the publisher's thread), sends versions."""
 
-    def __init__(self, device: torch.device, receivers: int, host: str, port: int, bucket_bytes: int, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, device: torch.device, receivers: int, host: str, port: int, bucket_bytes: int, timeout_s: float = 300.0
+    ) -> None:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.device = device if device.type == "cuda" else torch.device("cpu")
         self.world = receivers + 1
         self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
-        self.store = dist.TCPStore(host, port, self.world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.store = dist.TCPStore(
+            host, port, self.world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         self.port = self.store.port
         self.pg: Any = None
         self._buckets: list[torch.Tensor] = []
@@ -124,14 +128,23 @@ class BroadcastLink:
 
     def __init__(self, handle: SyncHandle, device: torch.device | None, timeout_s: float = 300.0) -> None:
         if handle.world_size < 2 or handle.port == 0 or handle.backend not in ("gloo", "nccl"):
-            raise SyncError("mailbox", f"world_size {handle.world_size}, port {handle.port}, backend {handle.backend!r}",
-                            path="<handle>", field="broadcast")
-        self.device = torch.device("cpu") if handle.backend == "gloo" else (device or torch.device("cuda", torch.cuda.current_device()))
+            raise SyncError(
+                "mailbox",
+                f"world_size {handle.world_size}, port {handle.port}, backend {handle.backend!r}",
+                path="<handle>",
+                field="broadcast",
+            )
+        self.device = (
+            torch.device("cpu")
+            if handle.backend == "gloo"
+            else (device or torch.device("cuda", torch.cuda.current_device()))
+        )
         store = dist.TCPStore(handle.host, handle.port, handle.world_size, False, datetime.timedelta(seconds=timeout_s))
         self.rank = int(store.add("stateshift-sync-rank", 1))
         if self.rank >= handle.world_size:
-            raise SyncError("broadcast",
-                            f"broadcast group of {handle.publisher!r} is full ({handle.world_size - 1} receivers)")
+            raise SyncError(
+                "broadcast", f"broadcast group of {handle.publisher!r} is full ({handle.world_size - 1} receivers)"
+            )
         self.pg = _group(store, self.rank, handle.world_size, handle.backend, handle.host, timeout_s)
         self.version: int | None = None
         self.alive = True
@@ -146,8 +159,9 @@ class BroadcastLink:
             if min_version is None or version >= min_version:
                 return version, manifest, arenas
             if time.monotonic() > deadline:
-                raise SyncError("timeout", f"broadcast: version {version} received, {min_version} wanted",
-                                min_version=min_version)
+                raise SyncError(
+                    "timeout", f"broadcast: version {version} received, {min_version} wanted", min_version=min_version
+                )
 
     def _one(self) -> tuple[int, Manifest, list[torch.Tensor]]:
         try:
@@ -169,11 +183,17 @@ class BroadcastLink:
         manifest = Manifest.parse(raw.cpu().numpy().tobytes(), "<broadcast>")
         ends = [p.offset + p.size for p in manifest.parts]
         if any(e > total for e in ends) or sum(p.size for p in manifest.parts) != total or manifest.version != version:
-            raise SyncError("mailbox", f"parts past the payload of {total} bytes, or version mismatch",
-                            path="<broadcast>", field="parts")
+            raise SyncError(
+                "mailbox",
+                f"parts past the payload of {total} bytes, or version mismatch",
+                path="<broadcast>",
+                field="parts",
+            )
         if self._staging is None or self._staging.numel() != total:
             self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-        spans = [(p.offset + i, p.offset + min(i + bucket, p.size)) for p in manifest.parts for i in range(0, p.size, bucket)]
+        spans = [
+            (p.offset + i, p.offset + min(i + bucket, p.size)) for p in manifest.parts for i in range(0, p.size, bucket)
+        ]
         works = [self.pg.broadcast(self._staging[a:b], 0) for a, b in spans]  # the sender's buckets, one for one
         for w in works:
             w.wait()

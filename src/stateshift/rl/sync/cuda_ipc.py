@@ -16,8 +16,17 @@ import torch
 
 from ...errors import SyncError
 
-_FIELDS = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
-           "ref_counter_offset", "event_handle", "event_sync_required", "numel")
+_FIELDS = (
+    "device",
+    "handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+    "numel",
+)
 
 
 def share(tensor: torch.Tensor) -> dict[str, Any]:
@@ -27,12 +36,36 @@ def share(tensor: torch.Tensor) -> dict[str, Any]:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_cuda:
         raise ValueError("share() takes a flat uint8 CUDA tensor")
     _, args = reduce_tensor(tensor)
-    (_cls, _size, _stride, offset, _scls, _dtype, device, handle, size_b, off_b, _rg, rc_handle, rc_off, ev_handle, ev_sync) = args
+    (
+        _cls,
+        _size,
+        _stride,
+        offset,
+        _scls,
+        _dtype,
+        device,
+        handle,
+        size_b,
+        off_b,
+        _rg,
+        rc_handle,
+        rc_off,
+        ev_handle,
+        ev_sync,
+    ) = args
     if offset != 0:
         raise ValueError("share() takes a tensor at the start of its storage")
-    return {"device": int(device), "handle": _hex(handle), "storage_size_bytes": int(size_b), "storage_offset_bytes": int(off_b),
-            "ref_counter_handle": _hex(rc_handle), "ref_counter_offset": int(rc_off), "event_handle": _hex(ev_handle),
-            "event_sync_required": bool(ev_sync), "numel": tensor.numel()}
+    return {
+        "device": int(device),
+        "handle": _hex(handle),
+        "storage_size_bytes": int(size_b),
+        "storage_offset_bytes": int(off_b),
+        "ref_counter_handle": _hex(rc_handle),
+        "ref_counter_offset": int(rc_off),
+        "event_handle": _hex(ev_handle),
+        "event_sync_required": bool(ev_sync),
+        "numel": tensor.numel(),
+    }
 
 
 def _hex(b: bytes | None) -> str | None:
@@ -48,7 +81,9 @@ def check(ipc: dict[str, Any], where: str) -> dict[str, Any]:
         raise SyncError("mailbox", "sizes and offsets must be non-negative integers", path=where, field="ipc")
     for k in ("handle", "ref_counter_handle", "event_handle"):
         v = ipc[k]
-        if v is not None and (not isinstance(v, str) or len(v) > 1024 or any(c not in "0123456789abcdef" for c in v) or len(v) % 2):
+        if v is not None and (
+            not isinstance(v, str) or len(v) > 1024 or any(c not in "0123456789abcdef" for c in v) or len(v) % 2
+        ):
             raise SyncError("mailbox", "not a hex string", path=where, field=f"ipc {k}")
     if ipc["handle"] is None or ipc["numel"] > ipc["storage_size_bytes"]:
         raise SyncError("mailbox", "no handle, or more bytes than its storage", path=where, field="ipc")
@@ -65,6 +100,20 @@ def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
     def raw(k: str) -> bytes | None:
         return None if ipc[k] is None else bytes.fromhex(ipc[k])
 
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size([n]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
-                               ipc["device"], raw("handle"), ipc["storage_size_bytes"], ipc["storage_offset_bytes"], False,
-                               raw("ref_counter_handle"), ipc["ref_counter_offset"], raw("event_handle"), ipc["event_sync_required"])
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([n]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        ipc["device"],
+        raw("handle"),
+        ipc["storage_size_bytes"],
+        ipc["storage_offset_bytes"],
+        False,
+        raw("ref_counter_handle"),
+        ipc["ref_counter_offset"],
+        raw("event_handle"),
+        ipc["event_sync_required"],
+    )

@@ -55,25 +55,34 @@ class SyncHandle:
         except (ValueError, UnicodeDecodeError) as exc:
             raise SyncError("mailbox", str(exc), path="<handle>", field="json") from None
         if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(SyncHandle)}:
-            raise SyncError("mailbox", f"expected {sorted(f.name for f in fields(SyncHandle))}",
-                            path="<handle>", field="fields")
+            raise SyncError(
+                "mailbox", f"expected {sorted(f.name for f in fields(SyncHandle))}", path="<handle>", field="fields"
+            )
         return SyncHandle(**obj).checked()
 
     def checked(self) -> SyncHandle:
         """This handle, if every field is of the kind a publisher writes (``SyncError("mailbox")`` otherwise)."""
         ints = (self.pid, self.port, self.world_size)
         strs = (self.transport, self.directory, self.prefix, self.publisher, self.host, self.backend)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ints) or not all(isinstance(s, str) for s in strs):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ints) or not all(
+            isinstance(s, str) for s in strs
+        ):
             raise SyncError("mailbox", "integers and strings expected", path="<handle>", field="types")
         if self.transport not in TRANSPORTS:
-            raise SyncError("mailbox", f"{self.transport!r} is not one of {TRANSPORTS}",
-                            path="<handle>", field="transport")
+            raise SyncError(
+                "mailbox", f"{self.transport!r} is not one of {TRANSPORTS}", path="<handle>", field="transport"
+            )
         if not self.directory.startswith("/") or "\0" in self.directory:
-            raise SyncError("mailbox", f"{self.directory!r} is not an absolute path",
-                            path="<handle>", field="directory")
+            raise SyncError(
+                "mailbox", f"{self.directory!r} is not an absolute path", path="<handle>", field="directory"
+            )
         if PREFIX.fullmatch(self.prefix) is None or NAME.fullmatch(self.publisher) is None:
-            raise SyncError("mailbox", f"{self.prefix!r} / {self.publisher!r} is not a publisher's name",
-                            path="<handle>", field="prefix")
+            raise SyncError(
+                "mailbox",
+                f"{self.prefix!r} / {self.publisher!r} is not a publisher's name",
+                path="<handle>",
+                field="prefix",
+            )
         if self.backend not in ("", "gloo", "nccl"):
             raise SyncError("mailbox", f"{self.backend!r}", path="<handle>", field="backend")
         return self

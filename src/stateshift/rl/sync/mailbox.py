@@ -58,7 +58,9 @@ class Mailbox:
         return os.path.join(self.directory, f"{self.prefix}-v{version}.json")
 
     def alive_path(self, receiver: str | None) -> str:
-        return os.path.join(self.directory, f"{self.prefix}.alive" if receiver is None else f"{self.prefix}.r.{receiver}.alive")
+        return os.path.join(
+            self.directory, f"{self.prefix}.alive" if receiver is None else f"{self.prefix}.r.{receiver}.alive"
+        )
 
     @staticmethod
     def remove_stale(directory: str) -> int:
@@ -83,7 +85,7 @@ class Mailbox:
             size = os.fstat(fd).st_size
             if size > limit:
                 raise SyncError("mailbox", f"{size} bytes, more than {limit}", path=path, field="size")
-            return os.read(fd, size + 1)[:limit + 1]
+            return os.read(fd, size + 1)[: limit + 1]
         finally:
             os.close(fd)
 
@@ -93,7 +95,9 @@ class Mailbox:
         """Hold the mailbox lock (exclusive ``flock``, and a thread lock; keep the section short)."""
         with self._threads:
             if self._lock_fd is None:
-                self._lock_fd = os.open(os.path.join(self.directory, self.prefix + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                self._lock_fd = os.open(
+                    os.path.join(self.directory, self.prefix + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
+                )
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
                 yield
@@ -133,8 +137,12 @@ class Mailbox:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SyncError("mailbox", f"{receiver or 'the publisher'} is already running",
-                            path=self.alive_path(receiver), field="name") from None
+            raise SyncError(
+                "mailbox",
+                f"{receiver or 'the publisher'} is already running",
+                path=self.alive_path(receiver),
+                field="name",
+            ) from None
         return fd
 
     def is_alive(self, receiver: str | None) -> bool:
@@ -189,7 +197,9 @@ def _checked(obj: object, path: str) -> dict[str, Any]:
         raise SyncError("mailbox", "not an object", path=path, field="receivers")
     for name, entry in receivers.items():
         ok = NAME.fullmatch(name) is not None and isinstance(entry, dict)
-        ok = ok and all(entry.get(k) is None or isinstance(entry.get(k), (int, float)) for k in ("holding", "since", "reclaimed"))
+        ok = ok and all(
+            entry.get(k) is None or isinstance(entry.get(k), (int, float)) for k in ("holding", "since", "reclaimed")
+        )
         if not ok:
             raise SyncError("mailbox", "malformed entry", path=path, field=f"receiver {name[:64]!r}")
     return obj

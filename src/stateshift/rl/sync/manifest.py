@@ -115,11 +115,23 @@ class Manifest:
                     yield p, t
 
     def to_json(self) -> bytes:
-        parts = [{"group": p.group, "size": p.size, "file": p.file, "ipc": p.ipc, "offset": p.offset,
-                  "changed": None if p.changed is None else list(p.changed),
-                  "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset, int(t.aggregate)] for t in p.tensors]}
-                 for p in self.parts]
-        return json.dumps({"version": self.version, "transport": self.transport, "base": self.base, "parts": parts}).encode()
+        parts = [
+            {
+                "group": p.group,
+                "size": p.size,
+                "file": p.file,
+                "ipc": p.ipc,
+                "offset": p.offset,
+                "changed": None if p.changed is None else list(p.changed),
+                "tensors": [
+                    [t.name, t.dtype, list(t.shape), list(t.stride), t.offset, int(t.aggregate)] for t in p.tensors
+                ],
+            }
+            for p in self.parts
+        ]
+        return json.dumps(
+            {"version": self.version, "transport": self.transport, "base": self.base, "parts": parts}
+        ).encode()
 
     @staticmethod
     def parse(raw: bytes, where: str) -> Manifest:
@@ -133,13 +145,26 @@ class Manifest:
         if not isinstance(obj, dict) or not isinstance(obj.get("parts"), list):
             raise SyncError("mailbox", "not a JSON object with a list of parts", path=where, field="parts")
         version, transport, base = obj.get("version"), obj.get("transport"), obj.get("base")
-        if not _is_int(version) or not isinstance(transport, str) or not (base is None or _is_int(base) and base < version):
-            raise SyncError("mailbox", f"version {version!r} / transport {transport!r} / base {base!r}",
-                            path=where, field="version")
+        if (
+            not _is_int(version)
+            or not isinstance(transport, str)
+            or not (base is None or _is_int(base) and base < version)
+        ):
+            raise SyncError(
+                "mailbox", f"version {version!r} / transport {transport!r} / base {base!r}", path=where, field="version"
+            )
         parts = tuple(_parse_part(p, where, i) for i, p in enumerate(obj["parts"]))
-        if (base is None) != all(p.changed is None for p in parts) or base is not None and any(p.changed is None for p in parts):
-            raise SyncError("mailbox", "a base needs the changed tensors of every part, and they need a base",
-                            path=where, field="changed")
+        if (
+            (base is None) != all(p.changed is None for p in parts)
+            or base is not None
+            and any(p.changed is None for p in parts)
+        ):
+            raise SyncError(
+                "mailbox",
+                "a base needs the changed tensors of every part, and they need a base",
+                path=where,
+                field="changed",
+            )
         seen: set[str] = set()
         for p in parts:
             for t in p.tensors:
@@ -160,8 +185,9 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     if not _is_int(size) or size < 0 or not _is_int(offset) or offset < 0 or not isinstance(group, str):
         raise SyncError("mailbox", f"size {size!r}, offset {offset!r}, group {group!r}", path=where, field=f"part {i}")
     if file is not None and (not isinstance(file, str) or POOL_FILE.fullmatch(file) is None):
-        raise SyncError("mailbox", f"{file!r} is not the bare name of a shared pool block",
-                        path=where, field=f"part {i} file")
+        raise SyncError(
+            "mailbox", f"{file!r} is not the bare name of a shared pool block", path=where, field=f"part {i} file"
+        )
     if ipc is not None and not isinstance(ipc, dict):
         raise SyncError("mailbox", "not an object", path=where, field=f"part {i} ipc")
     raw = p.get("tensors")
@@ -169,10 +195,19 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
         raise SyncError("mailbox", "not a list", path=where, field=f"part {i} tensors")
     tensors = tuple(_checked_tensor(t, where, size) for t in raw)
     changed = p.get("changed")
-    if changed is not None and (not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)):
+    if changed is not None and (
+        not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)
+    ):
         raise SyncError("mailbox", "not a list of tensor indices", path=where, field=f"part {i} changed")
-    return PartEntry(group=group, size=size, tensors=tensors, file=file, ipc=ipc, offset=offset,
-                     changed=None if changed is None else tuple(changed))
+    return PartEntry(
+        group=group,
+        size=size,
+        tensors=tensors,
+        file=file,
+        ipc=ipc,
+        offset=offset,
+        changed=None if changed is None else tuple(changed),
+    )
 
 
 #: entries already checked, by their exact fields and their part's size (versions of one model repeat
@@ -188,7 +223,12 @@ def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
             hit = _CHECKED.get(key)
         except TypeError:  # an unhashable field: the full check says what
             key, hit = None, None
-        if hit is not None and all(type(x) is int for x in (*t[2], *t[3], t[4], t[5])) and type(t[0]) is str and type(t[1]) is str:
+        if (
+            hit is not None
+            and all(type(x) is int for x in (*t[2], *t[3], t[4], t[5]))
+            and type(t[0]) is str
+            and type(t[1]) is str
+        ):
             return hit
     else:
         key = None
@@ -202,8 +242,12 @@ def _checked_tensor(t: object, where: str, size: int) -> TensorEntry:
 
 def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
     if not isinstance(t, list) or len(t) != 6 or t[5] not in (0, 1) or type(t[5]) is not int:
-        raise SyncError("mailbox", f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset, aggregate]",
-                        path=where, field="tensor")
+        raise SyncError(
+            "mailbox",
+            f"{str(t)[:80]!r} is not [name, dtype, shape, stride, offset, aggregate]",
+            path=where,
+            field="tensor",
+        )
     name, dtype, shape, stride, offset, aggregate = t
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise SyncError("mailbox", f"{str(name)[:80]!r}", path=where, field="tensor name")
@@ -212,45 +256,71 @@ def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
     except KeyError:
         itemsize = 0
     if itemsize == 0:
-        raise SyncError("mailbox", f"{str(dtype)[:40]!r} is not a torch dtype",
-                        path=where, field=f"tensor {name!r} dtype")
+        raise SyncError(
+            "mailbox", f"{str(dtype)[:40]!r} is not a torch dtype", path=where, field=f"tensor {name!r} dtype"
+        )
     dims_ok = isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) <= MAX_DIMS
     if not dims_ok or not all(_is_int(n) and 0 <= n < 1 << 48 for n in [*shape, *stride]):
-        raise SyncError("mailbox", f"shape {str(shape)[:80]} stride {str(stride)[:80]}",
-                        path=where, field=f"tensor {name!r} shape")
+        raise SyncError(
+            "mailbox", f"shape {str(shape)[:80]} stride {str(stride)[:80]}", path=where, field=f"tensor {name!r} shape"
+        )
     if not _is_int(offset) or offset < 0 or offset % itemsize:
-        raise SyncError("mailbox", f"{offset!r} is not a non-negative multiple of {itemsize}",
-                        path=where, field=f"tensor {name!r} offset")
-    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset, aggregate=bool(aggregate))
+        raise SyncError(
+            "mailbox",
+            f"{offset!r} is not a non-negative multiple of {itemsize}",
+            path=where,
+            field=f"tensor {name!r} offset",
+        )
+    entry = TensorEntry(
+        name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride), offset=offset, aggregate=bool(aggregate)
+    )
     if offset + entry.extent > size:
-        raise SyncError("mailbox", f"bytes [{offset}, {offset + entry.extent}) past its part's {size}",
-                        path=where, field=f"tensor {name!r}")
+        raise SyncError(
+            "mailbox",
+            f"bytes [{offset}, {offset + entry.extent}) past its part's {size}",
+            path=where,
+            field=f"tensor {name!r}",
+        )
     return entry
 
 
-def part_entry(part: SnapshotPart, *, file: str | None = None, ipc: dict[str, Any] | None = None, offset: int = 0) -> PartEntry:
+def part_entry(
+    part: SnapshotPart, *, file: str | None = None, ipc: dict[str, Any] | None = None, offset: int = 0
+) -> PartEntry:
     """The manifest entry of one snapshot part: every member of every slot at its byte offset in the part."""
     tensors: list[TensorEntry] = []
     for slot, base in zip(part.layout.slots, part.layout.offsets, strict=True):
-        members = [TensorEntry(name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset)
-                   for m in slot.members]
+        members = [
+            TensorEntry(
+                name=m.name, dtype=m.dtype, shape=tuple(m.shape), stride=tuple(m.stride), offset=base + m.offset
+            )
+            for m in slot.members
+        ]
         spans = [(t.offset, t.offset + t.extent) for t in members]
         for t, (a, b) in zip(members, spans, strict=True):  # holds another member and is larger than it: an aggregate
             holds = any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)  # (an empty member is held by nothing)
             tensors.append(replace(t, aggregate=True) if holds else t)
-    return PartEntry(group=part.group, size=part.layout.total, tensors=tuple(tensors), file=file, ipc=ipc, offset=offset)
+    return PartEntry(
+        group=part.group, size=part.layout.total, tensors=tuple(tensors), file=file, ipc=ipc, offset=offset
+    )
 
 
-def diff(old: Manifest, old_arenas: list[torch.Tensor], new: Manifest, new_arenas: list[torch.Tensor]) -> Manifest | None:
+def diff(
+    old: Manifest, old_arenas: list[torch.Tensor], new: Manifest, new_arenas: list[torch.Tensor]
+) -> Manifest | None:
     """``new`` with ``base`` = ``old.version`` and, per part, the tensors whose bytes differ (compared exactly);
     ``None`` if the two are not laid out alike (then receivers copy everything)."""
     same = len(old.parts) == len(new.parts) and all(
-        (a.group, a.size, a.tensors) == (b.group, b.size, b.tensors) for a, b in zip(old.parts, new.parts, strict=True))
+        (a.group, a.size, a.tensors) == (b.group, b.size, b.tensors) for a, b in zip(old.parts, new.parts, strict=True)
+    )
     if not same:
         return None
     parts = []
     for part, a, b in zip(new.parts, old_arenas, new_arenas, strict=True):
-        changed = tuple(i for i, t in enumerate(part.tensors)
-                        if not torch.equal(a[t.offset : t.offset + t.extent], b[t.offset : t.offset + t.extent]))
+        changed = tuple(
+            i
+            for i, t in enumerate(part.tensors)
+            if not torch.equal(a[t.offset : t.offset + t.extent], b[t.offset : t.offset + t.extent])
+        )
         parts.append(replace(part, changed=changed))
     return replace(new, parts=tuple(parts), base=old.version)

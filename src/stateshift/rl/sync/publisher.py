@@ -117,7 +117,11 @@ def _moved(state: ModelState, snap: Snapshot) -> tuple[int, int]:
             continue
         copied += part.layout.total
         if part.host is not None:
-            d2h += sum(s.nbytes for s in core_of(state).slots(part.group) if s.residency is Residency.DEVICE and s.device.type == "cuda")
+            d2h += sum(
+                s.nbytes
+                for s in core_of(state).slots(part.group)
+                if s.residency is Residency.DEVICE and s.device.type == "cuda"
+            )
     return d2h, copied
 
 
@@ -216,26 +220,56 @@ class WeightPublisher:
 
             if receivers < 1:
                 raise ValueError("transport 'broadcast' needs broadcast_receivers >= 1")
-            self._sender = BroadcastSender(core_of(self.state).engine.device or torch.device("cpu"), receivers, host, port, bucket_bytes,
-                                           timeout_s=self.ack_timeout_s)
-            self._handle = SyncHandle("broadcast", self.directory, prefix, self.name, os.getpid(), host=self._sender.host,
-                                      port=self._sender.port, world_size=receivers + 1, backend=self._sender.backend)
+            self._sender = BroadcastSender(
+                core_of(self.state).engine.device or torch.device("cpu"),
+                receivers,
+                host,
+                port,
+                bucket_bytes,
+                timeout_s=self.ack_timeout_s,
+            )
+            self._handle = SyncHandle(
+                "broadcast",
+                self.directory,
+                prefix,
+                self.name,
+                os.getpid(),
+                host=self._sender.host,
+                port=self._sender.port,
+                world_size=receivers + 1,
+                backend=self._sender.backend,
+            )
             self.mailbox = None
             return
-        if self.transport == "cuda_ipc" and not all(s.device.type == "cuda" for s in core_of(self.state).slots(self.groups)):
+        if self.transport == "cuda_ipc" and not all(
+            s.device.type == "cuda" for s in core_of(self.state).slots(self.groups)
+        ):
             raise ValueError("transport 'cuda_ipc' needs every published tensor on a CUDA device")
-        pool_dir = getattr(core_of(self.state).pool, "shm_dir", None) if getattr(core_of(self.state).pool, "shared", False) else None
-        if self.transport == "shared_host" and pool_dir is not None and os.path.realpath(pool_dir) != os.path.realpath(self.directory):
-            raise ValueError(f"the state's shared pool keeps its blocks in {pool_dir!r}, the publisher's directory is "
-                             f"{self.directory!r}: receivers look for both in one directory")
+        pool_dir = (
+            getattr(core_of(self.state).pool, "shm_dir", None)
+            if getattr(core_of(self.state).pool, "shared", False)
+            else None
+        )
+        if (
+            self.transport == "shared_host"
+            and pool_dir is not None
+            and os.path.realpath(pool_dir) != os.path.realpath(self.directory)
+        ):
+            raise ValueError(
+                f"the state's shared pool keeps its blocks in {pool_dir!r}, the publisher's directory is "
+                f"{self.directory!r}: receivers look for both in one directory"
+            )
         Mailbox.remove_stale(self.directory)
         self.mailbox = Mailbox(self.directory, prefix)
         self._alive_fd = self.mailbox.hold_alive(None)
         with self.mailbox.locked():
             self.mailbox.write(new_state())
         if self.transport == "shared_host" and not getattr(core_of(self.state).pool, "shared", False):
-            warnings.warn("shared_host: the state's HostPool is not shared (HostPool(shared=True)), so each version is "
-                          "copied once more on the host into the publisher's own shared memory", stacklevel=3)
+            warnings.warn(
+                "shared_host: the state's HostPool is not shared (HostPool(shared=True)), so each version is "
+                "copied once more on the host into the publisher's own shared memory",
+                stacklevel=3,
+            )
             self._own_pool = HostPool(shared=True, shm_dir=self.directory)
         self._handle = SyncHandle(self.transport, self.directory, prefix, self.name, os.getpid())
 
@@ -258,9 +292,14 @@ class WeightPublisher:
         if self._closed:
             raise SyncError("closed", f"publisher {self.name!r} is closed")
         if self._failure is not None:
-            raise SyncError("failed",
-                            f"publisher {self.name!r} failed on its thread: {self._failure!r}") from self._failure
-        if not isinstance(version, int) or isinstance(version, bool) or (self._last is not None and version <= self._last):
+            raise SyncError(
+                "failed", f"publisher {self.name!r} failed on its thread: {self._failure!r}"
+            ) from self._failure
+        if (
+            not isinstance(version, int)
+            or isinstance(version, bool)
+            or (self._last is not None and version <= self._last)
+        ):
             raise ValueError(f"version must be an integer above the last published one ({self._last}), not {version!r}")
         t0 = time.perf_counter()
         nbytes = sum(layout.total for layout in core_of(self.state).layouts(self.groups).values())
@@ -272,8 +311,15 @@ class WeightPublisher:
         with self._lock:
             self._live[version] = live
             self._last = version
-        pub = Publication(version=version, nbytes=nbytes, transport=self.transport, publish_s=time.perf_counter() - t0,
-                          d2h_bytes=d2h, copied_bytes=copied, _t0=t0)
+        pub = Publication(
+            version=version,
+            nbytes=nbytes,
+            transport=self.transport,
+            publish_s=time.perf_counter() - t0,
+            d2h_bytes=d2h,
+            copied_bytes=copied,
+            _t0=t0,
+        )
         self._queue.put((pub, live))
         return pub
 
@@ -373,8 +419,9 @@ class WeightPublisher:
             self._sender.send(live.version, live.snapshot)
         except BaseException as exc:  # noqa: BLE001 - a receiver died or the group broke: recorded, publish() raises
             if self._failure is None:
-                lost = SyncError("receiver_lost", repr(exc),
-                                 receiver="broadcast group", version=live.version, cause="died")
+                lost = SyncError(
+                    "receiver_lost", repr(exc), receiver="broadcast group", version=live.version, cause="died"
+                )
                 lost.__cause__ = exc
                 self._lose(lost)
                 self._failure = lost
@@ -460,8 +507,15 @@ class WeightPublisher:
             latest = max(state["versions"], default=None)
             for name, entry in list(state["receivers"].items()):
                 if not self.mailbox.is_alive(name):
-                    self._lose(SyncError("receiver_lost", "its process is gone",
-                                         receiver=name, version=entry.get("holding"), cause="died"))
+                    self._lose(
+                        SyncError(
+                            "receiver_lost",
+                            "its process is gone",
+                            receiver=name,
+                            version=entry.get("holding"),
+                            cause="died",
+                        )
+                    )
                     del state["receivers"][name]
                     _unlink(self.mailbox.alive_path(name))
                 else:

@@ -76,7 +76,9 @@ class WeightReceiver:
     another on the same thread is a ``SyncError``.
     """
 
-    def __init__(self, handle: SyncHandle | str, *, name: str, device: str | torch.device | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, handle: SyncHandle | str, *, name: str, device: str | torch.device | None = None, timeout_s: float = 60.0
+    ) -> None:
         if NAME.fullmatch(name) is None:
             raise ValueError(f"receiver name {name!r}: 1-64 letters, digits, '_', '.' or '-'")
         self.handle = SyncHandle.from_json(handle) if isinstance(handle, (str, bytes)) else handle.checked()
@@ -136,7 +138,9 @@ class WeightReceiver:
         return self.mailbox.is_alive(None)
 
     @contextmanager
-    def receive(self, min_version: int | None = None, timeout: float | None = None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
+    def receive(
+        self, min_version: int | None = None, timeout: float | None = None
+    ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
         """Hold the latest version (at least ``min_version``) and yield ``(version, pairs)``.
 
         ``pairs`` iterates ``(name, tensor)`` in the shape vLLM's ``model.load_weights`` takes. The tensors
@@ -151,7 +155,9 @@ class WeightReceiver:
             yield got
 
     @contextmanager
-    def _receive(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
+    def _receive(
+        self, min_version: int | None, timeout: float | None
+    ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         t1 = time.perf_counter()
         if self.device is not None and any(a.device != self.device for a in arenas):
@@ -169,7 +175,9 @@ class WeightReceiver:
         let_go()
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
 
-    def load_into(self, target: Target, *, min_version: int | None = None, timeout: float | None = None, delta: bool = False) -> int:
+    def load_into(
+        self, target: Target, *, min_version: int | None = None, timeout: float | None = None, delta: bool = False
+    ) -> int:
         """Copy the latest version (at least ``min_version``) into ``target`` in place, by name; returns its version.
 
         ``target``: a ``torch.nn.Module`` (its parameters and persistent buffers, by ``state_dict`` name),
@@ -196,7 +204,13 @@ class WeightReceiver:
                 with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
                     _check_cover(manifest, targets)
                     last = self._last_target
-                    only = manifest.base is not None and delta and last is not None and last[0] is target and last[1] == manifest.base
+                    only = (
+                        manifest.base is not None
+                        and delta
+                        and last is not None
+                        and last[0] is target
+                        and last[1] == manifest.base
+                    )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
                     t0 = time.perf_counter()
                     self._copied = _copy(manifest, arenas, targets, only)
@@ -250,8 +264,9 @@ class WeightReceiver:
         two reads at once would let go of each other's version); a call inside another on the same thread
         is a ``SyncError``."""
         if self._owner == threading.get_ident():
-            raise SyncError("reentrant",
-                            f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread")
+            raise SyncError(
+                "reentrant", f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread"
+            )
         with self._serial:
             self._owner = threading.get_ident()
             try:
@@ -260,7 +275,9 @@ class WeightReceiver:
                 self._owner = None
 
     @contextmanager
-    def _hold_for_copy(self, min_version: int | None, timeout: float | None) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
+    def _hold_for_copy(
+        self, min_version: int | None, timeout: float | None
+    ) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         self._copied, self._copy_s = None, None
         t1 = time.perf_counter()
@@ -274,9 +291,13 @@ class WeightReceiver:
                     raise
             raise
         let_go()
-        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied, self._copy_s)
+        self.last_receipt = Receipt(
+            version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied, self._copy_s
+        )
 
-    def _take(self, min_version: int | None, timeout: float | None) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
+    def _take(
+        self, min_version: int | None, timeout: float | None
+    ) -> tuple[int, Manifest, list[torch.Tensor], Callable[[], None], float]:
         if self._closed:
             raise SyncError("closed", f"receiver {self.name!r} is closed")
         t0 = time.perf_counter()
@@ -292,7 +313,12 @@ class WeightReceiver:
             if self.transport == "cuda_ipc":
                 from .cuda_ipc import open_shared
 
-                arenas = [open_shared(p.ipc or {}, self.mailbox.manifest_path(version)) if p.size else torch.empty(0, dtype=torch.uint8) for p in manifest.parts]
+                arenas = [
+                    open_shared(p.ipc or {}, self.mailbox.manifest_path(version))
+                    if p.size
+                    else torch.empty(0, dtype=torch.uint8)
+                    for p in manifest.parts
+                ]
             else:
                 self._maps.sweep()
                 arenas = [self._maps.arena(p, self.mailbox.manifest_path(version)) for p in manifest.parts]
@@ -403,18 +429,28 @@ def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
         have = targets.get(t.name)
         seen.add(t.name)
         if have is None:
-            raise LayoutError("mismatch", "published, but the target has no tensor of that name",
-                              tensor=t.name, field="extra")
+            raise LayoutError(
+                "mismatch", "published, but the target has no tensor of that name", tensor=t.name, field="extra"
+            )
         if tuple(have.shape) != t.shape:
-            raise LayoutError("mismatch", f"published {list(t.shape)}, the target's is {list(have.shape)}",
-                              tensor=t.name, field="shape")
+            raise LayoutError(
+                "mismatch",
+                f"published {list(t.shape)}, the target's is {list(have.shape)}",
+                tensor=t.name,
+                field="shape",
+            )
         if have.dtype != dtype_of(t.dtype):
-            raise LayoutError("mismatch", f"published {t.dtype}, the target's is {have.dtype}",
-                              tensor=t.name, field="dtype")
+            raise LayoutError(
+                "mismatch", f"published {t.dtype}, the target's is {have.dtype}", tensor=t.name, field="dtype"
+            )
     for name in targets:
         if name not in seen:
-            raise LayoutError("mismatch", f"in the target, but version {manifest.version} has no tensor of that name",
-                              tensor=name, field="missing")
+            raise LayoutError(
+                "mismatch",
+                f"in the target, but version {manifest.version} has no tensor of that name",
+                tensor=name,
+                field="missing",
+            )
 
 
 #: tensors of at least this many bytes are copied one by one (``copy_``: a plain memcpy at the device-copy ceiling),

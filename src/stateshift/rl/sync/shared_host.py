@@ -41,8 +41,9 @@ class HostMaps:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
-            raise SyncError("mailbox", f"{part.file!r}: {exc.strerror}",
-                            path=where, field=f"part {part.group!r} file") from None
+            raise SyncError(
+                "mailbox", f"{part.file!r}: {exc.strerror}", path=where, field=f"part {part.group!r} file"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < part.offset + part.size:
@@ -67,7 +68,9 @@ class HostMaps:
             rc = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0)
             registered = int(getattr(rc, "value", rc)) == 0
             if not registered:
-                warnings.warn(f"cudaHostRegister of {path} failed (CUDA error {rc}); its copies run pageable", stacklevel=4)
+                warnings.warn(
+                    f"cudaHostRegister of {path} failed (CUDA error {rc}); its copies run pageable", stacklevel=4
+                )
         self.mapped += 1
         return mm, data, registered, path
 

@@ -136,8 +136,7 @@ class Rollouts(Protocol):
         the rollouter took them (release it then)."""
         ...
 
-    def stats(self) -> RolloutStats:
-        ...
+    def stats(self) -> RolloutStats: ...
 
     def describe(self) -> dict[str, Any]:
         """Queue depth, groups in flight and the rollout version, for the watchdog."""
@@ -158,8 +157,12 @@ def rollout_seed(cfg: Any, owner: int) -> int:
     return cfg.run.seed + 1 + 1000 * owner
 
 
-def take_in_slices(control: RunControl, count: int, fetch: Callable[[int, float], list[Group]],
-                   on_wait: Callable[[], None] | None = None) -> list[Group]:
+def take_in_slices(
+    control: RunControl,
+    count: int,
+    fetch: Callable[[int, float], list[Group]],
+    on_wait: Callable[[], None] | None = None,
+) -> list[Group]:
     """``count`` groups for the trainer thread, gathered by ``fetch(need, wait_s)`` (one bounded wait each, ``[]``
     if none yet).
 

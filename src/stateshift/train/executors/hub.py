@@ -42,8 +42,9 @@ from .base import SUMMED, RolloutCapture, RolloutStats, WorkerReport
 class QueueHub:
     """Bounded queue, prompts, in-flight registry and orphans behind one condition variable."""
 
-    def __init__(self, cfg: AsyncConfig, required: int, task: Task, *, seed: int,
-                 cond: threading.Condition | None = None) -> None:
+    def __init__(
+        self, cfg: AsyncConfig, required: int, task: Task, *, seed: int, cond: threading.Condition | None = None
+    ) -> None:
         self.cond = cond if cond is not None else threading.Condition()
         self.queue = SampleQueue(cfg, required)
         self.task = task
@@ -84,7 +85,9 @@ class QueueHub:
         if count == 0:
             return []
         self.queue.admit(count)
-        out = [(uid, training_item(self.task, self.prompt_rng, uid)) for uid in range(self.next_uid, self.next_uid + count)]
+        out = [
+            (uid, training_item(self.task, self.prompt_rng, uid)) for uid in range(self.next_uid, self.next_uid + count)
+        ]
         self.next_uid += count
         for uid, item in out:
             self.inflight[uid] = (item, owner)
@@ -111,9 +114,15 @@ class QueueHub:
 
     def _capture_part(self) -> dict[str, Any]:
         q = self.queue
-        return {"prompt_rng": self.prompt_rng.getstate(), "next_uid": self.next_uid, "queued": list(q.items),
-                "running": q.running, "staleness_samples": q.staleness_samples, "ledger": q.ledger.as_dict(),
-                "orphans": tuple((uid, self.inflight[uid][0]) for uid in self.orphans)}
+        return {
+            "prompt_rng": self.prompt_rng.getstate(),
+            "next_uid": self.next_uid,
+            "queued": list(q.items),
+            "running": q.running,
+            "staleness_samples": q.staleness_samples,
+            "ledger": q.ledger.as_dict(),
+            "orphans": tuple((uid, self.inflight[uid][0]) for uid in self.orphans),
+        }
 
     # -- trainer side -----------------------------------------------------------------------------
     def take(self, count: int, trainer_version: int, wait_s: float = 0.0) -> list[Group]:
@@ -151,16 +160,24 @@ class QueueHub:
         with self.cond:
             reps = list(self.reports.values())
             current = self.reports[max(self.reports)] if self.reports else WorkerReport()
-            return RolloutStats(**{k: sum(getattr(r, k) for r in reps) for k in SUMMED},
-                                version=current.version, generated=self.queue.ledger.generated,
-                                device_peak_bytes=max((r.device_peak_bytes for r in reps), default=0),
-                                depth=self.queue.depth(), running=self.queue.running, refused=self.refused)
+            return RolloutStats(
+                **{k: sum(getattr(r, k) for r in reps) for k in SUMMED},
+                version=current.version,
+                generated=self.queue.ledger.generated,
+                device_peak_bytes=max((r.device_peak_bytes for r in reps), default=0),
+                depth=self.queue.depth(),
+                running=self.queue.running,
+                refused=self.refused,
+            )
 
     def close(self) -> dict[str, Any]:
         """End of run: what is left is counted as discarded with a reason; the ledger must balance."""
         with self.cond:
-            self.queue.close("left in the queue at the end of the run", "in flight at the end of the run",
-                             "taken by a trainer step that did not complete")
+            self.queue.close(
+                "left in the queue at the end of the run",
+                "in flight at the end of the run",
+                "taken by a trainer step that did not complete",
+            )
             self.inflight.clear()
             self.orphans.clear()
             self.queue.check()
@@ -178,8 +195,9 @@ class QueueHub:
             q.staleness_samples = cap.staleness_samples
             q.ledger = Ledger.from_dict(cap.ledger)
             if cap.wave is not None:
-                self.inflight.update({uid: (item, owner) for uid, item in zip(cap.wave.uids, cap.wave.items,
-                                                                              strict=True)})
+                self.inflight.update(
+                    {uid: (item, owner) for uid, item in zip(cap.wave.uids, cap.wave.items, strict=True)}
+                )
             for uid, item in cap.orphans:
                 self.inflight[uid] = (item, None)
                 self.orphans.append(uid)

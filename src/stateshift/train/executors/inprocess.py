@@ -47,8 +47,13 @@ __all__ = ["InProcessRollouts", "RolloutCapture", "RolloutWorker", "sampling_of"
 
 def sampling_of(cfg: TrainConfig, task: Task) -> Sampling:
     r = cfg.rollout
-    return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                    stop_token=task.stop_token, pad_token=task.pad_token)
+    return Sampling(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token=task.stop_token,
+        pad_token=task.pad_token,
+    )
 
 
 class RolloutWorker:
@@ -58,8 +63,19 @@ class RolloutWorker:
     queue accepts its groups only for prompts it handed to this owner.
     """
 
-    def __init__(self, rollouter: KVRollouter, task: Task, port: QueuePort, channel: WeightChannel,
-                 control: RunControl, *, n: int, wave_prompts: int, owner: int = 0, torch_threads: int = 0) -> None:
+    def __init__(
+        self,
+        rollouter: KVRollouter,
+        task: Task,
+        port: QueuePort,
+        channel: WeightChannel,
+        control: RunControl,
+        *,
+        n: int,
+        wave_prompts: int,
+        owner: int = 0,
+        torch_threads: int = 0,
+    ) -> None:
         self.rollouter = rollouter
         self.task = task
         self.port = port
@@ -73,13 +89,32 @@ class RolloutWorker:
         self.report = WorkerReport(version=rollouter.version)
 
     @classmethod
-    def build(cls, cfg: TrainConfig, task: Task, model: CausalLM, port: QueuePort, control: RunControl, *,
-              version: int, owner: int, seed: int) -> RolloutWorker:
+    def build(
+        cls,
+        cfg: TrainConfig,
+        task: Task,
+        model: CausalLM,
+        port: QueuePort,
+        control: RunControl,
+        *,
+        version: int,
+        owner: int,
+        seed: int,
+    ) -> RolloutWorker:
         """A worker over a ``KVRollouter`` of ``model`` (the rollouter's own copy) at ``version``, as both executors
         build it; a weight update posted on its channel pauses the rollouter (partial rollout)."""
         rollouter = KVRollouter(model, sampling_of(cfg, task), seed=seed, version=version)
-        return cls(rollouter, task, port, WeightChannel(control, rollouter.pause), control, n=cfg.rollout.n,
-                   wave_prompts=cfg.rollout.max_concurrent_prompts, owner=owner, torch_threads=cfg.run.torch_threads)
+        return cls(
+            rollouter,
+            task,
+            port,
+            WeightChannel(control, rollouter.pause),
+            control,
+            n=cfg.rollout.n,
+            wave_prompts=cfg.rollout.max_concurrent_prompts,
+            owner=owner,
+            torch_threads=cfg.run.torch_threads,
+        )
 
     def hand_over(self, update: WeightUpdate, *, interrupt: bool) -> SyncOutcome:
         """Called from another thread: post ``update`` and wait (bounded) until this worker's thread took it in."""
@@ -145,11 +180,21 @@ class RolloutWorker:
         """This rollouter's state (call on its thread) with the queue's part (``QueuePort.on_sync``)."""
         wave = self.wave
         if wave is not None:
-            wave = Wave(uids=list(wave.uids), items=list(wave.items), n=wave.n, prompt_ids=wave.prompt_ids.clone(),
-                        prompt_mask=wave.prompt_mask.clone(), tokens=wave.tokens.clone(), logprobs=wave.logprobs.clone(),
-                        versions=wave.versions.clone(), done=wave.done.clone(), step=wave.step)
-        return RolloutCapture(version=self.rollouter.version, sample_rng=self.rollouter.rng_state(), wave=wave,
-                              **queue_part)
+            wave = Wave(
+                uids=list(wave.uids),
+                items=list(wave.items),
+                n=wave.n,
+                prompt_ids=wave.prompt_ids.clone(),
+                prompt_mask=wave.prompt_mask.clone(),
+                tokens=wave.tokens.clone(),
+                logprobs=wave.logprobs.clone(),
+                versions=wave.versions.clone(),
+                done=wave.done.clone(),
+                step=wave.step,
+            )
+        return RolloutCapture(
+            version=self.rollouter.version, sample_rng=self.rollouter.rng_state(), wave=wave, **queue_part
+        )
 
     def restore(self, cap: RolloutCapture) -> None:
         """Continue from ``cap`` (before the thread starts); the queue's part goes to ``QueueHub.restore``."""
@@ -164,13 +209,29 @@ class InProcessRollouts:
     The rollouter's model is built afresh and given ``policy``'s weights (call while they are resident).
     """
 
-    def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: RolloutCapture | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        policy: Policy,
+        control: RunControl,
+        *,
+        version: int,
+        capture: RolloutCapture | None = None,
+    ) -> None:
         self.control = control
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
-        self.worker = RolloutWorker.build(cfg, task, rollout_copy(cfg, task, policy), self.hub, control, version=version,
-                                          owner=0, seed=cfg.run.seed + 1)
+        self.worker = RolloutWorker.build(
+            cfg,
+            task,
+            rollout_copy(cfg, task, policy),
+            self.hub,
+            control,
+            version=version,
+            owner=0,
+            seed=cfg.run.seed + 1,
+        )
         self.rollouter = self.worker.rollouter
         if capture is not None:
             self.hub.restore(capture)
@@ -182,8 +243,9 @@ class InProcessRollouts:
         self.thread.start()
 
     def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
-        return take_in_slices(self.control, count, lambda need, wait_s: self.hub.take(need, trainer_version, wait_s),
-                              on_wait)
+        return take_in_slices(
+            self.control, count, lambda need, wait_s: self.hub.take(need, trainer_version, wait_s), on_wait
+        )
 
     def trained(self, count: int) -> int:
         return self.hub.trained(count)

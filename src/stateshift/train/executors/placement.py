@@ -51,8 +51,11 @@ def bundles(rc: RayConfig, cluster: Mapping[str, float]) -> list[dict[str, float
         )
     if tg + rg > gpus:
         key = "ray.rollout_gpus" if rc.rollout_gpus is not None else "ray.trainer_gpus"
-        raise ConfigError("config", f"the trainer and rollouter bundles ask for {tg:g} + {rg:g} GPUs, the cluster has {gpus:g}",
-                          key=key)
+        raise ConfigError(
+            "config",
+            f"the trainer and rollouter bundles ask for {tg:g} + {rg:g} GPUs, the cluster has {gpus:g}",
+            key=key,
+        )
     out = []
     for c, g in ((rc.trainer_cpus, tg), (rc.rollout_cpus, rg)):
         out.append({"CPU": float(c), **({"GPU": float(g)} if g > 0 else {})})

@@ -76,7 +76,9 @@ class _StartDied(RunError):
     """A rollouter process ended before it was ready, without an error of its own (killed, crashed)."""
 
     def __init__(self, inc: Incarnation) -> None:
-        super().__init__("rollout_died", f"rollouter process {inc.pid} ended before it was ready: {exit_reason(inc.proc)}")
+        super().__init__(
+            "rollout_died", f"rollouter process {inc.pid} ended before it was ready: {exit_reason(inc.proc)}"
+        )
         self.inc = inc
 
 
@@ -127,16 +129,27 @@ class ProcessRollouts:
     #: the loop passes the trainer's ``ModelState`` (``state=``): the weight-sync library publishes from it
     takes_state = True
 
-    def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: RolloutCapture | None = None, state: Any = None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        policy: Policy,
+        control: RunControl,
+        *,
+        version: int,
+        capture: RolloutCapture | None = None,
+        state: Any = None,
+        stream: TextIO | None = None,
+    ) -> None:
         self.cfg, self.control, self.stream = cfg, control, stream or sys.stderr
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
         if capture is not None:
             self.hub.restore(capture)
         self.device = rollout_device(cfg)
-        self.publisher = make_publisher(cfg, policy.rollout_state_dict(), version, state=state,
-                                        skip=getattr(policy.lm, "skip_weight", None))
+        self.publisher = make_publisher(
+            cfg, policy.rollout_state_dict(), version, state=state, skip=getattr(policy.lm, "skip_weight", None)
+        )
         self.ctx = mp.get_context("spawn")
         self.status = self.ctx.RawArray("c", 256)
         self.lock = threading.RLock()
@@ -153,11 +166,24 @@ class ProcessRollouts:
         """Start rollouter ``owner`` with the newest weights and wait until it is ready (hold ``lock``)."""
         port_here, port_there = self.ctx.Pipe()
         ctl_here, ctl_there = self.ctx.Pipe()
-        spec = ChildSpec(self.cfg, self.publisher.handle(), self.publisher.version, owner,
-                         rollout_seed(self.cfg, owner), os.getcwd(), self.device)
-        proc = self.ctx.Process(target=child_main, args=(spec, port_there, ctl_there, self.status),
-                                name=f"stateshift-rollouter-{owner}", daemon=True)
-        with _sigint_blocked():  # inherited through exec: Ctrl-C in its first seconds (importing torch) does not kill it
+        spec = ChildSpec(
+            self.cfg,
+            self.publisher.handle(),
+            self.publisher.version,
+            owner,
+            rollout_seed(self.cfg, owner),
+            os.getcwd(),
+            self.device,
+        )
+        proc = self.ctx.Process(
+            target=child_main,
+            args=(spec, port_there, ctl_there, self.status),
+            name=f"stateshift-rollouter-{owner}",
+            daemon=True,
+        )
+        with (
+            _sigint_blocked()
+        ):  # inherited through exec: Ctrl-C in its first seconds (importing torch) does not kill it
             proc.start()
         port_there.close()
         ctl_there.close()
@@ -169,8 +195,9 @@ class ProcessRollouts:
             proc.kill()
             proc.join(5)
             raise
-        inc.server = threading.Thread(target=self._serve, args=(inc,), name=f"stateshift-rollout-server-{owner}",
-                                      daemon=True)
+        inc.server = threading.Thread(
+            target=self._serve, args=(inc,), name=f"stateshift-rollout-server-{owner}", daemon=True
+        )
         inc.server.start()
         return inc
 
@@ -279,9 +306,12 @@ class ProcessRollouts:
             break
         self._record(inc, why, t_detect, successor, orphans)
         self.control.progress()
-        print(f"[stateshift] restarted it as pid {successor.pid} with weights v{self.publisher.version}; {orphans} "
-              f"prompts in flight are generated again ({len(self.restarts)}/{limit} restarts)", file=self.stream,
-              flush=True)
+        print(
+            f"[stateshift] restarted it as pid {successor.pid} with weights v{self.publisher.version}; {orphans} "
+            f"prompts in flight are generated again ({len(self.restarts)}/{limit} restarts)",
+            file=self.stream,
+            flush=True,
+        )
 
     def _restart_as(self, owner: int) -> Incarnation:
         with self.lock:
@@ -291,11 +321,19 @@ class ProcessRollouts:
         return successor
 
     def _record(self, inc: Incarnation, why: str, t_detect: float, successor: Incarnation | None, orphans: int) -> None:
-        self.restarts.append({"rollouter": f"process {inc.owner}", "pid": inc.pid, "why": why, "detected_at": t_detect,
-                              "restart_s": time.time() - t_detect if successor else None,
-                              "weights_version": self.publisher.version if successor else None, "regenerated": orphans,
-                              "successor": f"process {successor.owner}" if successor else None,
-                              "successor_pid": successor.pid if successor else None})
+        self.restarts.append(
+            {
+                "rollouter": f"process {inc.owner}",
+                "pid": inc.pid,
+                "why": why,
+                "detected_at": t_detect,
+                "restart_s": time.time() - t_detect if successor else None,
+                "weights_version": self.publisher.version if successor else None,
+                "regenerated": orphans,
+                "successor": f"process {successor.owner}" if successor else None,
+                "successor_pid": successor.pid if successor else None,
+            }
+        )
 
     # -- the Rollouts protocol -------------------------------------------------------------------
     def start(self) -> None:
@@ -303,8 +341,9 @@ class ProcessRollouts:
             self.current.ctl.send(("run",))
 
     def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
-        return take_in_slices(self.control, count, lambda need, wait_s: self.hub.take(need, trainer_version, wait_s),
-                              on_wait)
+        return take_in_slices(
+            self.control, count, lambda need, wait_s: self.hub.take(need, trainer_version, wait_s), on_wait
+        )
 
     def trained(self, count: int) -> int:
         return self.hub.trained(count)
@@ -359,8 +398,11 @@ class ProcessRollouts:
         self.control.doing["rollout"] = f"{self.status.value.decode(errors='replace') or 'starting'} (pid {inc.pid})"
         q = self.hub.queue
         report = self.hub.reports.get(inc.owner)
-        return {"queue": q.depth(), "in_flight": q.running,
-                "rollout_version": report.version if report is not None else self.publisher.version}
+        return {
+            "queue": q.depth(),
+            "in_flight": q.running,
+            "rollout_version": report.version if report is not None else self.publisher.version,
+        }
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the rollouter process and join it; killed (and ``False``) if it did not end within ``timeout``."""
@@ -382,8 +424,11 @@ class ProcessRollouts:
             inc.server.join(2)
         if not inc.ended and inc.proc.exitcode not in (0, None) and not any(r["pid"] == inc.pid for r in self.restarts):
             why = exit_reason(inc.proc)
-            print(f"[stateshift] rollouter process {inc.pid} died: {why} (the run was stopping: not restarted)",
-                  file=self.stream, flush=True)
+            print(
+                f"[stateshift] rollouter process {inc.pid} died: {why} (the run was stopping: not restarted)",
+                file=self.stream,
+                flush=True,
+            )
             self._record(inc, why, time.time(), None, 0)
         return stopped
 

@@ -109,8 +109,12 @@ def child_main(spec: ChildSpec, port_conn: Any, ctl_conn: Any, status: Any) -> N
     receiver: HostWeightReceiver | LibraryReceiver | None = None
     try:
         worker, receiver, started = _build(spec, port, ctl, control)
-        threading.Thread(target=_serve_ctl, args=(worker, receiver, ctl, control, started), daemon=True,
-                         name="stateshift-rollout-ctl").start()
+        threading.Thread(
+            target=_serve_ctl,
+            args=(worker, receiver, ctl, control, started),
+            daemon=True,
+            name="stateshift-rollout-ctl",
+        ).start()
         while not started.is_set() and not control.stopping:
             started.wait(SLICE_S)
         if not control.stopping:
@@ -150,13 +154,22 @@ def _prepare(spec: ChildSpec) -> None:
         torch.cuda.set_device(torch.device(spec.device))
 
 
-def _build(spec: ChildSpec, port: Link, ctl: Link, control: RunControl
-           ) -> tuple[RolloutWorker, HostWeightReceiver | LibraryReceiver, threading.Event]:
+def _build(
+    spec: ChildSpec, port: Link, ctl: Link, control: RunControl
+) -> tuple[RolloutWorker, HostWeightReceiver | LibraryReceiver, threading.Event]:
     """The worker with the newest weights and the capture the trainer sends first; ``ready`` sent back."""
     cfg = spec.cfg
     task = build_task(cfg)
-    worker = RolloutWorker.build(cfg, task, build_rollout_lm(cfg, task), PipeQueuePort(port, control), control,
-                                 version=spec.version, owner=spec.owner, seed=spec.seed)
+    worker = RolloutWorker.build(
+        cfg,
+        task,
+        build_rollout_lm(cfg, task),
+        PipeQueuePort(port, control),
+        control,
+        version=spec.version,
+        owner=spec.owner,
+        seed=spec.seed,
+    )
     if cfg.rollout.batching == "continuous":  # the same port and handshake, slots instead of waves
         from ..continuous import ContinuousWorker
 
@@ -176,8 +189,13 @@ def _build(spec: ChildSpec, port: Link, ctl: Link, control: RunControl
     return worker, receiver, threading.Event()
 
 
-def _serve_ctl(worker: RolloutWorker, receiver: HostWeightReceiver | LibraryReceiver, ctl: Link, control: RunControl,
-               started: threading.Event) -> None:
+def _serve_ctl(
+    worker: RolloutWorker,
+    receiver: HostWeightReceiver | LibraryReceiver,
+    ctl: Link,
+    control: RunControl,
+    started: threading.Event,
+) -> None:
     """The ``ctl`` thread: ``run``, ``sync`` (handed to the generating thread, answered) and ``stop``."""
     try:
         while not control.stopping:

@@ -84,8 +84,9 @@ def run_on_ray(cfg: TrainConfig, out: Path, resume: bool, return_params: bool) -
         specs = bundles(cfg.ray, ray.cluster_resources())
         pg = placement_group(specs, strategy=cfg.ray.placement_strategy)
         wait_ready(ray, pg.ready(), cfg.ray.ready_timeout_s, f"the placement group {specs}")
-        trainer = actor_class(ray, TrainerActor, specs[TRAINER], pg, TRAINER, max_concurrency=2,
-                              name=f"stateshift-trainer-{os.getpid()}").remote(os.getcwd())
+        trainer = actor_class(
+            ray, TrainerActor, specs[TRAINER], pg, TRAINER, max_concurrency=2, name=f"stateshift-trainer-{os.getpid()}"
+        ).remote(os.getcwd())
         ref = trainer.run.remote(cfg, str(out.resolve()), resume, return_params, pg, specs)
         return _await_trainer(ray, trainer, ref, out)
     finally:

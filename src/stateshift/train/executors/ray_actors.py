@@ -71,16 +71,32 @@ class HubActor(QueueHub):
 class RolloutActor:
     """One rollouter incarnation (``owner``), started with the weights ``version`` it was last sent."""
 
-    def __init__(self, cfg: TrainConfig, weights: dict[str, torch.Tensor], version: int, owner: int, hub: Any,
-                 capture: RolloutCapture | None, cwd: str) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        weights: dict[str, torch.Tensor],
+        version: int,
+        owner: int,
+        hub: Any,
+        capture: RolloutCapture | None,
+        cwd: str,
+    ) -> None:
         enter(cwd)
         use_wire_format()
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         task = build_task(cfg)
         self.control = RunControl()
-        self.worker = RolloutWorker.build(cfg, task, build_rollout_lm(cfg, task), RemoteQueuePort(hub), self.control,
-                                          version=version, owner=owner, seed=rollout_seed(cfg, owner))
+        self.worker = RolloutWorker.build(
+            cfg,
+            task,
+            build_rollout_lm(cfg, task),
+            RemoteQueuePort(hub),
+            self.control,
+            version=version,
+            owner=owner,
+            seed=rollout_seed(cfg, owner),
+        )
         self.rollouter = self.worker.rollouter
         self.rollouter.update_weights(weights.items(), version)
         self.rollouter.copy_bytes, self.rollouter.copy_seconds = 0, 0.0  # count syncs only, as in process
@@ -98,10 +114,13 @@ class RolloutActor:
         if err is not None:
             raise err
 
-    def update_weights(self, weights: dict[str, torch.Tensor], version: int, capture: bool,
-                       interrupt: bool) -> SyncOutcome:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], version: int, capture: bool, interrupt: bool
+    ) -> SyncOutcome:
         """Hand ``weights`` to the generating thread; returns once it copied them in (bounded waits)."""
-        return self.worker.hand_over(WeightUpdate(lambda: weights.items(), version, capture=capture), interrupt=interrupt)
+        return self.worker.hand_over(
+            WeightUpdate(lambda: weights.items(), version, capture=capture), interrupt=interrupt
+        )
 
     def stop(self) -> None:
         self.control.stop()

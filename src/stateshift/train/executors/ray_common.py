@@ -31,7 +31,7 @@ def death_reason(err: BaseException) -> str:
     """Ray's reason for an actor's death, in one line (``"it was killed by `ray.kill`."``, the exit detail, ...)."""
     text = " ".join(str(err).split())
     at = text.find("The actor is dead because")
-    why = text[at + len("The actor is dead because"):].strip() if at >= 0 else text
+    why = text[at + len("The actor is dead because") :].strip() if at >= 0 else text
     cut = why.find(" Some common causes")
     return (why[:cut] if cut >= 0 else why)[:400]
 
@@ -46,8 +46,12 @@ def actor_class(ray: Any, cls: type, bundle: dict[str, float], pg: Any, index: i
     """``cls`` as an actor class placed in bundle ``index`` of ``pg`` with that bundle's resources."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return ray.remote(cls).options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), **options,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index))
+    return ray.remote(cls).options(
+        num_cpus=bundle["CPU"],
+        num_gpus=bundle.get("GPU", 0),
+        **options,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index),
+    )
 
 
 def wait_ready(ray: Any, ref: Any, timeout_s: float, what: str) -> Any:

@@ -56,15 +56,27 @@ HUB_TIMEOUT_S = 60.0
 class RayRollouts:
     """The ``Rollouts`` protocol over a queue actor and a rollouter actor that is replaced when it dies."""
 
-    def __init__(self, cfg: TrainConfig, task: Task, policy: Policy, control: RunControl, *, version: int,
-                 capture: RolloutCapture | None, pg: Any, specs: list[dict[str, float]], stream: TextIO) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task: Task,
+        policy: Policy,
+        control: RunControl,
+        *,
+        version: int,
+        capture: RolloutCapture | None,
+        pg: Any,
+        specs: list[dict[str, float]],
+        stream: TextIO,
+    ) -> None:
         import ray
 
         use_wire_format()
         self.ray, self.cfg, self.control, self.stream, self.pg, self.specs = ray, cfg, control, stream, pg, specs
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
-        hub_cls = actor_class(ray, HubActor, {"CPU": 0}, pg, TRAINER, max_concurrency=16,
-                              name=f"stateshift-queue-{os.getpid()}")
+        hub_cls = actor_class(
+            ray, HubActor, {"CPU": 0}, pg, TRAINER, max_concurrency=16, name=f"stateshift-queue-{os.getpid()}"
+        )
         self.hub = hub_cls.remote(cfg.async_training, required, task, seed=cfg.run.seed + 2)
         if capture is not None:
             self._hub("restore", capture)
@@ -86,8 +98,9 @@ class RayRollouts:
         ref, version = self.weights
         self.name = f"stateshift-rollouter-{os.getpid()}-{self.owner}"  # unique in the cluster while it lives
         self.pid = None  # (known once it is up)
-        cls = actor_class(self.ray, RolloutActor, self.specs[ROLLOUTER], self.pg, ROLLOUTER, max_concurrency=4,
-                          name=self.name)
+        cls = actor_class(
+            self.ray, RolloutActor, self.specs[ROLLOUTER], self.pg, ROLLOUTER, max_concurrency=4, name=self.name
+        )
         self.actor = cls.remote(self.cfg, ref, version, self.owner, self.hub, capture, os.getcwd())
         self.pid = wait_ready(self.ray, self.actor.pid.remote(), self.cfg.ray.ready_timeout_s, f"rollouter {self.name}")
         return version
@@ -150,21 +163,36 @@ class RayRollouts:
                 version, again = self.weights[1], err
             else:
                 self.run_ref = self.actor.run.remote()
-        self.restarts.append({"rollouter": name, "pid": pid, "why": why, "detected_at": t_detect,
-                              "restart_s": time.time() - t_detect, "weights_version": version,
-                              "regenerated": orphans, "successor": self.name, "successor_pid": self.pid})
+        self.restarts.append(
+            {
+                "rollouter": name,
+                "pid": pid,
+                "why": why,
+                "detected_at": t_detect,
+                "restart_s": time.time() - t_detect,
+                "weights_version": version,
+                "regenerated": orphans,
+                "successor": self.name,
+                "successor_pid": self.pid,
+            }
+        )
         if again is not None:
             if not self.closing:  # (stopping: ``stop`` reports it)
                 self._restart(self.owner, again)  # reported, counted against the limit, and replaced in turn
             return
         self.control.progress()
-        print(f"[stateshift] restarted it as {self.name} (pid {self.pid}) with weights v{version}; {orphans} prompts "
-              f"in flight are generated again ({len(self.restarts)}/{limit} restarts)", file=self.stream, flush=True)
+        print(
+            f"[stateshift] restarted it as {self.name} (pid {self.pid}) with weights v{version}; {orphans} prompts "
+            f"in flight are generated again ({len(self.restarts)}/{limit} restarts)",
+            file=self.stream,
+            flush=True,
+        )
 
     # -- the Rollouts protocol -------------------------------------------------------------------
     def take(self, count: int, trainer_version: int, on_wait: Callable[[], None] | None = None) -> list[Group]:
-        return take_in_slices(self.control, count, lambda need, wait_s: self._hub("take", need, trainer_version, wait_s),
-                              on_wait)
+        return take_in_slices(
+            self.control, count, lambda need, wait_s: self._hub("take", need, trainer_version, wait_s), on_wait
+        )
 
     def trained(self, count: int) -> int:
         return self._hub("trained", count)
@@ -242,10 +270,24 @@ class RayRollouts:
         if any(r["rollouter"] == name for r in self.restarts):
             return
         why = death_reason(err)
-        print(f"[stateshift] rollouter {name} (pid {pid}) died: {why} (the run was stopping: not restarted)",
-              file=self.stream, flush=True)
-        self.restarts.append({"rollouter": name, "pid": pid, "why": why, "detected_at": time.time(), "restart_s": None,
-                              "weights_version": None, "regenerated": 0, "successor": None, "successor_pid": None})
+        print(
+            f"[stateshift] rollouter {name} (pid {pid}) died: {why} (the run was stopping: not restarted)",
+            file=self.stream,
+            flush=True,
+        )
+        self.restarts.append(
+            {
+                "rollouter": name,
+                "pid": pid,
+                "why": why,
+                "detected_at": time.time(),
+                "restart_s": None,
+                "weights_version": None,
+                "regenerated": 0,
+                "successor": None,
+                "successor_pid": None,
+            }
+        )
 
     def close(self) -> dict[str, Any]:
         """Close the ledger in the queue actor, then end both actors."""
@@ -267,7 +309,8 @@ class RayRollouts:
                 "(resume from the last checkpoint)",
             ) from None
         except ray.exceptions.GetTimeoutError:
-            raise RunError("rollout_died",
-                           f"the queue actor did not answer {method}() within {HUB_TIMEOUT_S:g} s") from None
+            raise RunError(
+                "rollout_died", f"the queue actor did not answer {method}() within {HUB_TIMEOUT_S:g} s"
+            ) from None
         except ray.exceptions.RayTaskError as err:
             raise cause_of(err) from None

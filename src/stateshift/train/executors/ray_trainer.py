@@ -30,17 +30,20 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, cfg: TrainConfig, out: str, resume: bool, return_params: bool, pg: Any, specs: list[dict[str, float]]
-            ) -> Any:
+    def run(
+        self, cfg: TrainConfig, out: str, resume: bool, return_params: bool, pg: Any, specs: list[dict[str, float]]
+    ) -> Any:
         """The run (a ``RunResult``), or ``INTERRUPTED`` after ``interrupt()``; errors propagate to the driver."""
 
-        def rollouts(cfg: TrainConfig, task: Any, lm: Any, control: RunControl, *, version: int,
-                     capture: RolloutCapture | None) -> RayRollouts:
+        def rollouts(
+            cfg: TrainConfig, task: Any, lm: Any, control: RunControl, *, version: int, capture: RolloutCapture | None
+        ) -> RayRollouts:
             self.control = control
             if self.interrupted:
                 raise KeyboardInterrupt
-            return RayRollouts(cfg, task, lm, control, version=version, capture=capture, pg=pg, specs=specs,
-                               stream=sys.stderr)
+            return RayRollouts(
+                cfg, task, lm, control, version=version, capture=capture, pg=pg, specs=specs, stream=sys.stderr
+            )
 
         try:
             return train_here(cfg, Path(out), resume, sys.stderr, return_params, rollouts)

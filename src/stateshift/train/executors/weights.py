@@ -90,8 +90,14 @@ class HostWeightPublisher:
     ``skip(name)`` names tensors a sender may list that are aggregates of others (Megatron's flat buffers).
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], version: int, *, directory: str = SHM_DIR,
-                 skip: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        directory: str = SHM_DIR,
+        skip: Callable[[str], bool] | None = None,
+    ) -> None:
         entries, end = [], 0
         for name, t in weights.items():
             end = -(-end // ALIGN) * ALIGN
@@ -114,8 +120,11 @@ class HostWeightPublisher:
 
     def handle(self) -> dict[str, Any]:
         """Plain data for ``HostWeightReceiver``."""
-        return {"path": self.path, "size": max(self.nbytes, 1),
-                "entries": [(e.name, e.dtype, e.shape, e.offset) for e in self.entries.values()]}
+        return {
+            "path": self.path,
+            "size": max(self.nbytes, 1),
+            "entries": [(e.name, e.dtype, e.shape, e.offset) for e in self.entries.values()],
+        }
 
     def publish(self, pairs: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write ``pairs`` in place as ``version``; every laid-out tensor exactly once (``ConfigError("weight_sync")`` names the
@@ -243,8 +252,11 @@ def resolved_transport(cfg: Any) -> str:
     if transport != "auto":
         return transport
     device = rollout_device(cfg)
-    same_gpu = (device is not None and cfg.run.device == "cuda"
-                and torch.device(device) == torch.device("cuda", torch.cuda.current_device()))
+    same_gpu = (
+        device is not None
+        and cfg.run.device == "cuda"
+        and torch.device(device) == torch.device("cuda", torch.cuda.current_device())
+    )
     return "cuda_ipc" if same_gpu else "shared_host"
 
 
@@ -258,8 +270,9 @@ def trainer_pool(cfg: Any) -> HostPool | None:
     return HostPool(shared=True, shm_dir=SHM_DIR)
 
 
-def make_publisher(cfg: Any, weights: Mapping[str, torch.Tensor], version: int, *, state: Any,
-                   skip: Callable[[str], bool] | None) -> HostWeightPublisher | LibraryPublisher:
+def make_publisher(
+    cfg: Any, weights: Mapping[str, torch.Tensor], version: int, *, state: Any, skip: Callable[[str], bool] | None
+) -> HostWeightPublisher | LibraryPublisher:
     """The trainer's end for ``rollout.weight_transport`` (``auto``: see ``resolved_transport``)."""
     transport = resolved_transport(cfg)
     if transport == "builtin":

@@ -40,8 +40,11 @@ def init_world_of_one(device: torch.device) -> None:
     """A process group of one rank (``nccl`` on CUDA, ``gloo`` on the CPU) unless one exists already."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ConfigError("config", f"fsdp2 runs at world size 1; this process group has {dist.get_world_size()}",
-                              key="model.family")
+            raise ConfigError(
+                "config",
+                f"fsdp2 runs at world size 1; this process group has {dist.get_world_size()}",
+                key="model.family",
+            )
         return
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
@@ -49,18 +52,27 @@ def init_world_of_one(device: torch.device) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
 
 
 def qwen2_config(cfg: TrainConfig, task: Task):  # -> a transformers Qwen2Config
     from transformers import Qwen2Config
 
     m = cfg.model
-    return Qwen2Config(vocab_size=task.vocab_size, hidden_size=m.width, intermediate_size=4 * m.width,
-                       num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.heads,
-                       max_position_embeddings=task.max_prompt_len + cfg.rollout.max_new_tokens, tie_word_embeddings=False,
-                       attention_dropout=0.0, pad_token_id=task.pad_token)
+    return Qwen2Config(
+        vocab_size=task.vocab_size,
+        hidden_size=m.width,
+        intermediate_size=4 * m.width,
+        num_hidden_layers=m.layers,
+        num_attention_heads=m.heads,
+        num_key_value_heads=m.heads,
+        max_position_embeddings=task.max_prompt_len + cfg.rollout.max_new_tokens,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        pad_token_id=task.pad_token,
+    )
 
 
 def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], nn.Module]:
@@ -74,8 +86,12 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> Callable[[], n
         from ..build import load_hf
 
         def from_dir() -> nn.Module:
-            return load_hf(cfg.model.hf_path, task.vocab_size, seed=cfg.run.seed,
-                           positions=task.max_prompt_len + cfg.rollout.max_new_tokens).to(device)
+            return load_hf(
+                cfg.model.hf_path,
+                task.vocab_size,
+                seed=cfg.run.seed,
+                positions=task.max_prompt_len + cfg.rollout.max_new_tokens,
+            ).to(device)
 
         return from_dir
     config = qwen2_config(cfg, task)
@@ -105,8 +121,15 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
     for layer in _layers(model):
         fully_shard(layer)
     fully_shard(model)
-    return TorchPolicy(family="fsdp2", device=device, module=model, make_lm=HFCausalLM, fresh=fresh,
-                       lr=cfg.trainer.lr, grad_clip=cfg.trainer.grad_clip)
+    return TorchPolicy(
+        family="fsdp2",
+        device=device,
+        module=model,
+        make_lm=HFCausalLM,
+        fresh=fresh,
+        lr=cfg.trainer.lr,
+        grad_clip=cfg.trainer.grad_clip,
+    )
 
 
 def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> CausalLM:

@@ -226,8 +226,9 @@ def _check_usable(device: torch.device) -> None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("config", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})",
-                          key="model.family") from None
+        raise ConfigError(
+            "config", f"megatron needs megatron-core: pip install 'stateshift[megatron]' ({exc})", key="model.family"
+        ) from None
 
 
 def _gpt(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Any, Any]:
@@ -239,15 +240,27 @@ def _gpt(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Any, Any]:
     from megatron.core.transformer import TransformerConfig
 
     m = cfg.model
-    config = TransformerConfig(num_layers=m.layers, hidden_size=m.width, num_attention_heads=m.heads, bf16=True,
-                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, hidden_dropout=0.0,
-                               attention_dropout=0.0, use_cpu_initialization=device.type == "cpu")
+    config = TransformerConfig(
+        num_layers=m.layers,
+        hidden_size=m.width,
+        num_attention_heads=m.heads,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=device.type == "cpu",
+    )
 
     def make_gpt() -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
-            gpt = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=task.vocab_size,
-                           max_sequence_length=task.max_prompt_len + cfg.rollout.max_new_tokens)
+            gpt = GPTModel(
+                config,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=task.vocab_size,
+                max_sequence_length=task.max_prompt_len + cfg.rollout.max_new_tokens,
+            )
         return gpt.to(device)
 
     return config, make_gpt
@@ -259,14 +272,25 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronPolicy:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                        use_distributed_optimizer=True),
-                                  module=Float16Module(config, make_gpt()))
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.trainer.lr, bf16=True,
-                                                       use_distributed_optimizer=True, weight_decay=0.0,
-                                                       clip_grad=cfg.trainer.grad_clip), [ddp])
-    return MegatronPolicy(device=device, config=config, ddp=ddp, optimizer=optimizer, lr=cfg.trainer.lr,
-                          make_gpt=make_gpt)
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        module=Float16Module(config, make_gpt()),
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.trainer.lr,
+            bf16=True,
+            use_distributed_optimizer=True,
+            weight_decay=0.0,
+            clip_grad=cfg.trainer.grad_clip,
+        ),
+        [ddp],
+    )
+    return MegatronPolicy(
+        device=device, config=config, ddp=ddp, optimizer=optimizer, lr=cfg.trainer.lr, make_gpt=make_gpt
+    )
 
 
 def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> MegatronLM:

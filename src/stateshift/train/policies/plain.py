@@ -62,8 +62,11 @@ class TorchPolicy:
 
     def step(self, loss: torch.Tensor) -> float:
         loss.backward()
-        norm: Any = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip) if self.grad_clip > 0 \
+        norm: Any = (
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+            if self.grad_clip > 0
             else torch.tensor(0.0)
+        )
         self.optimizer.step()
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         return float(full() if callable(full) else norm)
@@ -87,14 +90,22 @@ def rollout_lm_of(module: nn.Module, make_lm: Callable[[nn.Module], CausalLM]) -
     return lm
 
 
-def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], CausalLM]]:
+def _fresh(
+    cfg: TrainConfig, task: Task, device: torch.device
+) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], CausalLM]]:
     """How ``builtin`` (the seeded built-in GPT) or ``hf`` (``load_hf``) is built on ``device``, and its ``CausalLM``."""
     from ..build import load_hf
 
     m = cfg.model
     if m.family == "builtin":
-        gpt = GPTConfig(vocab=task.vocab_size, width=m.width, layers=m.layers, heads=m.heads,
-                        max_len=task.max_prompt_len + cfg.rollout.max_new_tokens, positions=m.positions)
+        gpt = GPTConfig(
+            vocab=task.vocab_size,
+            width=m.width,
+            layers=m.layers,
+            heads=m.heads,
+            max_len=task.max_prompt_len + cfg.rollout.max_new_tokens,
+            positions=m.positions,
+        )
 
         def fresh() -> nn.Module:
             return build_gpt(gpt, seed=cfg.run.seed).to(device)
@@ -102,8 +113,9 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable
         return fresh, BuiltinLM  # type: ignore[return-value]
 
     def fresh_hf() -> nn.Module:
-        return load_hf(m.hf_path, task.vocab_size, seed=cfg.run.seed,
-                       positions=task.max_prompt_len + cfg.rollout.max_new_tokens).to(device)
+        return load_hf(
+            m.hf_path, task.vocab_size, seed=cfg.run.seed, positions=task.max_prompt_len + cfg.rollout.max_new_tokens
+        ).to(device)
 
     return fresh_hf, HFCausalLM  # type: ignore[return-value]
 
@@ -111,8 +123,15 @@ def _fresh(cfg: TrainConfig, task: Task, device: torch.device) -> tuple[Callable
 def build(cfg: TrainConfig, task: Task, device: torch.device) -> TorchPolicy:
     """``builtin`` (the seeded built-in GPT) or ``hf`` (``load_hf``), moved to ``device``."""
     fresh, make_lm = _fresh(cfg, task, device)
-    return TorchPolicy(family=cfg.model.family, device=device, module=fresh(), make_lm=make_lm, fresh=fresh,
-                       lr=cfg.trainer.lr, grad_clip=cfg.trainer.grad_clip)
+    return TorchPolicy(
+        family=cfg.model.family,
+        device=device,
+        module=fresh(),
+        make_lm=make_lm,
+        fresh=fresh,
+        lr=cfg.trainer.lr,
+        grad_clip=cfg.trainer.grad_clip,
+    )
 
 
 def build_rollout(cfg: TrainConfig, task: Task, device: torch.device) -> CausalLM:

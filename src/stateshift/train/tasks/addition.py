@@ -86,8 +86,9 @@ def heldout_set(size: int, seed: int = 12345) -> list[Problem]:
     return out
 
 
-def score(problem: Problem, response: Sequence[int], digit_credit: float = 0.05,
-          stop_credit: float = 0.0) -> tuple[float, bool]:
+def score(
+    problem: Problem, response: Sequence[int], digit_credit: float = 0.05, stop_credit: float = 0.0
+) -> tuple[float, bool]:
     """(reward, exact) of one response (generated tokens, the stop token included if produced)."""
     want = problem.answer
     exact = list(response[: len(want)]) == want

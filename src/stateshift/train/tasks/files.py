@@ -100,18 +100,21 @@ def _jsonl(p: Path) -> Any:
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                raise ConfigError("data_file", f"not UTF-8 text ({exc.reason} at byte {exc.start})",
-                                  path=p, line=number) from None
+                raise ConfigError(
+                    "data_file", f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=p, line=number
+                ) from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError("data_file", f"malformed JSON ({exc.msg} at column {exc.colno})",
-                                  path=p, line=number) from None
+                raise ConfigError(
+                    "data_file", f"malformed JSON ({exc.msg} at column {exc.colno})", path=p, line=number
+                ) from None
             if not isinstance(rec, dict):
-                raise ConfigError("data_file", f"a line must hold a JSON object, not {type(rec).__name__}",
-                                  path=p, line=number)
+                raise ConfigError(
+                    "data_file", f"a line must hold a JSON object, not {type(rec).__name__}", path=p, line=number
+                )
             yield number, rec
 
 
@@ -187,8 +190,15 @@ class PromptRenderer:
 
 
 def _is_messages(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0 and all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
 
 
 def load_rows(path: str | Path, render: PromptRenderer, answer_key: str) -> tuple[list[Row], int]:
@@ -210,19 +220,36 @@ def load_rows(path: str | Path, render: PromptRenderer, answer_key: str) -> tupl
         fields["ground_truth"] = lookup(rec, answer_key)[1]
         rows.append(Row(source=f"{p}:{line}", prompt=tuple(ids), fields=fields))
     if skipped:
-        warnings.warn(f"{p}: skipped {len(skipped)} prompt(s) longer than task.max_prompt_len={limit} tokens "
-                      f"(first: {skipped[0]}); they are not truncated", stacklevel=2)
+        warnings.warn(
+            f"{p}: skipped {len(skipped)} prompt(s) longer than task.max_prompt_len={limit} tokens "
+            f"(first: {skipped[0]}); they are not truncated",
+            stacklevel=2,
+        )
     if not rows:
-        raise ConfigError("data_file", f"every prompt is longer than task.max_prompt_len={limit} tokens",
-                          path=p, key="task.max_prompt_len")
+        raise ConfigError(
+            "data_file",
+            f"every prompt is longer than task.max_prompt_len={limit} tokens",
+            path=p,
+            key="task.max_prompt_len",
+        )
     return rows, len(skipped)
 
 
 class FileTask:
     """``Task`` over a training file and a held-out file (see the module docstring). Items are row indices."""
 
-    def __init__(self, train_path: str, heldout_path: str, tokenizer: Any, reward: Reward, *, spec: FileSpec,
-                 seed: int, shuffle: bool = True, heldout_size: int = 500) -> None:
+    def __init__(
+        self,
+        train_path: str,
+        heldout_path: str,
+        tokenizer: Any,
+        reward: Reward,
+        *,
+        spec: FileSpec,
+        seed: int,
+        shuffle: bool = True,
+        heldout_size: int = 500,
+    ) -> None:
         render = PromptRenderer(tokenizer, spec)
         self.tokenizer, self.reward, self.spec, self.seed, self.shuffle = tokenizer, reward, spec, seed, shuffle
         self.train_path, self.heldout_path = str(train_path), str(heldout_path)

@@ -101,11 +101,20 @@ class SlotCache:
     @staticmethod
     def empty(cfg: GPTConfig, rows: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SlotCache:
         shape = (rows, cfg.heads, cfg.max_len, cfg.width // cfg.heads)
-        return SlotCache([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)],
-                         [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)])
+        return SlotCache(
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)],
+        )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
-               positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor | None,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         """Write ``k``/``v`` (batch, heads, new, dim) at ``positions`` (batch, new) of slots ``rows`` (``None``: all,
         in order), then attend each query to indices ``0..its position`` of its slot."""
         keys, values = self.keys[layer], self.values[layer]
@@ -130,8 +139,15 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(cfg.width, 4 * cfg.width)
         self.fc2 = nn.Linear(4 * cfg.width, cfg.width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | SlotCache | None, layer: int,
-                slots: tuple[torch.Tensor | None, torch.Tensor] | None = None, rope: Rotary = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | SlotCache | None,
+        layer: int,
+        slots: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+        rope: Rotary = None,
+    ) -> torch.Tensor:
         b, t, w = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         if rope is not None:  # keys are cached turned: a query's dot product with one depends on their offset only

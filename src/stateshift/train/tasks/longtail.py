@@ -121,11 +121,21 @@ class LongTailTask:
     stop_token = STOP
     pad_token = PAD
 
-    def __init__(self, *, min_terms: int = 2, max_terms: int = 64, warmup_max_terms: int = 8,
-                 partial_credit: float = 0.2, stop_credit: float = 0.1, heldout_size: int = 500) -> None:
+    def __init__(
+        self,
+        *,
+        min_terms: int = 2,
+        max_terms: int = 64,
+        warmup_max_terms: int = 8,
+        partial_credit: float = 0.2,
+        stop_credit: float = 0.1,
+        heldout_size: int = 500,
+    ) -> None:
         if not 1 <= min_terms <= warmup_max_terms <= max_terms <= MAX_TERMS_LIMIT:
-            raise ValueError(f"need 1 <= min_terms ({min_terms}) <= warmup_max_terms ({warmup_max_terms}) <= "
-                             f"max_terms ({max_terms}) <= {MAX_TERMS_LIMIT}")
+            raise ValueError(
+                f"need 1 <= min_terms ({min_terms}) <= warmup_max_terms ({warmup_max_terms}) <= "
+                f"max_terms ({max_terms}) <= {MAX_TERMS_LIMIT}"
+            )
         self.min_terms, self.max_terms, self.warmup_max_terms = min_terms, max_terms, warmup_max_terms
         self.partial_credit, self.stop_credit, self.heldout_size = partial_credit, stop_credit, heldout_size
 
