@@ -45,8 +45,10 @@ def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> Checkpo
     naming the tensor whose bytes failed where the error knows it."""
     if (tensor := DiskError.tensor_of(e)) is not None:
         doing += f" (tensor '{tensor}')"
-    msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
-           "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
+    msg = (
+        f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
+        "directory was removed; the previous checkpoint (and the latest pointer) is intact."
+    )
     if e.errno in _SPACE and nbytes:
         msg += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
     return CheckpointError("write", msg, path=final, errno=e.errno)
@@ -118,8 +120,11 @@ def create_locked(parent: Path, prefix: str, directory: bool) -> tuple[Path, int
         if _try_lock(fd) is not False and _is(fd, path):
             return path, fd
         os.close(fd)
-    raise OSError(errno_mod.EAGAIN, f"could not create a temporary {'directory' if directory else 'file'} "
-                  f"'{parent / prefix}*' that stays: {_MAX_TRIES} were removed as soon as they were made")
+    raise OSError(
+        errno_mod.EAGAIN,
+        f"could not create a temporary {'directory' if directory else 'file'} "
+        f"'{parent / prefix}*' that stays: {_MAX_TRIES} were removed as soon as they were made",
+    )
 
 
 def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
@@ -190,13 +195,19 @@ def set_latest(path: str | os.PathLike[str]) -> Path:
     """
     final = Path(os.path.abspath(path))
     if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
-        raise CheckpointError("incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final)
+        raise CheckpointError(
+            "incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final
+        )
     pointer = final.parent / LATEST
     try:
         write_durable(pointer, (final.name + "\n").encode())
     except OSError as e:
-        raise CheckpointError("write", f"{describe_os_error(e)} while updating the pointer; it still names the "
-                                   "previous checkpoint", path=pointer, errno=e.errno) from e
+        raise CheckpointError(
+            "write",
+            f"{describe_os_error(e)} while updating the pointer; it still names the previous checkpoint",
+            path=pointer,
+            errno=e.errno,
+        ) from e
     return pointer
 
 
@@ -209,9 +220,13 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
     except FileNotFoundError:
         return None
     if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
-        raise CheckpointError("corrupt", "latest does not hold the plain name of a checkpoint in this directory", path=path)
+        raise CheckpointError(
+            "corrupt", "latest does not hold the plain name of a checkpoint in this directory", path=path
+        )
     if os.path.islink(root_p / name):
-        raise CheckpointError("corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it", path=root_p / name)
+        raise CheckpointError(
+            "corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it", path=root_p / name
+        )
     return root_p / name
 
 
@@ -224,8 +239,10 @@ def _begin(final: Path) -> tuple[str, int]:
     if not final.parent.is_dir():
         raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
     if final.is_symlink() or (os.path.lexists(final) and (not final.is_dir() or any(os.scandir(final)))):
-        raise FileExistsError(f"'{final}' exists; checkpoints are never overwritten: save to a new directory "
-                              "(e.g. step-N) and move latest (update_latest=True), or remove it first")
+        raise FileExistsError(
+            f"'{final}' exists; checkpoints are never overwritten: save to a new directory "
+            "(e.g. step-N) and move latest (update_latest=True), or remove it first"
+        )
     prefix = f".{final.name}.tmp-"
 
     def make() -> tuple[str, int]:
@@ -252,10 +269,15 @@ def _rename(tmp: Path, final: Path) -> None:
     except OSError as e:
         if e.errno not in (errno_mod.ENOTEMPTY, errno_mod.EEXIST, errno_mod.ENOTDIR, errno_mod.EISDIR):
             raise
-        raise CheckpointError("write", f"another writer created '{final.name}' while this one wrote it; checkpoints "
-                                   "are never overwritten: this write was discarded (its temporary directory removed) and "
-                                   "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
-                                   "distributed=True on every rank)", path=final, errno=e.errno) from e
+        raise CheckpointError(
+            "write",
+            f"another writer created '{final.name}' while this one wrote it; checkpoints "
+            "are never overwritten: this write was discarded (its temporary directory removed) and "
+            "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
+            "distributed=True on every rank)",
+            path=final,
+            errno=e.errno,
+        ) from e
     fsync_path(final.parent)
 
 
@@ -268,8 +290,15 @@ def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
         raise write_error(final, e, doing, nbytes) from e
 
 
-def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest: Callable[[list[Any]], bytes], *,
-           nbytes: int = 0, update_latest: bool = False) -> bytes:
+def commit(
+    final: Path,
+    comm: Collective,
+    write: Callable[[Path], Any],
+    manifest: Callable[[list[Any]], bytes],
+    *,
+    nbytes: int = 0,
+    update_latest: bool = False,
+) -> bytes:
     """Write a new checkpoint at ``final`` on every rank of ``comm`` (see the module doc); returns the manifest bytes.
 
     ``write(tmp)`` writes this rank's files into the temporary directory and returns a picklable

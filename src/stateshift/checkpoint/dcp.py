@@ -89,9 +89,16 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
     unchanged = "; the model and optimizer are unchanged"
     os_error = _os_error_in(e)
     if os_error is None:
-        return CheckpointError("failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
+        return CheckpointError(
+            "failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}"
+        )
     where = root / os.path.basename(os_error.filename) if os_error.filename else root
-    return CheckpointError("read", f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}", path=where, errno=os_error.errno)
+    return CheckpointError(
+        "read",
+        f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
+        path=where,
+        errno=os_error.errno,
+    )
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -103,9 +110,17 @@ def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     return out
 
 
-def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, tag: str | None = None,
-             version: int | None = None, extra: Mapping[str, str] | None = None, update_latest: bool = False,
-             group: Any = None) -> mf.Manifest:
+def save_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    *,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    update_latest: bool = False,
+    group: Any = None,
+) -> mf.Manifest:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint`` to a new directory ``path``.
 
     Call on every rank (or in one process without a process group). Any model
@@ -126,8 +141,12 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
         try:
             with warnings.catch_warnings():  # "torch.distributed is disabled": one process, as intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
-                         no_dist=not comm.on)
+                dcp.save(
+                    state_dict,
+                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                    process_group=group,
+                    no_dist=not comm.on,
+                )
         except BaseException as e:  # DCP wraps what failed on any rank (in a BaseException)
             if not _is_dcp_failure(e):
                 raise
@@ -135,13 +154,26 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
             if os_error is not None:
                 name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
                 raise write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}") from e
-            raise CheckpointError("write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
-                                       "checkpoint was created", path=final) from e
+            raise CheckpointError(
+                "write",
+                f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created",
+                path=final,
+            ) from e
         return {"files": _hash_share(tmp, comm)}
 
-    return commit_checkpoint(final, comm, write, layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
-                             per_rank=False, update_latest=update_latest, backend="dcp", tag=tag, version=version,
-                             extra=extra_d, dcp_tensors=tensors)
+    return commit_checkpoint(
+        final,
+        comm,
+        write,
+        layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
+        per_rank=False,
+        update_latest=update_latest,
+        backend="dcp",
+        tag=tag,
+        version=version,
+        extra=extra_d,
+        dcp_tensors=tensors,
+    )
 
 
 def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast: bool) -> None:
@@ -151,20 +183,41 @@ def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast:
     for key, t in want.items():
         md = stored.get(key)
         if md is None:
-            raise LayoutError("checkpoint_mismatch", "in the model but not in the checkpoint", tensor=key, field="extra")
+            raise LayoutError(
+                "checkpoint_mismatch", "in the model but not in the checkpoint", tensor=key, field="extra"
+            )
         if md.shape != tuple(t.shape):
-            raise LayoutError("checkpoint_mismatch", f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint", tensor=key, field="shape")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint",
+                tensor=key,
+                field="shape",
+            )
         if md.dtype != _dtype(t) and not cast:
-            raise LayoutError("checkpoint_mismatch", f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
-                                          "pass cast=True to convert on load", tensor=key, field="dtype")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
+                "pass cast=True to convert on load",
+                tensor=key,
+                field="dtype",
+            )
     tops = {k.split(".", 1)[0] for k in state_dict}
     for key in stored:
         if key.split(".", 1)[0] in tops and key not in want:
-            raise LayoutError("checkpoint_mismatch", "in the checkpoint but not in the model", tensor=key, field="missing")
+            raise LayoutError(
+                "checkpoint_mismatch", "in the checkpoint but not in the model", tensor=key, field="missing"
+            )
 
 
-def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, cast: bool = False,
-             trusted: bool = False, group: Any = None) -> mf.Manifest:
+def load_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    *,
+    cast: bool = False,
+    trusted: bool = False,
+    group: Any = None,
+) -> mf.Manifest:
     """Load a ``save_dcp`` checkpoint into ``model`` (and ``optimizer``), on any number of ranks.
 
     DCP keeps its metadata (``.metadata``) as a Python pickle, and unpickling a crafted file runs
@@ -189,8 +242,11 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
     comm = Collective(group)
     ckpt = Checkpoint.open(path, files=())
     if ckpt.manifest.kind != mf.DCP_FORMAT:
-        raise LayoutError("checkpoint_mismatch", f"'{ckpt.path}' was not written by save_dcp (layout format "
-                                      f"{ckpt.manifest.kind!r}); use load", tensor="(checkpoint)")
+        raise LayoutError(
+            "checkpoint_mismatch",
+            f"'{ckpt.path}' was not written by save_dcp (layout format {ckpt.manifest.kind!r}); use load",
+            tensor="(checkpoint)",
+        )
     state_dict = _state_dicts(model, optimizer)
 
     def check() -> None:
@@ -198,8 +254,11 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
         others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
         ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
         if not trusted:
-            raise CheckpointError("untrusted", f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
-                "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust")
+            raise CheckpointError(
+                "untrusted",
+                f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
+                "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust",
+            )
 
     comm.run(check, share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
