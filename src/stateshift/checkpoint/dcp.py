@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,18 @@ def _os_error_in(e: BaseException) -> OSError | None:
     return None
 
 
-def _is_dcp_failure(e: BaseException) -> bool:
-    """An error (not ``KeyboardInterrupt`` and the like), DCP's ``CheckpointException`` included."""
+@contextmanager
+def _calling_dcp(failure: Callable[[BaseException], BaseException]) -> Iterator[None]:
+    """DCP called inside: its "torch.distributed is disabled" warning silenced (one process, as intended), and an
+    error it raises, its ``CheckpointException`` included (a ``BaseException``), raised as ``failure(e)``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return isinstance(e, (Exception, CheckpointException))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            yield
+    except (Exception, CheckpointException) as e:
+        raise failure(e) from e
 
 
 def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,6 +106,17 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
         f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
         path=where,
         errno=os_error.errno,
+    )
+
+
+def _write_failure(final: Path, e: BaseException) -> CheckpointError:
+    """What ``save_dcp`` raises for what DCP raised while writing (on any rank)."""
+    os_error = _os_error_in(e)
+    if os_error is not None:
+        name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
+        return write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}")
+    return CheckpointError(
+        "write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created", path=final
     )
 
 
@@ -138,27 +157,9 @@ def save_dcp(
     tensors = {k: mf.DcpTensor(tuple(t.shape), _dtype(t)) for k, t in _tensors(state_dict).items()}
 
     def write(tmp: Path) -> dict[str, Any]:
-        try:
-            with warnings.catch_warnings():  # "torch.distributed is disabled": one process, as intended
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.save(
-                    state_dict,
-                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                    process_group=group,
-                    no_dist=not comm.on,
-                )
-        except BaseException as e:  # DCP wraps what failed on any rank (in a BaseException)
-            if not _is_dcp_failure(e):
-                raise
-            os_error = _os_error_in(e)
-            if os_error is not None:
-                name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
-                raise write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}") from e
-            raise CheckpointError(
-                "write",
-                f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created",
-                path=final,
-            ) from e
+        with _calling_dcp(lambda e: _write_failure(final, e)):
+            writer = dcp.FileSystemWriter(tmp, sync_files=True)
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not comm.on)
         return {"files": _hash_share(tmp, comm)}
 
     return commit_checkpoint(
@@ -263,14 +264,11 @@ def load_dcp(
     comm.run(check, share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with _calling_dcp(lambda e: _read_failure(ckpt.path, e)):
             dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
-    except BaseException as e:
+    except BaseException:
         _put_back(copies)
-        if not _is_dcp_failure(e):
-            raise
-        raise _read_failure(ckpt.path, e) from e
+        raise
     set_model_state_dict(model, state_dict["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state_dict["optim"])

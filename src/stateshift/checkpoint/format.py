@@ -53,30 +53,13 @@ _IOV_MAX = 1024
 ProgressFn = Callable[[int], None]
 """Called on the calling thread with the number of bytes just written or read (an increment)."""
 
+_SAFETENSORS_DTYPES = (  # safetensors name:torch attribute (those this torch lacks are left out)
+    "BOOL:bool U8:uint8 I8:int8 I16:int16 U16:uint16 F16:float16 BF16:bfloat16 I32:int32 U32:uint32 F32:float32 "
+    "I64:int64 U64:uint64 F64:float64 C64:complex64 F8_E4M3:float8_e4m3fn F8_E5M2:float8_e5m2 "
+    "F8_E4M3FNUZ:float8_e4m3fnuz F8_E5M2FNUZ:float8_e5m2fnuz F8_E8M0:float8_e8m0fnu"
+)
 _DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr)
-    for name, attr in {
-        "BOOL": "bool",
-        "U8": "uint8",
-        "I8": "int8",
-        "I16": "int16",
-        "U16": "uint16",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "I32": "int32",
-        "U32": "uint32",
-        "F32": "float32",
-        "I64": "int64",
-        "U64": "uint64",
-        "F64": "float64",
-        "C64": "complex64",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-        "F8_E4M3FNUZ": "float8_e4m3fnuz",
-        "F8_E5M2FNUZ": "float8_e5m2fnuz",
-        "F8_E8M0": "float8_e8m0fnu",
-    }.items()
-    if hasattr(torch, attr)
+    n: getattr(torch, a) for n, _, a in (p.partition(":") for p in _SAFETENSORS_DTYPES.split()) if hasattr(torch, a)
 }
 _NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
 
@@ -210,35 +193,32 @@ class Record:
     def validate(self) -> None:
         """Raise ``LayoutError("checkpoint_mismatch")`` naming the tensor if it cannot be written."""
         if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
-            raise LayoutError("checkpoint_mismatch", "invalid tensor name", tensor=str(self.name))
-        if not is_utf8(self.name):
-            raise LayoutError("checkpoint_mismatch", "tensor name is not valid UTF-8 text", tensor=self.name)
-        if self.dtype not in _NAMES:
-            raise LayoutError(
-                "checkpoint_mismatch", f"dtype {self.dtype} cannot be stored in safetensors", tensor=self.name
-            )
-        if not all(type(d) is int and d >= 0 for d in self.shape):
-            raise LayoutError("checkpoint_mismatch", f"invalid shape {self.shape!r}", tensor=self.name)
-        check_buffer(self.name, self.data, self.nbytes, "data")
+            why = "invalid tensor name"
+        elif not is_utf8(self.name):
+            why = "tensor name is not valid UTF-8 text"
+        elif self.dtype not in _NAMES:
+            why = f"dtype {self.dtype} cannot be stored in safetensors"
+        elif not all(type(d) is int and d >= 0 for d in self.shape):
+            why = f"invalid shape {self.shape!r}"
+        else:
+            return check_buffer(self.name, self.data, self.nbytes, "data")
+        raise LayoutError("checkpoint_mismatch", why, tensor=str(self.name))
 
 
 def check_buffer(name: str, t: Any, nbytes: int, what: str) -> None:
     """``t`` must be a dense contiguous CPU tensor with ``nbytes`` bytes of live storage."""
+    have = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        raise LayoutError(
-            "checkpoint_mismatch",
-            f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}",
-            tensor=name,
-        )
-    if not t.is_contiguous():
-        raise LayoutError("checkpoint_mismatch", f"{what} must be contiguous", tensor=name)
-    have = t.numel() * t.element_size()
-    if have != nbytes:
-        raise LayoutError("checkpoint_mismatch", f"{what} holds {have} bytes, the tensor has {nbytes}", tensor=name)
-    if have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
-        raise LayoutError(
-            "checkpoint_mismatch", f"{what} has released storage (size 0); it holds no values", tensor=name
-        )
+        why = f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}"
+    elif not t.is_contiguous():
+        why = f"{what} must be contiguous"
+    elif have != nbytes:
+        why = f"{what} holds {have} bytes, the tensor has {nbytes}"
+    elif have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
+        why = f"{what} has released storage (size 0); it holds no values"
+    else:
+        return
+    raise LayoutError("checkpoint_mismatch", why, tensor=name)
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:

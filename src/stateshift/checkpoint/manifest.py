@@ -140,23 +140,9 @@ class Manifest:
         return int(self.layout.get("world_size", 1))
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON (without its seal)."""
-        out: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "backend": self.backend,
-            "tag": self.tag,
-            "version": self.version,
-            "extra": dict(self.extra),
-            "checksum_algorithm": self.checksum_algorithm,
-            "total_bytes": self.total_bytes,
-            "library_version": self.library_version,
-            "torch_version": self.torch_version,
-            "created": self.created,
-            "created_unix": self.created_unix,
-            "files": {name: _file_json(e) for name, e in self.files.items()},
-            "layout": self.layout,
-        }
+        """The manifest as JSON (without its seal): the fields ``_MANIFEST`` lists, in its order."""
+        out: dict[str, Any] = {"format": FORMAT_NAME, **{k: getattr(self, k) for k, _ in _MANIFEST[1:]}}
+        out.update(extra=dict(self.extra), files={name: _file_json(e) for name, e in self.files.items()})
         if self.kind == DCP_FORMAT:
             out["dcp_tensors"] = {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in self.dcp_tensors.items()}
         return out
@@ -419,33 +405,21 @@ def _invalid(v: Any, kind: str, at: str) -> Any:
 
 Spec = tuple[tuple[str, str], ...]
 """The fields of one object of the schema: ``(key, kind)``; a kind ending in ``?`` may be null or absent."""
-_TENSOR: Spec = (("name", "str"), ("dtype", "dtype"), ("shape", "shape"), ("data_offsets", "ints"), ("checksum", "crc"))
-_MEMBER: Spec = (
-    ("name", "str"),
-    ("shape", "shape"),
-    ("dtype", "torch_dtype"),
-    ("stride", "stride"),
-    ("offset", "int"),
-    ("meta", "meta"),
-)
-_SLOT: Spec = (("slot", "str"), ("nbytes", "int"), ("typed", "bool"), ("record", "str"), ("members", "list"))
-_SIZED: Spec = (("bytes", "int"), ("checksum", "crc"))
-_LAYOUT: Spec = (("groups", "list"), ("world_size", "int"), ("ranks", "list"))
-_MANIFEST: Spec = (
-    ("format", "str"),
-    ("format_version", "int"),
-    ("checksum_algorithm", "str"),
-    ("files", "dict"),
-    ("layout", "dict"),
-    ("extra", "dict"),
-    ("backend", "str"),
-    ("tag", "str?"),
-    ("version", "signed?"),
-    ("total_bytes", "int"),
-    ("library_version", "str"),
-    ("torch_version", "str"),
-    ("created", "str"),
-    ("created_unix", "number"),
+
+
+def _spec(fields: str) -> Spec:
+    """A ``Spec`` written as ``"key:kind key:kind ..."``."""
+    return tuple((key, kind) for key, _, kind in (f.partition(":") for f in fields.split()))
+
+
+_TENSOR = _spec("name:str dtype:dtype shape:shape data_offsets:ints checksum:crc")
+_MEMBER = _spec("name:str shape:shape dtype:torch_dtype stride:stride offset:int meta:meta")
+_SLOT = _spec("slot:str nbytes:int typed:bool record:str members:list")
+_SIZED = _spec("bytes:int checksum:crc")
+_LAYOUT = _spec("groups:list world_size:int ranks:list")
+_MANIFEST = _spec(  # (``Manifest``'s fields but ``dcp_tensors``, in the order ``to_json`` writes them)
+    "format:str format_version:int backend:str tag:str? version:signed? extra:dict checksum_algorithm:str "
+    "total_bytes:int library_version:str torch_version:str created:str created_unix:number files:dict layout:dict"
 )
 
 
@@ -608,46 +582,21 @@ def _dcp(tensors: Any) -> dict[str, DcpTensor]:
 
 
 def _decode(d: Any) -> Manifest:
-    (
-        fmt_name,
-        fv,
-        algorithm,
-        files,
-        layout,
-        extra,
-        backend,
-        tag,
-        version,
-        total,
-        lib,
-        torch_v,
-        created,
-        created_unix,
-    ) = _fields(d, "manifest", _MANIFEST)
-    if fmt_name != FORMAT_NAME or algorithm != "crc32":
+    v = dict(zip([k for k, _ in _MANIFEST], _fields(d, "manifest", _MANIFEST), strict=True))
+    if v.pop("format") != FORMAT_NAME or v["checksum_algorithm"] != "crc32":
         raise _Bad(f"not a {FORMAT_NAME} manifest with crc32 checksums")
-    if fv != FORMAT_VERSION:
-        raise _Bad(f"format_version {fv}: this stateshift reads format {FORMAT_VERSION} only")
-    kind = layout.get("format")
-    if kind == DCP_FORMAT and _fields(layout, "layout", (("world_size", "int"),))[0] < 1:
+    if v["format_version"] != FORMAT_VERSION:
+        raise _Bad(f"format_version {v['format_version']}: this stateshift reads format {FORMAT_VERSION} only")
+    kind = v["layout"].get("format")
+    if kind == DCP_FORMAT and _fields(v["layout"], "layout", (("world_size", "int"),))[0] < 1:
         raise _Bad("layout.world_size is 0")
     if kind not in (STATE_FORMAT, DCP_FORMAT):
-        _meta(layout, "layout")
-    return Manifest(
-        backend=backend,
-        layout=layout,
-        files={check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in files.items()},
-        tag=tag,
-        version=version,
-        extra={_valid(k, "str", "extra"): _valid(v, "str", f"extra[{k!r}]") for k, v in extra.items()},
-        total_bytes=total,
-        library_version=lib,
-        torch_version=torch_v,
-        created=created,
-        created_unix=float(created_unix),
-        dcp_tensors=_dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {},
-        format_version=fv,
-    )
+        _meta(v["layout"], "layout")
+    v["files"] = {check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in v["files"].items()}
+    v["extra"] = {_valid(k, "str", "extra"): _valid(x, "str", f"extra[{k!r}]") for k, x in v["extra"].items()}
+    v["created_unix"] = float(v["created_unix"])
+    v["dcp_tensors"] = _dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}
+    return Manifest(**v)
 
 
 # --------------------------------------------------------------------------- a data file against its entry

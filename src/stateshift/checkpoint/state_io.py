@@ -79,11 +79,8 @@ def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Stag
         snap.wait()
         files, groups = {}, {}
         for part in snap.parts:
-            fname = (
-                f"{part.group}.safetensors"
-                if comm.world == 1
-                else f"{part.group}.rank{comm.rank}-of-{comm.world}.safetensors"
-            )
+            shard = "" if comm.world == 1 else f".rank{comm.rank}-of-{comm.world}"
+            fname = f"{part.group}{shard}.safetensors"
             files[fname] = [
                 Record(*mf.stored_as(info), region)
                 for info, region in zip(part.layout.slots, part.regions(), strict=True)
@@ -266,20 +263,7 @@ def save(
     Raises ``CheckpointError("write")`` (full disk, quota, a failing rank, ...); no checkpoint is then
     created and the previous one (and ``latest``) is intact. ``FileExistsError`` if ``path`` exists.
     """
-    handle = _start(
-        state,
-        path,
-        groups,
-        background=False,
-        distributed=distributed,
-        group=group,
-        progress=progress,
-        tag=tag,
-        version=version,
-        extra=extra,
-        update_latest=update_latest,
-    )
-    return handle.wait()
+    return _start(background=False, **locals()).wait()  # (locals(): the parameters, as passed)
 
 
 def async_save(
@@ -307,19 +291,7 @@ def async_save(
     Distributed: call on every rank; the writer threads talk over a gloo group of the same ranks
     (created collectively by the first call). ``progress`` runs on the writer thread.
     """
-    return _start(
-        state,
-        path,
-        groups,
-        background=True,
-        distributed=distributed,
-        group=group,
-        progress=progress,
-        tag=tag,
-        version=version,
-        extra=extra,
-        update_latest=update_latest,
-    )
+    return _start(background=True, **locals())  # (locals(): the parameters, as passed)
 
 
 # --------------------------------------------------------------------------- load
@@ -328,22 +300,14 @@ def async_save(
 def _mismatch(e: LayoutError, group: str, model: Layout, cast: bool) -> LayoutError:
     """The engine's layout error, with what to do about it in a checkpoint's terms."""
     hint = ""
-    if e.field == "dtype":
-        hint = (
-            (
-                "; it lives in a shared storage (tied or flat buffer) stored as raw bytes: cast=True converts only "
-                "plain tensors"
-            )
-            if cast
-            else "; pass cast=True to convert on load"
-        )
+    if e.field == "dtype" and cast:
+        hint = "; it lives in a shared storage (tied, flat buffer) stored as raw bytes: cast=True casts plain tensors"
+    elif e.field == "dtype":
+        hint = "; pass cast=True to convert on load"
     elif e.field == "meta":
         hint = " (another mesh, rank or placement: reshard with save_dcp/load_dcp)"
     elif e.field == "missing" and group == "optim" and not model.slots:
-        hint = (
-            "; the optimizer has no state yet (its first step creates it): call "
-            "stateshift.checkpoint.init_optimizer_state(optimizer) before loading"
-        )
+        hint = "; the optimizer has no state yet (its first step makes it): call init_optimizer_state(optimizer) first"
     return LayoutError("checkpoint_mismatch", e.reason + hint, tensor=e.tensor, field=e.field)
 
 
