@@ -63,24 +63,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """Replace the file ``path`` atomically: the body writes the yielded temporary sibling; then it is
-    fsynced, renamed over ``path`` and the directory fsynced. On any error it is removed."""
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        yield tmp
-        fsync_path(tmp)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_path(path.parent)
-
-
 def _try_lock(fd: int) -> bool | None:
     """An exclusive ``flock`` on ``fd``, without waiting: True if taken, False if another open file holds it,
     None where the file system has no ``flock`` (then nobody can tell a live writer's file from a dead one's)."""
@@ -153,15 +135,17 @@ def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
             os.close(fd)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` atomically and durably (as ``replacing`` does), through a temporary sibling
-    ``.<name>.tmp-<hex>`` that this writer holds locked until it is renamed: temporary siblings that dead
-    writers left (a kill between creating and renaming one) are removed first (``clear_dead``)."""
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Replace the file ``path`` atomically and durably: the body writes the yielded temporary sibling
+    ``.<name>.tmp-<hex>`` (made empty, and locked by this writer until it is renamed: ``clear_dead`` first removes
+    the ones dead writers left, from a kill between making and renaming one); then it is fsynced, renamed over
+    ``path`` and the directory fsynced. On any error it is removed."""
     clear_dead(path.parent, f".{path.name}.tmp-", directory=False)
     tmp, fd = create_locked(path.parent, f".{path.name}.tmp-", directory=False)
     try:
-        write_all(fd, data, str(tmp))
-        os.fsync(fd)
+        yield tmp
+        os.fsync(fd)  # (the file's data, whichever descriptor wrote it)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -172,6 +156,16 @@ def write_durable(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     fsync_path(path.parent)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` atomically and durably (``replacing``)."""
+    with replacing(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            write_all(fd, data, str(tmp))
+        finally:
+            os.close(fd)
 
 
 def make_parents(directory: Path) -> None:

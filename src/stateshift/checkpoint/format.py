@@ -453,8 +453,8 @@ def write_file(
     progress: ProgressFn | None = None,
     fsync: bool = True,
 ) -> FileEntry:
-    """Write ``records`` to a new safetensors file at ``path`` (must not exist) and fsync it
-    (``fsync=False``: the caller does, e.g. while it writes the next file).
+    """Write ``records`` to a safetensors file at ``path`` (new, or the empty one ``commit.replacing`` made) and
+    fsync it (``fsync=False``: the caller does, e.g. while it writes the next file).
 
     Records must have been validated (``Record.validate``) with unique names. OS errors (ENOSPC,
     EFBIG, ...) propagate as ``OSError`` (``DiskError("transfer")`` naming the file and the tensor where the
@@ -466,7 +466,7 @@ def write_file(
     for r in ordered:
         spans.append((pos, r.nbytes, byte_view(r.data, r.nbytes)))
         pos += r.nbytes
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
         write_all(fd, head, path)
