@@ -40,18 +40,25 @@ def describe_os_error(e: OSError) -> str:
     return _SPACE.get(code, f"{os.strerror(code) if code else e} ({errno_mod.errorcode.get(code, 'error')})")
 
 
+def os_failure(kind: Any, e: OSError, doing: str, then: str, path: str | os.PathLike[str]) -> CheckpointError:
+    """``CheckpointError(kind)`` for the OS error ``e`` while ``doing`` (e.g. "writing 'f'"): what failed, the tensor
+    whose bytes failed where ``e`` knows it, and ``then``, what that left (e.g. "; the model is unchanged")."""
+    tensor = DiskError.tensor_of(e)
+    where = "" if tensor is None else f" (tensor '{tensor}')"
+    return CheckpointError(
+        kind, f"{describe_os_error(e)} while {doing}{where}{then}", path=path, errno=e.errno, tensor=tensor
+    )
+
+
 def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointError:
-    """The typed error for an OS error while ``doing`` part of a write of ``final`` (e.g. "writing 'f'"),
-    naming the tensor whose bytes failed where the error knows it."""
-    if (tensor := DiskError.tensor_of(e)) is not None:
-        doing += f" (tensor '{tensor}')"
-    msg = (
-        f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
-        "directory was removed; the previous checkpoint (and the latest pointer) is intact."
+    """``os_failure`` of a write of the checkpoint ``final``: nothing was created, and how much room it needs."""
+    then = (
+        f". No checkpoint was created at '{final}' and its temporary directory was removed; the previous "
+        "checkpoint (and the latest pointer) is intact."
     )
     if e.errno in _SPACE and nbytes:
-        msg += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
-    return CheckpointError("write", msg, path=final, errno=e.errno)
+        then += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
+    return os_failure("write", e, doing, then, final)
 
 
 def fsync_path(path: Path) -> None:
@@ -196,12 +203,7 @@ def set_latest(path: str | os.PathLike[str]) -> Path:
     try:
         write_durable(pointer, (final.name + "\n").encode())
     except OSError as e:
-        raise CheckpointError(
-            "write",
-            f"{describe_os_error(e)} while updating the pointer; it still names the previous checkpoint",
-            path=pointer,
-            errno=e.errno,
-        ) from e
+        raise os_failure("write", e, "updating the pointer", "; it still names the previous checkpoint", pointer) from e
     return pointer
 
 

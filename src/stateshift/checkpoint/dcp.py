@@ -20,7 +20,7 @@ import torch
 from ..errors import CheckpointError, LayoutError
 from . import manifest as mf
 from .collective import Collective
-from .commit import describe_os_error, make_parents, write_error
+from .commit import make_parents, os_failure, write_error
 from .directory import Checkpoint, check_args, commit_checkpoint
 from .format import FileEntry, file_crc32, open_regular
 
@@ -96,16 +96,11 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
     """What ``load_dcp`` raises for what DCP raised while reading (the values already put back)."""
     unchanged = "; the model and optimizer are unchanged"
     os_error = _os_error_in(e)
-    if os_error is None:
-        return CheckpointError(
-            "failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}"
-        )
-    where = root / os.path.basename(os_error.filename) if os_error.filename else root
+    if os_error is not None:
+        where = root / os.path.basename(os_error.filename) if os_error.filename else root
+        return os_failure("read", os_error, "torch.distributed.checkpoint read it", unchanged, where)
     return CheckpointError(
-        "read",
-        f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}",
-        path=where,
-        errno=os_error.errno,
+        "failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}"
     )
 
 

@@ -20,7 +20,7 @@ import torch
 from ..errors import CheckpointError, DiskError, LayoutError
 from . import format as fmt, manifest as mf
 from .collective import Collective
-from .commit import commit, describe_os_error, fsync_path, read_latest, write_error
+from .commit import commit, fsync_path, os_failure, read_latest, write_error
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(
@@ -80,18 +80,6 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return latest
 
 
-def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointError:
-    tensor = DiskError.tensor_of(e)
-    where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
-    return CheckpointError(
-        "read",
-        f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged",
-        path=path,
-        errno=e.errno,
-        tensor=tensor,
-    )
-
-
 @contextmanager
 def _reading(
     path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OSError], ...] = OSError
@@ -104,7 +92,7 @@ def _reading(
     except errors as e:
         if isinstance(e, (CheckpointError, FileNotFoundError)):
             raise
-        raise _read_error(path, e) from e
+        raise os_failure("read", e, "reading it", "; a load stops here and leaves the model unchanged", path) from e
 
 
 class Checkpoint:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..backends.torch import state_dict_names, unwrap
-from ..errors import CheckpointError, DiskError, LayoutError
-from .commit import describe_os_error, make_parents, replacing
+from ..errors import LayoutError
+from .commit import make_parents, os_failure, replacing
 from .format import Record, write_file
 
 
@@ -101,14 +101,7 @@ def export_hf(
                     write_file(str(tmp), records, metadata={"format": "pt", **dict(metadata or {})})
             except OSError as e:
                 kept = f" The previous '{filename}' is intact." if final.exists() else ""
-                tensor = DiskError.tensor_of(e)
-                where = "" if tensor is None else f" (tensor '{tensor}')"
-                raise CheckpointError(
-                    "write",
-                    f"{describe_os_error(e)} while writing '{filename}'{where}.{kept}",
-                    path=final,
-                    errno=e.errno,
-                ) from e
+                raise os_failure("write", e, f"writing '{filename}'", f".{kept}", final) from e
             return final
         finally:
             state.release(snap)
