@@ -247,7 +247,7 @@ def _begin(final: Path) -> tuple[str, int]:
         tmp, fd = create_locked(final.parent, prefix, directory=True)
         return str(tmp), fd
 
-    return _step(final, "creating its temporary directory", 0, make)
+    return step(final, "creating its temporary directory", 0, make)
 
 
 def _check_space(final: Path, nbytes: int) -> None:
@@ -277,7 +277,8 @@ def _rename(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+def step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an OS error it raises while ``doing`` part of the write of ``final`` made a ``write_error``."""
     try:
         return fn()
     except CheckpointError:
@@ -321,7 +322,7 @@ def commit(
         return path
 
     def write_mine() -> Any:
-        _step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
+        step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
         return write(tmp[0])
 
     def install() -> bytes | None:
@@ -329,8 +330,8 @@ def commit(
             return None
         data = manifest(reports)
         # the manifest (which fsyncs tmp: every entry of it is durable), then the rename, each made durable
-        _step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
-        _step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
+        step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
+        step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
         if update_latest:
             set_latest(final)
         return data

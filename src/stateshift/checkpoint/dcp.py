@@ -205,6 +205,20 @@ def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast:
             )
 
 
+def _check_all(ckpt: Checkpoint, state_dict: dict[str, Any], cast: bool, trusted: bool, comm: Collective) -> None:
+    """``load_dcp``'s checks on one rank: the tensors (``_check``), the crc32 of ``.metadata`` and of this rank's share
+    of the other files, then ``trusted``."""
+    _check(ckpt.manifest.dcp_tensors, state_dict, cast)
+    others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
+    ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
+    if not trusted:
+        raise CheckpointError(
+            "untrusted",
+            f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
+            "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust",
+        )
+
+
 def load_dcp(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -244,19 +258,7 @@ def load_dcp(
             tensor="(checkpoint)",
         )
     state_dict = _state_dicts(model, optimizer)
-
-    def check() -> None:
-        _check(ckpt.manifest.dcp_tensors, state_dict, cast)
-        others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
-        ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
-        if not trusted:
-            raise CheckpointError(
-                "untrusted",
-                f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
-                "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust",
-            )
-
-    comm.run(check, share=False, what=f"checking '{ckpt.path}'")
+    comm.run(lambda: _check_all(ckpt, state_dict, cast, trusted, comm), share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
     try:
         with _calling_dcp(lambda e: _read_failure(ckpt.path, e)):

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from ..errors import CheckpointError, DiskError, LayoutError
 from . import format as fmt, manifest as mf
 from .collective import Collective
-from .commit import commit, fsync_path, os_failure, read_latest, write_error
+from .commit import commit, fsync_path, os_failure, read_latest, step
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(
@@ -270,25 +271,16 @@ def write_checkpoint(
     meta = {"format": "pt", "stateshift_format": str(mf.FORMAT_VERSION), "backend": backend}
     meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})
 
+    write_file = partial(fmt.write_file, metadata=meta, progress=progress, fsync=False)
+
     def write(tmp: Path) -> dict[str, Any]:
-        entries, synced, doing = {}, [], ""
-        try:
-            with ThreadPoolExecutor(
-                1, thread_name_prefix="stateshift-fsync"
-            ) as syncer:  # file k syncs while k+1 is written
-                for fname, recs in plan.items():
-                    doing = f"writing '{fname}'"
-                    entries[fname] = fmt.write_file(
-                        str(tmp / fname), recs, metadata=meta, progress=progress, fsync=False
-                    )
-                    synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
-                for fname, done in synced:
-                    doing = f"syncing '{fname}'"
-                    done.result()
-        except CheckpointError:
-            raise
-        except OSError as e:
-            raise write_error(final, e, doing, nbytes) from e
+        entries, synced = {}, []
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # k syncs while k+1 is written
+            for fname, recs in plan.items():
+                entries[fname] = step(final, f"writing '{fname}'", nbytes, partial(write_file, str(tmp / fname), recs))
+                synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
+            for fname, done in synced:
+                step(final, f"syncing '{fname}'", nbytes, done.result)
         return {"files": entries, "layout": rank_layout}
 
     return commit_checkpoint(
