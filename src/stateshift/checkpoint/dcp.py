@@ -250,13 +250,7 @@ def load_dcp(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     comm = Collective(group)
-    ckpt = Checkpoint.open(path, files=())
-    if ckpt.manifest.kind != mf.DCP_FORMAT:
-        raise LayoutError(
-            "checkpoint_mismatch",
-            f"'{ckpt.path}' was not written by save_dcp (layout format {ckpt.manifest.kind!r}); use load",
-            tensor="(checkpoint)",
-        )
+    ckpt = Checkpoint.open(path, files=(), kind=mf.DCP_FORMAT)
     state_dict = _state_dicts(model, optimizer)
     comm.run(lambda: _check_all(ckpt, state_dict, cast, trusted, comm), share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way

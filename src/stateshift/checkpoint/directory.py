@@ -107,13 +107,18 @@ class Checkpoint:
 
     @classmethod
     @fmt.without_gc
-    def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None, kind: str = "") -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc. An OS error
-        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointError("read")``."""
+        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointError("read")``;
+        a layout format other than ``kind`` (if given) is ``LayoutError("checkpoint_mismatch")``."""
         with _reading(os.path.abspath(path)):
             root = resolve(path)
         with _reading(root / mf.MANIFEST_NAME):
             ckpt = cls(root, mf.read(root))
+        if kind and ckpt.manifest.kind != kind:
+            use = {mf.STATE_FORMAT: "; use load", mf.DCP_FORMAT: "; use load_dcp"}.get(ckpt.manifest.kind, "")
+            what = f"'{root}' holds layout format {ckpt.manifest.kind!r}, not {kind!r}{use}"
+            raise LayoutError("checkpoint_mismatch", what, tensor="(checkpoint)")
         ckpt.check(ckpt.manifest.files if files is None else files)
         return ckpt
 

@@ -438,15 +438,8 @@ def load(
     agree before any restores). For another world size use ``save_dcp``/``load_dcp``. When this
     returns, compute enqueued afterwards sees the loaded values.
     """
-    ckpt = Checkpoint.open(path, files=())
+    ckpt = Checkpoint.open(path, files=(), kind=mf.STATE_FORMAT)
     manifest = ckpt.manifest
-    if manifest.kind != mf.STATE_FORMAT:
-        hint = " (a torch.distributed.checkpoint directory: use load_dcp)" if manifest.kind == mf.DCP_FORMAT else ""
-        raise LayoutError(
-            "checkpoint_mismatch",
-            f"'{ckpt.path}' is not a stateshift model-state checkpoint (layout format {manifest.kind!r}){hint}",
-            tensor="(checkpoint)",
-        )
     names = None if groups is None else ((groups,) if isinstance(groups, str) else tuple(groups))
     rank = _my_rank(manifest, ckpt.path, group)
     read: list[Snapshot] = []
