@@ -49,8 +49,15 @@ class Collective:
         _dist().all_gather_object(out, obj, group=self.group)
         return out
 
-    def agree(self, mine: BaseException | None, payload: Any = None, *, what: str, error: ErrorFn | None = None,
-              cleanup: Callable[[], None] | None = None) -> list[Any]:
+    def agree(
+        self,
+        mine: BaseException | None,
+        payload: Any = None,
+        *,
+        what: str,
+        error: ErrorFn | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> list[Any]:
         """Every rank's ``payload`` once all succeeded; otherwise ``cleanup()`` then raise on every rank.
 
         ``mine``: this rank's error (or ``None``). A rank that failed re-raises it; the others raise
@@ -67,10 +74,21 @@ class Collective:
         if mine is not None:
             raise mine
         rank, text = failed[0]
-        raise error(rank, text) if error is not None else CheckpointError("failed", f"rank {rank} failed while {what}: {text}")
+        raise (
+            error(rank, text)
+            if error is not None
+            else CheckpointError("failed", f"rank {rank} failed while {what}: {text}")
+        )
 
-    def run(self, fn: Callable[[], Any], *, what: str, share: bool = True, error: ErrorFn | None = None,
-            cleanup: Callable[[], None] | None = None) -> Any:
+    def run(
+        self,
+        fn: Callable[[], Any],
+        *,
+        what: str,
+        share: bool = True,
+        error: ErrorFn | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Any:
         """``fn()`` on this rank, then ``agree`` on its outcome. Returns every rank's result
         (``share``: they must be picklable) or this rank's alone."""
         try:

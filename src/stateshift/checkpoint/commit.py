@@ -40,16 +40,25 @@ def describe_os_error(e: OSError) -> str:
     return _SPACE.get(code, f"{os.strerror(code) if code else e} ({errno_mod.errorcode.get(code, 'error')})")
 
 
+def os_failure(kind: Any, e: OSError, doing: str, then: str, path: str | os.PathLike[str]) -> CheckpointError:
+    """``CheckpointError(kind)`` for the OS error ``e`` while ``doing`` (e.g. "writing 'f'"): what failed, the tensor
+    whose bytes failed where ``e`` knows it, and ``then``, what that left (e.g. "; the model is unchanged")."""
+    tensor = DiskError.tensor_of(e)
+    where = "" if tensor is None else f" (tensor '{tensor}')"
+    return CheckpointError(
+        kind, f"{describe_os_error(e)} while {doing}{where}{then}", path=path, errno=e.errno, tensor=tensor
+    )
+
+
 def write_error(final: Path, e: OSError, doing: str, nbytes: int = 0) -> CheckpointError:
-    """The typed error for an OS error while ``doing`` part of a write of ``final`` (e.g. "writing 'f'"),
-    naming the tensor whose bytes failed where the error knows it."""
-    if (tensor := DiskError.tensor_of(e)) is not None:
-        doing += f" (tensor '{tensor}')"
-    msg = (f"{describe_os_error(e)} while {doing}. No checkpoint was created at '{final}' and its temporary "
-           "directory was removed; the previous checkpoint (and the latest pointer) is intact.")
+    """``os_failure`` of a write of the checkpoint ``final``: nothing was created, and how much room it needs."""
+    then = (
+        f". No checkpoint was created at '{final}' and its temporary directory was removed; the previous "
+        "checkpoint (and the latest pointer) is intact."
+    )
     if e.errno in _SPACE and nbytes:
-        msg += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
-    return CheckpointError("write", msg, path=final, errno=e.errno)
+        then += f" The checkpoint needs {nbytes} bytes of data; free space (or raise the limit) and retry."
+    return os_failure("write", e, doing, then, final)
 
 
 def fsync_path(path: Path) -> None:
@@ -59,24 +68,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """Replace the file ``path`` atomically: the body writes the yielded temporary sibling; then it is
-    fsynced, renamed over ``path`` and the directory fsynced. On any error it is removed."""
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        yield tmp
-        fsync_path(tmp)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_path(path.parent)
 
 
 def _try_lock(fd: int) -> bool | None:
@@ -118,8 +109,11 @@ def create_locked(parent: Path, prefix: str, directory: bool) -> tuple[Path, int
         if _try_lock(fd) is not False and _is(fd, path):
             return path, fd
         os.close(fd)
-    raise OSError(errno_mod.EAGAIN, f"could not create a temporary {'directory' if directory else 'file'} "
-                  f"'{parent / prefix}*' that stays: {_MAX_TRIES} were removed as soon as they were made")
+    raise OSError(
+        errno_mod.EAGAIN,
+        f"could not create a temporary {'directory' if directory else 'file'} "
+        f"'{parent / prefix}*' that stays: {_MAX_TRIES} were removed as soon as they were made",
+    )
 
 
 def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
@@ -148,15 +142,17 @@ def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
             os.close(fd)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` atomically and durably (as ``replacing`` does), through a temporary sibling
-    ``.<name>.tmp-<hex>`` that this writer holds locked until it is renamed: temporary siblings that dead
-    writers left (a kill between creating and renaming one) are removed first (``clear_dead``)."""
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Replace the file ``path`` atomically and durably: the body writes the yielded temporary sibling
+    ``.<name>.tmp-<hex>`` (made empty, and locked by this writer until it is renamed: ``clear_dead`` first removes
+    the ones dead writers left, from a kill between making and renaming one); then it is fsynced, renamed over
+    ``path`` and the directory fsynced. On any error it is removed."""
     clear_dead(path.parent, f".{path.name}.tmp-", directory=False)
     tmp, fd = create_locked(path.parent, f".{path.name}.tmp-", directory=False)
     try:
-        write_all(fd, data, str(tmp))
-        os.fsync(fd)
+        yield tmp
+        os.fsync(fd)  # (the file's data, whichever descriptor wrote it)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -167,6 +163,16 @@ def write_durable(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     fsync_path(path.parent)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` atomically and durably (``replacing``)."""
+    with replacing(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            write_all(fd, data, str(tmp))
+        finally:
+            os.close(fd)
 
 
 def make_parents(directory: Path) -> None:
@@ -190,13 +196,14 @@ def set_latest(path: str | os.PathLike[str]) -> Path:
     """
     final = Path(os.path.abspath(path))
     if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
-        raise CheckpointError("incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final)
+        raise CheckpointError(
+            "incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final
+        )
     pointer = final.parent / LATEST
     try:
         write_durable(pointer, (final.name + "\n").encode())
     except OSError as e:
-        raise CheckpointError("write", f"{describe_os_error(e)} while updating the pointer; it still names the "
-                                   "previous checkpoint", path=pointer, errno=e.errno) from e
+        raise os_failure("write", e, "updating the pointer", "; it still names the previous checkpoint", pointer) from e
     return pointer
 
 
@@ -209,9 +216,13 @@ def read_latest(root: str | os.PathLike[str]) -> Path | None:
     except FileNotFoundError:
         return None
     if not name or "/" in name or "\0" in name or name in (".", "..") or size > 4096:
-        raise CheckpointError("corrupt", "latest does not hold the plain name of a checkpoint in this directory", path=path)
+        raise CheckpointError(
+            "corrupt", "latest does not hold the plain name of a checkpoint in this directory", path=path
+        )
     if os.path.islink(root_p / name):
-        raise CheckpointError("corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it", path=root_p / name)
+        raise CheckpointError(
+            "corrupt", f"latest names a symbolic link ({name!r}); refusing to follow it", path=root_p / name
+        )
     return root_p / name
 
 
@@ -224,8 +235,10 @@ def _begin(final: Path) -> tuple[str, int]:
     if not final.parent.is_dir():
         raise FileNotFoundError(f"parent directory of checkpoint '{final}' does not exist")
     if final.is_symlink() or (os.path.lexists(final) and (not final.is_dir() or any(os.scandir(final)))):
-        raise FileExistsError(f"'{final}' exists; checkpoints are never overwritten: save to a new directory "
-                              "(e.g. step-N) and move latest (update_latest=True), or remove it first")
+        raise FileExistsError(
+            f"'{final}' exists; checkpoints are never overwritten: save to a new directory "
+            "(e.g. step-N) and move latest (update_latest=True), or remove it first"
+        )
     prefix = f".{final.name}.tmp-"
 
     def make() -> tuple[str, int]:
@@ -234,7 +247,7 @@ def _begin(final: Path) -> tuple[str, int]:
         tmp, fd = create_locked(final.parent, prefix, directory=True)
         return str(tmp), fd
 
-    return _step(final, "creating its temporary directory", 0, make)
+    return step(final, "creating its temporary directory", 0, make)
 
 
 def _check_space(final: Path, nbytes: int) -> None:
@@ -252,14 +265,20 @@ def _rename(tmp: Path, final: Path) -> None:
     except OSError as e:
         if e.errno not in (errno_mod.ENOTEMPTY, errno_mod.EEXIST, errno_mod.ENOTDIR, errno_mod.EISDIR):
             raise
-        raise CheckpointError("write", f"another writer created '{final.name}' while this one wrote it; checkpoints "
-                                   "are never overwritten: this write was discarded (its temporary directory removed) and "
-                                   "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
-                                   "distributed=True on every rank)", path=final, errno=e.errno) from e
+        raise CheckpointError(
+            "write",
+            f"another writer created '{final.name}' while this one wrote it; checkpoints "
+            "are never overwritten: this write was discarded (its temporary directory removed) and "
+            "what the other wrote is untouched. Save each checkpoint from one process (rank 0, or "
+            "distributed=True on every rank)",
+            path=final,
+            errno=e.errno,
+        ) from e
     fsync_path(final.parent)
 
 
-def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+def step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an OS error it raises while ``doing`` part of the write of ``final`` made a ``write_error``."""
     try:
         return fn()
     except CheckpointError:
@@ -268,8 +287,15 @@ def _step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
         raise write_error(final, e, doing, nbytes) from e
 
 
-def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest: Callable[[list[Any]], bytes], *,
-           nbytes: int = 0, update_latest: bool = False) -> bytes:
+def commit(
+    final: Path,
+    comm: Collective,
+    write: Callable[[Path], Any],
+    manifest: Callable[[list[Any]], bytes],
+    *,
+    nbytes: int = 0,
+    update_latest: bool = False,
+) -> bytes:
     """Write a new checkpoint at ``final`` on every rank of ``comm`` (see the module doc); returns the manifest bytes.
 
     ``write(tmp)`` writes this rank's files into the temporary directory and returns a picklable
@@ -296,7 +322,7 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
         return path
 
     def write_mine() -> Any:
-        _step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
+        step(final, "checking the free space", nbytes, lambda: _check_space(final, nbytes))
         return write(tmp[0])
 
     def install() -> bytes | None:
@@ -304,8 +330,8 @@ def commit(final: Path, comm: Collective, write: Callable[[Path], Any], manifest
             return None
         data = manifest(reports)
         # the manifest (which fsyncs tmp: every entry of it is durable), then the rename, each made durable
-        _step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
-        _step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
+        step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
+        step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
         if update_latest:
             set_latest(final)
         return data

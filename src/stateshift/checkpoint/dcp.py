@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from ..errors import CheckpointError, LayoutError
 from . import manifest as mf
 from .collective import Collective
-from .commit import describe_os_error, make_parents, write_error
+from .commit import make_parents, os_failure, write_error
 from .directory import Checkpoint, check_args, commit_checkpoint
 from .format import FileEntry, file_crc32, open_regular
 
@@ -60,11 +61,18 @@ def _os_error_in(e: BaseException) -> OSError | None:
     return None
 
 
-def _is_dcp_failure(e: BaseException) -> bool:
-    """An error (not ``KeyboardInterrupt`` and the like), DCP's ``CheckpointException`` included."""
+@contextmanager
+def _calling_dcp(failure: Callable[[BaseException], BaseException]) -> Iterator[None]:
+    """DCP called inside: its "torch.distributed is disabled" warning silenced (one process, as intended), and an
+    error it raises, its ``CheckpointException`` included (a ``BaseException``), raised as ``failure(e)``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return isinstance(e, (Exception, CheckpointException))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            yield
+    except (Exception, CheckpointException) as e:
+        raise failure(e) from e
 
 
 def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -88,10 +96,23 @@ def _read_failure(root: Path, e: BaseException) -> CheckpointError:
     """What ``load_dcp`` raises for what DCP raised while reading (the values already put back)."""
     unchanged = "; the model and optimizer are unchanged"
     os_error = _os_error_in(e)
-    if os_error is None:
-        return CheckpointError("failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}")
-    where = root / os.path.basename(os_error.filename) if os_error.filename else root
-    return CheckpointError("read", f"{describe_os_error(os_error)} while torch.distributed.checkpoint read it{unchanged}", path=where, errno=os_error.errno)
+    if os_error is not None:
+        where = root / os.path.basename(os_error.filename) if os_error.filename else root
+        return os_failure("read", os_error, "torch.distributed.checkpoint read it", unchanged, where)
+    return CheckpointError(
+        "failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}"
+    )
+
+
+def _write_failure(final: Path, e: BaseException) -> CheckpointError:
+    """What ``save_dcp`` raises for what DCP raised while writing (on any rank)."""
+    os_error = _os_error_in(e)
+    if os_error is not None:
+        name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
+        return write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}")
+    return CheckpointError(
+        "write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created", path=final
+    )
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -103,9 +124,17 @@ def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     return out
 
 
-def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, tag: str | None = None,
-             version: int | None = None, extra: Mapping[str, str] | None = None, update_latest: bool = False,
-             group: Any = None) -> mf.Manifest:
+def save_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    *,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    update_latest: bool = False,
+    group: Any = None,
+) -> mf.Manifest:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint`` to a new directory ``path``.
 
     Call on every rank (or in one process without a process group). Any model
@@ -123,25 +152,24 @@ def save_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
     tensors = {k: mf.DcpTensor(tuple(t.shape), _dtype(t)) for k, t in _tensors(state_dict).items()}
 
     def write(tmp: Path) -> dict[str, Any]:
-        try:
-            with warnings.catch_warnings():  # "torch.distributed is disabled": one process, as intended
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
-                         no_dist=not comm.on)
-        except BaseException as e:  # DCP wraps what failed on any rank (in a BaseException)
-            if not _is_dcp_failure(e):
-                raise
-            os_error = _os_error_in(e)
-            if os_error is not None:
-                name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
-                raise write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}") from e
-            raise CheckpointError("write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no "
-                                       "checkpoint was created", path=final) from e
+        with _calling_dcp(lambda e: _write_failure(final, e)):
+            writer = dcp.FileSystemWriter(tmp, sync_files=True)
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not comm.on)
         return {"files": _hash_share(tmp, comm)}
 
-    return commit_checkpoint(final, comm, write, layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
-                             per_rank=False, update_latest=update_latest, backend="dcp", tag=tag, version=version,
-                             extra=extra_d, dcp_tensors=tensors)
+    return commit_checkpoint(
+        final,
+        comm,
+        write,
+        layout={"format": mf.DCP_FORMAT, "world_size": comm.world},
+        per_rank=False,
+        update_latest=update_latest,
+        backend="dcp",
+        tag=tag,
+        version=version,
+        extra=extra_d,
+        dcp_tensors=tensors,
+    )
 
 
 def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast: bool) -> None:
@@ -151,20 +179,55 @@ def _check(stored: Mapping[str, mf.DcpTensor], state_dict: dict[str, Any], cast:
     for key, t in want.items():
         md = stored.get(key)
         if md is None:
-            raise LayoutError("checkpoint_mismatch", "in the model but not in the checkpoint", tensor=key, field="extra")
+            raise LayoutError(
+                "checkpoint_mismatch", "in the model but not in the checkpoint", tensor=key, field="extra"
+            )
         if md.shape != tuple(t.shape):
-            raise LayoutError("checkpoint_mismatch", f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint", tensor=key, field="shape")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                f"shape is {list(t.shape)} in the model but {list(md.shape)} in the checkpoint",
+                tensor=key,
+                field="shape",
+            )
         if md.dtype != _dtype(t) and not cast:
-            raise LayoutError("checkpoint_mismatch", f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
-                                          "pass cast=True to convert on load", tensor=key, field="dtype")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                f"dtype is {_dtype(t)} in the model but {md.dtype} in the checkpoint; "
+                "pass cast=True to convert on load",
+                tensor=key,
+                field="dtype",
+            )
     tops = {k.split(".", 1)[0] for k in state_dict}
     for key in stored:
         if key.split(".", 1)[0] in tops and key not in want:
-            raise LayoutError("checkpoint_mismatch", "in the checkpoint but not in the model", tensor=key, field="missing")
+            raise LayoutError(
+                "checkpoint_mismatch", "in the checkpoint but not in the model", tensor=key, field="missing"
+            )
 
 
-def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *, cast: bool = False,
-             trusted: bool = False, group: Any = None) -> mf.Manifest:
+def _check_all(ckpt: Checkpoint, state_dict: dict[str, Any], cast: bool, trusted: bool, comm: Collective) -> None:
+    """``load_dcp``'s checks on one rank: the tensors (``_check``), the crc32 of ``.metadata`` and of this rank's share
+    of the other files, then ``trusted``."""
+    _check(ckpt.manifest.dcp_tensors, state_dict, cast)
+    others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
+    ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
+    if not trusted:
+        raise CheckpointError(
+            "untrusted",
+            f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
+            "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust",
+        )
+
+
+def load_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    *,
+    cast: bool = False,
+    trusted: bool = False,
+    group: Any = None,
+) -> mf.Manifest:
     """Load a ``save_dcp`` checkpoint into ``model`` (and ``optimizer``), on any number of ranks.
 
     DCP keeps its metadata (``.metadata``) as a Python pickle, and unpickling a crafted file runs
@@ -187,31 +250,16 @@ def load_dcp(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: An
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     comm = Collective(group)
-    ckpt = Checkpoint.open(path, files=())
-    if ckpt.manifest.kind != mf.DCP_FORMAT:
-        raise LayoutError("checkpoint_mismatch", f"'{ckpt.path}' was not written by save_dcp (layout format "
-                                      f"{ckpt.manifest.kind!r}); use load", tensor="(checkpoint)")
+    ckpt = Checkpoint.open(path, files=(), kind=mf.DCP_FORMAT)
     state_dict = _state_dicts(model, optimizer)
-
-    def check() -> None:
-        _check(ckpt.manifest.dcp_tensors, state_dict, cast)
-        others = [n for n in ckpt.manifest.files if n != mf.DCP_METADATA]
-        ckpt.verify([n for n in ckpt.manifest.files if n == mf.DCP_METADATA] + others[comm.rank :: comm.world])
-        if not trusted:
-            raise CheckpointError("untrusted", f"'{ckpt.path}': torch.distributed.checkpoint keeps its metadata as a Python pickle, and loading it "
-                "can run arbitrary code; pass trusted=True only for a directory you wrote or otherwise trust")
-
-    comm.run(check, share=False, what=f"checking '{ckpt.path}'")
+    comm.run(lambda: _check_all(ckpt, state_dict, cast, trusted, comm), share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with _calling_dcp(lambda e: _read_failure(ckpt.path, e)):
             dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
-    except BaseException as e:
+    except BaseException:
         _put_back(copies)
-        if not _is_dcp_failure(e):
-            raise
-        raise _read_failure(ckpt.path, e) from e
+        raise
     set_model_state_dict(model, state_dict["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state_dict["optim"])

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,29 +21,45 @@ import torch
 from ..errors import CheckpointError, DiskError, LayoutError
 from . import format as fmt, manifest as mf
 from .collective import Collective
-from .commit import commit, describe_os_error, fsync_path, read_latest, write_error
+from .commit import commit, fsync_path, os_failure, read_latest, step
 from .format import FileEntry, ProgressFn, Record
 
-_HF_FILES = re.compile(r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$")
+_HF_FILES = re.compile(
+    r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|pytorch_model.*\.bin)$"
+)
 
 
 def _not_a_checkpoint(p: Path) -> Exception:
     """Why the directory ``p`` (no manifest, no ``latest``) is not a checkpoint."""
     names = sorted(os.listdir(p))
     if re.match(r"^\..+\.tmp-[0-9a-f]+$", p.name):
-        return CheckpointError("incomplete", "the temporary directory of a write that never finished, or is still "
-                                            "under way (the manifest is written last); the next write to the same "
-                                            "path removes it once its writer is gone", path=p)
+        return CheckpointError(
+            "incomplete",
+            "the temporary directory of a write that never finished, or is still "
+            "under way (the manifest is written last); the next write to the same "
+            "path removes it once its writer is gone",
+            path=p,
+        )
     if not names:
         return CheckpointError("not_found", "an empty directory", path=p)
     if any(_HF_FILES.match(n) for n in names):
-        return CheckpointError("not_found", "a Hugging Face export (model.safetensors / config.json), not a stateshift "
-                                          "checkpoint; load it with safetensors or transformers' from_pretrained", path=p)
+        return CheckpointError(
+            "not_found",
+            "a Hugging Face export (model.safetensors / config.json), not a stateshift "
+            "checkpoint; load it with safetensors or transformers' from_pretrained",
+            path=p,
+        )
     if mf.DCP_METADATA in names:
-        return CheckpointError("not_found", "a torch.distributed.checkpoint directory without a stateshift manifest", path=p)
+        return CheckpointError(
+            "not_found", "a torch.distributed.checkpoint directory without a stateshift manifest", path=p
+        )
     if any(n.endswith(".safetensors") for n in names):
-        return CheckpointError("incomplete", f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)", path=p)
-    return CheckpointError("not_found", f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries", path=p)
+        return CheckpointError(
+            "incomplete", f"no {mf.MANIFEST_NAME}: not a complete checkpoint (it is written last)", path=p
+        )
+    return CheckpointError(
+        "not_found", f"no {mf.MANIFEST_NAME} and no latest pointer among its {len(names)} entries", path=p
+    )
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -56,18 +73,18 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     if latest is None:
         raise _not_a_checkpoint(p)
     if not os.path.lexists(latest / mf.MANIFEST_NAME):
-        raise _not_a_checkpoint(latest) if latest.is_dir() else CheckpointError("not_found", "latest names nothing", path=latest)
+        raise (
+            _not_a_checkpoint(latest)
+            if latest.is_dir()
+            else CheckpointError("not_found", "latest names nothing", path=latest)
+        )
     return latest
 
 
-def _read_error(path: str | os.PathLike[str], e: OSError) -> CheckpointError:
-    tensor = DiskError.tensor_of(e)
-    where = f" in the bytes of tensor '{tensor}'" if tensor is not None else ""
-    return CheckpointError("read", f"{describe_os_error(e)}{where}; a load stops here and leaves the model unchanged", path=path, errno=e.errno, tensor=tensor)
-
-
 @contextmanager
-def _reading(path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OSError], ...] = OSError) -> Iterator[None]:
+def _reading(
+    path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OSError], ...] = OSError
+) -> Iterator[None]:
     """Our own reads inside: an OS error (of ``errors``) is ``CheckpointError("read")`` naming ``path``; a
     ``CheckpointError`` or a missing file passes as it is. Wraps no caller code: an OS error raised by a
     caller's callback is the caller's, not a read's."""
@@ -76,7 +93,7 @@ def _reading(path: str | os.PathLike[str], errors: type[OSError] | tuple[type[OS
     except errors as e:
         if isinstance(e, (CheckpointError, FileNotFoundError)):
             raise
-        raise _read_error(path, e) from e
+        raise os_failure("read", e, "reading it", "; a load stops here and leaves the model unchanged", path) from e
 
 
 class Checkpoint:
@@ -90,13 +107,18 @@ class Checkpoint:
 
     @classmethod
     @fmt.without_gc
-    def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], *, files: Iterable[str] | None = None, kind: str = "") -> Checkpoint:
         """Resolve, decode the manifest and check ``files`` (default: all) -- see the module doc. An OS error
-        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointError("read")``."""
+        while any of it is read (``latest``, the manifest, a header: EIO, ...) is ``CheckpointError("read")``;
+        a layout format other than ``kind`` (if given) is ``LayoutError("checkpoint_mismatch")``."""
         with _reading(os.path.abspath(path)):
             root = resolve(path)
         with _reading(root / mf.MANIFEST_NAME):
             ckpt = cls(root, mf.read(root))
+        if kind and ckpt.manifest.kind != kind:
+            use = {mf.STATE_FORMAT: "; use load", mf.DCP_FORMAT: "; use load_dcp"}.get(ckpt.manifest.kind, "")
+            what = f"'{root}' holds layout format {ckpt.manifest.kind!r}, not {kind!r}{use}"
+            raise LayoutError("checkpoint_mismatch", what, tensor="(checkpoint)")
         ckpt.check(ckpt.manifest.files if files is None else files)
         return ckpt
 
@@ -163,7 +185,9 @@ def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]
         for r in plan[fname]:
             r.validate()
             if r.name in seen:
-                raise LayoutError("checkpoint_mismatch", f"appears in both '{seen[r.name]}' and '{fname}'", tensor=r.name)
+                raise LayoutError(
+                    "checkpoint_mismatch", f"appears in both '{seen[r.name]}' and '{fname}'", tensor=r.name
+                )
             seen[r.name] = fname
     return plan, sum(r.nbytes for recs in plan.values() for r in recs)
 
@@ -187,9 +211,17 @@ def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[
     return out
 
 
-def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dict[str, Any]], *,
-                      layout: Mapping[str, Any], per_rank: bool, nbytes: int = 0, update_latest: bool = False,
-                      **fields: Any) -> mf.Manifest:
+def commit_checkpoint(
+    final: Path,
+    comm: Collective,
+    write: Callable[[Path], dict[str, Any]],
+    *,
+    layout: Mapping[str, Any],
+    per_rank: bool,
+    nbytes: int = 0,
+    update_latest: bool = False,
+    **fields: Any,
+) -> mf.Manifest:
     """``commit.commit``, rank 0 assembling the manifest from every rank's report (``{"files": ..., "layout": ...}``,
     returned by ``write``): ``layout``, with ``world_size`` and every rank's own layout when ``per_rank``, and the
     manifest's other ``fields``. Returns the manifest on every rank."""
@@ -201,7 +233,9 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
         for rank, report in enumerate(reports):
             for name, entry in report["files"].items():
                 if name in files:
-                    raise LayoutError("checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)", tensor=name)
+                    raise LayoutError(
+                        "checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)", tensor=name
+                    )
                 files[name] = entry
         full = dict(layout)
         if per_rank:
@@ -214,11 +248,20 @@ def commit_checkpoint(final: Path, comm: Collective, write: Callable[[Path], dic
     return built[0] if built else mf.loads(data, str(final / mf.MANIFEST_NAME))
 
 
-def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[Record]], *, backend: str,
-                     layout: Mapping[str, Any], rank_layout: Mapping[str, Any] | None = None, tag: str | None = None,
-                     version: int | None = None, extra: Mapping[str, str] | None = None,
-                     progress: ProgressFn | None = None, update_latest: bool = False,
-                     comm: Collective | None = None) -> mf.Manifest:
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    files: Mapping[str, Iterable[Record]],
+    *,
+    backend: str,
+    layout: Mapping[str, Any],
+    rank_layout: Mapping[str, Any] | None = None,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
+    update_latest: bool = False,
+    comm: Collective | None = None,
+) -> mf.Manifest:
     """Write a new checkpoint directory of safetensors files at ``path`` (``commit`` says how).
 
     ``files`` maps file names to the records stored there (names unique per rank). ``layout`` is
@@ -233,23 +276,28 @@ def write_checkpoint(path: str | os.PathLike[str], files: Mapping[str, Iterable[
     meta = {"format": "pt", "stateshift_format": str(mf.FORMAT_VERSION), "backend": backend}
     meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})
 
+    write_file = partial(fmt.write_file, metadata=meta, progress=progress, fsync=False)
+
     def write(tmp: Path) -> dict[str, Any]:
-        entries, synced, doing = {}, [], ""
-        try:
-            with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # file k syncs while k+1 is written
-                for fname, recs in plan.items():
-                    doing = f"writing '{fname}'"
-                    entries[fname] = fmt.write_file(str(tmp / fname), recs, metadata=meta, progress=progress, fsync=False)
-                    synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
-                for fname, done in synced:
-                    doing = f"syncing '{fname}'"
-                    done.result()
-        except CheckpointError:
-            raise
-        except OSError as e:
-            raise write_error(final, e, doing, nbytes) from e
+        entries, synced = {}, []
+        with ThreadPoolExecutor(1, thread_name_prefix="stateshift-fsync") as syncer:  # k syncs while k+1 is written
+            for fname, recs in plan.items():
+                entries[fname] = step(final, f"writing '{fname}'", nbytes, partial(write_file, str(tmp / fname), recs))
+                synced.append((fname, syncer.submit(fsync_path, tmp / fname)))
+            for fname, done in synced:
+                step(final, f"syncing '{fname}'", nbytes, done.result)
         return {"files": entries, "layout": rank_layout}
 
-    return commit_checkpoint(final, comm, write, layout=layout, per_rank=rank_layout is not None, nbytes=nbytes,
-                             update_latest=update_latest, backend=backend, tag=tag, version=version, extra=extra_d)
-
+    return commit_checkpoint(
+        final,
+        comm,
+        write,
+        layout=layout,
+        per_rank=rank_layout is not None,
+        nbytes=nbytes,
+        update_latest=update_latest,
+        backend=backend,
+        tag=tag,
+        version=version,
+        extra=extra_d,
+    )

@@ -53,15 +53,13 @@ _IOV_MAX = 1024
 ProgressFn = Callable[[int], None]
 """Called on the calling thread with the number of bytes just written or read (an increment)."""
 
+_SAFETENSORS_DTYPES = (  # safetensors name:torch attribute (those this torch lacks are left out)
+    "BOOL:bool U8:uint8 I8:int8 I16:int16 U16:uint16 F16:float16 BF16:bfloat16 I32:int32 U32:uint32 F32:float32 "
+    "I64:int64 U64:uint64 F64:float64 C64:complex64 F8_E4M3:float8_e4m3fn F8_E5M2:float8_e5m2 "
+    "F8_E4M3FNUZ:float8_e4m3fnuz F8_E5M2FNUZ:float8_e5m2fnuz F8_E8M0:float8_e8m0fnu"
+)
 _DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr)
-    for name, attr in {
-        "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-        "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64",
-        "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-        "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
-    }.items()
-    if hasattr(torch, attr)
+    n: getattr(torch, a) for n, _, a in (p.partition(":") for p in _SAFETENSORS_DTYPES.split()) if hasattr(torch, a)
 }
 _NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
 
@@ -195,27 +193,32 @@ class Record:
     def validate(self) -> None:
         """Raise ``LayoutError("checkpoint_mismatch")`` naming the tensor if it cannot be written."""
         if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
-            raise LayoutError("checkpoint_mismatch", "invalid tensor name", tensor=str(self.name))
-        if not is_utf8(self.name):
-            raise LayoutError("checkpoint_mismatch", "tensor name is not valid UTF-8 text", tensor=self.name)
-        if self.dtype not in _NAMES:
-            raise LayoutError("checkpoint_mismatch", f"dtype {self.dtype} cannot be stored in safetensors", tensor=self.name)
-        if not all(type(d) is int and d >= 0 for d in self.shape):
-            raise LayoutError("checkpoint_mismatch", f"invalid shape {self.shape!r}", tensor=self.name)
-        check_buffer(self.name, self.data, self.nbytes, "data")
+            why = "invalid tensor name"
+        elif not is_utf8(self.name):
+            why = "tensor name is not valid UTF-8 text"
+        elif self.dtype not in _NAMES:
+            why = f"dtype {self.dtype} cannot be stored in safetensors"
+        elif not all(type(d) is int and d >= 0 for d in self.shape):
+            why = f"invalid shape {self.shape!r}"
+        else:
+            return check_buffer(self.name, self.data, self.nbytes, "data")
+        raise LayoutError("checkpoint_mismatch", why, tensor=str(self.name))
 
 
 def check_buffer(name: str, t: Any, nbytes: int, what: str) -> None:
     """``t`` must be a dense contiguous CPU tensor with ``nbytes`` bytes of live storage."""
+    have = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        raise LayoutError("checkpoint_mismatch", f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}", tensor=name)
-    if not t.is_contiguous():
-        raise LayoutError("checkpoint_mismatch", f"{what} must be contiguous", tensor=name)
-    have = t.numel() * t.element_size()
-    if have != nbytes:
-        raise LayoutError("checkpoint_mismatch", f"{what} holds {have} bytes, the tensor has {nbytes}", tensor=name)
-    if have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
-        raise LayoutError("checkpoint_mismatch", f"{what} has released storage (size 0); it holds no values", tensor=name)
+        why = f"{what} must be a dense CPU tensor (pinned is fine), got {type(t).__name__}"
+    elif not t.is_contiguous():
+        why = f"{what} must be contiguous"
+    elif have != nbytes:
+        why = f"{what} holds {have} bytes, the tensor has {nbytes}"
+    elif have and t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + have:
+        why = f"{what} has released storage (size 0); it holds no values"
+    else:
+        return
+    raise LayoutError("checkpoint_mismatch", why, tensor=name)
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -232,6 +235,7 @@ Span = tuple[int, int, "memoryview | None"]
 """``(file offset, length, caller memory)``; memory ``None`` for bytes that are only hashed."""
 Piece = tuple[int, int, int, "memoryview | None"]
 """``(span index, file offset, length, memory)``: part of a span inside one task."""
+
 
 def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     """Cut spans into tasks of at most ``CHUNK_BYTES`` contiguous bytes, in file order."""
@@ -252,8 +256,9 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     return tasks
 
 
-def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str,
-            names: Sequence[str] | None = None) -> None:
+def _io_all(
+    op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str, names: Sequence[str] | None = None
+) -> None:
     """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers;
     an OS error becomes ``DiskError("transfer")`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
     i = 0
@@ -274,8 +279,9 @@ def _io_all(op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int
                 n = 0
 
 
-def _run_task(op: Callable[..., int], fd: int, task: list[Piece], path: str,
-              names: Sequence[str] | None) -> list[tuple[int, int, int]]:
+def _run_task(
+    op: Callable[..., int], fd: int, task: list[Piece], path: str, names: Sequence[str] | None
+) -> list[tuple[int, int, int]]:
     """One task of a write: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
     bufs = [mem for _, _, _, mem in task]
     _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
@@ -313,7 +319,9 @@ class _Mapped:
         self.map.close()
 
 
-def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
+def _run_mapped(
+    mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None
+) -> list[tuple[int, int, int]]:
     """One task of a mapped read: its pages faulted in (an I/O error is a ``DiskError("transfer")``, not a SIGBUS),
     then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
     cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
@@ -335,8 +343,14 @@ def _run_mapped(mapped: _Mapped, task: list[Piece], path: str, names: Sequence[s
     return out
 
 
-def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], path: str,
-             progress: ProgressFn | None = None, names: Sequence[str] | None = None) -> list[int]:
+def transfer(
+    op: Callable[..., int] | _Mapped,
+    fd: int,
+    spans: Sequence[Span],
+    path: str,
+    progress: ProgressFn | None = None,
+    names: Sequence[str] | None = None,
+) -> list[int]:
     """Move ``spans`` between memory and ``fd`` (``os.pwritev``, or a mapping of the file to read) on a
     thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``DiskError("transfer")``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
@@ -346,8 +360,7 @@ def transfer(op: Callable[..., int] | _Mapped, fd: int, spans: Sequence[Span], p
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
-    run = (functools.partial(_run_mapped, op) if isinstance(op, _Mapped)
-           else functools.partial(_run_task, op, fd))
+    run = functools.partial(_run_mapped, op) if isinstance(op, _Mapped) else functools.partial(_run_task, op, fd)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
         running = deque(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
@@ -384,14 +397,18 @@ def open_regular(root: os.PathLike[str], name: str) -> Iterator[tuple[int, int, 
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # the last component is a symbolic link
-            raise CheckpointError("corrupt", "is a symbolic link; a checkpoint holds only its own regular files", path=path) from None
+            raise CheckpointError(
+                "corrupt", "is a symbolic link; a checkpoint holds only its own regular files", path=path
+            ) from None
         raise
     finally:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError("corrupt", "not a regular file (a FIFO, device or directory); refusing to read it", path=path)
+            raise CheckpointError(
+                "corrupt", "not a regular file (a FIFO, device or directory); refusing to read it", path=path
+            )
         os.set_blocking(fd, True)
         yield fd, st.st_size, path
     finally:
@@ -428,10 +445,16 @@ def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
     return struct.pack("<Q", len(blob)) + blob
 
 
-def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, str] | None = None,
-               progress: ProgressFn | None = None, fsync: bool = True) -> FileEntry:
-    """Write ``records`` to a new safetensors file at ``path`` (must not exist) and fsync it
-    (``fsync=False``: the caller does, e.g. while it writes the next file).
+def write_file(
+    path: str,
+    records: Sequence[Record],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    progress: ProgressFn | None = None,
+    fsync: bool = True,
+) -> FileEntry:
+    """Write ``records`` to a safetensors file at ``path`` (new, or the empty one ``commit.replacing`` made) and
+    fsync it (``fsync=False``: the caller does, e.g. while it writes the next file).
 
     Records must have been validated (``Record.validate``) with unique names. OS errors (ENOSPC,
     EFBIG, ...) propagate as ``OSError`` (``DiskError("transfer")`` naming the file and the tensor where the
@@ -443,7 +466,7 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
     for r in ordered:
         spans.append((pos, r.nbytes, byte_view(r.data, r.nbytes)))
         pos += r.nbytes
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
         write_all(fd, head, path)
@@ -463,8 +486,9 @@ def write_file(path: str, records: Sequence[Record], *, metadata: Mapping[str, s
 # --------------------------------------------------------------------------- reading
 
 
-def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None], path: str,
-              progress: ProgressFn | None = None) -> None:
+def read_into(
+    fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None], path: str, progress: ProgressFn | None = None
+) -> None:
     """Read the named tensors of a checked file (``manifest.check_file``) into ``dsts`` and verify each crc32.
 
     A destination is a contiguous CPU tensor of exactly the stored bytes (``uint8``, or the stored
@@ -483,18 +507,39 @@ def read_into(fd: int, entry: FileEntry, dsts: Mapping[str, torch.Tensor | None]
         if dst is not None:
             check_buffer(name, dst, t.nbytes, "destination")
             if dst.dtype not in (torch.uint8, t.dtype) or (dst.dtype == t.dtype and tuple(dst.shape) != t.shape):
-                raise LayoutError("checkpoint_mismatch", f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}", tensor=name)
+                raise LayoutError(
+                    "checkpoint_mismatch",
+                    f"destination is {dst.dtype} {list(dst.shape)}; use uint8 or {t.dtype} {list(t.shape)}",
+                    tensor=name,
+                )
         chosen.append(t)
-        spans.append((entry.header[0] + t.start if entry.header else t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
+        spans.append(
+            (
+                entry.header[0] + t.start if entry.header else t.start,
+                t.nbytes,
+                None if dst is None else byte_view(dst, t.nbytes),
+            )
+        )
     crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
-            raise CheckpointError("corrupt", f"checksum mismatch in tensor {t.name!r}: manifest says "
-                                         f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}", path=path, tensor=t.name)
+            raise CheckpointError(
+                "corrupt",
+                f"checksum mismatch in tensor {t.name!r}: manifest says "
+                f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}",
+                path=path,
+                tensor=t.name,
+            )
 
 
-def read_mapped(fd: int, size: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None,
-                names: Sequence[str] | None = None) -> list[int]:
+def read_mapped(
+    fd: int,
+    size: int,
+    spans: Sequence[Span],
+    path: str,
+    progress: ProgressFn | None = None,
+    names: Sequence[str] | None = None,
+) -> list[int]:
     """``transfer`` of ``spans`` out of the ``size``-byte file ``fd`` through a memory map (no private copy
     of the file: the page cache's pages are copied once, into the caller's memory, and hashed there)."""
     if size == 0 or not spans:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..backends.torch import state_dict_names, unwrap
-from ..errors import CheckpointError, DiskError, LayoutError
-from .commit import describe_os_error, make_parents, replacing
+from ..errors import LayoutError
+from .commit import make_parents, os_failure, replacing
 from .format import Record, write_file
 
 
@@ -30,7 +30,11 @@ def _module_of(state: Any) -> torch.nn.Module:
             refusals.append(facts.export_refusal)
         elif facts.module is not None:
             return facts.module
-    raise LayoutError("checkpoint_mismatch", refusals[0] if refusals else "no backend of this state exports nn.Module weights", tensor="(model)")
+    raise LayoutError(
+        "checkpoint_mismatch",
+        refusals[0] if refusals else "no backend of this state exports nn.Module weights",
+        tensor="(model)",
+    )
 
 
 def _tied_targets(module: torch.nn.Module) -> list[re.Pattern[str]]:
@@ -47,7 +51,9 @@ def _records(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> list
     names = state_dict_names(module)  # reads no values and passes no guard: safe while offloaded
     missing = [n for n in names if n not in views]
     if missing:
-        raise LayoutError("checkpoint_mismatch", "in the model's state_dict but not tracked by its state", tensor=missing[0])
+        raise LayoutError(
+            "checkpoint_mismatch", "in the model's state_dict but not tracked by its state", tensor=missing[0]
+        )
     tied = _tied_targets(module)
     by_place: dict[tuple[Any, ...], list[str]] = {}
     for n in names:
@@ -63,8 +69,13 @@ def _records(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> list
     return records
 
 
-def export_hf(model: Any, directory: str | os.PathLike[str], *, filename: str = "model.safetensors",
-              metadata: Mapping[str, str] | None = None) -> Path:
+def export_hf(
+    model: Any,
+    directory: str | os.PathLike[str],
+    *,
+    filename: str = "model.safetensors",
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
     """Write the weights of ``model`` (an ``nn.Module`` or a ``ModelState``) to ``directory/filename``.
 
     Returns the file's path. Raises ``CheckpointError("write")`` (full disk ...) with any previous
@@ -90,9 +101,7 @@ def export_hf(model: Any, directory: str | os.PathLike[str], *, filename: str = 
                     write_file(str(tmp), records, metadata={"format": "pt", **dict(metadata or {})})
             except OSError as e:
                 kept = f" The previous '{filename}' is intact." if final.exists() else ""
-                tensor = DiskError.tensor_of(e)
-                where = "" if tensor is None else f" (tensor '{tensor}')"
-                raise CheckpointError("write", f"{describe_os_error(e)} while writing '{filename}'{where}.{kept}", path=final, errno=e.errno) from e
+                raise os_failure("write", e, f"writing '{filename}'", f".{kept}", final) from e
             return final
         finally:
             state.release(snap)

@@ -140,14 +140,9 @@ class Manifest:
         return int(self.layout.get("world_size", 1))
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON (without its seal)."""
-        out: dict[str, Any] = {
-            "format": FORMAT_NAME, "format_version": self.format_version, "backend": self.backend, "tag": self.tag,
-            "version": self.version, "extra": dict(self.extra), "checksum_algorithm": self.checksum_algorithm,
-            "total_bytes": self.total_bytes, "library_version": self.library_version,
-            "torch_version": self.torch_version, "created": self.created, "created_unix": self.created_unix,
-            "files": {name: _file_json(e) for name, e in self.files.items()}, "layout": self.layout,
-        }
+        """The manifest as JSON (without its seal): the fields ``_MANIFEST`` lists, in its order."""
+        out: dict[str, Any] = {"format": FORMAT_NAME, **{k: getattr(self, k) for k, _ in _MANIFEST[1:]}}
+        out.update(extra=dict(self.extra), files={name: _file_json(e) for name, e in self.files.items()})
         if self.kind == DCP_FORMAT:
             out["dcp_tensors"] = {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in self.dcp_tensors.items()}
         return out
@@ -162,8 +157,13 @@ def _file_json(e: FileEntry) -> dict[str, Any]:
     if e.header is not None:
         d["header"] = {"bytes": e.header[0], "checksum": _crc_text(e.header[1])}
         d["tensors"] = [
-            {"name": t.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-             "data_offsets": [t.start, t.start + t.nbytes], "checksum": _crc_text(t.crc32)}
+            {
+                "name": t.name,
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "data_offsets": [t.start, t.start + t.nbytes],
+                "checksum": _crc_text(t.crc32),
+            }
             for t in e.tensors
         ]
     return d
@@ -172,16 +172,31 @@ def _file_json(e: FileEntry) -> dict[str, Any]:
 # --------------------------------------------------------------------------- writing
 
 
-def make(*, backend: str, layout: Mapping[str, Any], files: Mapping[str, FileEntry], tag: str | None,
-         version: int | None, extra: Mapping[str, str], dcp_tensors: Mapping[str, DcpTensor] | None = None) -> Manifest:
+def make(
+    *,
+    backend: str,
+    layout: Mapping[str, Any],
+    files: Mapping[str, FileEntry],
+    tag: str | None,
+    version: int | None,
+    extra: Mapping[str, str],
+    dcp_tensors: Mapping[str, DcpTensor] | None = None,
+) -> Manifest:
     """A new manifest, stamped with the library and torch versions and the time."""
     now = time.time()
     return Manifest(
-        backend=backend, layout=dict(layout), files=dict(files), tag=tag, version=version, extra=dict(extra),
+        backend=backend,
+        layout=dict(layout),
+        files=dict(files),
+        tag=tag,
+        version=version,
+        extra=dict(extra),
         total_bytes=sum(t.nbytes for e in files.values() for t in e.tensors) or sum(e.bytes for e in files.values()),
         library_version=str(getattr(sys.modules.get("stateshift"), "__version__", "unknown")),
-        torch_version=str(torch.__version__), dcp_tensors=dict(dcp_tensors or {}),
-        created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z", created_unix=now,
+        torch_version=str(torch.__version__),
+        dcp_tensors=dict(dcp_tensors or {}),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
+        created_unix=now,
     )
 
 
@@ -236,8 +251,14 @@ def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
         _valid(slot, "str", "its slot's name")
     except _Bad as e:
         raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name) from None
-    return {"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "stride": list(m.stride), "offset": m.offset,
-            "meta": _stored_meta(m)[0] if m.meta else []}
+    return {
+        "name": m.name,
+        "shape": list(m.shape),
+        "dtype": m.dtype,
+        "stride": list(m.stride),
+        "offset": m.offset,
+        "meta": _stored_meta(m)[0] if m.meta else [],
+    }
 
 
 def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
@@ -256,8 +277,15 @@ def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, 
         slots = []
         for info in layout.slots:
             members = [_member_json(info.name, m) for m in info.members]
-            slots.append({"slot": info.name, "nbytes": info.nbytes, "record": stored_as(info)[0],
-                          "typed": is_typed(info), "members": members})
+            slots.append(
+                {
+                    "slot": info.name,
+                    "nbytes": info.nbytes,
+                    "record": stored_as(info)[0],
+                    "typed": is_typed(info),
+                    "members": members,
+                }
+            )
         out[group] = {"file": fname, "slots": slots}
     return {"rank": rank, "groups": out}
 
@@ -266,11 +294,17 @@ def as_stored(layout: Layout) -> Layout:
     """The model's layout as a manifest would give it back (``meta`` through JSON), to compare with one."""
     if not any(m.meta for s in layout.slots for m in s.members):
         return layout
-    return Layout.build(tuple(
-        SlotInfo(s.name, s.group, s.nbytes, tuple(
-            MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)[1]) for m in s.members))
-        for s in layout.slots
-    ))
+    return Layout.build(
+        tuple(
+            SlotInfo(
+                s.name,
+                s.group,
+                s.nbytes,
+                tuple(MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)[1]) for m in s.members),
+            )
+            for s in layout.slots
+        )
+    )
 
 
 def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
@@ -280,7 +314,9 @@ def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
         stored = _meta_json(m.meta)
         return stored, _meta(stored, "its meta")
     except _Bad as e:
-        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name, field="meta") from None
+        raise LayoutError(
+            "checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name, field="meta"
+        ) from None
 
 
 # --------------------------------------------------------------------------- reading: one validator
@@ -369,16 +405,22 @@ def _invalid(v: Any, kind: str, at: str) -> Any:
 
 Spec = tuple[tuple[str, str], ...]
 """The fields of one object of the schema: ``(key, kind)``; a kind ending in ``?`` may be null or absent."""
-_TENSOR: Spec = (("name", "str"), ("dtype", "dtype"), ("shape", "shape"), ("data_offsets", "ints"), ("checksum", "crc"))
-_MEMBER: Spec = (("name", "str"), ("shape", "shape"), ("dtype", "torch_dtype"), ("stride", "stride"), ("offset", "int"),
-                 ("meta", "meta"))
-_SLOT: Spec = (("slot", "str"), ("nbytes", "int"), ("typed", "bool"), ("record", "str"), ("members", "list"))
-_SIZED: Spec = (("bytes", "int"), ("checksum", "crc"))
-_LAYOUT: Spec = (("groups", "list"), ("world_size", "int"), ("ranks", "list"))
-_MANIFEST: Spec = (("format", "str"), ("format_version", "int"), ("checksum_algorithm", "str"), ("files", "dict"),
-                   ("layout", "dict"), ("extra", "dict"), ("backend", "str"), ("tag", "str?"), ("version", "signed?"),
-                   ("total_bytes", "int"), ("library_version", "str"), ("torch_version", "str"), ("created", "str"),
-                   ("created_unix", "number"))
+
+
+def _spec(fields: str) -> Spec:
+    """A ``Spec`` written as ``"key:kind key:kind ..."``."""
+    return tuple((key, kind) for key, _, kind in (f.partition(":") for f in fields.split()))
+
+
+_TENSOR = _spec("name:str dtype:dtype shape:shape data_offsets:ints checksum:crc")
+_MEMBER = _spec("name:str shape:shape dtype:torch_dtype stride:stride offset:int meta:meta")
+_SLOT = _spec("slot:str nbytes:int typed:bool record:str members:list")
+_SIZED = _spec("bytes:int checksum:crc")
+_LAYOUT = _spec("groups:list world_size:int ranks:list")
+_MANIFEST = _spec(  # (``Manifest``'s fields but ``dcp_tensors``, in the order ``to_json`` writes them)
+    "format:str format_version:int backend:str tag:str? version:signed? extra:dict checksum_algorithm:str "
+    "total_bytes:int library_version:str torch_version:str created:str created_unix:number files:dict layout:dict"
+)
 
 
 def _fields(d: Any, where: str, spec: Spec) -> list[Any]:
@@ -388,7 +430,9 @@ def _fields(d: Any, where: str, spec: Spec) -> list[Any]:
     out = []
     for key, kind in spec:  # (str and int fields inline: the bulk of a manifest of many tensors)
         v = d.get(key, _ABSENT)
-        if (kind == "str" and type(v) is str and v.isascii()) or (kind == "int" and type(v) is int and 0 <= v < _MAX_INT):
+        if (kind == "str" and type(v) is str and v.isascii()) or (
+            kind == "int" and type(v) is int and 0 <= v < _MAX_INT
+        ):
             out.append(v)
         else:
             out.append(_valid(v, kind, where, key))
@@ -413,8 +457,13 @@ def _meta(v: Any, where: str, depth: int = 0) -> Any:
 def check_file_name(name: Any, where: str = "file name") -> str:
     """A file of a checkpoint is a plain name inside it (``ValueError`` otherwise)."""
     _valid(name, "str", where)
-    bad = (not name or name in (".", "..", MANIFEST_NAME) or len(name.encode()) > 255
-           or (name.startswith(".") and name != DCP_METADATA) or any(c in name for c in "/\\\0"))
+    bad = (
+        not name
+        or name in (".", "..", MANIFEST_NAME)
+        or len(name.encode()) > 255
+        or (name.startswith(".") and name != DCP_METADATA)
+        or any(c in name for c in "/\\\0")
+    )
     if bad:
         raise _Bad(f"{where} {name!r} is not a plain file name inside the checkpoint")
     return name
@@ -465,8 +514,10 @@ def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> 
     want = (dtype_of(members[0].dtype), members[0].shape) if typed else (torch.uint8, (info.nbytes,))
     t = stored.get(record)
     if t is None or (t.dtype, t.shape) != want or (typed and not info.covers_storage):
-        raise _Bad(f"{where}: its record {bounded(record)} is not stored in the group's file as {want[0]} "
-                   f"{bounded(list(want[1]))}")
+        raise _Bad(
+            f"{where}: its record {bounded(record)} is not stored in the group's file as {want[0]} "
+            f"{bounded(list(want[1]))}"
+        )
     if not typed:  # (a typed slot's one member covers it exactly)
         for k, m in enumerate(members):
             if (bad := _outside(m, info.nbytes)) is not None:
@@ -508,7 +559,9 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
             if entry is None or entry.header is None:
                 raise _Bad(f"{gw}.file {fname!r} is not a safetensors file of this checkpoint")
             by_name = {t.name: t for t in entry.tensors}
-            decoded[g] = StoredGroup(fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots)))
+            decoded[g] = StoredGroup(
+                fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots))
+            )
             names = [m.name for s in decoded[g].slots for m in s.info.members]
             if len(set(names)) != len(names):
                 raise _Bad(f"{gw}: a tensor name repeats")
@@ -529,23 +582,21 @@ def _dcp(tensors: Any) -> dict[str, DcpTensor]:
 
 
 def _decode(d: Any) -> Manifest:
-    (fmt_name, fv, algorithm, files, layout, extra, backend, tag, version, total, lib, torch_v, created,
-     created_unix) = _fields(d, "manifest", _MANIFEST)
-    if fmt_name != FORMAT_NAME or algorithm != "crc32":
+    v = dict(zip([k for k, _ in _MANIFEST], _fields(d, "manifest", _MANIFEST), strict=True))
+    if v.pop("format") != FORMAT_NAME or v["checksum_algorithm"] != "crc32":
         raise _Bad(f"not a {FORMAT_NAME} manifest with crc32 checksums")
-    if fv != FORMAT_VERSION:
-        raise _Bad(f"format_version {fv}: this stateshift reads format {FORMAT_VERSION} only")
-    kind = layout.get("format")
-    if kind == DCP_FORMAT and _fields(layout, "layout", (("world_size", "int"),))[0] < 1:
+    if v["format_version"] != FORMAT_VERSION:
+        raise _Bad(f"format_version {v['format_version']}: this stateshift reads format {FORMAT_VERSION} only")
+    kind = v["layout"].get("format")
+    if kind == DCP_FORMAT and _fields(v["layout"], "layout", (("world_size", "int"),))[0] < 1:
         raise _Bad("layout.world_size is 0")
     if kind not in (STATE_FORMAT, DCP_FORMAT):
-        _meta(layout, "layout")
-    return Manifest(
-        backend=backend, layout=layout, files={check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in files.items()},
-        tag=tag, version=version, extra={_valid(k, "str", "extra"): _valid(v, "str", f"extra[{k!r}]") for k, v in extra.items()},
-        total_bytes=total, library_version=lib, torch_version=torch_v, created=created, created_unix=float(created_unix),
-        dcp_tensors=_dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}, format_version=fv,
-    )
+        _meta(v["layout"], "layout")
+    v["files"] = {check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in v["files"].items()}
+    v["extra"] = {_valid(k, "str", "extra"): _valid(x, "str", f"extra[{k!r}]") for k, x in v["extra"].items()}
+    v["created_unix"] = float(v["created_unix"])
+    v["dcp_tensors"] = _dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}
+    return Manifest(**v)
 
 
 # --------------------------------------------------------------------------- a data file against its entry
@@ -556,7 +607,9 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
     """The tensors a safetensors header (the 8-byte length and the JSON) describes, in file order, each entry
     through the manifest's validator and checked against the file's size (``crc32`` 0: a header has none)."""
     if len(raw) < 8 or struct.unpack("<Q", raw[:8])[0] + 8 != len(raw) or len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointError("corrupt", f"file truncated or header length impossible for a {file_size}-byte file", path=path)
+        raise CheckpointError(
+            "corrupt", f"file truncated or header length impossible for a {file_size}-byte file", path=path
+        )
     header = load_json(raw[8:], path, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError("corrupt", "safetensors header is not a JSON object", path=path)
@@ -566,7 +619,9 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
         try:
             found.append(_tensor(ent, "the entry", file_size, name))
         except _Bad as e:
-            raise CheckpointError("corrupt", f"bad header entry for tensor {bounded(name)}: {e}", path=path, tensor=name) from None
+            raise CheckpointError(
+                "corrupt", f"bad header entry for tensor {bounded(name)}: {e}", path=path, tensor=name
+            ) from None
     found.sort(key=lambda t: (t.start, t.nbytes))
     bad = _extent_error(found, len(raw), file_size)
     if bad is not None:
@@ -601,14 +656,14 @@ def check_file(fd: int, size: int, entry: FileEntry, path: str, checked: bytes |
     if raw == checked:
         return raw
     if len(raw) != entry.header[0] or crc32(raw) != entry.header[1]:
-        raise CheckpointError("corrupt", "header checksum mismatch: the header is not the one the manifest records", path=path)
+        raise CheckpointError(
+            "corrupt", "header checksum mismatch: the header is not the one the manifest records", path=path
+        )
     found = parse_header(raw, size, path)
     want = tuple((t.name, t.dtype, t.shape, t.start) for t in entry.tensors)
     if tuple((t.name, t.dtype, t.shape, t.start) for t in found) != want:
         raise CheckpointError("corrupt", "header describes other tensors than the manifest records", path=path)
     return raw
-
-
 
 
 @without_gc

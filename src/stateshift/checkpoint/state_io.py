@@ -79,8 +79,12 @@ def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Stag
         snap.wait()
         files, groups = {}, {}
         for part in snap.parts:
-            fname = f"{part.group}.safetensors" if comm.world == 1 else f"{part.group}.rank{comm.rank}-of-{comm.world}.safetensors"
-            files[fname] = [Record(*mf.stored_as(info), region) for info, region in zip(part.layout.slots, part.regions(), strict=True)]
+            shard = "" if comm.world == 1 else f".rank{comm.rank}-of-{comm.world}"
+            fname = f"{part.group}{shard}.safetensors"
+            files[fname] = [
+                Record(*mf.stored_as(info), region)
+                for info, region in zip(part.layout.slots, part.regions(), strict=True)
+            ]
             groups[part.group] = (fname, part.layout)
         return _Staged(snap, files, mf.rank_json(comm.rank, groups))
     except BaseException:
@@ -154,8 +158,9 @@ def _give_back(state: ModelState, snap: Snapshot) -> None:
         snap.release()  # close() released it already; idempotent
 
 
-def _stage_everywhere(state: ModelState, final: Path, groups: str | Iterable[str] | None, comm: Collective,
-                      fields: Mapping[str, Any]) -> _Staged:
+def _stage_everywhere(
+    state: ModelState, final: Path, groups: str | Iterable[str] | None, comm: Collective, fields: Mapping[str, Any]
+) -> _Staged:
     """Check the arguments and stage the values on every rank, then agree (on the calling thread): a rank
     whose staging failed (a budget, a bad group) makes every rank raise now, none left waiting in the write."""
     staged: list[_Staged] = []
@@ -167,15 +172,31 @@ def _stage_everywhere(state: ModelState, final: Path, groups: str | Iterable[str
         staged.append(_stage(state, names, comm))
 
     def failed(rank: int, text: str) -> BaseException:
-        return CheckpointError("write", f"rank {rank} failed while staging its values ({text}); nothing was written", path=final)
+        return CheckpointError(
+            "write", f"rank {rank} failed while staging its values ({text}); nothing was written", path=final
+        )
 
-    comm.run(stage, what="staging its values", share=False, error=failed,
-             cleanup=lambda: [state.release(st.snapshot) for st in staged])
+    comm.run(
+        stage,
+        what="staging its values",
+        share=False,
+        error=failed,
+        cleanup=lambda: [state.release(st.snapshot) for st in staged],
+    )
     return staged[0]
 
 
-def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None, *, background: bool,
-           distributed: bool | None, group: Any, progress: ProgressFn | None, **fields: Any) -> SaveHandle:
+def _start(
+    state: ModelState,
+    path: str | os.PathLike[str],
+    groups: str | Iterable[str] | None,
+    *,
+    background: bool,
+    distributed: bool | None,
+    group: Any,
+    progress: ProgressFn | None,
+    **fields: Any,
+) -> SaveHandle:
     t0 = time.perf_counter()
     final = Path(os.path.abspath(path))
     comm = _collective(state, distributed, group)
@@ -189,9 +210,15 @@ def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterab
             if before is not None:
                 before.wait()
             handle.manifest = write_checkpoint(
-                final, staged.files, backend="+".join(b.name for b in state.backends), rank_layout=staged.layout,
-                layout={"format": mf.STATE_FORMAT, "groups": list(staged.snapshot.groups)}, progress=_guarded(staged.snapshot, progress),
-                comm=comm, **fields)
+                final,
+                staged.files,
+                backend="+".join(b.name for b in state.backends),
+                rank_layout=staged.layout,
+                layout={"format": mf.STATE_FORMAT, "groups": list(staged.snapshot.groups)},
+                progress=_guarded(staged.snapshot, progress),
+                comm=comm,
+                **fields,
+            )
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             handle._error = e
         finally:
@@ -207,10 +234,19 @@ def _start(state: ModelState, path: str | os.PathLike[str], groups: str | Iterab
 
 
 @without_gc
-def save(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None = None, *,
-         tag: str | None = None, version: int | None = None, extra: Mapping[str, str] | None = None,
-         update_latest: bool = False, distributed: bool | None = None, group: Any = None,
-         progress: ProgressFn | None = None) -> mf.Manifest:
+def save(
+    state: ModelState,
+    path: str | os.PathLike[str],
+    groups: str | Iterable[str] | None = None,
+    *,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    update_latest: bool = False,
+    distributed: bool | None = None,
+    group: Any = None,
+    progress: ProgressFn | None = None,
+) -> mf.Manifest:
     """Write ``groups`` of ``state`` (default: all but ``grads``) to a new checkpoint directory ``path``.
 
     Works in every residency and mix: device slots are copied once into a pooled pinned block,
@@ -227,15 +263,22 @@ def save(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     Raises ``CheckpointError("write")`` (full disk, quota, a failing rank, ...); no checkpoint is then
     created and the previous one (and ``latest``) is intact. ``FileExistsError`` if ``path`` exists.
     """
-    handle = _start(state, path, groups, background=False, distributed=distributed, group=group, progress=progress,
-                    tag=tag, version=version, extra=extra, update_latest=update_latest)
-    return handle.wait()
+    return _start(background=False, **locals()).wait()  # (locals(): the parameters, as passed)
 
 
-def async_save(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None = None, *,
-               tag: str | None = None, version: int | None = None, extra: Mapping[str, str] | None = None,
-               update_latest: bool = False, distributed: bool | None = None, group: Any = None,
-               progress: ProgressFn | None = None) -> SaveHandle:
+def async_save(
+    state: ModelState,
+    path: str | os.PathLike[str],
+    groups: str | Iterable[str] | None = None,
+    *,
+    tag: str | None = None,
+    version: int | None = None,
+    extra: Mapping[str, str] | None = None,
+    update_latest: bool = False,
+    distributed: bool | None = None,
+    group: Any = None,
+    progress: ProgressFn | None = None,
+) -> SaveHandle:
     """Like ``save``, but returns once the values are staged; a background thread writes them.
 
     Staging is a host snapshot (zero-copy for offloaded groups, one pinned device-to-host copy
@@ -248,8 +291,7 @@ def async_save(state: ModelState, path: str | os.PathLike[str], groups: str | It
     Distributed: call on every rank; the writer threads talk over a gloo group of the same ranks
     (created collectively by the first call). ``progress`` runs on the writer thread.
     """
-    return _start(state, path, groups, background=True, distributed=distributed, group=group, progress=progress,
-                  tag=tag, version=version, extra=extra, update_latest=update_latest)
+    return _start(background=True, **locals())  # (locals(): the parameters, as passed)
 
 
 # --------------------------------------------------------------------------- load
@@ -258,14 +300,14 @@ def async_save(state: ModelState, path: str | os.PathLike[str], groups: str | It
 def _mismatch(e: LayoutError, group: str, model: Layout, cast: bool) -> LayoutError:
     """The engine's layout error, with what to do about it in a checkpoint's terms."""
     hint = ""
-    if e.field == "dtype":
-        hint = ("; it lives in a shared storage (tied or flat buffer) stored as raw bytes: cast=True converts only "
-                "plain tensors") if cast else "; pass cast=True to convert on load"
+    if e.field == "dtype" and cast:
+        hint = "; it lives in a shared storage (tied, flat buffer) stored as raw bytes: cast=True casts plain tensors"
+    elif e.field == "dtype":
+        hint = "; pass cast=True to convert on load"
     elif e.field == "meta":
         hint = " (another mesh, rank or placement: reshard with save_dcp/load_dcp)"
     elif e.field == "missing" and group == "optim" and not model.slots:
-        hint = ("; the optimizer has no state yet (its first step creates it): call "
-                "stateshift.checkpoint.init_optimizer_state(optimizer) before loading")
+        hint = "; the optimizer has no state yet (its first step makes it): call init_optimizer_state(optimizer) first"
     return LayoutError("checkpoint_mismatch", e.reason + hint, tensor=e.tensor, field=e.field)
 
 
@@ -283,12 +325,22 @@ def _plan(group: str, model: Layout, stored: mf.StoredGroup, cast: bool) -> Plan
     plan = [(by_first[s.members[0].name], i in casting) for i, s in enumerate(model.slots)]
     for slot, needs_cast in plan:
         if needs_cast and not slot.typed:
-            raise LayoutError("checkpoint_mismatch", "stored as raw bytes of a dtype safetensors lacks: it cannot be cast", tensor=slot.record, field="dtype")
+            raise LayoutError(
+                "checkpoint_mismatch",
+                "stored as raw bytes of a dtype safetensors lacks: it cannot be cast",
+                tensor=slot.record,
+                field="dtype",
+            )
     return plan
 
 
-def _fill(ckpt: Checkpoint, stored: Mapping[str, mf.StoredGroup], plans: dict[str, tuple[Layout, Plan]], cast: bool,
-          progress: ProgressFn | None) -> Any:
+def _fill(
+    ckpt: Checkpoint,
+    stored: Mapping[str, mf.StoredGroup],
+    plans: dict[str, tuple[Layout, Plan]],
+    cast: bool,
+    progress: ProgressFn | None,
+) -> Any:
     """``snapshot_from``'s fill: one group's file read straight into the part's regions, verified."""
 
     def fill(part: SnapshotPart) -> None:
@@ -312,8 +364,14 @@ def _fill(ckpt: Checkpoint, stored: Mapping[str, mf.StoredGroup], plans: dict[st
     return fill
 
 
-def _read(state: ModelState, ckpt: Checkpoint, stored: Mapping[str, mf.StoredGroup], groups: tuple[str, ...] | None,
-          cast: bool, progress: ProgressFn | None) -> Snapshot:
+def _read(
+    state: ModelState,
+    ckpt: Checkpoint,
+    stored: Mapping[str, mf.StoredGroup],
+    groups: tuple[str, ...] | None,
+    cast: bool,
+    progress: ProgressFn | None,
+) -> Snapshot:
     """Check every group's layout, then read and verify into a host snapshot laid out like the model."""
     names = tuple(stored) if groups is None else groups
     for g in names:
@@ -331,8 +389,12 @@ def _read(state: ModelState, ckpt: Checkpoint, stored: Mapping[str, mf.StoredGro
         layout = state.layout(g)
         plans[g] = (layout, _plan(g, layout, stored[g], cast))
     ckpt.check(stored[g].file for g in names)  # every file opened and checked before the first byte of data is read
-    return core_of(state).snapshot_from(names, _fill(ckpt, stored, plans, cast, progress),
-                               tag=f"_checkpoint-load-{uuid.uuid4().hex[:12]}", version=ckpt.manifest.version)
+    return core_of(state).snapshot_from(
+        names,
+        _fill(ckpt, stored, plans, cast, progress),
+        tag=f"_checkpoint-load-{uuid.uuid4().hex[:12]}",
+        version=ckpt.manifest.version,
+    )
 
 
 def _my_rank(manifest: mf.Manifest, root: Path, group: Any) -> int:
@@ -351,8 +413,15 @@ def _my_rank(manifest: mf.Manifest, root: Path, group: Any) -> int:
 
 
 @without_gc
-def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable[str] | None = None, *,
-         cast: bool = False, group: Any = None, progress: ProgressFn | None = None) -> mf.Manifest:
+def load(
+    state: ModelState,
+    path: str | os.PathLike[str],
+    groups: str | Iterable[str] | None = None,
+    *,
+    cast: bool = False,
+    group: Any = None,
+    progress: ProgressFn | None = None,
+) -> mf.Manifest:
     """Load ``groups`` (default: every group in the checkpoint) from ``path`` into ``state``.
 
     ``path`` is a checkpoint or a directory whose ``latest`` names one. Checked before a byte is
@@ -369,15 +438,8 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
     agree before any restores). For another world size use ``save_dcp``/``load_dcp``. When this
     returns, compute enqueued afterwards sees the loaded values.
     """
-    ckpt = Checkpoint.open(path, files=())
+    ckpt = Checkpoint.open(path, files=(), kind=mf.STATE_FORMAT)
     manifest = ckpt.manifest
-    if manifest.kind != mf.STATE_FORMAT:
-        hint = " (a torch.distributed.checkpoint directory: use load_dcp)" if manifest.kind == mf.DCP_FORMAT else ""
-        raise LayoutError(
-            "checkpoint_mismatch",
-            f"'{ckpt.path}' is not a stateshift model-state checkpoint (layout format {manifest.kind!r}){hint}",
-            tensor="(checkpoint)",
-        )
     names = None if groups is None else ((groups,) if isinstance(groups, str) else tuple(groups))
     rank = _my_rank(manifest, ckpt.path, group)
     read: list[Snapshot] = []
@@ -388,9 +450,13 @@ def load(state: ModelState, path: str | os.PathLike[str], groups: str | Iterable
 
     Collective(group, enabled=manifest.world_size > 1).run(
         read_mine,
-        what=f"loading '{ckpt.path}'", share=False, cleanup=lambda: [state.release(s) for s in read],
+        what=f"loading '{ckpt.path}'",
+        share=False,
+        cleanup=lambda: [state.release(s) for s in read],
         error=lambda r, text: CheckpointError(
-            "failed", f"loading '{ckpt.path}' failed on rank {r} ({text}); no rank changed its model"))
+            "failed", f"loading '{ckpt.path}' failed on rank {r} ({text}); no rank changed its model"
+        ),
+    )
     snap = read[0]
     try:
         state.restore(snap)
