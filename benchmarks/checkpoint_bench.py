@@ -71,21 +71,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--groups", choices=["params", "all"], default="all",
-                   help="'params': params + buffers; 'all': params + buffers + Adam state")
+    p.add_argument(
+        "--groups",
+        choices=["params", "all"],
+        default="all",
+        help="'params': params + buffers; 'all': params + buffers + Adam state",
+    )
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda[:N]'")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median), after one warm-up")
-    p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temporary directory)")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where checkpoints are written (default: a temporary directory)"
+    )
     p.add_argument("--out", type=Path, default=None, help="directory for <date>-<machine>-checkpoint.json and .png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--cold", action="store_true", help="drop the files' cached pages before every load")
     p.add_argument("--name", default=None, help="machine name in the result file's name (default: from the machine)")
-    p.add_argument("--many", type=int, default=0, metavar="N",
-                   help="instead of the transformer: N parameters of --many-kib KiB each (result file: ...-checkpoint-many)")
+    p.add_argument(
+        "--many",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the transformer: N parameters of --many-kib KiB each (result file: ...-checkpoint-many)",
+    )
     p.add_argument("--many-kib", type=int, default=16)
-    p.add_argument("--loads-only", action="store_true",
-                   help="time only the loads (ours, safetensors.load_file and the verified loop): short rounds, "
-                        "for a machine that is quiet only for moments")
+    p.add_argument(
+        "--loads-only",
+        action="store_true",
+        help="time only the loads (ours, safetensors.load_file and the verified loop): short rounds, "
+        "for a machine that is quiet only for moments",
+    )
     return p
 
 
@@ -155,7 +169,9 @@ class _Many(torch.nn.Module):
         self.params = torch.nn.ParameterList(torch.randn(numel, dtype=dtype, device=device) for _ in range(n))
 
 
-def _build(args: argparse.Namespace, device: torch.device) -> tuple[ModelState, dict[str, torch.Tensor], tuple[str, ...]]:
+def _build(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[ModelState, dict[str, torch.Tensor], tuple[str, ...]]:
     cfg = GPTConfig(vocab=args.vocab, width=args.hidden, layers=args.layers, heads=args.heads, max_len=args.seq)
     if args.many:
         model: torch.nn.Module = _Many(args.many, args.many_kib, DTYPES[args.dtype], device)
@@ -169,9 +185,12 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[ModelState, 
     opt.zero_grad(set_to_none=True)
     groups = ("params", "buffers", "optim") if args.groups == "all" else ("params", "buffers")
     tensors = _live_tensors(model, opt, args.groups == "all")
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params ({args.dtype}) on {device}; "
-          f"checkpoint of {', '.join(groups)}: {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB in "
-          f"{len(tensors)} tensors", file=sys.stderr)
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params ({args.dtype}) on {device}; "
+        f"checkpoint of {', '.join(groups)}: {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB in "
+        f"{len(tensors)} tensors",
+        file=sys.stderr,
+    )
     return ModelState(model, opt), tensors, groups
 
 
@@ -218,17 +237,22 @@ def _baselines(tensors: dict[str, torch.Tensor], work: Path, device: torch.devic
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     state, tensors, groups = _build(args, device)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
-    cold = (lambda p: (lambda: _drop_cache(p))) if args.cold else (lambda p: None)
-    fresh = lambda p: (lambda: shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True))  # noqa: E731
-    fns = {k: (fn, lambda setup=setup: (state.onload(groups), setup and setup()))  # the baselines need it resident
-           for k, (fn, setup) in _baselines(tensors, work, device, cold, fresh).items()}
+    cold = (lambda p: lambda: _drop_cache(p)) if args.cold else (lambda p: None)
+    fresh = lambda p: lambda: shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)  # noqa: E731
+    fns = {
+        k: (fn, lambda setup=setup: (state.onload(groups), setup and setup()))  # the baselines need it resident
+        for k, (fn, setup) in _baselines(tensors, work, device, cold, fresh).items()
+    }
     if args.loads_only:  # each file is written once, untimed; the rounds time only the loads
         for k in ("torch.save", "safetensors.save_file"):
             fns.pop(k)[0]()
@@ -253,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fns[f"save/{residency}"] = (lambda: save(state, path, groups), lambda: (place(), fresh(path)()))
             fns[f"async/{residency}"] = (start_async, lambda: (place(), fresh(path_async)()))
-        fns[f"load/{residency}"] = (lambda: load(state, path, groups), lambda: (place(), (cold(path) or (lambda: None))()))
+        fns[f"load/{residency}"] = (
+            lambda: load(state, path, groups),
+            lambda: (place(), (cold(path) or (lambda: None))()),
+        )
 
     ours("device")
     ours("host")
@@ -263,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     base_gbps = {k: nbytes / med[k] / 1e9 for k in base_names}
     ceilings = {f"{k}_gbps": round(v, 3) for k, v in base_gbps.items()}
     ceilings.update({k: round(v, 2) for k, v in bench.measure_ceilings(nbytes, device, repeat=args.repeat).items()})
-    result = bench.BenchResult(machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(),
-                               ceilings=ceilings)
+    result = bench.BenchResult(
+        machine=bench.machine_name(device), torch=torch.__version__, stateshift=bench.git_sha(), ceilings=ceilings
+    )
     warm = "" if args.cold else "; page cache warm"
     busy = max(load_before[0], os.getloadavg()[0])
     if busy > (os.cpu_count() or 1):  # ratios on a shared machine are not those of a quiet one: say so in every row
@@ -273,20 +301,42 @@ def main(argv: list[str] | None = None) -> int:
         for op, key, bound, note in (
             ("save", f"save/{residency}", "safetensors.save_file", "fsynced"),
             ("load", f"load/{residency}", "safetensors.load_file", f"checksums verified{warm}"),
-            ("async_save_blocking", None, "safetensors.save_file", "caller blocked until staged; write continues in a thread"),
+            (
+                "async_save_blocking",
+                None,
+                "safetensors.save_file",
+                "caller blocked until staged; write continues in a thread",
+            ),
         ):
             if (key or f"async/{residency}") not in fns:
                 continue
             seconds = med[key] if key else statistics.median(blocked[residency][1:])
             gbps = nbytes / seconds / 1e9
             plain = base_gbps[VERIFIED] if op == "load" else None
-            result.rows.append(bench.Row("torch", op, residency, device.type, nbytes, seconds, gbps,
-                                         gbps / base_gbps[bound], bound, note, loop_gbps=plain,
-                                         vs_loop=None if plain is None else gbps / plain,
-                                         case=f"many-{args.many}x{args.many_kib}KiB" if args.many else ""))
+            result.rows.append(
+                bench.Row(
+                    "torch",
+                    op,
+                    residency,
+                    device.type,
+                    nbytes,
+                    seconds,
+                    gbps,
+                    gbps / base_gbps[bound],
+                    bound,
+                    note,
+                    loop_gbps=plain,
+                    vs_loop=None if plain is None else gbps / plain,
+                    case=f"many-{args.many}x{args.many_kib}KiB" if args.many else "",
+                )
+            )
     result.extra.update(
-        model={"params": sum(p.numel() for p in state.backends[0].checkpoint_facts().module.parameters()),
-               "dtype": args.dtype, "groups": list(groups), "tensors": len(tensors)},
+        model={
+            "params": sum(p.numel() for p in state.backends[0].checkpoint_facts().module.parameters()),
+            "dtype": args.dtype,
+            "groups": list(groups),
+            "tensors": len(tensors),
+        },
         baselines={k: {"seconds": med[k], "gbps": base_gbps[k]} for k in base_names},
         timing="round-robin: each round times every baseline and every op of ours once; medians over rounds",
         load_average={"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},

@@ -15,9 +15,26 @@ import stateshift
 from stateshift.backends import REGISTRY, base
 
 SRC = Path(stateshift.__file__).resolve().parent
-ENGINE = ["core/state.py", "core/snapshot.py", "core/transfer.py", "core/slot.py", "core/pool.py", "core/layout.py",
-          "core/groups.py", "core/swap.py", "core/source.py", "core/stable.py", "core/locking.py", "core/disk.py",
-          "core/ranks.py", "core/touch.py", "core/engine.py", "core/verbs.py", "core/tiers.py", "core/disk_tier.py"]
+ENGINE = [
+    "core/state.py",
+    "core/snapshot.py",
+    "core/transfer.py",
+    "core/slot.py",
+    "core/pool.py",
+    "core/layout.py",
+    "core/groups.py",
+    "core/swap.py",
+    "core/source.py",
+    "core/stable.py",
+    "core/locking.py",
+    "core/disk.py",
+    "core/ranks.py",
+    "core/touch.py",
+    "core/engine.py",
+    "core/verbs.py",
+    "core/tiers.py",
+    "core/disk_tier.py",
+]
 MAX_LINES = 60
 #: packages still being cut to size (issue 9 rewrites checkpoint/; this set empties when it lands)
 PENDING = ()
@@ -41,8 +58,14 @@ def _imports(path: Path) -> list[str]:
 def test_engine_imports_nothing_above_it(name):
     path = SRC / name
     assert path.exists(), name
-    above = ("stateshift.backends", "stateshift.checkpoint", "stateshift.rl", "stateshift.train", "stateshift.cli",
-             "stateshift.integrations")
+    above = (
+        "stateshift.backends",
+        "stateshift.checkpoint",
+        "stateshift.rl",
+        "stateshift.train",
+        "stateshift.cli",
+        "stateshift.integrations",
+    )
     bad = [m for m in _imports(path) if m.startswith(above)]
     assert not bad, f"{name} imports {bad}"
 
@@ -165,15 +188,19 @@ def test_no_import_cycles_anywhere_lazy_imports_included():
     assert "stateshift.train.loop" in graph["stateshift.train.launch"]  # (the graph sees what it should)
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(
-        " | ".join(f"{m} -> {sorted(set(graph[m]) & set(c))}" for m in c) for c in cycles)
+        " | ".join(f"{m} -> {sorted(set(graph[m]) & set(c))}" for m in c) for c in cycles
+    )
 
 
 def test_the_library_imports_nothing_from_the_application():
     """``stateshift train`` (``stateshift.train``) sits on the library; only it and the CLI import it."""
     graph = _import_graph()
     app = ("stateshift.train", "stateshift.cli", "stateshift.__main__")
-    bad = {m: sorted(d for d in deps if d == "stateshift.train" or d.startswith("stateshift.train."))
-           for m, deps in graph.items() if not (m in app or m.startswith(tuple(a + "." for a in app)))}
+    bad = {
+        m: sorted(d for d in deps if d == "stateshift.train" or d.startswith("stateshift.train."))
+        for m, deps in graph.items()
+        if not (m in app or m.startswith(tuple(a + "." for a in app)))
+    }
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
@@ -239,13 +266,19 @@ def test_exception_classes_are_defined_only_in_errors_py():
     assert not {p: n for p, n in public.items() if n}, f"exception classes outside errors.py: {public}"
     for path, names in found.items():  # a private one is raised and caught in its own module only
         for name in names:
-            users = [str(p.relative_to(SRC)) for p, t in trees.items() if str(p.relative_to(SRC)) != path
-                     and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t))]
+            users = [
+                str(p.relative_to(SRC))
+                for p, t in trees.items()
+                if str(p.relative_to(SRC)) != path
+                and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t))
+            ]
             assert not users, f"{path}: {name} is private but used in {users}"
 
 
 def test_every_engine_module_is_listed():
-    assert sorted(str(p.relative_to(SRC)) for p in (SRC / "core").glob("*.py") if p.name != "__init__.py") == sorted(ENGINE)
+    assert sorted(str(p.relative_to(SRC)) for p in (SRC / "core").glob("*.py") if p.name != "__init__.py") == sorted(
+        ENGINE
+    )
 
 
 def _functions(tree: ast.AST):
@@ -294,8 +327,18 @@ def _shipped_backend_classes() -> list[type]:
 
 
 def test_contract_lists_what_the_engine_and_library_call():
-    assert {"name", "groups", "forward_groups", "prepare", "entries", "install_guards", "static_groups", "coverage",
-            "checkpoint_facts", "rebuild_plugin"} <= set(_contract())
+    assert {
+        "name",
+        "groups",
+        "forward_groups",
+        "prepare",
+        "entries",
+        "install_guards",
+        "static_groups",
+        "coverage",
+        "checkpoint_facts",
+        "rebuild_plugin",
+    } <= set(_contract())
 
 
 @pytest.mark.parametrize("cls", _shipped_backend_classes(), ids=lambda c: c.__qualname__)
@@ -324,7 +367,11 @@ def test_the_torch_backends_are_runtime_instances_of_the_protocol():
 def test_public_surface_is_narrow():
     assert len(stateshift.__all__) <= 16, stateshift.__all__
     assert set(stateshift.__all__) == {
-        "ModelState", "Snapshot", "Residency", "PoolStats", "__version__",
+        "ModelState",
+        "Snapshot",
+        "Residency",
+        "PoolStats",
+        "__version__",
         *(n for n in stateshift.__all__ if n.endswith("Error")),
     }
     errors = [getattr(stateshift, n) for n in stateshift.__all__ if n.endswith("Error")]
@@ -336,8 +383,14 @@ def test_errors_py_defines_at_most_a_dozen_public_exception_classes_each_with_it
     """A dozen classes a newcomer reads at once; a case of one is its ``kind`` (a ``Literal`` of short strings)."""
     import stateshift.errors as errors
 
-    public = [v for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)
-              and v.__module__ == errors.__name__ and not n.startswith("_")]
+    public = [
+        v
+        for n, v in vars(errors).items()
+        if isinstance(v, type)
+        and issubclass(v, BaseException)
+        and v.__module__ == errors.__name__
+        and not n.startswith("_")
+    ]
     assert len(public) <= 12, [c.__name__ for c in public]
     for cls in public:
         if cls is not errors.StateShiftError:

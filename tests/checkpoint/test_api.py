@@ -12,7 +12,15 @@ from stateshift.checkpoint.format import crc32_combine
 
 def test_public_names_are_pinned():
     assert checkpoint.__all__ == [
-        "SaveHandle", "async_save", "export_hf", "init_optimizer_state", "load", "load_dcp", "save", "save_dcp", "verify",
+        "SaveHandle",
+        "async_save",
+        "export_hf",
+        "init_optimizer_state",
+        "load",
+        "load_dcp",
+        "save",
+        "save_dcp",
+        "verify",
     ]
     public = {n for n in vars(checkpoint) if not n.startswith("_") and not inspect.ismodule(getattr(checkpoint, n))}
     assert public == set(checkpoint.__all__)
@@ -24,14 +32,21 @@ def test_signatures_the_rl_trainer_calls():
 
     empty = inspect.Parameter.empty
     assert params(checkpoint.save)[:8] == [
-        ("state", "POSITIONAL_OR_KEYWORD", empty), ("path", "POSITIONAL_OR_KEYWORD", empty),
-        ("groups", "POSITIONAL_OR_KEYWORD", None), ("tag", "KEYWORD_ONLY", None), ("version", "KEYWORD_ONLY", None),
-        ("extra", "KEYWORD_ONLY", None), ("update_latest", "KEYWORD_ONLY", False), ("distributed", "KEYWORD_ONLY", None),
+        ("state", "POSITIONAL_OR_KEYWORD", empty),
+        ("path", "POSITIONAL_OR_KEYWORD", empty),
+        ("groups", "POSITIONAL_OR_KEYWORD", None),
+        ("tag", "KEYWORD_ONLY", None),
+        ("version", "KEYWORD_ONLY", None),
+        ("extra", "KEYWORD_ONLY", None),
+        ("update_latest", "KEYWORD_ONLY", False),
+        ("distributed", "KEYWORD_ONLY", None),
     ]
     assert params(checkpoint.async_save)[:7] == params(checkpoint.save)[:7]
     assert params(checkpoint.load)[:4] == [
-        ("state", "POSITIONAL_OR_KEYWORD", empty), ("path", "POSITIONAL_OR_KEYWORD", empty),
-        ("groups", "POSITIONAL_OR_KEYWORD", None), ("cast", "KEYWORD_ONLY", False),
+        ("state", "POSITIONAL_OR_KEYWORD", empty),
+        ("path", "POSITIONAL_OR_KEYWORD", empty),
+        ("groups", "POSITIONAL_OR_KEYWORD", None),
+        ("cast", "KEYWORD_ONLY", False),
     ]
     assert list(inspect.signature(checkpoint.init_optimizer_state).parameters) == ["optimizer"]
 

@@ -48,7 +48,9 @@ class _MLP(torch.nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(8, 13, dtype=dtype), torch.nn.ReLU(), torch.nn.Linear(13, 8, dtype=dtype))
+            torch.nn.Sequential(
+                torch.nn.Linear(8, 13, dtype=dtype), torch.nn.ReLU(), torch.nn.Linear(13, 8, dtype=dtype)
+            )
             for _ in range(2)
         )
         self.head = torch.nn.Linear(8, 3, dtype=dtype)
@@ -145,15 +147,19 @@ def test_each_rank_writes_and_loads_its_own_shard(sharded):
     root, results = sharded
     for r in results:
         assert r["world"] == 2 and r["changed"]
-        assert r["files"] == sorted(
-            f"{g}.rank{k}-of-2.safetensors" for g in GROUPS for k in range(2)
-        )
+        assert r["files"] == sorted(f"{g}.rank{k}-of-2.safetensors" for g in GROUPS for k in range(2))
     # rank 1 named its file; rank 0 was told rank 1 failed
-    assert results[1]["raised"][0] == "CheckpointError(corrupt)" and "params.rank1-of-2.safetensors" in results[1]["raised"][1]
+    assert (
+        results[1]["raised"][0] == "CheckpointError(corrupt)"
+        and "params.rank1-of-2.safetensors" in results[1]["raised"][1]
+    )
     assert results[0]["raised"][0] == "CheckpointError(failed)" and "rank 1" in results[0]["raised"][1]
     # the per-rank shards differ (FSDP2 gives each rank other rows)
     m = read_manifest(root / "ck-async")
-    assert m.version == 2 and m.files["params.rank0-of-2.safetensors"].checksum != m.files["params.rank1-of-2.safetensors"].checksum
+    assert (
+        m.version == 2
+        and m.files["params.rank0-of-2.safetensors"].checksum != m.files["params.rank1-of-2.safetensors"].checksum
+    )
     verify(root / "ck-async")
 
 

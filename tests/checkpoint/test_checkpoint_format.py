@@ -63,8 +63,11 @@ class _Reader:
         self.ckpt = Checkpoint.open(path)
 
     def records(self) -> list[TensorInfo]:
-        return [TensorInfo(t.name, t.dtype, t.shape, t.nbytes, f, e.header[0] + t.start)
-                for f, e in self.ckpt.manifest.files.items() for t in e.tensors]
+        return [
+            TensorInfo(t.name, t.dtype, t.shape, t.nbytes, f, e.header[0] + t.start)
+            for f, e in self.ckpt.manifest.files.items()
+            for t in e.tensors
+        ]
 
     def read_into(self, dsts: dict[str, torch.Tensor]) -> None:
         where = {i.name: i.file for i in self.records()}
@@ -170,7 +173,9 @@ def test_round_trip_all_dtypes(tmp_path: Path) -> None:
     assert verify(tmp_path / "ck") == m
 
 
-def test_checksums_are_zlib_crc32_of_each_tensor_header_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checksums_are_zlib_crc32_of_each_tensor_header_and_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import zlib
 
     monkeypatch.setattr(format_mod, "CHUNK_BYTES", 4 << 10)  # tensors cut into pieces, crcs combined
@@ -575,7 +580,9 @@ def tiny_tmpfs(tmp_path: Path):
 def test_real_full_disk_enospc(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prev_path, p = tiny_tmpfs / "ck", tiny_tmpfs / "ck2"
     prev = {"w": torch.randn(256 << 10)}  # 1 MiB
-    write_checkpoint(prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True)
+    write_checkpoint(
+        prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True
+    )
 
     # 1) Clearly too big: refused before a byte is written.
     huge = {"w": torch.zeros(8 << 20, dtype=torch.uint8)}
@@ -667,11 +674,15 @@ def test_disk_filling_during_data_write_names_file_and_tensor(tmp_path: Path, mo
     # GPU machine's tmpfs test asks; everything else as before.
     prev_path, p = tmp_path / "ck", tmp_path / "ck2"
     prev = {"w": torch.randn(1000)}
-    write_checkpoint(prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True)
+    write_checkpoint(
+        prev_path, {"w.safetensors": _records(prev)}, backend="t", layout={}, version=1, update_latest=True
+    )
     monkeypatch.setattr(format_mod, "CHUNK_BYTES", 64 << 10)
     _FillingDisk(monkeypatch, room=300 << 10)  # part-way through the 1 MiB tensor
     with raises_kind(CheckpointError, "write", match="no space left on device") as ei:
-        write_checkpoint(p, {"w.safetensors": _records({"w": torch.randn(256 << 10)})}, backend="t", layout={}, version=2)
+        write_checkpoint(
+            p, {"w.safetensors": _records({"w": torch.randn(256 << 10)})}, backend="t", layout={}, version=2
+        )
     assert ei.value.errno == errno.ENOSPC
     msg = str(ei.value)
     assert "'w.safetensors'" in msg and "tensor 'w'" in msg, msg
@@ -687,7 +698,9 @@ def test_disk_filling_after_data_names_manifest(tmp_path: Path, monkeypatch: pyt
     # was written before the disk filled, and the ENOSPC came from manifest.json, whose error named
     # no file ("while installing the checkpoint").
     prev_path, p = tmp_path / "ck", tmp_path / "ck2"
-    write_checkpoint(prev_path, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={}, update_latest=True)
+    write_checkpoint(
+        prev_path, {"w.safetensors": _records({"w": torch.ones(4)})}, backend="t", layout={}, update_latest=True
+    )
     new = {"w": torch.randn(1000)}
     disk = _FillingDisk(monkeypatch, room=1 << 30)
 

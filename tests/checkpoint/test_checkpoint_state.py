@@ -57,7 +57,6 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 ALL = ("params", "buffers", "grads", "optim")
 
 
-
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
@@ -139,7 +138,9 @@ def test_megatron_round_trip_in_every_mix(tmp_path, config, mix):
     def build(seed: int):
         model = FakeMoEModel(16, seed=seed)
         udo = config == "distrib_ep"
-        ddp = build_fake_ddp(model, use_distributed_optimizer=udo, expert_parallel_param_filter=lambda n, p: ".experts." in n)
+        ddp = build_fake_ddp(
+            model, use_distributed_optimizer=udo, expert_parallel_param_filter=lambda n, p: ".experts." in n
+        )
         opt = build_fake_optimizer(ddp, "chained")
         fake_train_step(ddp, opt, torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)))
         state = ModelState(ddp, opt)
@@ -218,7 +219,9 @@ def test_manifest_and_format(tmp_path):
     params = load_file(tmp_path / "ck" / "params.safetensors")
     assert torch.equal(params["blocks.0.fc1.weight"], model.blocks[0].fc1.weight.detach())
     assert params["tok.weight"].dtype == torch.uint8
-    assert torch.equal(params["tok.weight"].view(torch.float32).view(SMALL.vocab, SMALL.width), model.tok.weight.detach())
+    assert torch.equal(
+        params["tok.weight"].view(torch.float32).view(SMALL.vocab, SMALL.width), model.tok.weight.detach()
+    )
     optim = load_file(tmp_path / "ck" / "optim.safetensors")
     assert torch.equal(optim["blocks.1.qkv.weight.exp_avg"], opt.state[model.blocks[1].qkv.weight]["exp_avg"])
 
@@ -291,7 +294,8 @@ def test_flipped_byte_is_an_error_naming_the_file_and_the_model_is_unchanged(tmp
 
 @pytest.mark.parametrize("residency", ["resident", "offloaded"])
 def test_io_error_while_reading_is_a_typed_error_naming_the_file_and_tensor_and_the_model_is_unchanged(
-        tmp_path, residency, monkeypatch):
+    tmp_path, residency, monkeypatch
+):
     """EIO from the device in the middle of a load (a failing disk, a network file system going away):
     ``CheckpointError`` of kind ``"read"`` (an ``OSError``) with the file, the tensor
     whose bytes failed and the errno; nothing of the model changed."""
@@ -429,8 +433,10 @@ def test_the_manifest_a_save_returns_is_the_one_read_back(tmp_path):
     from stateshift.checkpoint import save_dcp
 
     model, opt, state = _warmed("cpu")
-    for path, written in ((tmp_path / "ck", lambda p: save(state, p, tag="t", version=3, extra={"a": "b"})),
-                          (tmp_path / "dcp", lambda p: save_dcp(p, model, opt, tag="t", version=3))):
+    for path, written in (
+        (tmp_path / "ck", lambda p: save(state, p, tag="t", version=3, extra={"a": "b"})),
+        (tmp_path / "dcp", lambda p: save_dcp(p, model, opt, tag="t", version=3)),
+    ):
         returned = written(path)
         read_back = read_manifest(path)
         assert returned == read_back and returned.ranks == read_back.ranks
@@ -592,8 +598,9 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
         print("finished", flush=True)
         """
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert child.stdout is not None
     line = child.stdout.readline()
     assert line == b"ready\n", (line, child.stderr.read() if child.stderr else b"")
@@ -616,7 +623,9 @@ def tiny_tmpfs(tmp_path: Path):
     if sys.platform != "linux":
         pytest.skip("tmpfs mount needs Linux")
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, timeout=30, check=False)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, timeout=30, check=False
+        )
     except (FileNotFoundError, PermissionError) as e:
         pytest.skip(f"cannot mount a tmpfs here: {e}")
     if r.returncode != 0:
@@ -806,8 +815,14 @@ def test_export_hf_full_disk_names_the_tensor_and_keeps_the_previous_file(tmp_pa
 def test_export_hf_loads_with_transformers_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -860,8 +875,23 @@ def test_checkpoint_bench_writes_rows(tmp_path):
     finally:
         sys.path.pop(0)
     rc = checkpoint_bench.main(
-        ["--hidden", "64", "--layers", "1", "--vocab", "128", "--repeat", "1", "--device", "cpu",
-         "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--no-plot"]
+        [
+            "--hidden",
+            "64",
+            "--layers",
+            "1",
+            "--vocab",
+            "128",
+            "--repeat",
+            "1",
+            "--device",
+            "cpu",
+            "--dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-plot",
+        ]
     )
     assert rc == 0
     (result,) = list((tmp_path / "out").glob("*.json"))

@@ -58,8 +58,17 @@ def _params(seed: int) -> dict[str, torch.Tensor]:
 
 def test_two_concurrent_writers_to_one_path_leave_a_loadable_checkpoint_or_a_typed_error(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, TESTS, SRC, str(seed), str(tmp_path)], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1) for seed in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, TESTS, SRC, str(seed), str(tmp_path)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        for seed in (1, 2)
+    ]
     watchdog = threading.Timer(120, lambda: [p.kill() for p in procs])
     watchdog.start()
     outcomes: list[list[str]] = []
@@ -139,8 +148,12 @@ def test_a_second_writer_finding_the_path_taken_at_its_rename_fails_typed(tmp_pa
 
     def racing(tmp: Path, final: Path) -> None:  # another writer completes the path just before this one renames
         monkeypatch.setattr(commit_mod, "_rename", real)
-        write_checkpoint(final, {"x.safetensors": [Record.from_tensor("x", torch.arange(3.0))]}, backend="other",
-                         layout={"format": "other"})
+        write_checkpoint(
+            final,
+            {"x.safetensors": [Record.from_tensor("x", torch.arange(3.0))]},
+            backend="other",
+            layout={"format": "other"},
+        )
         real(tmp, final)
 
     monkeypatch.setattr(commit_mod, "_rename", racing)
