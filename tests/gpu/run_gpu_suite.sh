@@ -9,12 +9,15 @@
 #   WHAT=longtail bash tests/gpu/run_gpu_suite.sh  # sync vs fully-async on the long-tail task (LONGTAIL_ARGS)
 #   WHAT=families bash tests/gpu/run_gpu_suite.sh  # stateshift train per model family x 3 seeds, with its checks (FAMILIES_ARGS)
 # Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (see ../shared/GPU.md), unpacked into /tmp/site.
+# Pass STATESHIFT_GIT_SHA=<the commit here> on the device: its copy of the tree may carry a stale .git.
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
 # megatron-core and torch_memory_saver travel as wheels in .whl/ (see ../shared/GPU.md), installed into .site/.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 RES=$PWD/.gpu-results
 rm -rf "$RES" && mkdir -p "$OUT" "$RES"
+# the commit result files record: the device's copy of the tree may carry a stale .git, so the caller may set it
+export STATESHIFT_GIT_SHA=${STATESHIFT_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
