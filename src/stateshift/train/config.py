@@ -334,14 +334,14 @@ class TrainerConfig:
     optimizer_offload: bool = False
     """offload optimizer state to host while the trainer waits for samples"""
     prefetch: bool = False
-    """off by default: on one H200 it trains the same bits as off (tests/gpu/test_rl_prefetch_gpu.py, builtin,
-    fsdp2, megatron) and hides 0.94 of a 1.07 GB onload behind a forward (benchmarks/prefetch_bench.py), but its
-    wait blocks the host, and its effect on a whole trainer step is not measured yet. On: start bringing back what was offloaded before the phase that reads it, so the copy overlaps compute (on a
+    """start bringing back what was offloaded before the phase that reads it, so the copy overlaps compute (on a
     CUDA stream of its own: train/prefetch.py): params, grads and optimizer state once a step's samples are in
     hand (right after the old log-prob forward when that is a pi_old swap), each waited for just before its first
     read (the optimizer state: before the backward and optimizer step). Costs device memory for those groups
-    during the forwards.
-    false: each group is brought back, and waited for, where it is first needed"""
+    during the forwards. false: each group is brought back, and waited for, where it is first needed.
+    Off by default: on one H200 it trains the same bits as off (tests/gpu/test_rl_prefetch_gpu.py: builtin,
+    fsdp2, megatron) and hides 0.94 of a 1.07 GB onload behind a forward (benchmarks/prefetch_bench.py), but its
+    wait blocks the host, and its effect on a whole trainer step is not measured yet"""
     freed_memory: Literal["auto", "driver", "cache"] = "auto"
     """what an offload does with the device memory it frees: 'driver' hands it back to the CUDA driver
     (torch.cuda.empty_cache(): another process can take it; the offload waits for its copies, the next onload

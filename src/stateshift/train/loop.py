@@ -364,7 +364,7 @@ class AsyncLoop:
         with self.timer("sync"):
             self.trainer.version += 1
             # none where the rollout side publishes from the state itself: of resident params it is a full copy
-            snap = self.trainer.sync_snapshot() if getattr(self.rollouts, "reads_snapshot", True) else None
+            snap = self.trainer.sync_snapshot() if self.rollouts.reads_snapshot else None
             outcome = self.rollouts.sync(
                 snap, self.trainer.version, capture=checkpoint, interrupt=self.cfg.async_training.partial_rollout
             )

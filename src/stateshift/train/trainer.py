@@ -15,7 +15,7 @@ Phases of one update, with ``trainer.param_offload`` on (the default):
    pi_old, so it onloads and computes directly.
 2. onload what is parked (params; grads / optimizer state if offloaded),
    forward with gradient, loss, backward, optimizer step. With
-   ``trainer.prefetch`` (the default) these onloads are issued ahead, at the
+   ``trainer.prefetch`` (off by default) these onloads are issued ahead, at the
    start of the step (``prefetch_step``; the loop calls it as soon as the
    step's samples are in hand), on a stream of their own so the copies overlap
    the batch building and the forwards (``prefetch.py``); each group is waited
