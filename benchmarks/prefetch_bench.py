@@ -11,10 +11,12 @@ are the ``optim`` group moved), a forward of ``--tokens`` rows under ``no_grad``
 
 - ``forward_s``, ``onload_s``: each alone (the onload waited for on the host, then the device synchronized);
 - ``sequential_s``: onload and its wait, then the forward;
-- ``prefetched_s``: ``Prefetch.issue``, the forward, ``Prefetch.wait`` (the host blocks on the copy's event);
+- ``prefetched_s``: ``Prefetch.issue``, the forward, ``Prefetch.wait`` (the compute stream waits for the copy's
+  event, the host does not), ``Prefetch.settle`` (reads the stall);
 - ``hidden_s`` = sequential - prefetched; ``overlap`` = hidden / min(forward, onload): 1 when the shorter of the
   two is fully hidden behind the other, 0 when nothing overlaps;
-- ``prefetch_wait_s``: the host's time in ``Prefetch.wait`` (what the trainer's verbs metric counts for it).
+- ``prefetch_wait_s``: the compute stream's stall at ``Prefetch.wait``, from events (the copy time not hidden:
+  what the trainer's verbs metric counts for it).
 
 At the defaults: 134M parameters, 1.07 GB of optimizer state (about 20 ms at 55 GB/s), a forward of 1.1 TFLOP
 in fp32 (the same order). About half a minute of GPU time. Prints the JSON; ``--out`` writes it too.
@@ -94,6 +96,7 @@ def measure(width: int, layers: int, tokens: int, repeats: int, device: torch.de
         pf.issue("optim")
         forward()
         pf.wait("optim")
+        pf.settle()
 
     r = {
         name: timed(fn, state, device, repeats)

@@ -182,9 +182,9 @@ def verbs_fraction_of_step(summary: dict[str, Any], records: list[dict[str, Any]
     over the trainer's step time (the sum of the metrics records' ``step_s``, waits included); None: no steps.
 
     Host seconds: how long the trainer thread was inside a verb, including any wait for its copies in it. A
-    prefetched onload (``trainer.prefetch``) counts the time to issue it (``onload.<group>``) plus the time the
-    trainer then blocked in its wait (``prefetch_wait.<group>``): copy time hidden behind compute is not counted,
-    copy time that was not hidden is. An onload or offload without prefetch waits for its copies, and so also for
+    prefetched onload (``trainer.prefetch``) counts the time to issue it (``onload.<group>``) plus the copy time
+    that was not hidden (``prefetch_wait.<group>``: the compute stream's stall at the wait, from events, plus any
+    time the host blocked for it): copy time hidden behind compute is not counted. An onload or offload without prefetch waits for its copies, and so also for
     the compute enqueued before it that its copies are ordered after (the copy stream waits for the compute stream)."""
     step_s = sum(x["step_s"] for x in records)
     return summary["verbs_s"] / step_s if step_s else None

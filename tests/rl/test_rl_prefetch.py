@@ -203,34 +203,38 @@ def test_a_pi_old_swap_runs_with_nothing_in_flight_and_the_prefetch_follows_it(t
 
 
 class _Event:
-    def __init__(self, log: list[str], name: str) -> None:
-        self.log, self.name = log, name
+    """A stand-in for ``torch.cuda.Event``: named when recorded; ``at`` is its time in ms on the stream's clock."""
+
+    def __init__(self, log: list[str], at: dict[str, float]) -> None:
+        self.log, self.at, self.name = log, at, "?"
 
     def synchronize(self) -> None:
         self.log.append(f"host waits for {self.name}")
+
+    def elapsed_time(self, end: _Event) -> float:
+        return self.at[end.name] - self.at[self.name]
 
 
 class _Stream:
     """A stand-in for ``torch.cuda.Stream``: records what is ordered on it."""
 
     def __init__(self, log: list[str], name: str) -> None:
-        self.log, self.name, self.device, self.events = log, name, torch.device("cuda", 0), 0
+        self.log, self.name, self.device = log, name, torch.device("cuda", 0)
 
     def wait_stream(self, other: _Stream) -> None:
         self.log.append(f"{self.name} waits for {other.name}")
 
-    def record_event(self) -> _Event:
-        self.events += 1
-        self.log.append(f"{self.name} records e{self.events}")
-        return _Event(self.log, f"e{self.events}")
+    def record_event(self, event: _Event) -> _Event:
+        event.name = f"{self.name}:{sum(line.startswith(self.name + ' records') for line in self.log) + 1}"
+        self.log.append(f"{self.name} records {event.name}")
+        return event
 
     def wait_event(self, event: _Event) -> None:
         self.log.append(f"{self.name} waits for {event.name}")
 
 
-def test_on_cuda_the_onload_runs_on_the_prefetch_stream_and_the_compute_stream_waits_for_its_event(monkeypatch):
-    """The protocol of ``Prefetch`` with CUDA's stream calls replaced by recorders (the state itself on the CPU)."""
-    log: list[str] = []
+def _fake_cuda(monkeypatch, log: list[str], at: dict[str, float]) -> _Stream:
+    """CUDA's stream and event calls replaced by recorders; returns the compute stream."""
     compute, side = _Stream(log, "compute"), _Stream(log, "prefetch")
     current = [compute]
 
@@ -245,36 +249,81 @@ def test_on_cuda_the_onload_runs_on_the_prefetch_stream_and_the_compute_stream_w
             current[0] = compute
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _Event(log, at))
     monkeypatch.setattr(torch.cuda, "stream", _On)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    return compute
 
-    class _State:
-        def residency(self):
-            return {"optim": {"host": 1}}
 
-        def nbytes(self, group):
-            return 8
+class _FakeState:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
 
-        def onload(self, group):
-            log.append(f"onload {group} on {current[0].name}")
+    def residency(self):
+        return {"optim": {"host": 1}, "grads": {"host": 1}}
 
-    seen: list[tuple[str, int]] = []
-    pf = prefetch_mod.Prefetch(_State(), torch.device("cuda", 0), lambda key, s, n: seen.append((key, n)))  # type: ignore[arg-type]
+    def nbytes(self, group):
+        return 8
+
+    def onload(self, group):
+        self.log.append(f"onload {group}")
+
+
+def test_on_cuda_the_compute_stream_waits_for_the_onload_event_and_the_host_does_not(monkeypatch):
+    """The protocol of ``Prefetch`` with CUDA's stream calls replaced by recorders (the state itself on the CPU):
+    the onload on the prefetch stream, the compute stream ordered after it at ``wait``, the host blocked only in
+    ``settle``, and the stall read from the events there (the compute stream reached the wait at 5 ms, the copy
+    was done at 9 ms: a 4 ms stall)."""
+    log: list[str] = []
+    at = {"compute:1": 5.0, "prefetch:1": 9.0}
+    _fake_cuda(monkeypatch, log, at)
+    seen: list[tuple[str, float, int]] = []
+    pf = prefetch_mod.Prefetch(_FakeState(log), torch.device("cuda", 0), lambda key, s, n: seen.append((key, s, n)))  # type: ignore[arg-type]
     pf.issue("optim")
-    log.append("compute: forward")
+    log.append("forward")
     assert pf.wait("optim") and not pf.wait("optim")
+    log.append("backward")
+    pf.settle()
     assert log == [
         "prefetch waits for compute",
-        "onload optim on prefetch",
-        "prefetch records e1",
-        "compute: forward",
-        "host waits for e1",
-        "compute waits for e1",
+        "onload optim",
+        "prefetch records prefetch:1",
+        "forward",
+        "compute records compute:1",
+        "compute waits for prefetch:1",
+        "backward",
+        "host waits for compute:1",
+        "host waits for prefetch:1",
     ]
-    assert seen == [("onload.optim", 8), ("prefetch_wait.optim", 0)]
+    assert [(k, n) for k, _, n in seen] == [("onload.optim", 8), ("prefetch_wait.optim", 0)]
+    assert seen[1][1] == pytest.approx(0.004)
+    assert pf.stalls == [] and pf.inflight == {}
     pf.issue("optim")
     with pytest.raises(ValueError, match="already"):
         pf.issue("optim")
+
+
+def test_a_copy_done_before_its_wait_stalls_nothing_and_settle_blocks_for_what_is_still_in_flight(monkeypatch):
+    """A copy done before the compute stream reached its wait counts 0 (not a negative time); a group still in
+    flight at ``settle`` is waited for by the host there, and that wait is what is counted."""
+    log: list[str] = []
+    at = {"compute:1": 9.0, "prefetch:1": 5.0}
+    _fake_cuda(monkeypatch, log, at)
+    seen: list[tuple[str, float]] = []
+    pf = prefetch_mod.Prefetch(_FakeState(log), torch.device("cuda", 0), lambda key, s, n: seen.append((key, s)))  # type: ignore[arg-type]
+    pf.issue("optim")
+    pf.issue("grads")
+    pf.wait("optim")
+    pf.settle()
+    assert log[-4:] == [
+        "compute waits for prefetch:2",
+        "host waits for prefetch:2",
+        "host waits for compute:1",
+        "host waits for prefetch:1",
+    ]
+    assert [k for k, _ in seen] == ["onload.optim", "onload.grads", "prefetch_wait.grads", "prefetch_wait.optim"]
+    assert seen[-1][1] == 0.0
+    assert pf.inflight == {} and pf.stalls == []
 
 
 @pytest.mark.parametrize(

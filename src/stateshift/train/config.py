@@ -339,9 +339,9 @@ class TrainerConfig:
     hand (right after the old log-prob forward when that is a pi_old swap), each waited for just before its first
     read (the optimizer state: before the backward and optimizer step). Costs device memory for those groups
     during the forwards. false: each group is brought back, and waited for, where it is first needed.
-    Off by default: on one H200 it trains the same bits as off (tests/gpu/test_rl_prefetch_gpu.py: builtin,
-    fsdp2, megatron) and hides 0.94 of a 1.07 GB onload behind a forward (benchmarks/prefetch_bench.py), but its
-    wait blocks the host, and its effect on a whole trainer step is not measured yet"""
+    Off by default: on one GPU it trains the same bits as off (tests/gpu/test_rl_prefetch_gpu.py: builtin,
+    fsdp2, megatron) and hides most of a 1.07 GB onload behind a forward (benchmarks/prefetch_bench.py), but its
+    effect on a whole trainer step is not measured yet"""
     freed_memory: Literal["auto", "driver", "cache"] = "auto"
     """what an offload does with the device memory it frees: 'driver' hands it back to the CUDA driver
     (torch.cuda.empty_cache(): another process can take it; the offload waits for its copies, the next onload

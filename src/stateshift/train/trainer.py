@@ -156,8 +156,8 @@ class OffloadMeter:
     """Host seconds and bytes of every verb the trainer ran, by ``"<verb>.<group>"``.
 
     A prefetched onload (``prefetch.py``) counts the seconds it took to issue (``onload.<group>``, with its bytes)
-    and the seconds the trainer then blocked waiting for it (``prefetch_wait.<group>``); copy time hidden behind
-    compute is in neither."""
+    and the copy time that was not hidden (``prefetch_wait.<group>``: the compute stream's stall at the wait, from
+    events, plus any time the host blocked for it); copy time hidden behind compute is in neither."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
