@@ -4,14 +4,28 @@ offloaded publish through a shared pool moves no byte from the device; NCCL broa
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
-from rl.sync_kit import ask, model, receiver_main, same, start, start_many, step, stop, values
+from rl.sync_kit import (
+    ask,
+    model,
+    model_without_buffers,
+    receiver_main,
+    receiver_without_buffers_main,
+    same,
+    start,
+    start_many,
+    step,
+    stop,
+    values,
+)
 
 from stateshift import ModelState
 from stateshift.core.engine import core_of
+from stateshift.core.layout import dtype_of
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import WeightPublisher
 
@@ -50,13 +64,12 @@ def test_cuda_ipc_receiver_on_the_same_gpu_reads_device_weights_bit_for_bit():
 
 def test_cuda_ipc_publishes_a_model_without_buffers():
     """An empty published group (no buffers) has nothing to share: its part carries no IPC handle."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)).cuda()
+    m = model_without_buffers(0).cuda()
     state = ModelState(m, pool=HostPool(shared=True))
     pub = WeightPublisher(state, transport="cuda_ipc", name="ipc-nobuf")
     procs = []
     try:
-        proc, conn = start(receiver_main, pub.handle().to_json(), "g2", "cuda")
+        proc, conn = start(receiver_without_buffers_main, pub.handle().to_json(), "g2", "cuda")
         procs.append(proc)
         pub.publish(1).wait(60)
         version, got, _ = ask(conn, ("load", 1))
@@ -65,7 +78,7 @@ def test_cuda_ipc_publishes_a_model_without_buffers():
         stop(procs)
         pub.close()
         state.close()
-        state.pool.trim()
+        core_of(state).pool.trim()
 
 
 def test_shared_host_from_offloaded_params_moves_no_device_byte_and_loads_on_the_gpu():
@@ -115,3 +128,51 @@ def test_nccl_broadcast_to_a_receiver_on_another_gpu_is_bit_for_bit():
         pub.close()
         stop(procs)
         state.close()
+
+
+def test_the_fused_copy_lands_every_tensor_bit_for_bit_beside_those_it_cannot_take():
+    """One arena on the GPU holding tensors of every kind (whole words or not, aligned to 8 bytes or only to
+    their dtype, contiguous or not, big and small), copied into separate targets: bit for bit, with the
+    fused kernel taking exactly the whole-word aligned contiguous ones -- twice, the second by the kept plan."""
+    pytest.importorskip("triton")
+    from stateshift.rl.sync import copyplan
+    from stateshift.rl.sync.manifest import Manifest, PartEntry, TensorEntry
+
+    g = torch.Generator().manual_seed(0)
+    kinds = [
+        (torch.bfloat16, (4096, 2048)),
+        (torch.float32, (7, 3)),
+        (torch.bfloat16, (3,)),
+        (torch.uint8, (13,)),
+        (torch.int64, (5, 5)),
+        (torch.float32, (300, 1000)),
+        (torch.bfloat16, (2048, 5504)),
+    ]
+    entries, offset = [], 0
+    for i, (dtype, shape) in enumerate(kinds * 3):
+        size = dtype.itemsize
+        offset += size * int(torch.randint(0, 4, (1,), generator=g))  # aligned to the dtype only, at times
+        offset = -(-offset // size) * size
+        stride = torch.empty(shape).stride()
+        if i % 5 == 4 and len(shape) == 2:  # column-major in the arena
+            stride = (1, shape[0])
+        entries.append(TensorEntry(f"t{i}", str(dtype).removeprefix("torch."), shape, stride, offset))
+        offset += math.prod(shape) * size
+    arena = torch.randint(0, 256, (offset,), dtype=torch.uint8, generator=g).cuda()
+    manifest = Manifest(1, "cuda_ipc", (PartEntry("params", offset, tuple(entries)),))
+    targets = {t.name: torch.zeros(t.shape, dtype=dtype_of(t.dtype), device="cuda") for t in entries}
+    plans = copyplan.Plans()
+    for _ in range(2):
+        assert plans.copy(manifest, [arena], targets, False) == sum(t.nbytes for t in entries)
+        for t in entries:
+            want = t.view(arena).reshape(-1).view(torch.uint8)
+            assert torch.equal(targets[t.name].reshape(-1).view(torch.uint8), want), t
+    (plan,) = plans._plans.values()
+    taken = sum(len(f.words) for f in plan.fused)
+    expected = sum(copyplan._fusable(t, arena.data_ptr() + t.offset, targets[t.name], arena.device) for t in entries)
+    assert plans.built == 1 and taken == expected and 0 < taken < len(entries)
+    for t in list(targets.values())[:3]:
+        t.zero_()
+    assert plans.copy(manifest, [arena], targets, False) and torch.equal(
+        list(targets.values())[0].reshape(-1).view(torch.uint8), entries[0].view(arena).reshape(-1).view(torch.uint8)
+    )

@@ -49,16 +49,31 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def model_without_buffers(seed: int = 0) -> torch.nn.Module:
+    """Two float32 linear layers: params only."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
+
+
 def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None:
     """A receiver process driven by commands on ``conn``: ``("load", min_version)`` replies the version and
     the values loaded into a fresh model; ``("pairs", min_version)`` the version, the pairs ``receive``
     yields (host copies) and the devices they were on; ``("hold", min_version)`` holds the version mid-read and replies,
     then sleeps (to be killed); ``("stop",)`` closes and replies."""
+    _serve(handle, name, device, conn, model)
+
+
+def receiver_without_buffers_main(handle: str, name: str, device: str | None, conn: Any) -> None:
+    """``receiver_main`` loading into ``model_without_buffers``."""
+    _serve(handle, name, device, conn, model_without_buffers)
+
+
+def _serve(handle: str, name: str, device: str | None, conn: Any, build: Callable[[int], torch.nn.Module]) -> None:
     torch.set_num_threads(1)
     from stateshift.rl.sync import WeightReceiver
 
     rx = WeightReceiver(handle, name=name, device=device, timeout_s=STEP_S)
-    target = model(seed=99).to(device or "cpu")
+    target = build(99).to(device or "cpu")
     conn.send(("ready", os.getpid()))
     while True:
         cmd = conn.recv()

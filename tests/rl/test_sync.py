@@ -54,11 +54,11 @@ def test_receiver_gets_each_version_bit_for_bit(trainer, pub):
 
 
 def test_big_tensors_copied_one_by_one_and_small_ones_together_land_bit_for_bit(trainer, pub, monkeypatch):
-    from stateshift.rl.sync import receiver
+    from stateshift.rl.sync import copyplan
 
     m, state = trainer
     sizes = sorted(t.numel() * t.element_size() for t in m.state_dict().values())
-    monkeypatch.setattr(receiver, "_OWN_COPY_BYTES", sizes[len(sizes) // 2])  # half each way, in one load
+    monkeypatch.setattr(copyplan, "OWN_COPY_BYTES", sizes[len(sizes) // 2])  # half each way, in one load
     rx = WeightReceiver(pub.handle().to_json(), name="r")
     target = model(5)
     for v in (1, 2):

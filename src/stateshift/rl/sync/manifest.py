@@ -193,7 +193,7 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     raw = p.get("tensors")
     if not isinstance(raw, list):
         raise SyncError("mailbox", "not a list", path=where, field=f"part {i} tensors")
-    tensors = tuple(_checked_tensor(t, where, size) for t in raw)
+    tensors = _checked_tensors(raw, where, size)
     changed = p.get("changed")
     if changed is not None and (
         not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)
@@ -207,6 +207,42 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
         ipc=ipc,
         offset=offset,
         changed=None if changed is None else tuple(changed),
+    )
+
+
+#: a part's entries as last parsed, by the part's size and count: ``(raw list, entries)``. Versions of one
+#: model repeat the same list; equal again, the same entries come back -- the same tuple object, which lets a
+#: receiver's copy plan (``copyplan.py``) know the layout without comparing it entry by entry
+_LAST_TENSORS: dict[tuple[int, int], tuple[list[Any], tuple[TensorEntry, ...]]] = {}
+
+
+def _checked_tensors(raw: list[Any], where: str, size: int) -> tuple[TensorEntry, ...]:
+    """The entries of ``raw`` (a part's ``tensors``), checked. A list equal to the last one of its size
+    and count, with every field of the exact JSON type an entry has (``==`` alone takes ``16.0`` or
+    ``true`` for ``16`` or ``1``: those are refused by the full check), gives back the same entries."""
+    last = _LAST_TENSORS.get((size, len(raw)))
+    if last is not None and last[0] == raw and all(map(_exact_types, raw)):
+        return last[1]
+    tensors = tuple(_checked_tensor(t, where, size) for t in raw)
+    if len(_LAST_TENSORS) >= 64:
+        _LAST_TENSORS.clear()
+    _LAST_TENSORS[(size, len(raw))] = (raw, tensors)
+    return tensors
+
+
+def _exact_types(t: object) -> bool:
+    """``[str, str, [int...], [int...], int, int]``, with ``int`` never a ``bool``."""
+    return (
+        type(t) is list
+        and len(t) == 6
+        and type(t[0]) is str
+        and type(t[1]) is str
+        and type(t[4]) is int
+        and type(t[5]) is int
+        and type(t[2]) is list
+        and type(t[3]) is list
+        and all(type(x) is int for x in t[2])
+        and all(type(x) is int for x in t[3])
     )
 
 

@@ -24,6 +24,7 @@ import torch
 from ...backends.torch import named_buffers, named_parameters
 from ...core.layout import dtype_of
 from ...errors import LayoutError, SyncError
+from .copyplan import Plans
 from .handle import NAME, SyncHandle
 from .mailbox import Mailbox
 from .manifest import Manifest
@@ -98,6 +99,8 @@ class WeightReceiver:
         self._last_target: tuple[object, int] | None = None
         self._copied: int | None = None
         self._copy_s: float | None = None
+        #: copy plans, by layout, arenas and target (``copyplan.py``): the per-tensor work done once, not per version
+        self._plans = Plans()
         self._serial = threading.Lock()
         self._owner: int | None = None
         self._closed = False
@@ -213,7 +216,7 @@ class WeightReceiver:
                     )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
                     t0 = time.perf_counter()
-                    self._copied = _copy(manifest, arenas, targets, only)
+                    self._copied = self._plans.copy(manifest, arenas, targets, only)
                     self._copy_s = time.perf_counter() - t0
                     self._last_target = (target, version)
                 return version
@@ -451,40 +454,6 @@ def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
                 tensor=name,
                 field="missing",
             )
-
-
-#: tensors of at least this many bytes are copied one by one (``copy_``: a plain memcpy at the device-copy ceiling),
-#: smaller ones by one multi-tensor copy per (device, dtype, source), where launches would dominate
-_OWN_COPY_BYTES = 1 << 20
-
-
-def _copy(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor], only_changed: bool) -> int:
-    """Copy every tensor (or, ``only_changed``, those the manifest lists as changed since its base) into
-    ``targets``; returns the bytes copied, once the copies are done."""
-    batches: dict[tuple[torch.device, torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    big: list[tuple[torch.Tensor, torch.Tensor]] = []
-    copied = 0
-    for part, arena in zip(manifest.parts, arenas, strict=True):
-        picked = part.changed if only_changed and part.changed is not None else range(len(part.tensors))
-        for i in picked:
-            t = part.tensors[i]
-            if t.aggregate:
-                continue
-            dst, src = targets[t.name], t.view(arena)
-            copied += t.nbytes
-            if t.nbytes >= _OWN_COPY_BYTES:
-                big.append((dst, src))
-                continue
-            dsts, srcs = batches.setdefault((dst.device, dst.dtype, src.device), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-    with torch.no_grad():
-        for dst, src in big:  # a plain memcpy each, at the copy ceiling; the previous copy hides the next launch
-            dst.copy_(src, non_blocking=True)
-        for dsts, srcs in batches.values():  # one multi-tensor copy per (device, dtype, source): few launches
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-    _synchronize({device for device, _, _ in batches} | {dst.device for dst, _ in big})
-    return copied
 
 
 def _synchronize(devices: Iterable[torch.device]) -> None:

@@ -1,0 +1,197 @@
+"""A receiver's copy plans (``rl/sync/copyplan.py``): built once per layout, arenas and target, rebuilt when
+any of them changes; the fused kernel's tables address every byte of every tensor it takes (checked on the
+CPU by carrying out the tables with ``memmove``: the kernel itself runs in tests/gpu/test_sync_gpu.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+
+import pytest
+import torch
+from raises import raises_kind
+from rl.sync_kit import model, same, step, values
+
+from stateshift import ModelState
+from stateshift.core.engine import core_of
+from stateshift.core.pool import HostPool
+from stateshift.rl.sync import SyncError, WeightPublisher, WeightReceiver, copyplan
+from stateshift.rl.sync.manifest import Manifest, TensorEntry
+
+
+def _odd_model(seed: int = 0) -> torch.nn.Module:
+    """``sync_kit.model`` plus tensors the kernel cannot take whole: 6 bytes (3 bf16), 4 bytes (1 fp32)."""
+    m = model(seed)
+    m.add_module("odd", torch.nn.Linear(2, 3).to(torch.bfloat16))  # bias: 3 bf16 = 6 bytes
+    m.add_module("one", torch.nn.Linear(1, 1))  # 4 bytes each
+    return m
+
+
+@pytest.fixture
+def trainer():
+    m = _odd_model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name="plans", ack_timeout_s=0.5, poll_s=0.01)
+    yield m, pub
+    pub.close()
+    state.close()
+    core_of(state).pool.trim()
+
+
+def _published(m: torch.nn.Module, pub: WeightPublisher, version: int) -> None:
+    step(m, version)
+    pub.publish(version).wait(5)
+
+
+def test_loads_into_the_same_target_reuse_its_plans(trainer):
+    m, pub = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = _odd_model(9)
+    built = []
+    for v in range(1, 7):
+        _published(m, pub, v)
+        assert rx.load_into(target, min_version=v) == v and same(values(target), values(m))
+        built.append(rx._plans.built)
+    assert built[2:] == [built[1]] * 4 and built[1] <= 2  # one plan per block the versions alternate between
+    rx.close()
+
+
+def test_a_replaced_target_tensor_gets_a_new_plan_and_the_new_tensor_gets_the_weights(trainer):
+    m, pub = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = _odd_model(9)
+    _published(m, pub, 1)
+    rx.load_into(target)
+    old = target[0].weight
+    target[0].weight = torch.nn.Parameter(torch.zeros_like(old))  # a new tensor at a new address
+    _published(m, pub, 2)
+    assert rx.load_into(target, min_version=2) == 2 and same(values(target), values(m))
+    assert rx._plans.built == 2 and not torch.equal(old, target[0].weight)
+    other = _odd_model(8)  # another target: its own plan
+    assert rx.load_into(other, min_version=2) == 2 and same(values(other), values(m))
+    assert rx._plans.built == 3
+    rx.close()
+
+
+def test_a_delta_load_plans_its_changed_tensors_and_keeps_no_plan(tmp_path):
+    m = _odd_model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    pub = WeightPublisher(state, name="delta", delta=True, ack_timeout_s=0.5, poll_s=0.01)
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = _odd_model(9)
+    try:
+        pub.publish(1).wait(5)
+        rx.load_into(target, delta=True)
+        with torch.no_grad():
+            m[0].weight.add_(1)
+        pub.publish(2).wait(5)
+        rx.load_into(target, min_version=2, delta=True)
+        assert rx.last_receipt.copied_bytes == m[0].weight.nbytes and same(values(target), values(m))
+        assert rx._plans.built == 2 and len(rx._plans._plans) == 1  # the full load's plan only
+    finally:
+        rx.close()
+        pub.close()
+        state.close()
+        core_of(state).pool.trim()
+
+
+def _carry_out(fused: copyplan.Fused, seen: list[int]) -> None:
+    """What the kernel does, chunk by chunk, with ``memmove`` on host addresses."""
+    src, dst, words = fused.src_ptrs.tolist(), fused.dst_ptrs.tolist(), fused.words.tolist()
+    for t, start in zip(fused.chunk_tensor.tolist(), fused.chunk_start.tolist(), strict=True):
+        n = min(copyplan.CHUNK, words[t] - start)
+        assert n > 0
+        ctypes.memmove(dst[t] + start * 8, src[t] + start * 8, n * 8)
+    seen.append(len(words))
+
+
+@pytest.fixture
+def carried_out(monkeypatch) -> list[int]:
+    """The fused path on host tensors: its device condition lifted, its kernel carried out by ``memmove``,
+    chunks of 4 words so that tensors span many. Returns the number of tensors of each launch."""
+    seen: list[int] = []
+    monkeypatch.setattr(copyplan, "CHUNK", 4)
+    monkeypatch.setattr(copyplan, "fused_kernel", lambda: _carry_out)
+    monkeypatch.setattr(copyplan, "_fusable", lambda t, at, dst, dev: copyplan.whole_words(t, at, dst))
+    monkeypatch.setattr(copyplan.Fused, "launch", lambda self: _carry_out(self, seen))
+    return seen
+
+
+def test_the_fused_tables_address_every_byte_of_every_tensor_they_take(trainer, carried_out):
+    """Bit for bit, with the odd-sized tensors copied the other way in the same load."""
+    m, pub = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = _odd_model(9)
+    for v in (1, 2):
+        _published(m, pub, v)
+        assert rx.load_into(target, min_version=v) == v and same(values(target), values(m))
+    odd = [k for k, t in m.state_dict().items() if t.nbytes % 8]
+    assert odd and carried_out == [len(m.state_dict()) - len(odd)] * 2
+    rx.close()
+
+
+def test_a_target_restrided_in_place_is_not_copied_as_if_contiguous(trainer, carried_out):
+    """Same address, same names and shapes: only the strides changed. The key sees it (the plan built for
+    the contiguous tensor would have copied its bytes in the wrong order)."""
+    m, pub = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = _odd_model(9)
+    for v in (1, 2, 3, 4):  # a plan for each block the versions alternate between
+        _published(m, pub, v)
+        rx.load_into(target, min_version=v)
+    built = rx._plans.built
+    w = target[2].weight  # bf16 [512, 48]
+    at = w.data_ptr()
+    w.data = w.data.as_strided((512, 48), (1, 512))  # the same storage, column-major
+    assert w.data_ptr() == at and not w.is_contiguous()
+    _published(m, pub, 5)
+    assert rx.load_into(target, min_version=5) == 5 and same(values(target), values(m))
+    assert rx._plans.built == built + 1
+    rx.close()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_chunk_table_covers_every_word_once(seed):
+    rng = random.Random(seed)
+    words = [rng.choice([0, 1, 3, 7, 8, 9, 64, 1000]) for _ in range(rng.randint(1, 30))]
+    chunk = rng.choice([1, 4, 8, 100])
+    index, start = copyplan.chunk_table(torch.tensor(words, dtype=torch.int64), chunk)
+    hit = [[0] * w for w in words]
+    for t, s in zip(index.tolist(), start.tolist(), strict=True):
+        assert 0 <= s < words[t]
+        for k in range(s, min(s + chunk, words[t])):
+            hit[t][k] += 1
+    assert all(h == [1] * w for h, w in zip(hit, words, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("entry", "src_at", "dst", "ok"),
+    [
+        (TensorEntry("w", "float32", (4, 2), (2, 1), 0), 64, torch.empty(4, 2), True),
+        (TensorEntry("w", "float32", (3,), (1,), 0), 64, torch.empty(3), False),  # 12 bytes: not whole words
+        (TensorEntry("w", "float32", (4, 2), (2, 1), 0), 68, torch.empty(4, 2), False),  # source misaligned
+        (TensorEntry("w", "float32", (4, 2), (1, 4), 0), 64, torch.empty(4, 2), False),  # source column-major
+        (TensorEntry("w", "float32", (4, 2), (2, 1), 0), 64, torch.empty(2, 4).t(), False),  # target transposed
+        (TensorEntry("w", "float32", (4, 2), (2, 1), 0), 64, torch.empty(9)[1:].view(4, 2), False),  # misaligned
+        (TensorEntry("w", "float32", (1, 4), (99, 1), 0), 64, torch.empty(1, 4), True),  # a stride of a 1-dim
+    ],
+)
+def test_the_kernel_takes_only_contiguous_aligned_whole_words(entry, src_at, dst, ok):
+    assert copyplan.whole_words(entry, src_at, dst) is ok
+
+
+def _raw(offset: object, aggregate: object = 0) -> bytes:
+    part = {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0}
+    part["tensors"] = [["w", "float32", [4], [1], offset, aggregate], ["v", "float32", [2], [1], 16, 0]]
+    return json.dumps({"version": 1, "transport": "shared_host", "parts": [part]}).encode()
+
+
+def test_a_repeated_layout_parses_to_the_same_entries_and_a_lookalike_is_still_refused():
+    first = Manifest.parse(_raw(32), "m")
+    assert Manifest.parse(_raw(32), "m").parts[0].tensors is first.parts[0].tensors
+    assert Manifest.parse(_raw(40), "m").parts[0].tensors[0].offset == 40
+    Manifest.parse(_raw(32), "m")
+    for bad in (_raw(32.0), _raw(32, False)):  # equal to the last list (32.0 == 32, False == 0), not entries
+        with raises_kind(SyncError, "mailbox"):
+            Manifest.parse(bad, "m")
