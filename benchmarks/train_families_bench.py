@@ -37,7 +37,9 @@ How long is long enough: the default builtin run on a shared 2-core CPU went 0.2
 2,000 steps gave 0.17 -> 0.96-0.98 over three seeds (``2026-12-03-cpu-train.json``). At 300 steps the rise check
 may well fail on noise between seeds; ``--steps 600 --budget-s 35`` is the next size, about twice the GPU time:
 run it as two calls of two families each (``--families builtin megatron``, then ``--families fsdp2 hf``, each
-``--out`` its own directory) and merge the two files with ``--combine``.
+``--out`` its own directory) and merge the two files with ``--combine``. ``--jobs N`` runs N at once: these models
+are small and the runs host-bound, so N runs share one GPU and the machine's cores, each slower than alone (give
+each fewer threads, ``run.torch_threads=2``); the file records ``jobs``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +359,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=15.0, help="run.max_wall_s: seconds of RL per run at most")
     ap.add_argument("--small", action="store_true", help="a toy size on the CPU: the path, not the numbers")
     ap.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (they share the GPU and the cores: each runs slower)"
+    )
+    ap.add_argument(
         "--combine",
         nargs="+",
         type=Path,
@@ -399,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds,
         "steps": args.steps,
         "budget_s": args.budget_s,
+        "jobs": args.jobs,
         "settings": [*COMMON, *base, *args.overrides],
         "hf_model": HF_SHAPE,
         "all_checks_pass": False,
@@ -408,29 +415,40 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     names = [f"{fam}/s{seed}" for fam in args.families for seed in range(args.seeds)]
     t_all = time.perf_counter()
-    for k, name in enumerate(names):
+
+    def launch(name: str) -> tuple[dict[str, Any] | None, str, float]:
         extra = [f"model.hf_path={hf_dir}"] if name.startswith("hf/") else []
         t0 = time.perf_counter()
         entry, tail = run_one(name, work, [*base, *extra, *args.overrides], args.budget_s + 240, env)
-        print(
-            f"== [{k + 1}/{len(names)}] {name}: {'ok' if entry else 'FAILED'} in {time.perf_counter() - t0:.0f} s "
-            f"({time.perf_counter() - t_all:.0f} s so far)",
-            flush=True,
-        )
-        if entry is None:
-            result["failures"][name] = tail
-            print(tail, flush=True)
-        else:
-            result["runs"].append(entry)
-            frac = 100 * (entry["stateshift_verbs_fraction_of_step"] or 0)
+        return entry, tail, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is a subprocess: threads only wait
+        futures = {pool.submit(launch, name): name for name in names}
+        for k, future in enumerate(as_completed(futures)):
+            name = futures[future]
+            entry, tail, took = future.result()
             print(
-                f"   {entry['steps']} steps, held-out {entry['heldout_accuracy_start']:.3f} -> "
-                f"{entry['heldout_accuracy_end']:.3f}, verbs {frac:.2f}% of step time, {entry['status']}",
+                f"== [{k + 1}/{len(names)}] {name}: {'ok' if entry else 'FAILED'} in {took:.0f} s "
+                f"({time.perf_counter() - t_all:.0f} s so far)",
                 flush=True,
             )
-        result["checks"] = checks(result["runs"], args.families, args.seeds)
-        result["all_checks_pass"] = result["checks"]["all_pass"]
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every run: a cut keeps the rest
+            if entry is None:
+                result["failures"][name] = tail
+                print(tail, flush=True)
+            else:
+                result["runs"].append(entry)
+                frac = 100 * (entry["stateshift_verbs_fraction_of_step"] or 0)
+                print(
+                    f"   {entry['steps']} steps, held-out {entry['heldout_accuracy_start']:.3f} -> "
+                    f"{entry['heldout_accuracy_end']:.3f}, verbs {frac:.2f}% of step time, {entry['status']}",
+                    flush=True,
+                )
+            result["runs"].sort(key=lambda r: names.index(r["name"]))
+            result["checks"] = checks(result["runs"], args.families, args.seeds)
+            result["all_checks_pass"] = result["checks"]["all_pass"]
+            (args.out / f"{stem}.json").write_text(
+                json.dumps(result, indent=1)
+            )  # after every run: a cut keeps the rest
     if result["runs"]:
         plot(result, args.out / f"{stem}.png")
     print(table(result))

@@ -22,6 +22,9 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
   receiving process -- over ``visible_s + pause_s`` (publish to loaded);
   measured once per family with params resident; ``vs_naive_ray`` the same against
   ``ray.put(model.state_dict())`` and an actor (half a GPU) copying it in (when Ray is installed);
+- ``loop_pause_s``: the simplest receiving code on our receiver, timed in the same receiver on the
+  same version -- ``with rx.receive() as pairs:`` one ``copy_`` per tensor into the same
+  preallocated tensors, then a synchronize -- and ``vs_loop`` = ``loop_pause_s / pause_s``;
 - ``d2h_bytes``: device-to-host bytes of the publish (0 for offloaded params
   in a shared pool).
 
@@ -67,8 +70,8 @@ REPLY_S = 600.0
 
 # ------------------------------------------------------------------ the receiving process
 def receiver_main(handle: str, device: str, conn: Any) -> None:
-    """Commands: ("load", v) -> load version >= v into preallocated tensors, reply timings;
-    ("naive", path) -> torch.load + copy into preallocated tensors, reply seconds; ("stop",)."""
+    """Commands: ("load", v) -> load version >= v into preallocated tensors, reply timings; ("loop", v) ->
+    the same version copied by a plain ``copy_`` loop over ``receive()``'s pairs, reply its pause; ("naive", path) -> torch.load + copy into preallocated tensors, reply seconds; ("stop",)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
     if device == "cpu":
@@ -87,6 +90,14 @@ def receiver_main(handle: str, device: str, conn: Any) -> None:
             version = rx.load_into(targets, min_version=cmd[1])
             r = rx.last_receipt
             conn.send((version, time.perf_counter() - t0, r.pause_s, r.copy_s, r.copied_bytes))
+        elif cmd[0] == "loop":
+            assert targets is not None
+            with rx.receive(min_version=cmd[1]) as (_, pairs), torch.no_grad():
+                for n, t in pairs:
+                    targets[n].copy_(t)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            conn.send(rx.last_receipt.pause_s)
         elif cmd[0] == "naive":
             t0 = time.perf_counter()
             sd = torch.load(cmd[1], map_location=device, weights_only=False)
@@ -294,9 +305,10 @@ def run_case(
             p = pub.publish(version[0]).wait(REPLY_S)
             got, load_s, pause_s, copy_s, received = rx.ask(("load", version[0]))
             assert got == version[0], (got, version[0])
+            loop_s = rx.ask(("loop", version[0]))
             if i >= args.warmup:
                 rows.append(
-                    (p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received)
+                    (p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received, loop_s)
                 )
     finally:
         rx.close()
@@ -307,6 +319,7 @@ def run_case(
         "visible_s": med(1),
         "pause_s": med(2),
         "copy_s": med(6),
+        "loop_pause_s": med(8),
         "d2h_bytes": rows[-1][3],
         "copied_bytes": rows[-1][4],
         "bytes": rows[-1][5],
@@ -382,6 +395,8 @@ def _row(
         "copy_s": round(r["copy_s"], 6),
         "copy_gbps": round(copy_gbps, 2),
         "copy_ratio": round(copy_gbps / ceiling, 3),
+        "loop_pause_s": round(r["loop_pause_s"], 6),
+        "vs_loop": round(r["loop_pause_s"] / r["pause_s"], 2),
         "naive_s": round(naive_s, 4),
         "vs_naive": round(naive_s / ours, 2),
         "naive_ray_s": None if naive_ray_s is None else round(naive_ray_s, 4),
@@ -480,12 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'family':<9} {'transport':<12} {'residency':<10} {'GB':>6} {'publish_s':>9} {'visible_s':>9} {'pause_s':>8} "
-        f"{'GB/s':>7} {'ratio':>6} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}"
+        f"{'GB/s':>7} {'ratio':>6} {'copy':>5} {'vs_loop':>7} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}"
     )
     for r in rows:
         print(
             f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
-            f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
+            f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['copy_ratio']:>5.2f} {r['vs_loop']:>7.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
             f"{r['d2h_bytes'] / 1e9:>7.2f}"
         )
     print(f"wrote {args.out / stem}.json" + (f"; failed: {errors}" if errors else ""))
