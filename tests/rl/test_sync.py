@@ -111,8 +111,30 @@ def test_a_held_version_survives_newer_ones_and_is_freed_after(trainer, pub):
         pub.publish(3).wait(5)
         got = {n: t.clone() for n, t in pairs}
     assert v == 1 and same(got, want)
-    pub._scan()
+    deadline = time.monotonic() + 5  # the release runs on the receiver's release thread, right after the read
+    while sorted(pub._live) != [3] and time.monotonic() < deadline:
+        pub._scan()
+        time.sleep(0.01)
     assert sorted(pub._live) == [3] and not os.path.exists(pub.mailbox.manifest_path(1))
+    rx.close()
+
+
+def test_a_new_hold_waits_for_the_release_before_it_so_the_release_never_clears_it(trainer, pub, monkeypatch):
+    m, state = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    release = rx._release
+
+    def slow_release(version: int) -> None:
+        time.sleep(0.3)
+        release(version)
+
+    monkeypatch.setattr(rx, "_release", slow_release)
+    rx.load_into(model(4))
+    with rx.receive() as (v, pairs):  # the same version held again, while the first release is slow
+        time.sleep(0.5)  # long enough for a release that raced this hold to have cleared it
+        assert v == 1 and pub.mailbox.read()["receivers"]["r"]["holding"] == 1
+        assert same({n: t.clone() for n, t in pairs}, values(m))
     rx.close()
 
 

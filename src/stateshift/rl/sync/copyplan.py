@@ -7,9 +7,11 @@ H100 copies a 2.7 GB model in 1.8 ms). A ``Plan`` holds what stays the same from
 next: which tensors go which way, and for the fused kernel its tables, on the device.
 
 **A plan holds no tensor.** Its key (``plan_key``) has the manifest's tensor entries (parsed once per
-layout: ``manifest.py``), the arenas' and the targets' addresses (``data_ptr``) and the targets'
-contiguity, so a plan is used only while all of them are what it was built for; ``_check_cover`` has
-checked names, shapes and dtypes before. Holding a view of an arena would keep the publisher's device
+layout: ``manifest.py``), the arenas' addresses (``data_ptr``) and the targets' names, addresses, shapes,
+dtypes and contiguity, so a plan is used only while all of them are what it was built for. The cover
+check (every published tensor has a target of its shape and dtype, and every target a tensor) runs when
+a plan is built: it reads nothing but the entries and the targets' names, shapes and dtypes, all in the
+key, so a plan found by its key has passed it for exactly these. Holding a view of an arena would keep the publisher's device
 memory mapped (torch's IPC reference count defers its free); holding a target would keep a model the
 user dropped alive.
 
@@ -147,14 +149,18 @@ class Plan:
 
 
 def plan_key(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> tuple[Any, ...]:
-    """What a plan depends on: the parsed entries (the same objects while the layout stays: ``manifest.py``
-    reuses them), the arenas' addresses, the targets' names, addresses and contiguity."""
+    """What a plan and its cover check depend on: the parsed entries (the same objects while the layout
+    stays: ``manifest.py`` reuses them), the arenas' addresses, the targets' names, addresses, shapes,
+    dtypes and contiguity (one pass each: this runs inside the reader's pause)."""
+    ts = list(targets.values())
     return (
-        tuple(id(p.tensors) for p in manifest.parts),
-        tuple(a.data_ptr() for a in arenas),
+        tuple([id(p.tensors) for p in manifest.parts]),
+        tuple([a.data_ptr() for a in arenas]),
         tuple(targets),
-        tuple(t.data_ptr() for t in targets.values()),
-        tuple(t.is_contiguous() for t in targets.values()),
+        tuple([t.data_ptr() for t in ts]),
+        tuple([t.shape for t in ts]),
+        tuple([t.dtype for t in ts]),
+        tuple([t.is_contiguous() for t in ts]),
     )
 
 
@@ -234,12 +240,21 @@ class Plans:
         self.built = 0
 
     def copy(
-        self, manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor], only_changed: bool
+        self,
+        manifest: Manifest,
+        arenas: list[torch.Tensor],
+        targets: dict[str, torch.Tensor],
+        only_changed: bool,
+        check: Callable[[Manifest, dict[str, torch.Tensor]], None],
     ) -> int:
         """Copy every tensor (or, ``only_changed``, those the manifest lists as changed since its base) into
         ``targets``; returns the bytes copied, once the copies are done. A delta's plan is not kept (the
-        changed tensors differ from version to version)."""
+        changed tensors differ from version to version).
+
+        ``check(manifest, targets)``: the cover check, raising before any byte is copied; run for every plan
+        built, skipped for a plan found by its key (see the module's docstring for why that is the same)."""
         if only_changed:
+            check(manifest, targets)
             self.built += 1
             parts = manifest.parts
 
@@ -251,6 +266,7 @@ class Plans:
         key = plan_key(manifest, arenas, targets)
         plan = self._plans.pop(key, None)
         if plan is None:
+            check(manifest, targets)
             plan = build(manifest, arenas, targets)
             self.built += 1
             while len(self._plans) >= MAX_PLANS:

@@ -7,14 +7,22 @@ publisher never rewrites or frees a held version (``mailbox.py``), unless the
 receiver holds a superseded version past the publisher's timeout -- then
 letting go raises ``SyncError("reclaimed")`` and what was read must be
 discarded (``load_into`` reads again by itself).
+
+Letting go is a check and a release. The check (one unlocked read of the
+mailbox, after the reads are done) decides whether what was read is whole;
+the release (the locked rewrite of the receiver's entry) runs on the
+receiver's own thread, so the reader goes on without waiting for file work;
+the receiver's next hold, and ``close``, wait for it first.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +37,8 @@ from .handle import NAME, SyncHandle
 from .mailbox import Mailbox
 from .manifest import Manifest
 from .shared_host import HostMaps
+
+_log = logging.getLogger("stateshift")
 
 Target = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -105,6 +115,9 @@ class WeightReceiver:
         self._owner: int | None = None
         self._closed = False
         self._link: Any = None
+        #: the release thread (``_let_go``), started at the first release, and the last release sent to it
+        self._releaser: ThreadPoolExecutor | None = None
+        self._releasing: Future[None] | None = None
         self.mailbox: Mailbox | None = None
         if self.transport == "broadcast":
             from .broadcast import BroadcastLink
@@ -205,7 +218,6 @@ class WeightReceiver:
         for attempt in (0, 1):
             try:
                 with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
-                    _check_cover(manifest, targets)
                     last = self._last_target
                     only = (
                         manifest.base is not None
@@ -216,7 +228,7 @@ class WeightReceiver:
                     )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
                     t0 = time.perf_counter()
-                    self._copied = self._plans.copy(manifest, arenas, targets, only)
+                    self._copied = self._plans.copy(manifest, arenas, targets, only, _check_cover)
                     self._copy_s = time.perf_counter() - t0
                     self._last_target = (target, version)
                 return version
@@ -234,6 +246,9 @@ class WeightReceiver:
             self._link.close()
             return
         assert self.mailbox is not None
+        self._settle()
+        if self._releaser is not None:
+            self._releaser.shutdown(wait=True)
         try:
             with self.mailbox.locked():
                 state = self.mailbox.read()
@@ -308,6 +323,7 @@ class WeightReceiver:
         if self._link is not None:
             version, manifest, arenas = self._link.next(min_version, deadline)
             return version, manifest, arenas, _nothing, time.perf_counter() - t0
+        self._settle()
         version = self._hold(min_version, deadline)
         wait_s = time.perf_counter() - t0
         try:
@@ -367,22 +383,55 @@ class WeightReceiver:
             pause = min(pause * 2, 0.02)
 
     def _let_go(self, version: int) -> None:
-        """Stop holding ``version``; ``SyncError("reclaimed")`` if the publisher reclaimed it meanwhile."""
+        """Stop holding ``version`` (call it once every read of it is done, device copies included).
+
+        Raises ``SyncError("reclaimed")`` if the publisher reclaimed it meanwhile (or closed): what was read
+        may be torn. Why one unlocked read decides it: the mailbox is replaced whole (never read half-way);
+        only this receiver ever sets its entry's ``holding`` to a version, and the publisher reclaims one only
+        by clearing it -- so an entry that holds ``version`` now, after the reads, held it throughout them.
+        The release itself runs on the release thread (``_release``)."""
+        assert self.mailbox is not None
+        try:
+            state = self.mailbox.read()
+        except SyncError as e:
+            if e.kind != "mailbox":
+                raise
+            raise SyncError("reclaimed", "the publisher closed", receiver=self.name, version=version) from None
+        entry = state["receivers"].get(self.name)
+        if entry is not None:
+            if self._releaser is None:
+                self._releaser = ThreadPoolExecutor(1, thread_name_prefix=f"stateshift-sync-rx-{self.name}")
+            self._releasing = self._releaser.submit(self._release, version)
+        if entry is None or entry.get("holding") != version:
+            raise SyncError("reclaimed", receiver=self.name, version=version)
+
+    def _release(self, version: int) -> None:
+        """Clear this receiver's entry if it still names ``version`` (held, or reclaimed from it): under the
+        lock, on the release thread. The publisher closed: nothing to release."""
         assert self.mailbox is not None
         with self.mailbox.locked():
             try:
                 state = self.mailbox.read()
             except SyncError as e:
-                if e.kind != "mailbox":
-                    raise
-                raise SyncError("reclaimed", "the publisher closed", receiver=self.name, version=version) from None
+                if e.kind == "mailbox":
+                    return
+                raise
             entry = state["receivers"].get(self.name)
-            held = entry is not None and entry.get("holding") == version
-            if entry is not None:
+            if entry is not None and version in (entry.get("holding"), entry.get("reclaimed")):
                 entry.update(holding=None, since=None, reclaimed=None)
                 self.mailbox.write(state)
-        if not held:
-            raise SyncError("reclaimed", receiver=self.name, version=version)
+
+    def _settle(self) -> None:
+        """Wait for the last release (a new hold must not race the release of the one before). A release that
+        failed leaves the entry holding its version: the publisher reclaims it after its ``ack_timeout_s``,
+        as from a receiver that lags; it is logged, not raised into an unrelated call."""
+        pending, self._releasing = self._releasing, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            _log.warning("receiver %r: releasing a version failed (%r); the publisher will reclaim it", self.name, e)
 
     def _stage(self, arenas: list[torch.Tensor], let_go: Callable[[], None]) -> list[torch.Tensor]:
         """Copy each part to ``device`` (one buffer per part, reused), then let the published version go."""
