@@ -8,7 +8,11 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
 
 - ``publish_s``: what ``publish()`` cost the trainer (enqueueing one snapshot);
   ``visible_s``: until receivers could see the version;
-- ``pause_s``: the receiver's ``load_into`` (how long its reader is blocked);
+- ``pause_s``: the receipt's pause -- from the version held (its manifest read, its memory
+  mapped) to its let-go check: copies, and the cover check when a plan is built;
+  ``load_s``: the whole ``load_into`` call as the receiving process timed it (the hold, the
+  manifest and the mapping too: what a reader that calls it at a token boundary waits), and
+  ``load_ratio`` its GB/s over the same ceiling;
   ``receive_gbps`` = ``received_bytes / pause_s`` (the bytes copied into its tensors; ``bytes`` is
   what was published, alignment padding and a Megatron flat buffer's padding included);
 - ``ratio``: ``receive_gbps`` over the ceiling measured in this run (``copy_ratio``: the same for
@@ -308,7 +312,18 @@ def run_case(
             loop_s = rx.ask(("loop", version[0]))
             if i >= args.warmup:
                 rows.append(
-                    (p.publish_s, p.visible_s, pause_s, p.d2h_bytes, p.copied_bytes, p.nbytes, copy_s, received, loop_s)
+                    (
+                        p.publish_s,
+                        p.visible_s,
+                        pause_s,
+                        p.d2h_bytes,
+                        p.copied_bytes,
+                        p.nbytes,
+                        copy_s,
+                        received,
+                        loop_s,
+                        load_s,
+                    )
                 )
     finally:
         rx.close()
@@ -320,6 +335,7 @@ def run_case(
         "pause_s": med(2),
         "copy_s": med(6),
         "loop_pause_s": med(8),
+        "load_s": med(9),
         "d2h_bytes": rows[-1][3],
         "copied_bytes": rows[-1][4],
         "bytes": rows[-1][5],
@@ -395,6 +411,8 @@ def _row(
         "copy_s": round(r["copy_s"], 6),
         "copy_gbps": round(copy_gbps, 2),
         "copy_ratio": round(copy_gbps / ceiling, 3),
+        "load_s": round(r["load_s"], 6),
+        "load_ratio": round(r["received_bytes"] / r["load_s"] / 1e9 / ceiling, 3),
         "loop_pause_s": round(r["loop_pause_s"], 6),
         "vs_loop": round(r["loop_pause_s"] / r["pause_s"], 2),
         "naive_s": round(naive_s, 4),
