@@ -47,9 +47,10 @@ Target = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
 class Receipt:
     """One version received.
 
-    ``wait_s``: seconds spent waiting for a version at least ``min_version`` to be listed;
-    ``pause_s``: seconds from holding the version to letting it go -- how long the reader was blocked
-    (for ``load_into``, the copy into the target; for ``receive``, the body of the ``with`` too);
+    ``wait_s``: seconds spent waiting for a version at least ``min_version`` to be listed, and holding it;
+    ``pause_s``: seconds from the version held (its manifest read, its memory mapped) to the check that it
+    was not reclaimed (``_let_go``) -- for ``load_into``, the copy into the target (and the cover check when
+    a plan is built); for ``receive``, the body of the ``with`` too;
     ``gbps``: ``nbytes`` over ``pause_s``.
     """
 
