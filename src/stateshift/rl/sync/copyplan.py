@@ -9,11 +9,11 @@ next: which tensors go which way, and for the fused kernel its tables, on the de
 **A plan holds no tensor.** Its key (``plan_key``) has the manifest's tensor entries (parsed once per
 layout: ``manifest.py``), the arenas' addresses (``data_ptr``) and the targets' names, addresses, shapes,
 dtypes and contiguity, so a plan is used only while all of them are what it was built for. The cover
-check (every published tensor has a target of its shape and dtype, and every target a tensor) runs when
-a plan is built: it reads nothing but the entries and the targets' names, shapes and dtypes, all in the
-key, so a plan found by its key has passed it for exactly these. Holding a view of an arena would keep the publisher's device
-memory mapped (torch's IPC reference count defers its free); holding a target would keep a model the
-user dropped alive.
+check (``check_cover``: every published tensor has a target of its shape and dtype, and every target a
+tensor) runs when a plan is built: it reads nothing but the entries and the targets' names, shapes and
+dtypes, all in the key, so a plan found by its key has passed it for exactly these. Holding a view of an
+arena would keep the publisher's device memory mapped (torch's IPC reference count defers its free);
+holding a target would keep a model the user dropped alive.
 
 **The fused copy** (CUDA to the same CUDA device, when Triton is importable): every tensor whose source
 and destination are contiguous, 8-byte aligned and a whole number of 8-byte words is copied by one
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ...core.layout import dtype_of
+from ...errors import LayoutError
 from .manifest import Manifest, TensorEntry
 
 #: tensors of at least this many bytes that the fused kernel does not take are copied one by one (``copy_``)
@@ -231,6 +233,38 @@ def _tables(device: torch.device, rows: list[tuple[int, int, int]]) -> Fused:
     return Fused(device, on(src), on(dst), on(words), on(index), on(start))
 
 
+def check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
+    """``LayoutError("mismatch")`` naming the first published tensor that does not fit ``targets`` (or the first
+    target nothing was published for)."""
+    seen = set()
+    for _, t in manifest.entries():
+        have = targets.get(t.name)
+        seen.add(t.name)
+        if have is None:
+            raise LayoutError(
+                "mismatch", "published, but the target has no tensor of that name", tensor=t.name, field="extra"
+            )
+        if tuple(have.shape) != t.shape:
+            raise LayoutError(
+                "mismatch",
+                f"published {list(t.shape)}, the target's is {list(have.shape)}",
+                tensor=t.name,
+                field="shape",
+            )
+        if have.dtype != dtype_of(t.dtype):
+            raise LayoutError(
+                "mismatch", f"published {t.dtype}, the target's is {have.dtype}", tensor=t.name, field="dtype"
+            )
+    for name in targets:
+        if name not in seen:
+            raise LayoutError(
+                "mismatch",
+                f"in the target, but version {manifest.version} has no tensor of that name",
+                tensor=name,
+                field="missing",
+            )
+
+
 class Plans:
     """A receiver's plans, by key, the most recently used kept (``MAX_PLANS``)."""
 
@@ -245,16 +279,16 @@ class Plans:
         arenas: list[torch.Tensor],
         targets: dict[str, torch.Tensor],
         only_changed: bool,
-        check: Callable[[Manifest, dict[str, torch.Tensor]], None],
     ) -> int:
         """Copy every tensor (or, ``only_changed``, those the manifest lists as changed since its base) into
         ``targets``; returns the bytes copied, once the copies are done. A delta's plan is not kept (the
         changed tensors differ from version to version).
 
-        ``check(manifest, targets)``: the cover check, raising before any byte is copied; run for every plan
-        built, skipped for a plan found by its key (see the module's docstring for why that is the same)."""
+        Raises ``LayoutError("mismatch")`` (``check_cover``) before any byte is copied; the check runs for
+        every plan built and is skipped for a plan found by its key (the module's docstring says why that is
+        the same)."""
         if only_changed:
-            check(manifest, targets)
+            check_cover(manifest, targets)
             self.built += 1
             parts = manifest.parts
 
@@ -266,7 +300,7 @@ class Plans:
         key = plan_key(manifest, arenas, targets)
         plan = self._plans.pop(key, None)
         if plan is None:
-            check(manifest, targets)
+            check_cover(manifest, targets)
             plan = build(manifest, arenas, targets)
             self.built += 1
             while len(self._plans) >= MAX_PLANS:

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from ...backends.torch import named_buffers, named_parameters
-from ...core.layout import dtype_of
 from ...errors import LayoutError, SyncError
 from .copyplan import Plans
 from .handle import NAME, SyncHandle
@@ -229,7 +228,7 @@ class WeightReceiver:
                     )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
                     t0 = time.perf_counter()
-                    self._copied = self._plans.copy(manifest, arenas, targets, only, _check_cover)
+                    self._copied = self._plans.copy(manifest, arenas, targets, only)
                     self._copy_s = time.perf_counter() - t0
                     self._last_target = (target, version)
                 return version
@@ -472,38 +471,6 @@ def _targets(target: Target) -> dict[str, torch.Tensor]:
             raise LayoutError("mismatch", "named twice in the target", tensor=name, field="extra")
         out[name] = t
     return out
-
-
-def _check_cover(manifest: Manifest, targets: dict[str, torch.Tensor]) -> None:
-    """``LayoutError("mismatch")`` naming the first published tensor that does not fit ``targets`` (or the first
-    target nothing was published for)."""
-    seen = set()
-    for _, t in manifest.entries():
-        have = targets.get(t.name)
-        seen.add(t.name)
-        if have is None:
-            raise LayoutError(
-                "mismatch", "published, but the target has no tensor of that name", tensor=t.name, field="extra"
-            )
-        if tuple(have.shape) != t.shape:
-            raise LayoutError(
-                "mismatch",
-                f"published {list(t.shape)}, the target's is {list(have.shape)}",
-                tensor=t.name,
-                field="shape",
-            )
-        if have.dtype != dtype_of(t.dtype):
-            raise LayoutError(
-                "mismatch", f"published {t.dtype}, the target's is {have.dtype}", tensor=t.name, field="dtype"
-            )
-    for name in targets:
-        if name not in seen:
-            raise LayoutError(
-                "mismatch",
-                f"in the target, but version {manifest.version} has no tensor of that name",
-                tensor=name,
-                field="missing",
-            )
 
 
 def _synchronize(devices: Iterable[torch.device]) -> None:
