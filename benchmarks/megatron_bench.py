@@ -148,8 +148,9 @@ class GPTSpec:
     seed: int = 0
 
 
-def build_gpt(spec: GPTSpec, device: str) -> tuple[Any, Any]:
-    """A bf16 GPTModel (local spec) in Float16Module + mcore DDP, and its DistributedOptimizer (Chained)."""
+def build_gpt(spec: GPTSpec, device: str, optimizer: bool = True) -> tuple[Any, Any]:
+    """A bf16 GPTModel (local spec) in Float16Module + mcore DDP, and its DistributedOptimizer (Chained;
+    ``None`` without ``optimizer``: its fp32 main params and Adam states take 14 bytes per param)."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -197,6 +198,8 @@ def build_gpt(spec: GPTSpec, device: str) -> tuple[Any, Any]:
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True), module=model
     )
+    if not optimizer:
+        return ddp, None
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=spec.lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0), [ddp]
     )

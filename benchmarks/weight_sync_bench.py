@@ -158,12 +158,13 @@ def build_torch(device: torch.device, small: bool) -> Any:
 
 
 def build_megatron(device: torch.device, small: bool) -> Any:
-    """A Megatron-core GPT in mcore DDP (``megatron_bench.build_gpt``): 2.92B params at full size."""
+    """A Megatron-core GPT in mcore DDP (``megatron_bench.build_gpt``): 2.92B params at full size, without its
+    optimizer (the sync moves params; its Adam states would not leave an 80 GB GPU room for three versions)."""
     from megatron_bench import GPTSpec, build_gpt, init_megatron
 
     init_megatron(device.type)
     spec = GPTSpec(layers=2, hidden=256, heads=4) if small else GPTSpec(layers=24, hidden=3072, heads=24, vocab=32000)
-    ddp, _opt = build_gpt(spec, device.type)
+    ddp, _ = build_gpt(spec, device.type, optimizer=False)
     return ddp
 
 
