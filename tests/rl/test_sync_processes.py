@@ -31,6 +31,7 @@ from stateshift import ModelState
 from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool
 from stateshift.rl.sync import SyncError, WeightPublisher, WeightReceiver
+from stateshift.rl.sync.mailbox import Mailbox
 
 pytestmark = pytest.mark.slow
 
@@ -117,6 +118,32 @@ def test_a_publisher_killed_inside_a_publish_leaves_receivers_on_the_last_whole_
         assert same(values(target), want)
     finally:
         rx.close()
+
+
+def test_a_publisher_started_after_one_died_leaves_that_ones_receivers_on_their_last_whole_version(dying_publisher):
+    """Another publisher starting on the machine removes what dead publishers left, but not the files of one
+    whose receivers still run: they stay on its last whole version and time out typed."""
+    proc, handle, conn = dying_publisher
+    rx = WeightReceiver(handle, name="r", timeout_s=10)
+    other_state = ModelState(model(9), pool=HostPool(shared=True))
+    other = None
+    try:
+        want = values(model(0))
+        assert rx.load_into(model(3)) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        other = WeightPublisher(other_state, name="other")  # removes stale files of dead processes
+        target = model(4)
+        assert rx.load_into(target) == 1 and same(values(target), want)
+        with raises_kind(SyncError, "timeout") as err:
+            rx.load_into(target, min_version=2, timeout=30)
+        assert not err.value.publisher_alive
+    finally:
+        rx.close()
+        if other is not None:
+            other.close()
+        other_state.close()
+    assert Mailbox.remove_stale(rx.handle.directory) > 0  # and once nobody reads them, they go
 
 
 def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():

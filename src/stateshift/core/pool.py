@@ -47,6 +47,7 @@ import re
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -419,9 +420,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_files(directory: str, pattern: re.Pattern[str]) -> int:
+def remove_stale_files(
+    directory: str, pattern: re.Pattern[str], keep: Callable[[str], bool] = lambda name: False
+) -> int:
     """Remove the files in ``directory`` whose whole name matches ``pattern`` (its group 1 a process id)
-    and whose process is gone: what a killed process left behind. Returns how many were removed."""
+    and whose process is gone: what a killed process left behind, but for those ``keep`` names. Returns
+    how many were removed."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -429,7 +433,7 @@ def remove_stale_files(directory: str, pattern: re.Pattern[str]) -> int:
         return 0
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+        if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))) or keep(name):
             continue
         try:
             os.unlink(os.path.join(directory, name))

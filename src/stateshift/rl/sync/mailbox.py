@@ -41,6 +41,10 @@ from .manifest import Manifest
 MAGIC = "stateshift-sync/1"
 MAX_MAILBOX_BYTES = 4 << 20
 STALE = re.compile(r"stateshift-sync-(\d+)-[0-9a-f]+(\.json|\.lock|\.alive|\.r\..+\.alive|-v\d+\.json|.*\.tmp)")
+#: a mailbox's prefix at the start of each of its files' names
+PREFIX = re.compile(r"stateshift-sync-\d+-[0-9a-f]+")
+#: a receiver's alive file: (the mailbox's prefix, the receiver's name)
+RECEIVER_ALIVE = re.compile(r"(stateshift-sync-\d+-[0-9a-f]+)\.r\.(.+)\.alive")
 
 
 class Mailbox:
@@ -64,8 +68,19 @@ class Mailbox:
 
     @staticmethod
     def remove_stale(directory: str) -> int:
-        """Remove the mailbox files of publishers whose process is gone."""
-        return remove_stale_files(directory, STALE)
+        """Remove the mailbox files of publishers whose process is gone, but not those of one that a live
+        receiver still reads: its receivers stay on its last whole version (and time out typed) until they
+        close, and the next call removes them. Returns how many files were removed."""
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return 0
+        read = set()
+        for name in names:
+            m = RECEIVER_ALIVE.fullmatch(name)
+            if m is not None and Mailbox(directory, m.group(1)).is_alive(m.group(2)):
+                read.add(m.group(1))
+        return remove_stale_files(directory, STALE, keep=lambda name: PREFIX.match(name)[0] in read)  # type: ignore[index]
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
