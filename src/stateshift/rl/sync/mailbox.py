@@ -44,7 +44,7 @@ STALE = re.compile(r"stateshift-sync-(\d+)-[0-9a-f]+(\.json|\.lock|\.alive|\.r\.
 #: a mailbox's prefix at the start of each of its files' names
 PREFIX = re.compile(r"stateshift-sync-\d+-[0-9a-f]+")
 #: a receiver's alive file: (the mailbox's prefix, the receiver's name)
-RECEIVER_ALIVE = re.compile(r"(stateshift-sync-\d+-[0-9a-f]+)\.r\.(.+)\.alive")
+RECEIVER_ALIVE = re.compile(rf"({PREFIX.pattern})\.r\.(.+)\.alive")
 
 
 class Mailbox:
@@ -80,7 +80,12 @@ class Mailbox:
             m = RECEIVER_ALIVE.fullmatch(name)
             if m is not None and Mailbox(directory, m.group(1)).is_alive(m.group(2)):
                 read.add(m.group(1))
-        return remove_stale_files(directory, STALE, keep=lambda name: PREFIX.match(name)[0] in read)  # type: ignore[index]
+
+        def keep(name: str) -> bool:
+            m = PREFIX.match(name)
+            return m is not None and m[0] in read
+
+        return remove_stale_files(directory, STALE, keep=keep)
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
