@@ -74,7 +74,8 @@ REPLY_S = 600.0
 
 # ------------------------------------------------------------------ the receiving process
 def receiver_main(handle: str, device: str, conn: Any) -> None:
-    """Commands: ("load", v) -> load version >= v into preallocated tensors, reply timings; ("loop", v) ->
+    """Commands: ("load", v) -> load version >= v into preallocated tensors, reply timings; ("check", v) ->
+    zero them, load version >= v, reply whether every tensor equals the published one; ("loop", v) ->
     the same version copied by a plain ``copy_`` loop over ``receive()``'s pairs, reply its pause; ("naive", path) -> torch.load + copy into preallocated tensors, reply seconds; ("stop",)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
@@ -102,6 +103,13 @@ def receiver_main(handle: str, device: str, conn: Any) -> None:
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
             conn.send(rx.last_receipt.pause_s)
+        elif cmd[0] == "check":  # targets zeroed, version >= v loaded, then compared to the published buffers
+            assert targets is not None
+            for t in targets.values():
+                t.zero_()
+            rx.load_into(targets, min_version=cmd[1])
+            with rx.receive(min_version=cmd[1]) as (_, pairs):
+                conn.send(all(torch.equal(targets[n], t.to(targets[n].device)) for n, t in pairs))
         elif cmd[0] == "naive":
             t0 = time.perf_counter()
             sd = torch.load(cmd[1], map_location=device, weights_only=False)
@@ -326,6 +334,9 @@ def run_case(
                         load_s,
                     )
                 )
+        version[0] += 1
+        pub.publish(version[0]).wait(REPLY_S)
+        exact = rx.ask(("check", version[0]))
     finally:
         rx.close()
         pub.close()
@@ -342,6 +353,7 @@ def run_case(
         "bytes": rows[-1][5],
         "received_bytes": rows[-1][7],
         "naive_s": naive,
+        "exact": exact,
     }
 
 
@@ -422,6 +434,7 @@ def _row(
         "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2),
         "d2h_bytes": r["d2h_bytes"],
         "copied_bytes": r["copied_bytes"],
+        "exact": r["exact"],
     }
 
 
@@ -514,16 +527,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'family':<9} {'transport':<12} {'residency':<10} {'GB':>6} {'publish_s':>9} {'visible_s':>9} {'pause_s':>8} "
-        f"{'GB/s':>7} {'ratio':>6} {'copy':>5} {'vs_loop':>7} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7}"
+        f"{'GB/s':>7} {'ratio':>6} {'copy':>5} {'vs_loop':>7} {'vs_naive':>8} {'vs_ray':>7} {'d2h_GB':>7} exact"
     )
     for r in rows:
         print(
             f"{r['family']:<9} {r['transport']:<12} {r['residency']:<10} {r['bytes'] / 1e9:>6.2f} {r['publish_s']:>9.4f} "
             f"{r['visible_s']:>9.4f} {r['pause_s']:>8.4f} {r['receive_gbps']:>7.1f} {r['ratio']:>6.2f} {r['copy_ratio']:>5.2f} {r['vs_loop']:>7.2f} {r['vs_naive']:>8.1f} {r['vs_naive_ray'] or float('nan'):>7.1f} "
-            f"{r['d2h_bytes'] / 1e9:>7.2f}"
+            f"{r['d2h_bytes'] / 1e9:>7.2f} {'yes' if r['exact'] else 'NO'}"
         )
-    print(f"wrote {args.out / stem}.json" + (f"; failed: {errors}" if errors else ""))
-    return 1 if errors else 0
+    inexact = [f"{r['family']}/{r['transport']}/{r['residency']}" for r in rows if not r["exact"]]
+    print(
+        f"wrote {args.out / stem}.json"
+        + (f"; failed: {errors}" if errors else "")
+        + (f"; NOT EXACT (a loaded tensor differs from the published one): {inexact}" if inexact else "")
+    )
+    return 1 if errors or inexact else 0
 
 
 if __name__ == "__main__":

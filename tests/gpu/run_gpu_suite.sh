@@ -4,7 +4,7 @@
 #   WHAT=bench bash tests/gpu/run_gpu_suite.sh     # torch, megatron, fsdp2, checkpoint benchmarks
 #   WHAT=tms bash tests/gpu/run_gpu_suite.sh       # address-stable mode vs torch_memory_saver
 #   WHAT=verl bash tests/gpu/run_gpu_suite.sh      # verl 0.9.1's functions vs the drop-ins (.whl-verl/ carried; VERL_ARGS for the bench)
-#   WHAT=sync bash tests/gpu/run_gpu_suite.sh      # weight sync between processes: tests, then the bench (SYNC_FAMILIES, SYNC_ARGS)
+#   WHAT=sync bash tests/gpu/run_gpu_suite.sh      # weight sync between processes: tests, then the bench (SYNC_FAMILIES, SYNC_ARGS, SYNC_ARGS_<family>)
 #   WHAT=executors bash tests/gpu/run_gpu_suite.sh # stateshift train's rollouter in a process / under Ray: tests, then the bench
 #   WHAT=longtail bash tests/gpu/run_gpu_suite.sh  # sync vs fully-async on the long-tail task (LONGTAIL_ARGS)
 #   WHAT=families bash tests/gpu/run_gpu_suite.sh  # stateshift train per model family x 3 seeds, with its checks (FAMILIES_ARGS)
@@ -83,7 +83,8 @@ if [[ $WHAT == *sync* ]]; then
   for fam in ${SYNC_FAMILIES:-torch fsdp2 megatron}; do
     step "weight sync bench $fam"
     mkdir -p "$RES/ws-$fam"
-    timeout ${SYNC_BENCH_S:-200} python3 benchmarks/weight_sync_bench.py --families "$fam" --out "$RES/ws-$fam" ${SYNC_ARGS:-} 2>&1 \
+    fam_args=SYNC_ARGS_$fam  # per family, e.g. SYNC_ARGS_megatron=--no-ray-naive
+    timeout ${SYNC_BENCH_S:-200} python3 benchmarks/weight_sync_bench.py --families "$fam" --out "$RES/ws-$fam" ${SYNC_ARGS:-} ${!fam_args:-} 2>&1 \
       | tee "$RES/ws-$fam/bench.log" | tail -15 || status=1
   done
 fi
