@@ -286,6 +286,46 @@ def test_manifest_refuses_a_tensor_past_its_part():
     assert err.value.field == "tensor 'w'"
 
 
+def _outcome(raw: bytes) -> object:
+    try:
+        return Manifest.parse(raw, "m")
+    except SyncError as e:
+        return ("refused", e.kind, e.field)
+
+
+def test_a_manifest_parses_the_same_whether_its_bytes_but_the_version_were_seen_before(pub, monkeypatch):
+    from stateshift.rl.sync import manifest as manifest_module
+
+    pub.publish(3).wait(5)
+    with open(pub.mailbox.manifest_path(3), "rb") as f:
+        genuine = f.read()
+    assert genuine.startswith(b'{"version": 3,')
+    rest = genuine[len(b'{"version": 3') :]
+    dup = rest[:-1] + b', "version": 7}'  # a second version key: JSON keeps the last
+    escaped = rest[:-1] + b', "\\u0076ersion": 7}'
+    base = json.loads(genuine)
+    base["base"] = 5
+    for p in base["parts"]:
+        p["changed"] = []
+    based = json.dumps(base).encode()
+    variants = [
+        b'{"version": ' + v + r
+        for r in (rest, dup, escaped)
+        for v in (b"3", b"7", b"4", b"9" * 18, b"1" * 19, b"04", b"-4", b"4.0", b"4e0")
+    ]
+    variants += [based.replace(b'{"version": 3', b'{"version": ' + v, 1) for v in (b"3", b"5", b"6")]
+    seen_parts = manifest_module.Manifest.parse(genuine, "m").parts
+    assert Manifest.parse(b'{"version": 4' + rest, "m").parts is seen_parts  # the second parse was skipped
+    warm = [_outcome(raw) for raw in variants for _ in range(2)]  # the second of each after the first was seen
+    monkeypatch.setattr(manifest_module, "_SEEN", {})
+    cold = [_outcome(raw) for raw in variants for _ in range(2)]
+    monkeypatch.setattr(manifest_module, "_SEEN_MAX", 0)
+    never = [_outcome(raw) for raw in variants for _ in range(2)]
+    assert warm == cold == never
+    assert ("refused", "mailbox", "version") in never and any(isinstance(o, Manifest) for o in never)
+    assert [o.version for o in never[4:6] + never[22:24] + never[40:42]] == [4, 4, 7, 7, 7, 7]
+
+
 def test_shared_pool_blocks_are_files_removed_when_freed(tmp_path):
     pool = HostPool(shared=True, shm_dir=str(tmp_path), pin=False)
     block = pool.acquire(3 << 20)
