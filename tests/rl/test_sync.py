@@ -238,6 +238,19 @@ def test_hostile_manifest_is_refused_typed_before_anything_is_mapped(pub, edit, 
     rx.close()
 
 
+def test_a_receiver_of_a_publisher_that_closed_holds_no_version_of_it(pub):
+    pub.publish(1).wait(5)
+    rx = WeightReceiver(pub.handle(), name="r")
+    with pub.mailbox.locked():  # what close() writes before it removes the files
+        state = pub.mailbox.read()
+        state["closed"] = True
+        pub.mailbox.write(state)
+    with raises_kind(SyncError, "closed"):
+        rx.load_into(model(1), timeout=2)
+    assert pub.mailbox.read()["receivers"].get("r", {}).get("holding") is None
+    rx.close()
+
+
 def test_hostile_mailbox_and_handles_are_refused_typed(pub):
     h = pub.handle()
     for text in [

@@ -354,20 +354,29 @@ class WeightReceiver:
         """Mark the latest listed version (at least ``min_version``) as held by this receiver; returns it."""
         assert self.mailbox is not None
         pause, look = 0.001, time.monotonic() + 0.5
-        while True:
-            state = self.mailbox.read()  # unlocked look first (the mailbox is replaced whole)
-            latest = max(state["versions"], default=None)
+        first, latest = True, None
+
+        def listed(state: dict[str, Any]) -> int | None:
+            """The latest listed version if it will do (``None`` if not yet); raises if the publisher closed."""
             if state["closed"]:
                 raise SyncError("closed", f"publisher {self.handle.publisher!r} is closed")
-            if latest is not None and (min_version is None or latest >= min_version):
+            nonlocal latest
+            latest = max(state["versions"], default=None)
+            return latest if latest is not None and (min_version is None or latest >= min_version) else None
+
+        while True:
+            # the first try goes straight to the lock (the version is usually listed already); while waiting,
+            # an unlocked look first (the mailbox is replaced whole, never read half-way)
+            if first or listed(self.mailbox.read()) is not None:
+                first = False
                 with self.mailbox.locked():
                     state = self.mailbox.read()
-                    latest = max(state["versions"], default=None)
-                    if latest is not None and (min_version is None or latest >= min_version):
+                    version = listed(state)
+                    if version is not None:
                         entry = state["receivers"].setdefault(self.name, {})
-                        entry.update(holding=latest, since=time.time(), reclaimed=None)
+                        entry.update(holding=version, since=time.time(), reclaimed=None)
                         self.mailbox.write(state)
-                        return latest
+                        return version
             gone = time.monotonic() > look and not self.mailbox.is_alive(None)  # a dead publisher lists nothing more
             look = time.monotonic() + 0.5 if time.monotonic() > look else look
             if time.monotonic() > deadline or gone:
