@@ -139,7 +139,7 @@ class Manifest:
 
         Versions of one model repeat the same bytes but for the version number: those are not parsed again
         (``_seen``), which takes a receiver's reading of a 300-tensor manifest from about 0.7 ms to tens
-        of microseconds, inside its reader's pause."""
+        of microseconds in every load."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise SyncError("mailbox", f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}", path=where, field="size")
         seen = _seen(raw)
