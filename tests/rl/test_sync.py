@@ -162,6 +162,48 @@ def test_load_into_a_wrong_target_names_the_tensor_and_changes_nothing(trainer, 
     rx.close()
 
 
+def test_a_load_reads_the_mailbox_once_when_nobody_wrote_it_since_the_hold(trainer, pub, monkeypatch):
+    import threading
+
+    from stateshift.rl.sync.mailbox import Mailbox
+
+    m, _ = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    target = model(5)
+    pub.publish(1).wait(5)
+    rx.load_into(target)
+    reads: list[str] = []
+    read = Mailbox.read
+
+    def counted(self: Mailbox) -> dict:
+        reads.append(threading.current_thread().name)
+        return read(self)
+
+    monkeypatch.setattr(Mailbox, "read", counted)
+    step(m, 2)
+    pub.publish(2).wait(5)
+    rx._settle()
+    reads.clear()
+    assert rx.load_into(target) == 2 and same(values(target), values(m))
+    assert reads.count(threading.current_thread().name) == 1  # the hold's; the let-go saw the file it wrote
+    rx.close()
+
+
+def test_a_version_published_while_one_is_held_does_not_take_the_held_one_away(trainer, pub):
+    m, _ = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    before = values(m)
+    with rx.receive() as (v, pairs):
+        step(m, 2)
+        pub.publish(2).wait(5)  # the mailbox is written while version 1 is held: the let-go reads it
+        got = {n: t.clone() for n, t in pairs}
+    assert v == 1 and same(got, before)
+    target = model(5)
+    assert rx.load_into(target) == 2 and same(values(target), values(m))
+    rx.close()
+
+
 def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):
     m, state = trainer
     nbytes = sum(layout.total for layout in core_of(state).layouts(("params", "buffers")).values())

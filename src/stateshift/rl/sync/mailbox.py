@@ -87,14 +87,21 @@ class Mailbox:
 
         return remove_stale_files(directory, STALE, keep=keep)
 
-    def _write_atomic(self, path: str, data: bytes) -> None:
+    def _write_atomic(self, path: str, data: bytes, keep: bool = False) -> int | None:
+        """Write ``data`` to a new file that then replaces ``path`` whole; ``keep``: return a descriptor
+        still open on that file (else ``None``)."""
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, data)
-        finally:
+            os.rename(tmp, path)
+        except BaseException:
             os.close(fd)
-        os.rename(tmp, path)
+            raise
+        if keep:
+            return fd
+        os.close(fd)
+        return None
 
     def _read_file(self, path: str, limit: int) -> bytes:
         try:
@@ -133,8 +140,22 @@ class Mailbox:
             raise SyncError("mailbox", str(exc), path=self.path, field="json") from None
         return _checked(obj, self.path)
 
-    def write(self, state: dict[str, Any]) -> None:
-        self._write_atomic(self.path, json.dumps(state).encode())
+    def write(self, state: dict[str, Any], keep: bool = False) -> int | None:
+        """Replace the mailbox with ``state`` (under ``locked``). ``keep``: returns a descriptor open on the
+        file written, for ``unchanged`` (the caller closes it); else ``None``."""
+        return self._write_atomic(self.path, json.dumps(state).encode(), keep)
+
+    def unchanged(self, fd: int) -> bool:
+        """Whether the mailbox is still the file ``fd`` (from ``write(keep=True)``) is open on, so that it
+        says exactly what that write said. Why that follows: every write replaces the mailbox with a new
+        file, none writes into the current one, and a file kept open cannot have its inode number given to
+        another."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        was = os.fstat(fd)
+        return (now.st_ino, now.st_dev) == (was.st_ino, was.st_dev)
 
     def write_manifest(self, manifest: Manifest) -> None:
         self._write_atomic(self.manifest_path(manifest.version), manifest.to_json())

@@ -118,6 +118,8 @@ class WeightReceiver:
         #: the release thread (``_let_go``), started at the first release, and the last release sent to it
         self._releaser: ThreadPoolExecutor | None = None
         self._releasing: Future[None] | None = None
+        #: a descriptor on the mailbox file whose write marked the version now held (``_let_go``)
+        self._held_fd: int | None = None
         self.mailbox: Mailbox | None = None
         if self.transport == "broadcast":
             from .broadcast import BroadcastLink
@@ -246,6 +248,9 @@ class WeightReceiver:
             self._link.close()
             return
         assert self.mailbox is not None
+        if self._held_fd is not None:
+            os.close(self._held_fd)
+            self._held_fd = None
         self._settle()
         if self._releaser is not None:
             self._releaser.shutdown(wait=True)
@@ -375,7 +380,7 @@ class WeightReceiver:
                     if version is not None:
                         entry = state["receivers"].setdefault(self.name, {})
                         entry.update(holding=version, since=time.time(), reclaimed=None)
-                        self.mailbox.write(state)
+                        self._held_fd = self.mailbox.write(state, keep=True)
                         return version
             gone = time.monotonic() > look and not self.mailbox.is_alive(None)  # a dead publisher lists nothing more
             look = time.monotonic() + 0.5 if time.monotonic() > look else look
@@ -395,11 +400,22 @@ class WeightReceiver:
         """Stop holding ``version`` (call it once every read of it is done, device copies included).
 
         Raises ``SyncError("reclaimed")`` if the publisher reclaimed it meanwhile (or closed): what was read
-        may be torn. Why one unlocked read decides it: the mailbox is replaced whole (never read half-way);
+        may be torn. Why the mailbox as it is now decides it: it is replaced whole (never read half-way);
         only this receiver ever sets its entry's ``holding`` to a version, and the publisher reclaims one only
         by clearing it -- so an entry that holds ``version`` now, after the reads, held it throughout them.
-        The release itself runs on the release thread (``_release``)."""
+        Usually nobody wrote the mailbox since this receiver's hold did, and a ``stat`` says so
+        (``Mailbox.unchanged``); otherwise it is read. The release itself runs on the release thread
+        (``_release``)."""
         assert self.mailbox is not None
+        fd, self._held_fd = self._held_fd, None
+        if fd is not None:
+            try:
+                unchanged = self.mailbox.unchanged(fd)
+            finally:
+                os.close(fd)
+            if unchanged:
+                self._release_later(version)
+                return
         try:
             state = self.mailbox.read()
         except SyncError as e:
@@ -408,11 +424,14 @@ class WeightReceiver:
             raise SyncError("reclaimed", "the publisher closed", receiver=self.name, version=version) from None
         entry = state["receivers"].get(self.name)
         if entry is not None:
-            if self._releaser is None:
-                self._releaser = ThreadPoolExecutor(1, thread_name_prefix=f"stateshift-sync-rx-{self.name}")
-            self._releasing = self._releaser.submit(self._release, version)
+            self._release_later(version)
         if entry is None or entry.get("holding") != version:
             raise SyncError("reclaimed", receiver=self.name, version=version)
+
+    def _release_later(self, version: int) -> None:
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(1, thread_name_prefix=f"stateshift-sync-rx-{self.name}")
+        self._releasing = self._releaser.submit(self._release, version)
 
     def _release(self, version: int) -> None:
         """Clear this receiver's entry if it still names ``version`` (held, or reclaimed from it): under the
