@@ -219,7 +219,7 @@ def test_the_kernel_takes_only_contiguous_aligned_whole_words(entry, src_at, dst
 
 def _raw(offset: object, aggregate: object = 0) -> bytes:
     part = {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0}
-    part["tensors"] = [["w", "float32", [4], [1], offset, aggregate], ["v", "float32", [2], [1], 16, 0]]
+    part["tensors"] = json.dumps([["w", "float32", [4], [1], offset, aggregate], ["v", "float32", [2], [1], 16, 0]])
     return json.dumps({"version": 1, "transport": "shared_host", "parts": [part]}).encode()
 
 
@@ -228,6 +228,6 @@ def test_a_repeated_layout_parses_to_the_same_entries_and_a_lookalike_is_still_r
     assert Manifest.parse(_raw(32), "m").parts[0].tensors is first.parts[0].tensors
     assert Manifest.parse(_raw(40), "m").parts[0].tensors[0].offset == 40
     Manifest.parse(_raw(32), "m")
-    for bad in (_raw(32.0), _raw(32, False)):  # equal to the last list (32.0 == 32, False == 0), not entries
+    for bad in (_raw(32.0), _raw(32, False)):  # equal to the last entries (32.0 == 32, False == 0), not entries
         with raises_kind(SyncError, "mailbox"):
             Manifest.parse(bad, "m")

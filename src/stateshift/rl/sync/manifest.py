@@ -123,9 +123,9 @@ class Manifest:
                 "ipc": p.ipc,
                 "offset": p.offset,
                 "changed": None if p.changed is None else list(p.changed),
-                "tensors": [
-                    [t.name, t.dtype, list(t.shape), list(t.stride), t.offset, int(t.aggregate)] for t in p.tensors
-                ],
+                "tensors": json.dumps(
+                    [[t.name, t.dtype, list(t.shape), list(t.stride), t.offset, int(t.aggregate)] for t in p.tensors]
+                ),
             }
             for p in self.parts
         ]
@@ -137,29 +137,14 @@ class Manifest:
     def parse(raw: bytes, where: str) -> Manifest:
         """A manifest from its JSON, every field checked (``SyncError("mailbox")`` naming ``where`` and the field).
 
-        Versions of one model repeat the same bytes but for the version number: those are not parsed again
-        (``_seen``), which takes a receiver's reading of a 300-tensor manifest from about 0.7 ms to tens
-        of microseconds in every load."""
+        A part's ``tensors`` is JSON text inside the JSON: the same text as a part parsed before gives back
+        the same entries without parsing or checking them again (``_checked_tensors``)."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise SyncError("mailbox", f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}", path=where, field="size")
-        seen = _seen(raw)
-        if seen is not None:
-            return seen
-        m = Manifest._parse(raw, where)
-        split = _split_version(raw)
-        if split is not None and split[0] == m.version:
-            _SEEN.pop(split[1], None)
-            _SEEN[split[1]] = m  # (re)inserted last: the most recently parsed
-            while len(_SEEN) > _SEEN_MAX:
-                del _SEEN[next(iter(_SEEN))]
-        return m
-
-    @staticmethod
-    def _parse(raw: bytes, where: str) -> Manifest:
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SyncError("mailbox", str(exc), path=where, field="json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise SyncError("mailbox", str(exc)[:200], path=where, field="json") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("parts"), list):
             raise SyncError("mailbox", "not a JSON object with a list of parts", path=where, field="parts")
         version, transport, base = obj.get("version"), obj.get("transport"), obj.get("base")
@@ -192,45 +177,6 @@ class Manifest:
         return Manifest(version=version, transport=transport, parts=parts, base=base)
 
 
-#: manifests parsed, by their bytes after the version number (``_split_version``), the most recent last
-_SEEN: dict[bytes, Manifest] = {}
-_SEEN_MAX = 8
-_VERSION_FIRST = b'{"version": '
-
-
-def _split_version(raw: bytes) -> tuple[int, bytes] | None:
-    """``raw`` as ``{"version": <n>`` and the rest, where nothing in the rest can name a version: neither
-    ``"version"`` nor a ``\\u`` escape (the only other way to spell that key) occurs in it. ``None`` otherwise.
-
-    Why two manifests split so, with equal rests, parse the same but for their version: JSON's meaning of
-    the bytes after the number does not depend on the number (which ends at the first non-digit), and with
-    no second ``version`` key the number is the version. The one check that reads the version with another
-    field is ``base < version``: ``_seen`` runs it again."""
-    if not raw.startswith(_VERSION_FIRST):
-        return None
-    i = j = len(_VERSION_FIRST)
-    while j < len(raw) and j - i < 19 and 48 <= raw[j] <= 57:  # ASCII digits, fewer than 19 of them
-        j += 1
-    if j == i or j - i >= 19 or raw[i] == 48 and j - i > 1:  # none, too many, or a leading zero (not JSON)
-        return None
-    rest = raw[j:]
-    if b'"version"' in rest or b"\\u" in rest:
-        return None
-    return int(raw[i:j]), rest
-
-
-def _seen(raw: bytes) -> Manifest | None:
-    """The manifest of ``raw`` when its bytes but the version were parsed before (``_split_version``)."""
-    split = _split_version(raw)
-    if split is None:
-        return None
-    version, rest = split
-    m = _SEEN.get(rest)
-    if m is None or (m.base is not None and m.base >= version):
-        return None  # not seen, or its full parse refuses this version: it says why
-    return m if m.version == version else replace(m, version=version)
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -247,10 +193,10 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
         )
     if ipc is not None and not isinstance(ipc, dict):
         raise SyncError("mailbox", "not an object", path=where, field=f"part {i} ipc")
-    raw = p.get("tensors")
-    if not isinstance(raw, list):
-        raise SyncError("mailbox", "not a list", path=where, field=f"part {i} tensors")
-    tensors = _checked_tensors(raw, where, size)
+    text = p.get("tensors")
+    if not isinstance(text, str):
+        raise SyncError("mailbox", "not JSON text", path=where, field=f"part {i} tensors")
+    tensors = _checked_tensors(text, where, size, f"part {i} tensors")
     changed = p.get("changed")
     if changed is not None and (
         not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)
@@ -267,40 +213,32 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     )
 
 
-#: a part's entries as last parsed, by the part's size and count: ``(raw list, entries)``. Versions of one
-#: model repeat the same list; equal again, the same entries come back -- the same tuple object, which lets a
-#: receiver's copy plan (``copyplan.py``) know the layout without comparing it entry by entry
-_LAST_TENSORS: dict[tuple[int, int], tuple[list[Any], tuple[TensorEntry, ...]]] = {}
+#: a part's entries by the exact text of its ``tensors`` and the part's size, the most recently used last.
+#: Versions of one model repeat the same text (what changes from one to the next -- the version, a
+#: ``cuda_ipc`` part's handles -- is outside it): the same entries come back, the same tuple object, which lets
+#: a receiver's copy plan (``copyplan.py``) know the layout without comparing it entry by entry. Equal text is
+#: equal JSON with the same checks passed, so nothing a full parse refuses comes back this way.
+_TENSORS: dict[tuple[str, int], tuple[TensorEntry, ...]] = {}
+_TENSORS_MAX = 16
 
 
-def _checked_tensors(raw: list[Any], where: str, size: int) -> tuple[TensorEntry, ...]:
-    """The entries of ``raw`` (a part's ``tensors``), checked. A list equal to the last one of its size
-    and count, with every field of the exact JSON type an entry has (``==`` alone takes ``16.0`` or
-    ``true`` for ``16`` or ``1``: those are refused by the full check), gives back the same entries."""
-    last = _LAST_TENSORS.get((size, len(raw)))
-    if last is not None and last[0] == raw and all(map(_exact_types, raw)):
-        return last[1]
-    tensors = tuple(_checked_tensor(t, where, size) for t in raw)
-    if len(_LAST_TENSORS) >= 64:
-        _LAST_TENSORS.clear()
-    _LAST_TENSORS[(size, len(raw))] = (raw, tensors)
-    return tensors
-
-
-def _exact_types(t: object) -> bool:
-    """``[str, str, [int...], [int...], int, int]``, with ``int`` never a ``bool``."""
-    return (
-        type(t) is list
-        and len(t) == 6
-        and type(t[0]) is str
-        and type(t[1]) is str
-        and type(t[4]) is int
-        and type(t[5]) is int
-        and type(t[2]) is list
-        and type(t[3]) is list
-        and all(type(x) is int for x in t[2])
-        and all(type(x) is int for x in t[3])
-    )
+def _checked_tensors(text: str, where: str, size: int, field: str) -> tuple[TensorEntry, ...]:
+    """The entries of a part's ``tensors`` text (a JSON list of ``[name, dtype, shape, stride, offset,
+    aggregate]``), each checked against the part's ``size``."""
+    key = (text, size)
+    entries = _TENSORS.pop(key, None)
+    if entries is None:
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise SyncError("mailbox", str(exc)[:200], path=where, field=field) from None
+        if not isinstance(raw, list):
+            raise SyncError("mailbox", "not a list", path=where, field=field)
+        entries = tuple(_checked_tensor(t, where, size) for t in raw)
+        while _TENSORS and len(_TENSORS) >= _TENSORS_MAX:
+            del _TENSORS[next(iter(_TENSORS))]
+    _TENSORS[key] = entries  # (re)inserted last: the most recently used
+    return entries
 
 
 #: entries already checked, by their exact fields and their part's size (versions of one model repeat
