@@ -353,7 +353,7 @@ class SyncError(StateShiftError, RuntimeError):
     - ``"closed"``: the publisher or receiver was closed.
     - ``"broadcast"``: the broadcast group is full, or ended.
     - ``"failed"``: the publisher's thread failed.
-    - ``"reentrant"``: a receive was called inside another on the same thread.
+    - ``"reentrant"``: a receive, or the receiver's close, was called inside a receive on the same thread.
 
     A publish past the publisher's byte budget is a ``BudgetError`` of kind ``"sync"``.
     """

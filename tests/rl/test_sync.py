@@ -204,6 +204,43 @@ def test_a_version_published_while_one_is_held_does_not_take_the_held_one_away(t
     rx.close()
 
 
+def test_close_from_another_thread_waits_for_the_read_in_flight(trainer, pub):
+    import threading
+
+    m, _ = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    inside, got = threading.Event(), {}
+
+    def read() -> None:
+        with rx.receive() as (_, pairs):
+            inside.set()
+            time.sleep(0.3)  # close() is called meanwhile
+            got.update({n: t.clone() for n, t in pairs})
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert inside.wait(5)
+    rx.close()
+    assert got and same(got, values(m))  # the read ended whole before close() returned
+    reader.join(5)
+    with raises_kind(SyncError, "closed"):
+        rx.load_into(model(1))
+
+
+def test_close_inside_a_read_on_the_same_thread_is_refused_and_the_read_stays_whole(trainer, pub):
+    m, _ = trainer
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    with rx.receive() as (v, pairs):
+        with raises_kind(SyncError, "reentrant"):
+            rx.close()
+        got = {n: t.clone() for n, t in pairs}
+    assert v == 1 and same(got, values(m))
+    rx.close()
+    assert "r" not in pub.mailbox.read()["receivers"]
+
+
 def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):
     m, state = trainer
     nbytes = sum(layout.total for layout in core_of(state).layouts(("params", "buffers")).values())

@@ -240,7 +240,17 @@ class WeightReceiver:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """Leave the publisher (it stops tracking this receiver) and unmap everything. Idempotent."""
+        """Leave the publisher (it stops tracking this receiver) and unmap everything. Idempotent.
+
+        Called from another thread while a ``receive`` or ``load_into`` runs, it waits for that to end
+        (nothing it reads is unmapped under it). Inside a ``receive`` block on the same thread it raises
+        ``SyncError("reentrant")`` and changes nothing (the block's tensors stay readable): close after it."""
+        if self._owner == threading.get_ident():
+            raise SyncError("reentrant", f"receiver {self.name!r}: close() inside receive(); close after the block")
+        with self._serial:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
