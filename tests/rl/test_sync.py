@@ -4,6 +4,7 @@ timeouts, zero-copy publishing of offloaded params, the shared pool's files."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -239,6 +240,34 @@ def test_close_inside_a_read_on_the_same_thread_is_refused_and_the_read_stays_wh
     assert v == 1 and same(got, values(m))
     rx.close()
     assert "r" not in pub.mailbox.read()["receivers"]
+
+
+def test_close_gives_up_typed_on_a_read_left_open_on_another_thread(pub):
+    import threading
+
+    rx = WeightReceiver(pub.handle(), name="r", timeout_s=0.3)
+    pub.publish(1).wait(5)
+    reads = []
+
+    def open_one() -> None:
+        reads.append(_pairs_of(rx))
+        next(reads[0])  # suspended inside its receive() block: that thread's read never ends
+
+    opened = threading.Thread(target=open_one)
+    opened.start()
+    opened.join(5)
+    with raises_kind(SyncError, "timeout"):
+        rx.close()
+    assert "r" in pub.mailbox.read()["receivers"]  # nothing changed
+    reads.clear()  # the generator is dropped (its block ends): close goes through
+    gc.collect()
+    rx.close()
+    assert "r" not in pub.mailbox.read()["receivers"]
+
+
+def _pairs_of(rx):
+    with rx.receive() as (_, pairs):
+        yield from pairs
 
 
 def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):

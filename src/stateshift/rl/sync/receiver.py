@@ -243,12 +243,20 @@ class WeightReceiver:
         """Leave the publisher (it stops tracking this receiver) and unmap everything. Idempotent.
 
         Called from another thread while a ``receive`` or ``load_into`` runs, it waits for that to end
-        (nothing it reads is unmapped under it). Inside a ``receive`` block on the same thread it raises
-        ``SyncError("reentrant")`` and changes nothing (the block's tensors stay readable): close after it."""
+        (nothing it reads is unmapped under it), at most ``timeout_s``, then raises ``SyncError("timeout")``
+        and changes nothing (a ``receive`` block left open, say a generator over it never finished). Inside a
+        ``receive`` block on the same thread it raises ``SyncError("reentrant")`` and changes nothing (the
+        block's tensors stay readable): close after it."""
         if self._owner == threading.get_ident():
             raise SyncError("reentrant", f"receiver {self.name!r}: close() inside receive(); close after the block")
-        with self._serial:
+        if not self._serial.acquire(timeout=self.timeout_s):
+            raise SyncError(
+                "timeout", f"receiver {self.name!r}: close() waited {self.timeout_s:g}s for a read on another thread"
+            )
+        try:
             self._close()
+        finally:
+            self._serial.release()
 
     def _close(self) -> None:
         if self._closed:
