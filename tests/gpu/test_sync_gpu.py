@@ -133,7 +133,8 @@ def test_nccl_broadcast_to_a_receiver_on_another_gpu_is_bit_for_bit():
 def test_the_fused_copy_lands_every_tensor_bit_for_bit_beside_those_it_cannot_take():
     """One arena on the GPU holding tensors of every kind (whole words or not, aligned to 8 bytes or only to
     their dtype, contiguous or not, big and small), copied into separate targets: bit for bit, with the
-    fused kernel taking exactly the whole-word aligned contiguous ones -- twice, the second by the kept plan."""
+    fused kernel taking exactly the whole-word aligned contiguous ones -- three times, the later two by the
+    kept plan, over new bytes (the last: NaNs with a payload, which a copy through float would lose)."""
     pytest.importorskip("triton")
     from stateshift.rl.sync import copyplan
     from stateshift.rl.sync.manifest import Manifest, PartEntry, TensorEntry
@@ -162,7 +163,11 @@ def test_the_fused_copy_lands_every_tensor_bit_for_bit_beside_those_it_cannot_ta
     manifest = Manifest(1, "cuda_ipc", (PartEntry("params", offset, tuple(entries)),))
     targets = {t.name: torch.zeros(t.shape, dtype=dtype_of(t.dtype), device="cuda") for t in entries}
     plans = copyplan.Plans()
-    for _ in range(2):
+    for round in range(3):  # the seeded bytes, then new bytes by the kept plan, then NaNs with a payload
+        if round == 1:
+            arena.random_(0, 256)
+        if round == 2:
+            arena[: arena.numel() // 2 * 2].view(torch.int16).fill_(-74)  # 0xFFB6 in every 2-byte float
         assert plans.copy(manifest, [arena], targets, False) == sum(t.nbytes for t in entries)
         for t in entries:
             want = t.view(arena).reshape(-1).view(torch.uint8)

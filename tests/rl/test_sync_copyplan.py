@@ -15,10 +15,11 @@ from rl.sync_kit import model, same, step, values
 
 from stateshift import ModelState
 from stateshift.core.engine import core_of
+from stateshift.core.layout import dtype_of
 from stateshift.core.pool import HostPool
 from stateshift.errors import LayoutError
 from stateshift.rl.sync import SyncError, WeightPublisher, WeightReceiver, copyplan
-from stateshift.rl.sync.manifest import Manifest, TensorEntry
+from stateshift.rl.sync.manifest import Manifest, PartEntry, TensorEntry
 
 
 def _odd_model(seed: int = 0) -> torch.nn.Module:
@@ -221,6 +222,35 @@ def _raw(offset: object, aggregate: object = 0) -> bytes:
     part = {"group": "params", "size": 64, "file": None, "ipc": None, "offset": 0}
     part["tensors"] = json.dumps([["w", "float32", [4], [1], offset, aggregate], ["v", "float32", [2], [1], 16, 0]])
     return json.dumps({"version": 1, "transport": "shared_host", "parts": [part]}).encode()
+
+
+def test_the_multi_tensor_copy_moves_bits_so_a_nan_payload_survives(monkeypatch):
+    """On CUDA ``_foreach_copy_`` of bfloat16 goes through float and gives back the canonical NaN (seen on an
+    H100: 0xFFB6 landed as 0x7FFF); the batch copies integers of the same size instead."""
+    entries = [
+        TensorEntry("a", "bfloat16", (3,), (1,), 0),
+        TensorEntry("b", "float16", (2, 2), (1, 2), 6),
+        TensorEntry("c", "float32", (3,), (1,), 16),
+        TensorEntry("d", "bool", (5,), (1,), 28),
+    ]
+    arena = torch.empty(40, dtype=torch.uint8)
+    arena[:28].view(torch.int16).fill_(-74)  # 0xFFB6: a bfloat16 and a float16 NaN with a payload
+    arena[16:28].view(torch.int32).fill_(-1)  # 0xFFFFFFFF: a float32 NaN with a payload
+    arena[28:].fill_(1)
+    manifest = Manifest(1, "shared_host", (PartEntry("params", 40, tuple(entries)),))
+    targets = {t.name: torch.zeros(t.shape, dtype=dtype_of(t.dtype)) for t in entries}
+    seen: list[torch.dtype] = []
+    foreach_copy = torch._foreach_copy_
+
+    def recorded(dsts, srcs, **kw):
+        seen.extend(t.dtype for t in (*dsts, *srcs))
+        return foreach_copy(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recorded)
+    copyplan.Plans().copy(manifest, [arena], targets, False)
+    assert seen and not any(d.is_floating_point for d in seen)
+    for t in entries:
+        assert torch.equal(copyplan.bits(targets[t.name]), copyplan.bits(t.view(arena))), t.name
 
 
 def test_a_repeated_layout_parses_to_the_same_entries_and_a_lookalike_is_still_refused():

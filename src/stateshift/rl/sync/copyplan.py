@@ -25,7 +25,8 @@ the kernel (Triton caches it on disk for the next process).
 
 **The others** (host targets or sources, and tensors the kernel does not take): tensors of at least
 ``OWN_COPY_BYTES`` one by one (``copy_``: a plain memcpy), smaller ones by one multi-tensor copy per
-(device, dtype, source device); their views are made per load.
+(device, dtype, source device) of their bits (``bits``: as integers of the same size); their views are
+made per load.
 """
 
 from __future__ import annotations
@@ -143,11 +144,23 @@ class Plan:
                 dst.copy_(src, non_blocking=True)
             for batch in self.batches:  # one multi-tensor copy per (device, dtype, source): few launches
                 dsts, srcs = zip(*(pair(w) for w in batch), strict=True)
-                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+                torch._foreach_copy_([bits(t) for t in dsts], [bits(t) for t in srcs], non_blocking=True)
         for d in self.devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
         return self.nbytes
+
+
+#: an integer dtype of each item size. On CUDA, ``_foreach_copy_`` of bfloat16 or float16 goes through float
+#: and back, which turns a NaN's payload into the canonical NaN; of integers of the same size it copies the bits
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its item size (the same strides and bytes), so that a copy of it
+    is one of its bits; ``t`` itself for a dtype of another size (complex128)."""
+    as_int = _BITS.get(t.element_size())
+    return t if as_int is None or t.dtype == as_int else t.view(as_int)
 
 
 def plan_key(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> tuple[Any, ...]:
