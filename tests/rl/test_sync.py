@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import glob
 import json
+import math
 import os
 import re
 import time
@@ -268,6 +269,40 @@ def test_close_gives_up_typed_on_a_read_left_open_on_another_thread(pub):
 def _pairs_of(rx):
     with rx.receive() as (_, pairs):
         yield from pairs
+
+
+def test_a_receiver_with_no_time_limit_closes(pub):
+    rx = WeightReceiver(pub.handle(), name="r", timeout_s=math.inf)
+    pub.publish(1).wait(5)
+    assert rx.load_into(model(1)) == 1
+    rx.close()
+    assert "r" not in pub.mailbox.read()["receivers"]
+
+
+def test_a_staging_copy_that_fails_lets_the_version_go_and_keeps_no_descriptor(pub, monkeypatch):
+    from stateshift.rl.sync import receiver as receiver_module
+
+    rx = WeightReceiver(pub.handle(), name="r", device="meta")  # host arenas: staged onto the device
+    pub.publish(1).wait(5)
+    with rx.receive() as (v, pairs):
+        pass
+    rx._settle()
+    before = set(os.listdir("/proc/self/fd"))
+
+    def failing(devices: object) -> None:
+        raise RuntimeError("the staging copy failed (out of device memory, say)")
+
+    monkeypatch.setattr(receiver_module, "_synchronize", failing)
+    with pytest.raises(RuntimeError, match="staging"), rx.receive():
+        pass
+    monkeypatch.undo()
+    rx._settle()
+    assert pub.mailbox.read()["receivers"]["r"]["holding"] is None  # let go
+    with rx.receive() as (v, pairs):
+        pass
+    rx._settle()
+    assert set(os.listdir("/proc/self/fd")) == before
+    rx.close()
 
 
 def test_a_receiver_that_never_lets_go_gets_budget_then_timeout_errors_named(trainer):

@@ -8,8 +8,9 @@ receiver holds a superseded version past the publisher's timeout -- then
 letting go raises ``SyncError("reclaimed")`` and what was read must be
 discarded (``load_into`` reads again by itself).
 
-Letting go is a check and a release. The check (one unlocked read of the
-mailbox, after the reads are done) decides whether what was read is whole;
+Letting go is a check and a release. The check (after the reads are done: a
+``stat`` showing that nobody wrote the mailbox since this receiver's hold, else
+one unlocked read of it) decides whether what was read is whole;
 the release (the locked rewrite of the receiver's entry) runs on the
 receiver's own thread, so the reader goes on without waiting for file work;
 the receiver's next hold, and ``close``, wait for it first.
@@ -179,16 +180,17 @@ class WeightReceiver:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         t1 = time.perf_counter()
         if self.device is not None and any(a.device != self.device for a in arenas):
-            arenas = self._stage(arenas, let_go)
+            try:
+                arenas = self._stage(arenas)
+            except BaseException:
+                _let_go_after_error(let_go)
+                raise
+            let_go()  # the staged copies are ours: the published version is not read again
             let_go = _nothing
         try:
             yield version, _pairs(manifest, arenas)
         except BaseException:
-            try:
-                let_go()
-            except SyncError as e:
-                if e.kind != "reclaimed":
-                    raise
+            _let_go_after_error(let_go)
             raise
         let_go()
         self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
@@ -249,7 +251,7 @@ class WeightReceiver:
         block's tensors stay readable): close after it."""
         if self._owner == threading.get_ident():
             raise SyncError("reentrant", f"receiver {self.name!r}: close() inside receive(); close after the block")
-        if not self._serial.acquire(timeout=self.timeout_s):
+        if not self._serial.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
             raise SyncError(
                 "timeout", f"receiver {self.name!r}: close() waited {self.timeout_s:g}s for a read on another thread"
             )
@@ -325,11 +327,7 @@ class WeightReceiver:
         try:
             yield version, manifest, arenas
         except BaseException:
-            try:
-                let_go()
-            except SyncError as e:
-                if e.kind != "reclaimed":
-                    raise
+            _let_go_after_error(let_go)
             raise
         let_go()
         self.last_receipt = Receipt(
@@ -365,11 +363,7 @@ class WeightReceiver:
                 self._maps.sweep()
                 arenas = [self._maps.arena(p, self.mailbox.manifest_path(version)) for p in manifest.parts]
         except BaseException:
-            try:
-                self._let_go(version)
-            except SyncError as e:
-                if e.kind != "reclaimed":
-                    raise
+            _let_go_after_error(lambda: self._let_go(version))
             raise
         return version, manifest, arenas, lambda: self._let_go(version), wait_s
 
@@ -398,6 +392,8 @@ class WeightReceiver:
                     if version is not None:
                         entry = state["receivers"].setdefault(self.name, {})
                         entry.update(holding=version, since=time.time(), reclaimed=None)
+                        if self._held_fd is not None:  # a hold never let go (cannot happen: every path lets go)
+                            os.close(self._held_fd)
                         self._held_fd = self.mailbox.write(state, keep=True)
                         return version
             gone = time.monotonic() > look and not self.mailbox.is_alive(None)  # a dead publisher lists nothing more
@@ -479,8 +475,8 @@ class WeightReceiver:
         except Exception as e:  # noqa: BLE001 - see the docstring
             _log.warning("receiver %r: releasing a version failed (%r); the publisher will reclaim it", self.name, e)
 
-    def _stage(self, arenas: list[torch.Tensor], let_go: Callable[[], None]) -> list[torch.Tensor]:
-        """Copy each part to ``device`` (one buffer per part, reused), then let the published version go."""
+    def _stage(self, arenas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy each part to ``device`` (one buffer per part, reused); returns them once the copies are done."""
         assert self.device is not None
         out = []
         for i, arena in enumerate(arenas):
@@ -490,12 +486,20 @@ class WeightReceiver:
             buf.copy_(arena, non_blocking=True)
             out.append(buf)
         _synchronize([self.device])
-        let_go()
         return out
 
 
 def _nothing() -> None:
     return None
+
+
+def _let_go_after_error(let_go: Callable[[], None]) -> None:
+    """Let go on the way out of an error: a reclaim found then changes nothing (the error says enough)."""
+    try:
+        let_go()
+    except SyncError as e:
+        if e.kind != "reclaimed":
+            raise
 
 
 def _pairs(manifest: Manifest, arenas: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
