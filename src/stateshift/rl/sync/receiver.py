@@ -249,16 +249,8 @@ class WeightReceiver:
         and changes nothing (a ``receive`` block left open, say a generator over it never finished). Inside a
         ``receive`` block on the same thread it raises ``SyncError("reentrant")`` and changes nothing (the
         block's tensors stay readable): close after it."""
-        if self._owner == threading.get_ident():
-            raise SyncError("reentrant", f"receiver {self.name!r}: close() inside receive(); close after the block")
-        if not self._serial.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
-            raise SyncError(
-                "timeout", f"receiver {self.name!r}: close() waited {self.timeout_s:g}s for a read on another thread"
-            )
-        try:
+        with self._one_at_a_time("close()", wait_s=self.timeout_s):
             self._close()
-        finally:
-            self._serial.release()
 
     def _close(self) -> None:
         if self._closed:
@@ -302,20 +294,23 @@ class WeightReceiver:
 
     # -- internals ------------------------------------------------------------------------------------
     @contextmanager
-    def _one_at_a_time(self) -> Iterator[None]:
-        """Serialise ``receive`` and ``load_into`` across threads (a receiver holds one version at a time:
-        two reads at once would let go of each other's version); a call inside another on the same thread
-        is a ``SyncError``."""
+    def _one_at_a_time(self, what: str = "receive()/load_into()", wait_s: float | None = None) -> Iterator[None]:
+        """Serialise ``receive``, ``load_into`` and ``close`` across threads (a receiver holds one version at a
+        time: two reads at once would let go of each other's version; a close would unmap a read's memory);
+        a call inside a read on the same thread is a ``SyncError("reentrant")``, and waiting longer than
+        ``wait_s`` for another thread's read (``None``: no limit) a ``SyncError("timeout")``."""
         if self._owner == threading.get_ident():
+            raise SyncError("reentrant", f"receiver {self.name!r}: {what} called inside a read on the same thread")
+        if not self._serial.acquire(timeout=-1 if wait_s is None else min(wait_s, threading.TIMEOUT_MAX)):
             raise SyncError(
-                "reentrant", f"receiver {self.name!r}: receive()/load_into() called inside another on the same thread"
+                "timeout", f"receiver {self.name!r}: {what} waited {wait_s:g}s for a read on another thread"
             )
-        with self._serial:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._owner = None
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._serial.release()
 
     @contextmanager
     def _hold_for_copy(
