@@ -1,6 +1,7 @@
 """Weight sync between processes on one machine: publish from a trainer, receive in another process.
 
-For each model family (a plain torch model, a Megatron-core GPT, an FSDP2 Qwen2),
+For each model family (a plain torch model, a Megatron-core GPT of 2.9B parameters, an FSDP2
+Qwen2 of 1.35B, and with ``--families fsdp2-3b`` one of 3.0B),
 params resident and offloaded, and each transport that runs on one GPU
 (``cuda_ipc``, ``shared_host``; ``shared_host`` only on the CPU), the trainer
 publishes versions and a receiver in a ``spawn``ed process copies each into
@@ -176,8 +177,16 @@ def build_megatron(device: torch.device, small: bool) -> Any:
     return ddp
 
 
-def build_fsdp2(device: torch.device, small: bool) -> Any:
-    """Hugging Face Qwen2 (from a config, no download) under FSDP2 (``fully_shard`` per layer and root), world size 1."""
+#: Qwen2 configs of the FSDP2 families: 1.35B (291 tensors) and, at the Megatron GPT's size, 3.0B (435 tensors)
+QWEN2_SIZES = {
+    "fsdp2": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16),
+    "fsdp2-3b": dict(hidden_size=2560, intermediate_size=6912, num_hidden_layers=36, num_attention_heads=20),
+}
+
+
+def build_fsdp2(device: torch.device, small: bool, family: str = "fsdp2") -> Any:
+    """Hugging Face Qwen2 (from a config, no download) under FSDP2 (``fully_shard`` per layer and root), world size 1;
+    ``family`` picks its size (``QWEN2_SIZES``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -197,15 +206,9 @@ def build_fsdp2(device: torch.device, small: bool) -> Any:
             vocab_size=256,
         )
         if small
-        else dict(
-            hidden_size=2048,
-            intermediate_size=5504,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            vocab_size=32000,
-        )
+        else dict(QWEN2_SIZES[family], vocab_size=32000)
     )
+    size["num_key_value_heads"] = size["num_attention_heads"]
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**size)).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -218,7 +221,12 @@ def build_fsdp2(device: torch.device, small: bool) -> Any:
     return model
 
 
-FAMILIES = {"torch": build_torch, "megatron": build_megatron, "fsdp2": build_fsdp2}
+FAMILIES = {
+    "torch": build_torch,
+    "megatron": build_megatron,
+    "fsdp2": build_fsdp2,
+    "fsdp2-3b": lambda device, small: build_fsdp2(device, small, "fsdp2-3b"),
+}
 
 
 # ------------------------------------------------------------------ measuring
