@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -167,16 +168,19 @@ def plan_key(manifest: Manifest, arenas: list[torch.Tensor], targets: dict[str, 
     """What a plan and its cover check depend on: the parsed entries (the same objects while the layout
     stays: ``manifest.py`` reuses them), the arenas' addresses, the targets' names, addresses, shapes,
     dtypes and contiguity (one pass each: this runs inside the reader's pause)."""
-    ts = list(targets.values())
+    ts = targets.values()  # (``map`` over the unbound methods: no attribute lookup per tensor)
     return (
         tuple([id(p.tensors) for p in manifest.parts]),
         tuple([a.data_ptr() for a in arenas]),
         tuple(targets),
-        tuple([t.data_ptr() for t in ts]),
-        tuple([t.shape for t in ts]),
-        tuple([t.dtype for t in ts]),
-        tuple([t.is_contiguous() for t in ts]),
+        tuple(map(torch.Tensor.data_ptr, ts)),
+        tuple(map(_SHAPE, ts)),
+        tuple(map(_DTYPE, ts)),
+        tuple(map(torch.Tensor.is_contiguous, ts)),
     )
+
+
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 
 
 def _contiguous(t: TensorEntry) -> bool:
