@@ -508,7 +508,7 @@ def test_files_of_dead_processes_are_removed(tmp_path):
     mine.write_bytes(b"x")
     other = tmp_path / "stateshift-pool-1-ab-1"  # pid 1 lives
     other.write_bytes(b"x")
-    assert remove_stale_files(str(tmp_path), re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+")) == 1
+    assert len(remove_stale_files(str(tmp_path), re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+"))) == 1
     assert not dead.exists() and mine.exists() and other.exists()
 
 

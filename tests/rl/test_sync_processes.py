@@ -143,7 +143,7 @@ def test_a_publisher_started_after_one_died_leaves_that_ones_receivers_on_their_
         if other is not None:
             other.close()
         other_state.close()
-    assert Mailbox.remove_stale(rx.handle.directory) > 0  # and once nobody reads them, they go
+    assert Mailbox.remove_stale(rx.handle.directory)  # and once nobody reads them, they go
 
 
 def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():

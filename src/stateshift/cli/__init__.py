@@ -4,6 +4,7 @@ stateshift train            # the fully-async RL trainer on its built-in task (s
 stateshift bench            # every verb in every residency on the built-in model
 stateshift bench --help     # sizes, device, output files
 stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
+stateshift clean [DIR]      # remove the /dev/shm files that killed stateshift processes left behind
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .bench import add_parser as _bench_parser
+from .clean import add_parser as _clean_parser
 from .inspect import add_parser as _inspect_parser
 from .train import add_parser as _train_parser
 
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _bench_parser(sub)
     _inspect_parser(sub)
+    _clean_parser(sub)
     return parser
 
 

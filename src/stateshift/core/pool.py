@@ -71,7 +71,8 @@ TOUCH_MIN_BYTES = 64 << 20
 TOUCH_THREADS = 16
 #: Name of a shared block's file: ``stateshift-pool-<pid>-<pool>-<n>``.
 SHARED_PREFIX = "stateshift-pool-"
-_SHARED_NAME = re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+")
+#: the whole name of one, group 1 the pid of the process that made it (``remove_stale_files``)
+SHARED_FILE = re.compile(r"stateshift-pool-(\d+)-[0-9a-f]+-\d+")
 
 
 @dataclass(eq=False)
@@ -203,7 +204,7 @@ class HostPool:
         if self.shared:
             if not os.path.isdir(shm_dir):
                 raise ValueError(f"shm_dir {shm_dir!r} is not a directory")
-            remove_stale_files(shm_dir, _SHARED_NAME)
+            remove_stale_files(shm_dir, SHARED_FILE)
         self._serial = 0
         self._lock = threading.Lock()
         self._idle: dict[int, list[HostBlock]] = {}
@@ -421,23 +422,28 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_files(
-    directory: str, pattern: re.Pattern[str], keep: Callable[[str], bool] = lambda name: False
-) -> int:
+    directory: str,
+    pattern: re.Pattern[str],
+    keep: Callable[[str], bool] = lambda name: False,
+    dry_run: bool = False,
+) -> list[str]:
     """Remove the files in ``directory`` whose whole name matches ``pattern`` (its group 1 a process id)
     and whose process is gone: what a killed process left behind, but for those ``keep`` names. Returns
-    how many were removed."""
-    removed = 0
+    the names removed (``dry_run``: those it would remove, removing none). A process of another user
+    counts as alive; a name that vanishes meanwhile (another sweep) is not counted."""
+    removed = []
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except OSError:
-        return 0
+        return []
     for name in names:
         m = pattern.fullmatch(name)
         if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))) or keep(name):
             continue
         try:
-            os.unlink(os.path.join(directory, name))
-            removed += 1
+            if not dry_run:
+                os.unlink(os.path.join(directory, name))
+            removed.append(name)
         except OSError:
             pass
     return removed

@@ -67,14 +67,14 @@ class Mailbox:
         )
 
     @staticmethod
-    def remove_stale(directory: str) -> int:
+    def remove_stale(directory: str, dry_run: bool = False) -> list[str]:
         """Remove the mailbox files of publishers whose process is gone, but not those of one that a live
         receiver still reads: its receivers stay on its last whole version (and time out typed) until they
-        close, and the next call removes them. Returns how many files were removed."""
+        close, and the next call removes them. Returns the names removed (``dry_run``: that it would remove)."""
         try:
             names = os.listdir(directory)
         except OSError:
-            return 0
+            return []
         read = set()
         for name in names:
             m = RECEIVER_ALIVE.fullmatch(name)
@@ -85,7 +85,7 @@ class Mailbox:
             m = PREFIX.match(name)
             return m is not None and m[0] in read
 
-        return remove_stale_files(directory, STALE, keep=keep)
+        return remove_stale_files(directory, STALE, keep=keep, dry_run=dry_run)
 
     def _write_atomic(self, path: str, data: bytes, keep: bool = False) -> int | None:
         """Write ``data`` to a new file that then replaces ``path`` whole; ``keep``: return a descriptor

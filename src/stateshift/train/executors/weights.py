@@ -81,7 +81,7 @@ PREFIX = "stateshift-weights-"
 #: where weight files and shared pool blocks live (memory, not disk; the weight-sync library's default too)
 SHM_DIR = "/dev/shm"
 #: a weight file: ``PREFIX<pid>-<hex>`` (its publisher's pid, for ``remove_stale_files``)
-_STALE = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
+STALE_FILE = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 
 
 class HostWeightPublisher:
@@ -105,7 +105,7 @@ class HostWeightPublisher:
             end += t.numel() * t.element_size()
         self.entries = {e.name: e for e in entries}
         self.skip = skip
-        remove_stale_files(directory, _STALE)
+        remove_stale_files(directory, STALE_FILE)
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, self.path)
