@@ -111,6 +111,27 @@ def test_update_weights_names_the_first_bad_tensor():
     assert r.version == 0
 
 
+def test_update_weights_closes_the_pairs_it_was_given_when_a_tensor_is_bad():
+    """The pairs may be a generator inside a weight receiver's read (``LibraryReceiver.pairs``): a copy that
+    fails half-way must end that read at once, not leave it open until the generator is collected (the
+    receiver would hold the version, and its next read or close on this thread would be reentrant)."""
+    r = KVRollouter(BuiltinLM(build_gpt(seed=1)), _sampling(), seed=0)
+    good = dict(build_gpt(seed=2).state_dict())
+    ended = []
+
+    def pairs():
+        try:
+            yield from good.items()
+            yield ("tok.weight", torch.zeros(3, 3))
+        finally:
+            ended.append(True)
+
+    gen = pairs()
+    with raises_kind(ConfigError, "weight_sync", match="'tok.weight'"):
+        r.update_weights(gen, 1)
+    assert ended == [True]  # closed before update_weights raised (``gen`` is still referenced here)
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     import transformers  # in the test extra: a missing install fails here, it is not skipped

@@ -142,6 +142,32 @@ def test_a_new_hold_waits_for_the_release_before_it_so_the_release_never_clears_
     rx.close()
 
 
+def test_a_receive_block_synchronises_its_device_before_letting_go(trainer, pub, monkeypatch):
+    """Copies a ``receive`` block enqueued on a CUDA device may still read the version when the block ends:
+    the version's device is synchronised while it is still held, on a normal end and on an error."""
+    from stateshift.rl.sync import receiver as receiver_mod
+
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    synced = []
+    real = receiver_mod._synchronize
+
+    def record(devices):
+        synced.append((set(devices), pub.mailbox.read()["receivers"]["r"]["holding"]))
+        real(devices)
+
+    monkeypatch.setattr(receiver_mod, "_synchronize", record)
+    with rx.receive() as (v, pairs):
+        for _ in pairs:
+            pass
+    assert synced == [(set(), 1)]  # (host arenas, no CUDA here: nothing to wait for, but asked while held)
+    with pytest.raises(KeyError), rx.receive() as (v, pairs):
+        raise KeyError("a copy failed")
+    assert synced[1] == (set(), 1)
+    assert pub.mailbox.read()["receivers"]["r"]["holding"] is None
+    rx.close()
+
+
 def test_load_into_a_wrong_target_names_the_tensor_and_changes_nothing(trainer, pub):
     pub.publish(1).wait(5)
     rx = WeightReceiver(pub.handle(), name="r")

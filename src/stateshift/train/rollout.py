@@ -260,14 +260,17 @@ class KVRollouter:
         """Copy by name; every model tensor must be given exactly once (``ConfigError("weight_sync")`` names the first that is not).
 
         Names ``lm.skip_weight(name)`` declares aggregates of others (a Megatron flat buffer holds every
-        parameter that is also sent on its own) are not copied.
+        parameter that is also sent on its own) are not copied. ``weights`` is closed (if it has ``close``)
+        when this returns or raises: a generator inside a weight receiver's read ends that read at once.
         """
         if self._running:
             raise RuntimeError("update_weights while generate() runs: pause first")
         t0 = time.perf_counter()
         seen: set[str] = set()
-        with torch.no_grad(), self._on_stream():
-            for name, value in weights:
+        pairs = iter(weights)
+        closing = contextlib.closing(pairs) if hasattr(pairs, "close") else contextlib.nullcontext()
+        with torch.no_grad(), self._on_stream(), closing:
+            for name, value in pairs:
                 if self._skip is not None and self._skip(name):
                     continue
                 check_weight(name, self._targets.get(name), value).copy_(value)

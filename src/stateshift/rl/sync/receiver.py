@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +164,10 @@ class WeightReceiver:
 
         ``pairs`` iterates ``(name, tensor)`` in the shape vLLM's ``model.load_weights`` takes. The tensors
         are valid only inside the ``with`` block (the version is let go at its end): copy them, never
-        keep them. A version is whole: every tensor comes from the same ``publish()``.
+        keep them. A version is whole: every tensor comes from the same ``publish()``. Copies enqueued on
+        a CUDA device inside the block (``copy_`` returns before it is done) are safe: the block's end
+        synchronises the version's device (for a version in host memory, the current device) before
+        letting go, so the publisher cannot write the next version under a copy still reading this one.
 
         Raises: ``SyncError("timeout")`` if no such version is listed within ``timeout`` (default
         ``timeout_s``); ``SyncError("reclaimed")`` at the end of the block if the publisher reclaimed the
@@ -187,9 +190,13 @@ class WeightReceiver:
                 raise
             let_go()  # the staged copies are ours: the published version is not read again
             let_go = _nothing
+        devices = _copy_devices(arenas)
         try:
             yield version, _pairs(manifest, arenas)
+            _synchronize(devices)  # the block's device copies read the version: done before it is let go
         except BaseException:
+            with suppress(Exception):  # (a device that fails to synchronise: let go all the same)
+                _synchronize(devices)
             _let_go_after_error(let_go)
             raise
         let_go()
@@ -515,6 +522,16 @@ def _targets(target: Target) -> dict[str, torch.Tensor]:
         if name in out:
             raise LayoutError("mismatch", "named twice in the target", tensor=name, field="extra")
         out[name] = t
+    return out
+
+
+def _copy_devices(arenas: list[torch.Tensor]) -> set[torch.device]:
+    """The CUDA devices a ``receive`` block's copies of ``arenas`` may run on: the arenas' own and, for arenas
+    in host memory, the current device when this process uses CUDA (a copy to another device from host
+    memory is the caller's to synchronise)."""
+    out = {a.device for a in arenas if a.device.type == "cuda"}
+    if any(a.device.type == "cpu" for a in arenas) and torch.cuda.is_initialized():
+        out.add(torch.device("cuda", torch.cuda.current_device()))
     return out
 
 
