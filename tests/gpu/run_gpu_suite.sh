@@ -83,7 +83,7 @@ if [[ $WHAT == *sync* ]]; then
   for fam in ${SYNC_FAMILIES:-torch fsdp2 megatron}; do
     step "weight sync bench $fam"
     mkdir -p "$RES/ws-$fam"
-    fam_args=SYNC_ARGS_$fam  # per family, e.g. SYNC_ARGS_megatron=--no-ray-naive
+    fam_args=SYNC_ARGS_${fam//-/_}  # per family, e.g. SYNC_ARGS_megatron=--no-ray-naive (fsdp2-3b: SYNC_ARGS_fsdp2_3b)
     timeout ${SYNC_BENCH_S:-200} python3 benchmarks/weight_sync_bench.py --families "$fam" --out "$RES/ws-$fam" ${SYNC_ARGS:-} ${!fam_args:-} 2>&1 \
       | tee "$RES/ws-$fam/bench.log" | tail -15 || status=1
   done
