@@ -774,3 +774,32 @@ def test_one_receiver_serves_one_read_at_a_time(trainer, pub):
     other.join(10)
     assert not other.is_alive()
     rx.close()
+
+
+def test_a_cuda_ipc_share_is_opened_once_per_process_and_the_last_mapping_dropped_first(monkeypatch):
+    """torch takes one count back per open of a share and frees a dropped block only at 0 (unsigned): two
+    opens of one version would keep the publisher's arena forever. ``Opened`` opens each share once, and
+    drops the previous version's mappings before opening the next."""
+    import weakref
+
+    from stateshift.rl.sync import cuda_ipc
+
+    opens, alive = [], []
+
+    def fake_open(ipc, where):
+        assert all(r() is None for r in alive), "the previous version's mapping is still alive"
+        opens.append(ipc["ref_counter_offset"])
+        return torch.zeros(ipc["numel"], dtype=torch.uint8)
+
+    monkeypatch.setattr(cuda_ipc, "open_shared", fake_open)
+    share = lambda n: {"handle": "aa", "ref_counter_handle": "bb", "ref_counter_offset": n, "numel": 8}  # noqa: E731
+    opened = cuda_ipc.Opened()
+    first = opened.arenas([share(1), None, share(2)], "v1")
+    again = opened.arenas([share(1), None, share(2)], "v1")  # load_into, then receive() of the same version
+    assert opens == [1, 2] and all(a is b for a, b in zip(first, again, strict=True))
+    assert first[1].numel() == 0
+    alive[:] = [weakref.ref(first[0]), weakref.ref(first[2])]
+    del first, again
+    assert len(opened.arenas([share(3), None, share(4)], "v2")) == 3 and opens == [1, 2, 3, 4]
+    opened.clear()
+    assert opened.arenas([share(3), None, share(4)], "v2") and opens == [1, 2, 3, 4, 3, 4]

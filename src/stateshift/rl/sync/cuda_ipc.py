@@ -117,3 +117,35 @@ def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
         raw("event_handle"),
         ipc["event_sync_required"],
     )
+
+
+class Opened:
+    """The arenas of the last version this process opened, kept until another version is opened or ``clear``.
+
+    Why: torch counts the opens of a shared block. ``share`` counts one; each ``open_shared`` takes one back
+    when its mapping is dropped; a block the producer dropped is freed only at a count of 0, and the count is
+    unsigned, so a second open of one share wraps it and the publisher keeps that arena for good. Opened once
+    per process (``load_into`` and ``receive()`` of the same version share the mapping), the count of one
+    receiver comes back to 0. Several receivers of one version still take back one each: the weight-sync
+    guide's known limitation. The mapping of the last version is dropped before the next is opened, so a
+    receiver keeps at most one version's arenas mapped between reads."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._arenas: list[torch.Tensor] = []
+
+    def arenas(self, ipcs: list[dict[str, Any] | None], where: str) -> list[torch.Tensor]:
+        """The arenas of the parts ``ipcs`` describe (``None``: an empty part), each share opened once."""
+        key = tuple(
+            None if i is None else (i.get("handle"), i.get("ref_counter_handle"), i.get("ref_counter_offset"))
+            for i in ipcs
+        )
+        if key != self._key:
+            self.clear()  # the old mappings go first: their count goes back to the publisher
+            self._arenas = [torch.empty(0, dtype=torch.uint8) if i is None else open_shared(i, where) for i in ipcs]
+            self._key = key
+        return list(self._arenas)
+
+    def clear(self) -> None:
+        """Drop the mappings kept (the receiver's ``close``)."""
+        self._key, self._arenas = None, []

@@ -33,6 +33,7 @@ import torch
 from ...backends.torch import named_buffers, named_parameters
 from ...errors import LayoutError, SyncError
 from .copyplan import Plans
+from .cuda_ipc import Opened
 from .handle import NAME, SyncHandle
 from .mailbox import Mailbox
 from .manifest import Manifest
@@ -129,6 +130,7 @@ class WeightReceiver:
             return
         self.mailbox = Mailbox(self.handle.directory, self.handle.prefix)
         self._maps = HostMaps(self.handle.directory, register=self.device is not None and self.device.type == "cuda")
+        self._opened = Opened()  # cuda_ipc: the last version's arenas, each share opened once
         self._alive_fd = self.mailbox.hold_alive(name)
         try:
             with self.mailbox.locked():
@@ -283,6 +285,7 @@ class WeightReceiver:
                 raise
         self._leave_files()
         self._maps.close()
+        self._opened.clear()
 
     def _leave_files(self) -> None:
         assert self.mailbox is not None
@@ -353,14 +356,8 @@ class WeightReceiver:
             assert self.mailbox is not None
             manifest = self.mailbox.read_manifest(version)
             if self.transport == "cuda_ipc":
-                from .cuda_ipc import open_shared
-
-                arenas = [
-                    open_shared(p.ipc or {}, self.mailbox.manifest_path(version))
-                    if p.size
-                    else torch.empty(0, dtype=torch.uint8)
-                    for p in manifest.parts
-                ]
+                ipcs = [(p.ipc or {}) if p.size else None for p in manifest.parts]
+                arenas = self._opened.arenas(ipcs, self.mailbox.manifest_path(version))
             else:
                 self._maps.sweep()
                 arenas = [self._maps.arena(p, self.mailbox.manifest_path(version)) for p in manifest.parts]
