@@ -100,3 +100,17 @@ def test_clean_refuses_what_is_not_a_directory(tmp_path, capsys):
     f.write_bytes(b"")
     assert main(["clean", str(f)]) == 2
     assert "not a readable directory" in capsys.readouterr().err
+
+
+def test_a_file_named_with_an_impossible_process_id_is_stale_not_a_crash(tmp_path, capsys):
+    """A name with a process id no process can have (past a C long) made the liveness check raise
+    ``OverflowError``: every shared pool's start-up sweep in that directory crashed with it."""
+    from stateshift.core.pool import HostPool
+
+    odd = tmp_path / "stateshift-pool-99999999999999999999999-ab-1"
+    odd.write_bytes(b"x")
+    pool = HostPool(shared=True, shm_dir=str(tmp_path))  # its start-up sweep
+    assert not odd.exists()
+    pool.trim()
+    odd.write_bytes(b"x")
+    assert main(["clean", str(tmp_path)]) == 0 and not odd.exists()

@@ -411,10 +411,11 @@ def _unlink(block: HostBlock) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (a zombie counts as alive until reaped)."""
+    """Whether a process with this id runs on this machine (a zombie counts as alive until reaped). An id no
+    process can have (past a C ``pid_t``, as a file name may say) is not alive."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
