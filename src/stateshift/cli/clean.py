@@ -65,13 +65,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.directory) or not os.access(args.directory, os.R_OK | os.X_OK):
         print(f"stateshift clean: {args.directory!r} is not a readable directory", file=sys.stderr)
         return 2
-    sizes = {}
-    for name in sweep(args.directory, dry_run=True):  # sizes first: a removed file has none
-        try:
-            sizes[name] = os.stat(os.path.join(args.directory, name), follow_symlinks=False).st_size
-        except OSError:
-            sizes[name] = 0
-    names = sweep(args.directory) if not args.dry_run else sorted(sizes)
+    sizes = {}  # of every file a sweep may remove, taken first: a removed file has none
+    for name in os.listdir(args.directory):
+        if any(p.fullmatch(name) for p in (SYNC_FILE, SHARED_FILE, WEIGHTS_FILE)):
+            try:
+                sizes[name] = os.stat(os.path.join(args.directory, name), follow_symlinks=False).st_size
+            except OSError:
+                pass
+    names = sweep(args.directory, dry_run=args.dry_run)
     for name in names:
         print(f"{'would remove' if args.dry_run else 'removed'} {name} ({sizes.get(name, 0):,} bytes)")
     total = sum(sizes.get(n, 0) for n in names)
