@@ -11,6 +11,7 @@ import math
 import os
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -776,10 +777,10 @@ def test_one_receiver_serves_one_read_at_a_time(trainer, pub):
     rx.close()
 
 
-def test_a_cuda_ipc_share_is_opened_once_per_process_and_the_last_mapping_dropped_first(monkeypatch):
-    """torch takes one count back per open of a share and frees a dropped block only at 0 (unsigned): two
-    opens of one version would keep the publisher's arena forever. ``Opened`` opens each share once, and
-    drops the previous version's mappings before opening the next."""
+def test_a_cuda_ipc_version_is_opened_once_per_process_and_the_last_mapping_dropped_first(monkeypatch):
+    """``load_into`` and ``receive()`` of one version share one mapping; the previous version's mappings
+    are dropped before the next version is opened (a freed block reused by the publisher is never found
+    stale in torch's cache of mappings)."""
     import weakref
 
     from stateshift.rl.sync import cuda_ipc
@@ -788,18 +789,64 @@ def test_a_cuda_ipc_share_is_opened_once_per_process_and_the_last_mapping_droppe
 
     def fake_open(ipc, where):
         assert all(r() is None for r in alive), "the previous version's mapping is still alive"
-        opens.append(ipc["ref_counter_offset"])
+        opens.append(ipc["storage_offset_bytes"])
         return torch.zeros(ipc["numel"], dtype=torch.uint8)
 
     monkeypatch.setattr(cuda_ipc, "open_shared", fake_open)
-    share = lambda n: {"handle": "aa", "ref_counter_handle": "bb", "ref_counter_offset": n, "numel": 8}  # noqa: E731
+    share = lambda n: {"handle": "aa", "storage_offset_bytes": n, "numel": 8}  # noqa: E731
     opened = cuda_ipc.Opened()
-    first = opened.arenas([share(1), None, share(2)], "v1")
-    again = opened.arenas([share(1), None, share(2)], "v1")  # load_into, then receive() of the same version
+    first = opened.arenas(1, [share(1), None, share(2)], "v1")
+    again = opened.arenas(1, [share(1), None, share(2)], "v1")  # load_into, then receive() of the same version
     assert opens == [1, 2] and all(a is b for a, b in zip(first, again, strict=True))
     assert first[1].numel() == 0
     alive[:] = [weakref.ref(first[0]), weakref.ref(first[2])]
     del first, again
-    assert len(opened.arenas([share(3), None, share(4)], "v2")) == 3 and opens == [1, 2, 3, 4]
+    assert len(opened.arenas(2, [share(1), None, share(2)], "v2")) == 3 and opens == [1, 2, 1, 2]  # same blocks
     opened.clear()
-    assert opened.arenas([share(3), None, share(4)], "v2") and opens == [1, 2, 3, 4, 3, 4]
+    assert opened.arenas(2, [share(1), None, share(2)], "v2") and opens == [1, 2, 1, 2, 1, 2]
+
+
+def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):
+    """torch frees a shared block only when its unsigned IPC count is exactly 0, and every open takes one back:
+    a version opened by two receivers (or twice by one) wrapped it, and the publisher kept each version's
+    arena for good (an H100 ran out of memory). ``share`` takes its own count back at once, and a receiver
+    names torch a counter no shared-memory object can have, so its count-back finds nothing."""
+    from _posixshmem import shm_open
+
+    from torch.multiprocessing import reductions
+
+    from stateshift.rl.sync import cuda_ipc
+
+    released = []
+    fake_args = (
+        None,
+        None,
+        None,
+        0,
+        None,
+        None,
+        0,
+        b"\x01" * 64,
+        4096,
+        512,
+        False,
+        b"/torch_1_2",
+        7,
+        b"\x02" * 64,
+        True,
+    )
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (None, fake_args))
+    monkeypatch.setattr(
+        torch.UntypedStorage, "_release_ipc_counter_cuda", lambda h, o: released.append((h, o)), raising=False
+    )
+    arena = types.SimpleNamespace(dtype=torch.uint8, is_cuda=True, dim=lambda: 1, numel=lambda: 4096)
+    ipc = cuda_ipc.share(arena)
+    assert released == [(b"/torch_1_2", 7)]  # the share's count, taken back before anyone can open it
+    assert not any("counter" in k for k in ipc)  # nothing for a receiver to count against
+    rebuilt = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a))
+    cuda_ipc.open_shared(ipc, "v1")
+    assert rebuilt[0][11:13] == (cuda_ipc.NO_COUNTER, 0)
+    for flags in (os.O_RDWR, os.O_RDWR | os.O_CREAT):  # nobody can create the counter a receiver names
+        with pytest.raises(OSError):
+            shm_open(cuda_ipc.NO_COUNTER.decode(), flags, 0o600)

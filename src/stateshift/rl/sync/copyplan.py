@@ -12,8 +12,8 @@ dtypes and contiguity, so a plan is used only while all of them are what it was 
 check (``check_cover``: every published tensor has a target of its shape and dtype, and every target a
 tensor) runs when a plan is built: it reads nothing but the entries and the targets' names, shapes and
 dtypes, all in the key, so a plan found by its key has passed it for exactly these. Holding a view of an
-arena would keep the publisher's device memory mapped (torch's IPC reference count defers its free);
-holding a target would keep a model the user dropped alive.
+arena would keep a mapping of device memory the publisher frees and gives to a later version; holding a
+target would keep a model the user dropped alive.
 
 **The fused copy** (CUDA to the same CUDA device, when Triton is importable): every tensor whose source
 and destination are contiguous, 8-byte aligned and a whole number of 8-byte words is copied by one

@@ -2,10 +2,22 @@
 
 ``share(tensor)`` turns a device tensor into a JSON-able dict (bytes as hex);
 ``open_shared(ipc)`` rebuilds a tensor that maps the same device memory in
-another process on the same machine. The publisher keeps the memory alive
-while the version is listed or held (``mailbox.py``); torch's own IPC
-reference counting keeps the producer from reusing it while a consumer has
-it open.
+another process on the same machine.
+
+Who keeps the memory alive: the publisher's mailbox protocol alone
+(``mailbox.py``): a version's arena is freed only once it is unlisted and no
+live receiver holds it, and a receiver that held it past the timeout learns
+that its read may be torn (``SyncError("reclaimed")``). torch's own IPC
+reference count is switched off on both sides, because it cannot count more
+than one open of a share: ``share`` counts one, every open takes one back when
+its mapping is dropped, and torch frees a block the producer dropped only at a
+count of exactly 0 -- unsigned, so a second open (a second receiver, or one
+receiver opening a version twice) wraps it and the arena is never freed (an H100
+ran out of memory after a few versions of a 6 GB model). So ``share`` takes its
+own count back at once (the count is 0: the producer frees the arena as soon as
+the publisher drops it), and ``open_shared`` gives torch a counter name that no
+shared-memory object can have (``NO_COUNTER``), so a receiver's count-back
+finds nothing to count.
 """
 
 from __future__ import annotations
@@ -16,13 +28,15 @@ import torch
 
 from ...errors import SyncError
 
+#: the reference counter a receiver names to torch: a '/' inside makes it a name ``shm_open`` refuses, so the
+#: count-back when a mapping is dropped fails, and torch ignores that failure (as for a producer that exited)
+NO_COUNTER = b"/stateshift/no-counter"
+
 _FIELDS = (
     "device",
     "handle",
     "storage_size_bytes",
     "storage_offset_bytes",
-    "ref_counter_handle",
-    "ref_counter_offset",
     "event_handle",
     "event_sync_required",
     "numel",
@@ -30,7 +44,10 @@ _FIELDS = (
 
 
 def share(tensor: torch.Tensor) -> dict[str, Any]:
-    """Plain data naming ``tensor``'s device memory (a flat uint8 CUDA tensor) for ``open_shared`` elsewhere."""
+    """Plain data naming ``tensor``'s device memory (a flat uint8 CUDA tensor) for ``open_shared`` elsewhere.
+
+    torch's reference count of the share is taken back before this returns (module doc): keeping the memory
+    alive while a receiver reads it is the caller's protocol, not torch's."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_cuda:
@@ -55,13 +72,13 @@ def share(tensor: torch.Tensor) -> dict[str, Any]:
     ) = args
     if offset != 0:
         raise ValueError("share() takes a tensor at the start of its storage")
+    if rc_handle is not None:  # (None: an empty storage, nothing counted)
+        torch.UntypedStorage._release_ipc_counter_cuda(rc_handle, rc_off)
     return {
         "device": int(device),
         "handle": _hex(handle),
         "storage_size_bytes": int(size_b),
         "storage_offset_bytes": int(off_b),
-        "ref_counter_handle": _hex(rc_handle),
-        "ref_counter_offset": int(rc_off),
         "event_handle": _hex(ev_handle),
         "event_sync_required": bool(ev_sync),
         "numel": tensor.numel(),
@@ -76,10 +93,10 @@ def check(ipc: dict[str, Any], where: str) -> dict[str, Any]:
     """``ipc`` if it has exactly the fields ``share`` writes, of their types (``SyncError("mailbox")`` otherwise)."""
     if set(ipc) != set(_FIELDS):
         raise SyncError("mailbox", f"fields {sorted(ipc)[:12]}", path=where, field="ipc")
-    ints = ("device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset", "numel")
+    ints = ("device", "storage_size_bytes", "storage_offset_bytes", "numel")
     if not all(isinstance(ipc[k], int) and not isinstance(ipc[k], bool) and ipc[k] >= 0 for k in ints):
         raise SyncError("mailbox", "sizes and offsets must be non-negative integers", path=where, field="ipc")
-    for k in ("handle", "ref_counter_handle", "event_handle"):
+    for k in ("handle", "event_handle"):
         v = ipc[k]
         if v is not None and (
             not isinstance(v, str) or len(v) > 1024 or any(c not in "0123456789abcdef" for c in v) or len(v) % 2
@@ -87,11 +104,14 @@ def check(ipc: dict[str, Any], where: str) -> dict[str, Any]:
             raise SyncError("mailbox", "not a hex string", path=where, field=f"ipc {k}")
     if ipc["handle"] is None or ipc["numel"] > ipc["storage_size_bytes"]:
         raise SyncError("mailbox", "no handle, or more bytes than its storage", path=where, field="ipc")
+    if not isinstance(ipc["event_sync_required"], bool):
+        raise SyncError("mailbox", "event_sync_required must be true or false", path=where, field="ipc")
     return ipc
 
 
 def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
-    """The flat uint8 device tensor ``share`` described, mapped into this process (same machine)."""
+    """The flat uint8 device tensor ``share`` described, mapped into this process (same machine), counted by
+    nobody (``NO_COUNTER``): it is safe to read while the publisher's protocol says the version is held."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     ipc = check(ipc, where)
@@ -112,8 +132,8 @@ def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
         ipc["storage_size_bytes"],
         ipc["storage_offset_bytes"],
         False,
-        raw("ref_counter_handle"),
-        ipc["ref_counter_offset"],
+        NO_COUNTER,
+        0,
         raw("event_handle"),
         ipc["event_sync_required"],
     )
@@ -122,26 +142,20 @@ def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
 class Opened:
     """The arenas of the last version this process opened, kept until another version is opened or ``clear``.
 
-    Why: torch counts the opens of a shared block. ``share`` counts one; each ``open_shared`` takes one back
-    when its mapping is dropped; a block the producer dropped is freed only at a count of 0, and the count is
-    unsigned, so a second open of one share wraps it and the publisher keeps that arena for good. Opened once
-    per process (``load_into`` and ``receive()`` of the same version share the mapping), the count of one
-    receiver comes back to 0. Several receivers of one version still take back one each: the weight-sync
-    guide's known limitation. The mapping of the last version is dropped before the next is opened, so a
-    receiver keeps at most one version's arenas mapped between reads."""
+    ``load_into`` and ``receive()`` of one version share one mapping (opening a share costs 0.3 ms on an
+    H100). The mapping of the last version is dropped before the next is opened, so a receiver keeps at
+    most one version's arenas mapped between reads, and a block the publisher freed and gave to a new
+    version is never found, stale and of another size, in torch's cache of mappings."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._arenas: list[torch.Tensor] = []
 
-    def arenas(self, ipcs: list[dict[str, Any] | None], where: str) -> list[torch.Tensor]:
-        """The arenas of the parts ``ipcs`` describe (``None``: an empty part), each share opened once."""
-        key = tuple(
-            None if i is None else (i.get("handle"), i.get("ref_counter_handle"), i.get("ref_counter_offset"))
-            for i in ipcs
-        )
+    def arenas(self, version: int, ipcs: list[dict[str, Any] | None], where: str) -> list[torch.Tensor]:
+        """The arenas of ``version``'s parts ``ipcs`` describe (``None``: an empty part), each opened once."""
+        key = (version, *(None if i is None else (i.get("handle"), i.get("storage_offset_bytes")) for i in ipcs))
         if key != self._key:
-            self.clear()  # the old mappings go first: their count goes back to the publisher
+            self.clear()  # the old mappings go first (class doc)
             self._arenas = [torch.empty(0, dtype=torch.uint8) if i is None else open_shared(i, where) for i in ipcs]
             self._key = key
         return list(self._arenas)

@@ -357,7 +357,7 @@ class WeightReceiver:
             manifest = self.mailbox.read_manifest(version)
             if self.transport == "cuda_ipc":
                 ipcs = [(p.ipc or {}) if p.size else None for p in manifest.parts]
-                arenas = self._opened.arenas(ipcs, self.mailbox.manifest_path(version))
+                arenas = self._opened.arenas(version, ipcs, self.mailbox.manifest_path(version))
             else:
                 self._maps.sweep()
                 arenas = [self._maps.arena(p, self.mailbox.manifest_path(version)) for p in manifest.parts]
