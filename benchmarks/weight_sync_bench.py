@@ -31,7 +31,9 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
   same version -- ``with rx.receive() as pairs:`` one ``copy_`` per tensor into the same
   preallocated tensors, then a synchronize -- and ``vs_loop`` = ``loop_pause_s / pause_s``;
 - ``d2h_bytes``: device-to-host bytes of the publish (0 for offloaded params
-  in a shared pool).
+  in a shared pool);
+- ``plans_built``: timed loads that built their copy plan (new arenas: the cover check and the
+  plan's tables inside ``pause_s``) instead of reusing one.
 
 On the GPU machine (Megatron carried as /work/shared/GPU.md says)::
 
@@ -95,7 +97,7 @@ def receiver_main(handle: str, device: str, conn: Any) -> None:
             t0 = time.perf_counter()
             version = rx.load_into(targets, min_version=cmd[1])
             r = rx.last_receipt
-            conn.send((version, time.perf_counter() - t0, r.pause_s, r.copy_s, r.copied_bytes))
+            conn.send((version, time.perf_counter() - t0, r.pause_s, r.copy_s, r.copied_bytes, r.planned))
         elif cmd[0] == "loop":
             assert targets is not None
             with rx.receive(min_version=cmd[1]) as (_, pairs), torch.no_grad():
@@ -324,7 +326,7 @@ def run_case(
         for i in range(args.warmup + args.repeat):
             version[0] += 1
             p = pub.publish(version[0]).wait(REPLY_S)
-            got, load_s, pause_s, copy_s, received = rx.ask(("load", version[0]))
+            got, load_s, pause_s, copy_s, received, planned = rx.ask(("load", version[0]))
             assert got == version[0], (got, version[0])
             loop_s = rx.ask(("loop", version[0]))
             if i >= args.warmup:
@@ -340,6 +342,7 @@ def run_case(
                         received,
                         loop_s,
                         load_s,
+                        planned,
                     )
                 )
         version[0] += 1
@@ -356,6 +359,7 @@ def run_case(
         "copy_s": med(6),
         "loop_pause_s": med(8),
         "load_s": med(9),
+        "plans_built": sum(bool(r[10]) for r in rows),
         "d2h_bytes": rows[-1][3],
         "copied_bytes": rows[-1][4],
         "bytes": rows[-1][5],
@@ -442,6 +446,7 @@ def _row(
         "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2),
         "d2h_bytes": r["d2h_bytes"],
         "copied_bytes": r["copied_bytes"],
+        "plans_built": r["plans_built"],
         "exact": r["exact"],
     }
 

@@ -64,6 +64,9 @@ class Receipt:
     copied_bytes: int | None = None
     #: ``load_into``: seconds of the copies alone (enqueued and synchronised), within ``pause_s``
     copy_s: float | None = None
+    #: ``load_into``: whether this load built its copy plan (and ran the cover check) rather than reusing one:
+    #: a first load, or new arenas or targets (``copyplan.py``)
+    planned: bool | None = None
 
     @property
     def gbps(self) -> float:
@@ -111,6 +114,7 @@ class WeightReceiver:
         self._last_target: tuple[object, int] | None = None
         self._copied: int | None = None
         self._copy_s: float | None = None
+        self._planned: bool | None = None
         #: copy plans, by layout, arenas and target (``copyplan.py``): the per-tensor work done once, not per version
         self._plans = Plans()
         self._serial = threading.Lock()
@@ -240,9 +244,10 @@ class WeightReceiver:
                         and last[1] == manifest.base
                     )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
-                    t0 = time.perf_counter()
+                    t0, built = time.perf_counter(), self._plans.built
                     self._copied = self._plans.copy(manifest, arenas, targets, only)
                     self._copy_s = time.perf_counter() - t0
+                    self._planned = self._plans.built != built
                     self._last_target = (target, version)
                 return version
             except SyncError as e:
@@ -327,7 +332,7 @@ class WeightReceiver:
         self, min_version: int | None, timeout: float | None
     ) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
-        self._copied, self._copy_s = None, None
+        self._copied, self._copy_s, self._planned = None, None, None
         t1 = time.perf_counter()
         try:
             yield version, manifest, arenas
@@ -336,7 +341,14 @@ class WeightReceiver:
             raise
         let_go()
         self.last_receipt = Receipt(
-            version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1, self._copied, self._copy_s
+            version,
+            manifest.nbytes,
+            self.transport,
+            wait_s,
+            time.perf_counter() - t1,
+            self._copied,
+            self._copy_s,
+            self._planned,
         )
 
     def _take(
