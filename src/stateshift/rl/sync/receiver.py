@@ -186,27 +186,8 @@ class WeightReceiver:
     def _receive(
         self, min_version: int | None, timeout: float | None
     ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
-        version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
-        t1 = time.perf_counter()
-        if self.device is not None and any(a.device != self.device for a in arenas):
-            try:
-                arenas = self._stage(arenas)
-            except BaseException:
-                _let_go_after_error(let_go)
-                raise
-            let_go()  # the staged copies are ours: the published version is not read again
-            let_go = _nothing
-        devices = _copy_devices(arenas)
-        try:
+        with self._held(min_version, timeout, reading=True) as (version, manifest, arenas):
             yield version, _pairs(manifest, arenas)
-            _synchronize(devices)  # the block's device copies read the version: done before it is let go
-        except BaseException:
-            with suppress(Exception):  # (a device that fails to synchronise: let go all the same)
-                _synchronize(devices)
-            _let_go_after_error(let_go)
-            raise
-        let_go()
-        self.last_receipt = Receipt(version, manifest.nbytes, self.transport, wait_s, time.perf_counter() - t1)
 
     def load_into(
         self, target: Target, *, min_version: int | None = None, timeout: float | None = None, delta: bool = False
@@ -234,7 +215,7 @@ class WeightReceiver:
             self._maps.ensure_registered()
         for attempt in (0, 1):
             try:
-                with self._hold_for_copy(min_version, timeout) as (version, manifest, arenas):
+                with self._held(min_version, timeout, reading=False) as (version, manifest, arenas):
                     last = self._last_target
                     only = (
                         manifest.base is not None
@@ -328,15 +309,30 @@ class WeightReceiver:
             self._serial.release()
 
     @contextmanager
-    def _hold_for_copy(
-        self, min_version: int | None, timeout: float | None
+    def _held(
+        self, min_version: int | None, timeout: float | None, *, reading: bool
     ) -> Iterator[tuple[int, Manifest, list[torch.Tensor]]]:
+        """Hold the latest version (at least ``min_version``) for the body: yields ``(version, manifest, arenas)``
+        and lets go after it, on an error too, then records ``last_receipt``.
+
+        ``reading`` (``receive()``: the body is the caller's): the arenas are first staged on ``device`` when
+        one is set (and the version let go at once: the staged copies are ours), and the devices the body's
+        copies read are synchronised before the let-go (a ``load_into`` synchronises its own copies)."""
         version, manifest, arenas, let_go, wait_s = self._take(min_version, timeout)
         self._copied, self._copy_s, self._planned = None, None, None
         t1 = time.perf_counter()
+        devices: set[torch.device] = set()
         try:
+            if reading and self.device is not None and any(a.device != self.device for a in arenas):
+                arenas = self._stage(arenas)
+                let_go, early = _nothing, let_go
+                early()
+            devices = _copy_devices(arenas) if reading else set()
             yield version, manifest, arenas
+            _synchronize(devices)  # the body's device copies read the version: done before it is let go
         except BaseException:
+            with suppress(Exception):  # (a device that fails to synchronise: let go all the same)
+                _synchronize(devices)
             _let_go_after_error(let_go)
             raise
         let_go()
