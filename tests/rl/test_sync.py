@@ -216,6 +216,9 @@ def test_a_load_reads_the_mailbox_once_when_nobody_wrote_it_since_the_hold(train
     step(m, 2)
     pub.publish(2).wait(5)
     rx._settle()
+    deadline = time.monotonic() + 5  # the publisher unlists v1 (a write of the mailbox) before the load, not during it
+    while 1 in pub._live and time.monotonic() < deadline:
+        time.sleep(0.01)
     reads.clear()
     assert rx.load_into(target) == 2 and same(values(target), values(m))
     assert reads.count(threading.current_thread().name) == 1  # the hold's; the let-go saw the file it wrote
@@ -850,3 +853,102 @@ def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):
     for flags in (os.O_RDWR, os.O_RDWR | os.O_CREAT):  # nobody can create the counter a receiver names
         with pytest.raises(OSError):
             shm_open(cuda_ipc.NO_COUNTER.decode(), flags, 0o600)
+
+
+def _wait_for(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def shared_trainer():
+    m = model(0)
+    state = ModelState(m, pool=HostPool(shared=True))
+    yield m, state
+    state.close()
+    core_of(state).pool.trim()
+
+
+def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(shared_trainer, monkeypatch):
+    """``load_into(delta=True)`` copies v1; meanwhile the publisher lists v2 (a delta against v1 changing only
+    ``2.weight``), reclaims v1 and writes v3's snapshot into v1's freed block: the copy is torn. The retry must
+    copy v2 whole: a torn copy of v1 is no base for v2's delta (it was, and ``0.weight`` kept v3's bytes)."""
+    from stateshift.rl.sync import copyplan
+    from stateshift.rl.sync.publisher import DELAY_ENV
+
+    m, state = shared_trainer
+    pub = WeightPublisher(state, name="d", delta=True, ack_timeout_s=0.3, poll_s=0.01)
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    v1 = values(m)
+    real = copyplan.Plans.copy
+    seen: dict = {}
+
+    def slow(self, manifest, arenas, targets, only):  # the first attempt: everything happens during its copy
+        if not seen:
+            seen["v"] = manifest.version
+            with torch.no_grad():
+                m[2].weight[3, 5] += 1
+            pub.publish(2).wait(5)
+            seen["v2"] = values(m)
+            assert _wait_for(lambda: pub.lost) and _wait_for(lambda: 1 not in pub._live)  # v1 reclaimed, freed
+            with torch.no_grad():
+                m[0].weight.add_(100)
+            monkeypatch.setenv(DELAY_ENV, "2")
+            pub.publish(3)  # its snapshot lands in v1's old block; its listing is delayed
+            i, part = next((i, p) for i, p in enumerate(manifest.parts) if any(t.name == "0.weight" for t in p.tensors))
+            t = next(t for t in part.tensors if t.name == "0.weight")
+            seen["torn"] = not torch.equal(t.view(arenas[i]), v1["0.weight"])
+        return real(self, manifest, arenas, targets, only)
+
+    target = model(4)
+    monkeypatch.setattr(copyplan.Plans, "copy", slow)
+    try:
+        got = rx.load_into(target, delta=True)
+        assert seen["v"] == 1 and seen["torn"], seen  # the scenario happened
+        assert got == 2 and same(values(target), seen["v2"])
+    finally:
+        rx.close()
+        pub.close()
+
+
+def test_planned_counts_a_plan_built_by_an_attempt_that_was_reclaimed(shared_trainer, monkeypatch):
+    """The first attempt builds the plan on v1 and is reclaimed; v3 reuses v1's block, so the retry finds that
+    plan by its key. The call built one plan (and ran the cover check): its receipt says so."""
+    from stateshift.rl.sync import copyplan
+
+    m, state = shared_trainer
+    pub = WeightPublisher(state, name="t", ack_timeout_s=0.3, poll_s=0.01)
+    rx = WeightReceiver(pub.handle(), name="r")
+    pub.publish(1).wait(5)
+    real = copyplan.Plans.copy
+    keys = []
+
+    def publish(v):
+        with torch.no_grad():
+            m[0].weight.add_(v)
+        state.offload()
+        state.onload()
+        pub.publish(v).wait(5)
+
+    def slow(self, manifest, arenas, targets, only):
+        keys.append(tuple(a.data_ptr() for a in arenas))
+        if len(keys) == 1:
+            publish(2)
+            assert _wait_for(lambda: pub.lost) and _wait_for(lambda: 1 not in pub._live)
+            publish(3)
+        return real(self, manifest, arenas, targets, only)
+
+    monkeypatch.setattr(copyplan.Plans, "copy", slow)
+    built = rx._plans.built
+    try:
+        assert rx.load_into(model(4)) == 3
+        assert keys[0] == keys[1] and rx._plans.built - built == 1  # one plan, built by this load_into
+        assert rx.last_receipt.planned is True
+    finally:
+        rx.close()
+        pub.close()

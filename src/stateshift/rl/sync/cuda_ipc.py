@@ -145,7 +145,9 @@ class Opened:
     ``load_into`` and ``receive()`` of one version share one mapping (opening a share costs 0.3 ms on an
     H100). The mapping of the last version is dropped before the next is opened, so a receiver keeps at
     most one version's arenas mapped between reads, and a block the publisher freed and gave to a new
-    version is never found, stale and of another size, in torch's cache of mappings."""
+    version is never found, stale and of another size, in torch's cache of mappings (``rebuild_cuda_tensor``'s,
+    one per process: two ``cuda_ipc`` receivers in one process can meet each other's mappings there, and a
+    new version's larger block over an older, smaller mapping is a ``RuntimeError``, never a wrong read)."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None

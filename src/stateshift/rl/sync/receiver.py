@@ -213,6 +213,7 @@ class WeightReceiver:
         targets = _targets(target)
         if self.mailbox is not None and any(t.is_cuda for t in targets.values()):
             self._maps.ensure_registered()
+        built = self._plans.built
         for attempt in (0, 1):
             try:
                 with self._held(min_version, timeout, reading=False) as (version, manifest, arenas):
@@ -225,11 +226,12 @@ class WeightReceiver:
                         and last[1] == manifest.base
                     )
                     self._last_target = None  # a copy that fails half-way leaves the target at no version
-                    t0, built = time.perf_counter(), self._plans.built
+                    t0 = time.perf_counter()
                     self._copied = self._plans.copy(manifest, arenas, targets, only)
                     self._copy_s = time.perf_counter() - t0
-                    self._planned = self._plans.built != built
-                    self._last_target = (target, version)
+                    self._planned = self._plans.built != built  # (an attempt reclaimed may have built it)
+                # let go whole (not reclaimed): only now is the target this version, a base for the next delta
+                self._last_target = (target, version)
                 return version
             except SyncError as e:
                 if e.kind != "reclaimed" or attempt:
