@@ -22,6 +22,7 @@ from stateshift import LayoutError, ModelState
 from stateshift.core.engine import core_of
 from stateshift.core.pool import HostPool, remove_stale_files
 from stateshift.rl.sync import BudgetError, SyncError, SyncHandle, WeightPublisher, WeightReceiver
+from stateshift.rl.sync.mailbox import MAGIC
 from stateshift.rl.sync.manifest import Manifest
 
 
@@ -444,7 +445,7 @@ def test_hostile_mailbox_and_handles_are_refused_typed(pub):
     with pytest.raises(ValueError):
         WeightReceiver(h, name="../r")
     with open(pub.mailbox.path, "w") as f:
-        f.write(json.dumps({"magic": "stateshift-sync/1", "versions": ["1"], "receivers": {}, "closed": False}))
+        f.write(json.dumps({"magic": MAGIC, "versions": ["1"], "receivers": {}, "closed": False}))
     with raises_kind(SyncError, "mailbox") as err:
         WeightReceiver(h, name="r")
     assert err.value.field == "versions"

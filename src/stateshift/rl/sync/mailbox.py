@@ -38,7 +38,8 @@ from ...errors import SyncError
 from .handle import NAME
 from .manifest import Manifest
 
-MAGIC = "stateshift-sync/1"
+#: the mailbox format (2: a ``cuda_ipc`` part carries no reference counter); a receiver refuses any other
+MAGIC = "stateshift-sync/2"
 MAX_MAILBOX_BYTES = 4 << 20
 STALE = re.compile(r"stateshift-sync-(\d+)-[0-9a-f]+(\.json|\.lock|\.alive|\.r\..+\.alive|-v\d+\.json|.*\.tmp)")
 #: a mailbox's prefix at the start of each of its files' names
@@ -230,7 +231,12 @@ def new_state() -> dict[str, Any]:
 
 def _checked(obj: object, path: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("magic") != MAGIC:
-        raise SyncError("mailbox", "not a stateshift sync mailbox", path=path, field="magic")
+        raise SyncError(
+            "mailbox",
+            f"not a stateshift sync mailbox of format {MAGIC!r} (another stateshift?)",
+            path=path,
+            field="magic",
+        )
     versions, receivers = obj.get("versions"), obj.get("receivers")
     if not isinstance(versions, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
         raise SyncError("mailbox", f"{str(versions)[:80]!r} is not a list of integers", path=path, field="versions")
