@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,13 @@ def test_train_on_files_runs_end_to_end(tmp_path):
 def test_train_on_files_raises_heldout_reward_over_three_seeds(tmp_path):
     """Held-out reward (exact match, greedy) after RL minus after the warm-up, for seeds 0, 1, 2: the smallest rise
     is above twice the spread (population standard deviation) of the final scores."""
-    runs = [run_example("train_on_files", f"run({str(tmp_path / str(s))!r}, seed={s})", tmp_path) for s in range(3)]
+    with ThreadPoolExecutor(3) as pool:  # three processes at once (each run is deterministic for its seed)
+        runs = list(
+            pool.map(
+                lambda s: run_example("train_on_files", f"run({str(tmp_path / str(s))!r}, seed={s})", tmp_path),
+                range(3),
+            )
+        )
     rises = [r["end"] - r["start"] for r in runs]
     spread = statistics.pstdev(r["end"] for r in runs)
     assert min(rises) > 2 * spread, (runs, rises, spread)
