@@ -953,3 +953,50 @@ def test_planned_counts_a_plan_built_by_an_attempt_that_was_reclaimed(shared_tra
     finally:
         rx.close()
         pub.close()
+
+
+def test_a_read_left_open_by_a_thread_that_ended_is_not_reentrant_for_a_thread_with_its_id(trainer, pub):
+    """A generator over ``receive()`` left open by a thread that ended still holds the receiver; a new thread that
+    the OS gave the dead one's id must wait for it (a timeout), not be told it is inside its own read."""
+    import threading
+
+    pub.publish(1).wait(5)
+    rx = WeightReceiver(pub.handle(), name="r", timeout_s=0.2)
+
+    def reader():
+        with rx.receive() as (_, pairs):
+            yield from pairs
+
+    left_open, ident = [], []
+
+    def start_reading() -> None:
+        gen = reader()
+        next(gen)  # inside the read: the receiver is held
+        left_open.append(gen)
+        ident.append(threading.get_ident())
+
+    t = threading.Thread(target=start_reading)
+    t.start()
+    t.join()
+    got: list[BaseException | None] = []
+
+    def close_with_same_ident() -> None:
+        if threading.get_ident() != ident[0]:
+            return
+        try:
+            rx.close()
+            got.append(None)
+        except SyncError as e:
+            got.append(e)
+
+    for _ in range(200):
+        t2 = threading.Thread(target=close_with_same_ident)
+        t2.start()
+        t2.join()
+        if got:
+            break
+    if not got:
+        pytest.skip("the OS gave no new thread the ended thread's id")
+    assert isinstance(got[0], SyncError) and got[0].kind == "timeout", got
+    left_open[0].close()
+    rx.close()

@@ -118,7 +118,7 @@ class WeightReceiver:
         #: copy plans, by layout, arenas and target (``copyplan.py``): the per-tensor work done once, not per version
         self._plans = Plans()
         self._serial = threading.Lock()
-        self._owner: int | None = None
+        self._owner: threading.Thread | None = None  # (the object, not its ident: idents are reused)
         self._closed = False
         self._link: Any = None
         #: the release thread (``_let_go``), started at the first release, and the last release sent to it
@@ -297,13 +297,13 @@ class WeightReceiver:
         time: two reads at once would let go of each other's version; a close would unmap a read's memory);
         a call inside a read on the same thread is a ``SyncError("reentrant")``, and waiting longer than
         ``wait_s`` for another thread's read (``None``: no limit) a ``SyncError("timeout")``."""
-        if self._owner == threading.get_ident():
+        if self._owner is threading.current_thread():
             raise SyncError("reentrant", f"receiver {self.name!r}: {what} called inside a read on the same thread")
         if not self._serial.acquire(timeout=-1 if wait_s is None else min(wait_s, threading.TIMEOUT_MAX)):
             raise SyncError(
                 "timeout", f"receiver {self.name!r}: {what} waited {wait_s:g}s for a read on another thread"
             )
-        self._owner = threading.get_ident()
+        self._owner = threading.current_thread()
         try:
             yield
         finally:
