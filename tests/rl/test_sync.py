@@ -865,23 +865,14 @@ def _wait_for(cond, timeout: float = 5.0) -> bool:
     return True
 
 
-@pytest.fixture
-def shared_trainer():
-    m = model(0)
-    state = ModelState(m, pool=HostPool(shared=True))
-    yield m, state
-    state.close()
-    core_of(state).pool.trim()
-
-
-def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(shared_trainer, monkeypatch):
+def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(trainer, monkeypatch):
     """``load_into(delta=True)`` copies v1; meanwhile the publisher lists v2 (a delta against v1 changing only
     ``2.weight``), reclaims v1 and writes v3's snapshot into v1's freed block: the copy is torn. The retry must
     copy v2 whole: a torn copy of v1 is no base for v2's delta (it was, and ``0.weight`` kept v3's bytes)."""
     from stateshift.rl.sync import copyplan
     from stateshift.rl.sync.publisher import DELAY_ENV
 
-    m, state = shared_trainer
+    m, state = trainer
     pub = WeightPublisher(state, name="d", delta=True, ack_timeout_s=0.3, poll_s=0.01)
     rx = WeightReceiver(pub.handle(), name="r")
     pub.publish(1).wait(5)
@@ -917,12 +908,12 @@ def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(shared_traine
         pub.close()
 
 
-def test_planned_counts_a_plan_built_by_an_attempt_that_was_reclaimed(shared_trainer, monkeypatch):
+def test_planned_counts_a_plan_built_by_an_attempt_that_was_reclaimed(trainer, monkeypatch):
     """The first attempt builds the plan on v1 and is reclaimed; v3 reuses v1's block, so the retry finds that
     plan by its key. The call built one plan (and ran the cover check): its receipt says so."""
     from stateshift.rl.sync import copyplan
 
-    m, state = shared_trainer
+    m, state = trainer
     pub = WeightPublisher(state, name="t", ack_timeout_s=0.3, poll_s=0.01)
     rx = WeightReceiver(pub.handle(), name="r")
     pub.publish(1).wait(5)
