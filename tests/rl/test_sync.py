@@ -854,7 +854,7 @@ def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):
     # a manifest naming a counter (an older publisher's, or a hostile one: torch would take one from any shared
     # file, at any offset, when the mapping is dropped) is refused before anything is opened
     with raises_kind(SyncError, "mailbox"):
-        cuda_ipc.open_shared({**ipc, "ref_counter_handle": "2f746f726368", "ref_counter_offset": 1 << 40}, "v1")
+        cuda_ipc.open_shared({**ipc, "ref_counter_handle": b"/torch_1_2".hex(), "ref_counter_offset": 1 << 40}, "v1")
     assert len(rebuilt) == 1
     for flags in (os.O_RDWR, os.O_RDWR | os.O_CREAT):  # nobody can create the counter a receiver names
         with pytest.raises(OSError):
