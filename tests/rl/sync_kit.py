@@ -95,6 +95,15 @@ def _serve(handle: str, name: str, device: str | None, conn: Any, build: Callabl
             return
 
 
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``cond`` until it holds; ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.01)
+
+
 def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     """Start ``fn(*args, conn)`` in a spawned process; returns (process, parent end). Waits for its first message."""
     return start_many(fn, [args])[0]

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 from raises import raises_kind
-from rl.sync_kit import model, same, step, values
+from rl.sync_kit import model, same, step, values, wait_for
 
 from stateshift import LayoutError, ModelState
 from stateshift.core.engine import core_of
@@ -217,9 +217,7 @@ def test_a_load_reads_the_mailbox_once_when_nobody_wrote_it_since_the_hold(train
     step(m, 2)
     pub.publish(2).wait(5)
     rx._settle()
-    deadline = time.monotonic() + 5  # the publisher unlists v1 (a write of the mailbox) before the load, not during it
-    while 1 in pub._live and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: 1 not in pub._live, 5)  # the publisher unlists v1 (a mailbox write) before the load, not during it
     reads.clear()
     assert rx.load_into(target) == 2 and same(values(target), values(m))
     assert reads.count(threading.current_thread().name) == 1  # the hold's; the let-go saw the file it wrote
@@ -861,15 +859,6 @@ def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):
             shm_open(cuda_ipc.NO_COUNTER.decode(), flags, 0o600)
 
 
-def _wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(trainer, monkeypatch):
     """``load_into(delta=True)`` copies v1; meanwhile the publisher lists v2 (a delta against v1 changing only
     ``2.weight``), reclaims v1 and writes v3's snapshot into v1's freed block: the copy is torn. The retry must
@@ -892,7 +881,8 @@ def test_a_reclaimed_torn_copy_is_never_the_base_of_the_next_delta(trainer, monk
                 m[2].weight[3, 5] += 1
             pub.publish(2).wait(5)
             seen["v2"] = values(m)
-            assert _wait_for(lambda: pub.lost) and _wait_for(lambda: 1 not in pub._live)  # v1 reclaimed, freed
+            wait_for(lambda: pub.lost, 5)
+            wait_for(lambda: 1 not in pub._live, 5)  # v1 reclaimed, freed
             with torch.no_grad():
                 m[0].weight.add_(100)
             monkeypatch.setenv(DELAY_ENV, "2")
@@ -936,7 +926,8 @@ def test_planned_counts_a_plan_built_by_an_attempt_that_was_reclaimed(trainer, m
         keys.append(tuple(a.data_ptr() for a in arenas))
         if len(keys) == 1:
             publish(2)
-            assert _wait_for(lambda: pub.lost) and _wait_for(lambda: 1 not in pub._live)
+            wait_for(lambda: pub.lost, 5)
+            wait_for(lambda: 1 not in pub._live, 5)
             publish(3)
         return real(self, manifest, arenas, targets, only)
 

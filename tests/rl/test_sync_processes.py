@@ -25,6 +25,7 @@ from rl.sync_kit import (
     step,
     stop,
     values,
+    wait_for,
 )
 
 from stateshift import ModelState
@@ -34,14 +35,6 @@ from stateshift.rl.sync import SyncError, WeightPublisher, WeightReceiver
 from stateshift.rl.sync.mailbox import Mailbox
 
 pytestmark = pytest.mark.slow
-
-
-def _wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.02)
 
 
 def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_reclaimed():
@@ -64,14 +57,14 @@ def test_receivers_in_other_processes_read_whole_versions_and_a_killed_one_is_re
         step(m, 1)
         state.offload()
         pub.publish(2).wait(10)
-        _wait_for(lambda: pub.lost)
+        wait_for(lambda: pub.lost)
         assert [(e.receiver, e.version, e.cause) for e in pub.lost] == [("r1", 1, "died")]
         version, got, _ = ask(c0, ("load", 2))
         state.onload()
         assert version == 2 and same(got, values(m))
         version, pairs, devices = ask(c0, ("pairs", 2))  # receive(): views of the shared memory itself
         assert version == 2 and devices == ["cpu"] and same(pairs, values(m))
-        _wait_for(lambda: sorted(pub._live) == [2])  # version 1 is freed once nobody holds it
+        wait_for(lambda: sorted(pub._live) == [2])  # version 1 is freed once nobody holds it
         assert ask(c0, ("stop",)) == ("bye",)
     finally:
         stop(procs)
