@@ -329,7 +329,8 @@ class WeightReceiver:
                 arenas = self._stage(arenas)
                 let_go, early = _nothing, let_go
                 early()
-            devices = _copy_devices(arenas) if reading else set()
+            if reading:
+                devices = _copy_devices(arenas)
             yield version, manifest, arenas
             _synchronize(devices)  # the body's device copies read the version: done before it is let go
         except BaseException:
