@@ -12,6 +12,7 @@ import pytest
 import torch
 from rl.sync_kit import (
     ask,
+    mapper_main,
     model,
     model_without_buffers,
     receiver_main,
@@ -94,6 +95,34 @@ def test_cuda_ipc_versions_read_by_several_receivers_are_freed_in_the_publisher(
         stop(procs)
         pub.close()
         state.close()
+
+
+def test_cuda_ipc_shares_of_one_segment_open_beside_each_other_whatever_their_sizes():
+    """A block freed and handed, larger, to a later share at the same offset of the same segment opens while
+    the older, smaller mapping is still held in the receiving process, and reads the new bytes. torch's
+    ``rebuild_cuda_tensor`` cache found the old storage under the same (segment, offset) key: a
+    ``RuntimeError`` for two receivers in one process."""
+    from stateshift.rl.sync import cuda_ipc
+
+    torch.cuda.empty_cache()
+    del_me = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # one segment, cached once freed
+    del del_me
+    proc, conn = start(mapper_main)
+    try:
+        small = torch.full((16 << 20,), 3, dtype=torch.uint8, device="cuda")
+        first = cuda_ipc.share(small)
+        torch.cuda.synchronize()
+        assert ask(conn, ("open", first)) == 3 * (16 << 20)
+        del small
+        large = torch.full((32 << 20,), 5, dtype=torch.uint8, device="cuda")
+        second = cuda_ipc.share(large)
+        torch.cuda.synchronize()
+        key = lambda ipc: (ipc["handle"], ipc["storage_offset_bytes"])  # noqa: E731
+        assert key(second) == key(first) and second["storage_size_bytes"] > first["storage_size_bytes"]
+        assert ask(conn, ("open", second)) == 5 * (32 << 20)
+        conn.send(("stop",))
+    finally:
+        stop([proc])
 
 
 def test_cuda_ipc_publishes_a_model_without_buffers():

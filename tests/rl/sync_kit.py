@@ -168,3 +168,15 @@ def publisher_main(conn: Any, delay_second_s: float) -> None:
     pub.publish(2)
     conn.send(("enqueued",))
     time.sleep(3600)
+
+
+def mapper_main(conn: Any) -> None:
+    """Opens every ``cuda_ipc`` share it is sent (``("open", ipc)``) and keeps them all mapped, replying each
+    one's bytes summed (int64): two receivers of one process holding mappings of one segment at once."""
+    from stateshift.rl.sync import cuda_ipc
+
+    kept = []
+    conn.send(("ready",))
+    while (cmd := conn.recv())[0] == "open":
+        kept.append(cuda_ipc.open_shared(cmd[1], "test"))
+        conn.send(int(kept[-1].sum(dtype=torch.int64)))

@@ -846,9 +846,16 @@ def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):
     assert released == [(b"/torch_1_2", 7)]  # the share's count, taken back before anyone can open it
     assert not any("counter" in k for k in ipc)  # nothing for a receiver to count against
     rebuilt = []
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a))
-    cuda_ipc.open_shared(ipc, "v1")
-    assert rebuilt[0][11:13] == (cuda_ipc.NO_COUNTER, 0)
+
+    def new_shared_cuda(*args):
+        rebuilt.append(args)
+        return torch.UntypedStorage(args[2])
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", new_shared_cuda, raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    mapped = cuda_ipc.open_shared(ipc, "v1")
+    assert rebuilt[0][4:6] == (cuda_ipc.NO_COUNTER, 0) and rebuilt[0][1:4] == (b"\x01" * 64, 4096, 512)
+    assert mapped.dtype == torch.uint8 and mapped.shape == (4096,)
     # a manifest naming a counter (an older publisher's, or a hostile one: torch would take one from any shared
     # file, at any offset, when the mapping is dropped) is refused before anything is opened
     with raises_kind(SyncError, "mailbox"):

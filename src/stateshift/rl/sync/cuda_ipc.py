@@ -111,32 +111,31 @@ def check(ipc: dict[str, Any], where: str) -> dict[str, Any]:
 
 def open_shared(ipc: dict[str, Any], where: str) -> torch.Tensor:
     """The flat uint8 device tensor ``share`` described, mapped into this process (same machine), counted by
-    nobody (``NO_COUNTER``): it is safe to read while the publisher's protocol says the version is held."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    nobody (``NO_COUNTER``): it is safe to read while the publisher's protocol says the version is held.
 
+    The storage is made by torch's ``_new_shared_cuda`` directly, not through ``rebuild_cuda_tensor``, whose
+    per-process cache is keyed by (segment handle, offset) without the size: a block the publisher freed and
+    gave, larger, to a later version at the same offset of the same segment was found there, stale, while
+    another receiver in this process still held the old mapping (a ``RuntimeError``). torch's own map of opened
+    segments (one ``cudaIpcOpenMemHandle`` per segment per process) stays below this and is always right: a
+    segment is the same memory in every share of it."""
     ipc = check(ipc, where)
-    n = ipc["numel"]
 
     def raw(k: str) -> bytes | None:
         return None if ipc[k] is None else bytes.fromhex(ipc[k])
 
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        torch.Size([n]),
-        (1,),
-        0,
-        torch.storage.TypedStorage,
-        torch.uint8,
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
         ipc["device"],
         raw("handle"),
         ipc["storage_size_bytes"],
         ipc["storage_offset_bytes"],
-        False,
         NO_COUNTER,
         0,
         raw("event_handle"),
         ipc["event_sync_required"],
     )
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (ipc["numel"],), (1,))
 
 
 class Opened:
@@ -144,10 +143,8 @@ class Opened:
 
     ``load_into`` and ``receive()`` of one version share one mapping (opening a share costs 0.3 ms on an
     H100). The mapping of the last version is dropped before the next is opened, so a receiver keeps at
-    most one version's arenas mapped between reads, and a block the publisher freed and gave to a new
-    version is never found, stale and of another size, in torch's cache of mappings (``rebuild_cuda_tensor``'s,
-    one per process: two ``cuda_ipc`` receivers in one process can meet each other's mappings there, and a
-    new version's larger block over an older, smaller mapping is a ``RuntimeError``, never a wrong read)."""
+    most one version's arenas mapped between reads: the publisher's freed blocks are not kept mapped here.
+    Any number of receivers in one process each keep their own (``open_shared`` shares no cache of storages)."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
