@@ -779,10 +779,10 @@ def test_one_receiver_serves_one_read_at_a_time(trainer, pub):
     rx.close()
 
 
-def test_a_cuda_ipc_version_is_opened_once_per_process_and_the_last_mapping_dropped_first(monkeypatch):
-    """``load_into`` and ``receive()`` of one version share one mapping; the previous version's mappings
-    are dropped before the next version is opened (a freed block reused by the publisher is never found
-    stale in torch's cache of mappings)."""
+def test_a_cuda_ipc_version_is_opened_once_per_process_and_the_last_mapping_dropped_after_the_next(monkeypatch):
+    """``load_into`` and ``receive()`` of one version share one mapping; the previous version's mappings are
+    dropped once the next version's are open (a segment the publisher reuses stays mapped: torch unmaps a
+    segment when its last storage goes), and not when an open fails."""
     import weakref
 
     from stateshift.rl.sync import cuda_ipc
@@ -790,12 +790,14 @@ def test_a_cuda_ipc_version_is_opened_once_per_process_and_the_last_mapping_drop
     opens, alive = [], []
 
     def fake_open(ipc, where):
-        assert all(r() is None for r in alive), "the previous version's mapping is still alive"
+        assert all(r() is not None for r in alive), "the previous version's mapping went before the next was open"
+        if ipc["handle"] == "bad":
+            raise SyncError("mailbox", "not a hex string", path=where, field="ipc handle")
         opens.append(ipc["storage_offset_bytes"])
         return torch.zeros(ipc["numel"], dtype=torch.uint8)
 
     monkeypatch.setattr(cuda_ipc, "open_shared", fake_open)
-    share = lambda n: {"handle": "aa", "storage_offset_bytes": n, "numel": 8}  # noqa: E731
+    share = lambda n, h="aa": {"handle": h, "storage_offset_bytes": n, "numel": 8}  # noqa: E731
     opened = cuda_ipc.Opened()
     first = opened.arenas(1, [share(1), None, share(2)], "v1")
     again = opened.arenas(1, [share(1), None, share(2)], "v1")  # load_into, then receive() of the same version
@@ -803,9 +805,14 @@ def test_a_cuda_ipc_version_is_opened_once_per_process_and_the_last_mapping_drop
     assert first[1].numel() == 0
     alive[:] = [weakref.ref(first[0]), weakref.ref(first[2])]
     del first, again
-    assert len(opened.arenas(2, [share(1), None, share(2)], "v2")) == 3 and opens == [1, 2, 1, 2]  # same blocks
+    with raises_kind(SyncError, "mailbox"):
+        opened.arenas(2, [share(1), None, share(2, "bad")], "v2")
+    assert all(r() is not None for r in alive) and opens == [1, 2, 1]  # v1 kept: an error changes nothing
+    assert len(opened.arenas(2, [share(1), None, share(2)], "v2")) == 3 and opens == [1, 2, 1, 1, 2]
+    assert all(r() is None for r in alive)  # v1's mappings went once v2's were open
+    alive.clear()
     opened.clear()
-    assert opened.arenas(2, [share(1), None, share(2)], "v2") and opens == [1, 2, 1, 2, 1, 2]
+    assert opened.arenas(2, [share(1), None, share(2)], "v2") and opens == [1, 2, 1, 1, 2, 1, 2]
 
 
 def test_cuda_ipc_leaves_torch_nothing_to_count(monkeypatch):

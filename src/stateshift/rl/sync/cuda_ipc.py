@@ -142,21 +142,27 @@ class Opened:
     """The arenas of the last version this process opened, kept until another version is opened or ``clear``.
 
     ``load_into`` and ``receive()`` of one version share one mapping (opening a share costs 0.3 ms on an
-    H100). The mapping of the last version is dropped before the next is opened, so a receiver keeps at
-    most one version's arenas mapped between reads: the publisher's freed blocks are not kept mapped here.
-    Any number of receivers in one process each keep their own (``open_shared`` shares no cache of storages)."""
+    H100). A new version's arenas are opened before the last version's are dropped: torch maps a segment
+    once per process and unmaps it when its last storage goes, so a segment the publisher reuses for the next
+    version (its caching allocator hands the freed block back) stays mapped instead of being unmapped and
+    mapped again in the reader's wait. Between reads a receiver keeps one version's arenas mapped; during
+    an open, two. Any number of receivers in one process each keep their own (``open_shared`` shares no
+    cache of storages)."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._arenas: list[torch.Tensor] = []
 
     def arenas(self, version: int, ipcs: list[dict[str, Any] | None], where: str) -> list[torch.Tensor]:
-        """The arenas of ``version``'s parts ``ipcs`` describe (``None``: an empty part), each opened once."""
+        """The arenas of ``version``'s parts ``ipcs`` describe (``None``: an empty part), each opened once.
+
+        Raises:
+            SyncError: ``"mailbox"`` for an ``ipc`` entry ``check`` refuses; the last version's arenas are
+                kept then."""
         key = (version, *(None if i is None else (i.get("handle"), i.get("storage_offset_bytes")) for i in ipcs))
         if key != self._key:
-            self.clear()  # the old mappings go first (class doc)
-            self._arenas = [torch.empty(0, dtype=torch.uint8) if i is None else open_shared(i, where) for i in ipcs]
-            self._key = key
+            opened = [torch.empty(0, dtype=torch.uint8) if i is None else open_shared(i, where) for i in ipcs]
+            self._key, self._arenas = key, opened  # the old mappings go now, after the new (class doc)
         return list(self._arenas)
 
     def clear(self) -> None:
