@@ -18,8 +18,10 @@ any run: per arm and seed the wall time and the samples trained to first reach e
 ended first -- reported, not dropped), and the medians. ``"comparison"``: the highest threshold every sync seed
 reached, with the sync and async-0.5 median times and their ratio (a censored async run counts as the budget).
 
-Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` and ``.png`` (``--out`` elsewhere; ``--small``
-writes ``<date>-cpu-small-train-longtail`` there). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
+Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (after every seed: ``seeds_done`` of
+``seeds_asked``, so a run cut short keeps what it finished) and, at the end, ``.png`` (``--out`` elsewhere;
+``--small`` writes ``<date>-cpu-small-train-longtail`` there). Each seed's warm-up record has its last loss and
+its held-out accuracy by number of terms (``TERM_BUCKETS``). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
 15 runs x 15 s of RL, 15 x 7 held-out evaluations of 128 problems, about 6 minutes in all; ``--seeds`` and
 ``--budget-s`` scale it. The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against
 the addition task's default 0.4.
@@ -28,6 +30,7 @@ the addition task's default 0.4.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import statistics
@@ -106,16 +109,36 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tensor], float, float]:
-    """The seed's supervised warm-up, once: (weights on the host, its seconds, held-out accuracy after it)."""
+#: held-out problems grouped by their number of terms, for the warm-up's accuracy by length
+TERM_BUCKETS = ((2, 4), (5, 8), (9, 16), (17, 32), (33, 64))
+
+
+def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The seed's supervised warm-up, once: (weights on the host, its record: seconds, last loss, held-out
+    accuracy overall and by number of terms)."""
     cfg = resolve(None, [*overrides, f"run.seed={seed}"])
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     t0 = time.perf_counter()
-    supervised_warmup(policy.lm, task, cfg.warmup, seed=seed, stepper=policy.warmup_stepper(cfg.warmup.lr))
+    out = supervised_warmup(policy.lm, task, cfg.warmup, seed=seed, stepper=policy.warmup_stepper(cfg.warmup.lr))
     secs = time.perf_counter() - t0
-    acc = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
-    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, secs, acc
+    items, by_terms, exact = task.heldout(), {}, 0.0
+    for lo, hi in TERM_BUCKETS:
+        bucket = [p for p in items if lo <= len(p.terms) <= hi]
+        if bucket:
+            view = copy.copy(task)
+            view.heldout = lambda bucket=bucket: bucket  # type: ignore[method-assign]
+            acc = heldout_accuracy(policy.lm, view, cfg.rollout.max_new_tokens)
+            by_terms[f"{lo}-{hi}"] = {"problems": len(bucket), "accuracy": acc}
+            exact += acc * len(bucket)
+    record = {
+        "seed": seed,
+        "warmup_s": secs,
+        "warmup_loss": out["warmup_loss"],
+        "heldout_accuracy": exact / len(items),
+        "heldout_accuracy_by_terms": by_terms,
+    }
+    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, record
 
 
 class Snapshots:
@@ -305,9 +328,17 @@ def main() -> None:
     arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     warm: list[dict[str, Any]] = []
     work = Path(f"/tmp/longtail_bench_{int(time.time())}")
+    result: dict[str, Any] = {}
     for seed in range(args.seeds):
-        weights, warm_s, warm_acc = warm_weights(base, seed)
-        warm.append({"seed": seed, "warmup_s": warm_s, "heldout_accuracy": warm_acc})
+        weights, record = warm_weights(base, seed)
+        warm.append(record)
+        print(
+            f"seed {seed} warm-up: {record['warmup_s']:.0f} s, loss {record['warmup_loss']:.3f}, held-out accuracy "
+            f"{record['heldout_accuracy']:.3f} (by terms: "
+            + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in record["heldout_accuracy_by_terms"].items())
+            + ")",
+            flush=True,
+        )
         for arm, extra in ARMS.items():
             r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
             r["to_threshold"] = to_thresholds(r)
@@ -317,22 +348,24 @@ def main() -> None:
                 f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}",
                 flush=True,
             )
-    result = {
-        "benchmark": "longtail_bench",
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "thresholds": list(THRESHOLDS),
-        "budget_s": budget,
-        "snapshot_every_s": snap,
-        "overrides": base,
-        "arms_overrides": ARMS,
-        "warmup": warm,
-        "arms": arms,
-        "medians": {a: medians(rs, budget) for a, rs in arms.items()},
-        "comparison": comparison(arms, budget),
-        "total_s": time.perf_counter() - t_all,
-    }
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        result = {  # written after every seed: a run cut short keeps the seeds it finished
+            "benchmark": "longtail_bench",
+            "device": device,
+            "date": datetime.date.today().isoformat(),
+            "thresholds": list(THRESHOLDS),
+            "budget_s": budget,
+            "snapshot_every_s": snap,
+            "overrides": base,
+            "arms_overrides": ARMS,
+            "seeds_done": seed + 1,
+            "seeds_asked": args.seeds,
+            "warmup": warm,
+            "arms": arms,
+            "medians": {a: medians(rs, budget) for a, rs in arms.items()},
+            "comparison": comparison(arms, budget),
+            "total_s": time.perf_counter() - t_all,
+        }
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))
     print(f"wrote {args.out / name}.json/.png in {result['total_s']:.0f} s")
