@@ -21,7 +21,8 @@ rollout, no evaluation during RL. Throughput is read at the last step (``samples
 the rollouter generated per second of RL wall time).
 
 Sizes: ``default`` is the task's default model; ``large`` is ``model.width=1024 model.layers=8`` (~100M
-parameters). Writes ``<out>/<date>-<card>-train-executors.json`` and ``.png`` and prints a table.
+parameters). Writes ``<out>/<date>-<card>-train-executors.json`` and ``.png`` (``...-train-executors-<sizes>``
+when ``--sizes`` names some of them, e.g. ``-default``) and prints a table.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def main() -> None:
     device = _device_name()
     slug = "cpu" if device == "cpu" else ("h100" if "H100" in device else "h200" if "H200" in device else "gpu")
     stem = f"{datetime.date.today():%Y-%m-%d}-{slug}-train-executors"
+    if set(args.sizes) != set(SIZES):  # (a run of some sizes does not overwrite the day's run of the others)
+        stem += "-" + "-".join(args.sizes)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
