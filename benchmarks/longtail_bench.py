@@ -21,7 +21,7 @@ reached, with the sync and async-0.5 median times and their ratio (a censored as
 Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (after every seed: ``seeds_done`` of
 ``seeds_asked``, so a run cut short keeps what it finished) and, at the end, ``.png`` (``--out`` elsewhere;
 ``--small`` writes ``<date>-cpu-small-train-longtail`` there). Each seed's warm-up record has its last loss and
-its held-out accuracy by number of terms (``TERM_BUCKETS``). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
+its held-out accuracy by answer length (in tokens: 7 per term). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
 15 runs x 15 s of RL, 15 x 7 held-out evaluations of 128 problems, about 6 minutes in all; ``--seeds`` and
 ``--budget-s`` scale it. The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against
 the addition task's default 0.4.
@@ -30,7 +30,6 @@ the addition task's default 0.4.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import statistics
@@ -49,6 +48,7 @@ from stateshift.train import loop as loop_mod  # noqa: E402
 from stateshift.train.build import build_policy, build_task  # noqa: E402
 from stateshift.train.config import resolve  # noqa: E402
 from stateshift.train.launch import run  # noqa: E402
+from stateshift.train.report import length_bucket  # noqa: E402
 from stateshift.train.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
 
 #: held-out accuracy thresholds, fixed before the runs
@@ -109,34 +109,28 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-#: held-out problems grouped by their number of terms, for the warm-up's accuracy by length
-TERM_BUCKETS = ((2, 4), (5, 8), (9, 16), (17, 32), (33, 64))
-
-
 def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The seed's supervised warm-up, once: (weights on the host, its record: seconds, last loss, held-out
-    accuracy overall and by number of terms)."""
+    accuracy overall and by answer length, in the buckets of the runs' ``accuracy_by_length``)."""
     cfg = resolve(None, [*overrides, f"run.seed={seed}"])
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     t0 = time.perf_counter()
     out = supervised_warmup(policy.lm, task, cfg.warmup, seed=seed, stepper=policy.warmup_stepper(cfg.warmup.lr))
     secs = time.perf_counter() - t0
-    items, by_terms, exact = task.heldout(), {}, 0.0
-    for lo, hi in TERM_BUCKETS:
-        bucket = [p for p in items if lo <= len(p.terms) <= hi]
-        if bucket:
-            view = copy.copy(task)
-            view.heldout = lambda bucket=bucket: bucket  # type: ignore[method-assign]
-            acc = heldout_accuracy(policy.lm, view, cfg.rollout.max_new_tokens)
-            by_terms[f"{lo}-{hi}"] = {"problems": len(bucket), "accuracy": acc}
-            exact += acc * len(bucket)
+    items, buckets, by_length, exact = task.heldout(), {}, {}, 0.0
+    for p in items:
+        buckets.setdefault(length_bucket(len(p.answer)), []).append(p)
+    for name, bucket in sorted(buckets.items(), key=lambda kv: len(kv[1][0].answer)):
+        acc = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens, items=bucket)
+        by_length[name] = {"problems": len(bucket), "accuracy": acc}
+        exact += acc * len(bucket)
     record = {
         "seed": seed,
         "warmup_s": secs,
         "warmup_loss": out["warmup_loss"],
         "heldout_accuracy": exact / len(items),
-        "heldout_accuracy_by_terms": by_terms,
+        "heldout_accuracy_by_length": by_length,
     }
     return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, record
 
@@ -317,6 +311,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
     base = [*COMMON, *(SMALL if args.small else GPU), *args.overrides]
     budget = args.budget_s or (20.0 if args.small else 15.0)
     snap = args.snap_s or budget / 6
@@ -334,8 +330,8 @@ def main() -> None:
         warm.append(record)
         print(
             f"seed {seed} warm-up: {record['warmup_s']:.0f} s, loss {record['warmup_loss']:.3f}, held-out accuracy "
-            f"{record['heldout_accuracy']:.3f} (by terms: "
-            + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in record["heldout_accuracy_by_terms"].items())
+            f"{record['heldout_accuracy']:.3f} (by answer tokens: "
+            + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in record["heldout_accuracy_by_length"].items())
             + ")",
             flush=True,
         )

@@ -145,3 +145,32 @@ def test_longtail_generator_prompt_answer_and_reward():
 
 def test_length_buckets():
     assert [length_bucket(n) for n in (1, 2, 3, 4, 7, 8, 320)] == ["1-1", "2-3", "2-3", "4-7", "4-7", "8-15", "256-511"]
+
+
+def test_heldout_accuracy_of_some_problems_counts_only_those(tmp_path):
+    """``heldout_accuracy(items=...)``: the exact fraction among those problems (the long-tail bench's accuracy by
+    answer length); the default is every held-out problem; no problem at all is an error."""
+    from stateshift.train.build import build_policy, build_task
+    from stateshift.train.warmup import heldout_accuracy
+
+    cfg = tiny(tmp_path)
+    task = build_task(cfg)
+    lm = build_policy(cfg, task).lm
+    items = task.heldout()
+    key = lambda p: tuple(task.prompt(p))  # noqa: E731  (task.heldout() makes new objects: its prompt names one)
+    assert len({key(p) for p in items}) == len(items)
+    good = {key(p) for p in items[::3]}  # "exact" for every third problem, whatever was generated
+
+    class Marked:
+        def __getattr__(self, name):
+            return getattr(task, name)
+
+        def score(self, item, response):
+            return task.score(item, response)[0], key(item) in good
+
+    marked, n = Marked(), cfg.rollout.max_new_tokens
+    assert heldout_accuracy(lm, marked, n) == pytest.approx(len(good) / len(items))
+    assert heldout_accuracy(lm, marked, n, items=items[:6]) == pytest.approx(2 / 6)  # items 0 and 3
+    assert heldout_accuracy(lm, marked, n, items=items[1:3]) == 0.0
+    with pytest.raises(ValueError):
+        heldout_accuracy(lm, marked, n, items=[])

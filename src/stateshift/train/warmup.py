@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -100,9 +100,17 @@ def supervised_warmup(
 
 
 @torch.no_grad()
-def heldout_accuracy(lm: CausalLM, task: Task, max_new_tokens: int, *, batch: int = 512) -> float:
-    """Exact-match accuracy of greedy answers to ``task.heldout()`` (problems never trained on)."""
-    items = task.heldout()
+def heldout_accuracy(
+    lm: CausalLM, task: Task, max_new_tokens: int, *, items: Sequence[Any] | None = None, batch: int = 512
+) -> float:
+    """Exact-match accuracy of greedy answers to ``task.heldout()`` (problems never trained on), or to ``items``,
+    some of them.
+
+    Raises:
+        ValueError: ``items`` is empty (an accuracy of nothing)."""
+    items = task.heldout() if items is None else list(items)
+    if not items:
+        raise ValueError("heldout_accuracy needs at least one problem")
     sampling = Sampling(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token=task.stop_token, pad_token=task.pad_token
     )
