@@ -1,7 +1,8 @@
 """Synchronous vs fully-async on the long-tail task, paired seeds, time to fixed held-out accuracy thresholds.
 
-    python3 benchmarks/longtail_bench.py                 # one H200: the committed result
-    python3 benchmarks/longtail_bench.py --small --out /tmp/lt   # a toy size on the CPU (checks the path)
+    python3 benchmarks/longtail_bench.py --one-warmup --budget-s 20      # one GPU: the committed result
+    python3 benchmarks/longtail_bench.py --small --out /tmp/lt           # a toy size on the CPU (checks the path)
+    python3 benchmarks/longtail_bench.py --combine A.json B.json --out DIR   # calls that ran some seeds each
 
 Arms (``ARMS``), the same algorithm and hyperparameters in each (``COMMON``: pi_old mode, 4 steps per sync,
 continuous batching, the lr schedule and defaults of ``stateshift train``); only ``async_training`` differs:
@@ -10,30 +11,44 @@ continuous batching, the lr schedule and defaults of ``stateshift train``); only
   then trained on with the same 4 clipped updates per version as async;
 - ``async-0.25`` / ``async-0.5``: fully-async, staleness 0.25 / 0.5, partial rollout on.
 
-Per seed the supervised warm-up runs once and every arm starts RL from that same checkpoint (``warmup.steps=0``
-with the warmed-up weights loaded into the built policy). Wall time counts from the start of RL; evaluation is
-out of band: every ``--snap-s`` seconds of RL the trainer's weights are copied to host (the copy's time is not
-counted), and the copies are evaluated on the held-out set after the run. ``THRESHOLDS`` are fixed here, before
-any run: per arm and seed the wall time and the samples trained to first reach each (``null``: censored, the run
-ended first -- reported, not dropped), and the medians. ``"comparison"``: the highest threshold every sync seed
-reached, with the sync and async-0.5 median times and their ratio (a censored async run counts as the budget).
+The supervised warm-up runs once per seed, or once for all seeds with ``--one-warmup`` (the seeds then vary RL
+only), and every arm of a seed starts RL from that same checkpoint (``warmup.steps=0`` with the warmed-up
+weights loaded into the built policy). The warm-up runs ``warmup.steps`` at most, in chunks of 500 with one
+optimizer, measuring held-out accuracy after each (out of its time); ``--warmup-target`` stops it once that
+accuracy is reached. ``--warmup-file`` keeps the one warm-up in a file (read back with ``weights_only``), so
+that a second call (``--first-seed 3``) starts from the same weights; ``--combine`` merges the calls' files.
 
-Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (after every seed: ``seeds_done`` of
-``seeds_asked``, so a run cut short keeps what it finished) and, at the end, ``.png`` (``--out`` elsewhere;
-``--small`` writes ``<date>-cpu-small-train-longtail`` there). Each seed's warm-up record has its last loss and
-its held-out accuracy by answer length (in tokens: 7 per term). GPU time at the defaults (5 seeds): about 5 x 15 s of warm-up (1,500 steps),
-15 runs x 15 s of RL, 15 x 7 held-out evaluations of 128 problems, about 6 minutes in all; ``--seeds`` and
-``--budget-s`` scale it. The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against
-the addition task's default 0.4.
+Wall time counts from the start of RL; evaluation is out of band: every ``--snap-s`` seconds of RL the trainer's
+weights are copied to host (the copy's time is not counted), and the copies are evaluated on the held-out set
+after the run. ``THRESHOLDS`` are fixed here, before any run: per arm and seed the wall time and the samples
+trained to first reach each (``null``: censored, the run ended first -- reported, not dropped), and the medians.
+``"comparison"``: the highest threshold above the start that every sync seed reached, with the sync and
+async-0.5 median times and their ratio (a censored async run counts as the budget).
+
+The GPU shape (``GPU``), from runs of the toy size on the CPU: rotary positions (attention then sees offsets
+only: a term's copy sits ``7 * max_terms`` tokens after it at every length); no label smoothing in the warm-up
+(with 0.1, sampling at temperature 1 spread about 0.1 of each token's mass over wrong digits: 8 sampled
+responses of a 2-term problem were right 0.3-0.5 of the time where the greedy one was always right, and RL
+lowered held-out accuracy); warm-up learning rate 3e-3 (the sums are learnt suddenly, after 1,000-1,750 steps
+at the toy size; later at 1e-3); RL learning rate 3e-4.
+
+Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (``-from-seed<N>`` with ``--first-seed``;
+after every seed: ``seeds_done`` of ``seeds_asked``, so a run cut short keeps what it finished) and, at the end,
+``.png`` (``--out`` elsewhere; ``--small`` writes ``<date>-cpu-small-train-longtail`` there). The warm-up record
+has its curve of (steps, loss, held-out accuracy) and its held-out accuracy by answer length (in tokens: 7 per
+term). The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against the addition
+task's default 0.4.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +67,7 @@ from stateshift.train.report import length_bucket  # noqa: E402
 from stateshift.train.warmup import heldout_accuracy, supervised_warmup  # noqa: E402
 
 #: held-out accuracy thresholds, fixed before the runs
-THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6)
+THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9)
 COMMON = [
     "task.name=longtail",
     "rollout.batching=continuous",
@@ -70,6 +85,7 @@ GPU = [
     "model.width=128",
     "model.layers=4",
     "model.heads=4",
+    "model.positions=rotary",
     "task.max_terms=64",
     "task.warmup_max_terms=16",
     "rollout.max_new_tokens=448",
@@ -77,13 +93,13 @@ GPU = [
     "rollout.n=8",
     "rollout.max_concurrent_prompts=32",
     "trainer.batch_prompts=16",
-    "trainer.lr=1e-3",
+    "trainer.lr=3e-4",
     "trainer.steps=400",
-    "warmup.steps=1500",
+    "warmup.steps=5000",
     "trainer.entropy_target=0.05",
-    "warmup.lr=1e-3",
+    "warmup.lr=3e-3",
     "warmup.batch_size=64",
-    "warmup.label_smoothing=0.1",
+    "warmup.label_smoothing=0.0",
 ]
 SMALL = [
     "run.device=cpu",
@@ -100,6 +116,8 @@ SMALL = [
     "trainer.steps=40",
     "warmup.steps=30",
     "warmup.batch_size=16",
+    "warmup.label_smoothing=0.0",
+    "model.positions=rotary",
     "trainer.entropy_target=0.05",
 ]
 ARMS: dict[str, list[str]] = {
@@ -109,16 +127,35 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The seed's supervised warm-up, once: (weights on the host, its record: seconds, last loss, held-out
-    accuracy overall and by answer length, in the buckets of the runs' ``accuracy_by_length``)."""
+def warm_weights(
+    overrides: list[str], seed: int, target: float | None = None, every: int = 500
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The seed's supervised warm-up: (weights on the host, its record).
+
+    Runs ``warmup.steps`` at most, in chunks of ``every`` steps with one optimizer throughout; after each chunk the
+    held-out accuracy is measured (its time is not counted in ``warmup_s``) and, once it reaches ``target``, the
+    warm-up stops there. The record: seconds, steps run, last loss, the curve of (steps, loss, held-out accuracy),
+    and the final held-out accuracy overall and by answer length, in the buckets of the runs'
+    ``accuracy_by_length``."""
     cfg = resolve(None, [*overrides, f"run.seed={seed}"])
     task = build_task(cfg)
     policy = build_policy(cfg, task)
-    t0 = time.perf_counter()
-    out = supervised_warmup(policy.lm, task, cfg.warmup, seed=seed, stepper=policy.warmup_stepper(cfg.warmup.lr))
-    secs = time.perf_counter() - t0
-    items, buckets, by_length, exact = task.heldout(), {}, {}, 0.0
+    stepper = policy.warmup_stepper(cfg.warmup.lr)
+    items = task.heldout()
+    curve: list[tuple[int, float, float]] = []
+    done, secs = 0, 0.0
+    while done < cfg.warmup.steps:
+        n = min(every, cfg.warmup.steps - done)
+        out = supervised_warmup(
+            policy.lm, task, dataclasses.replace(cfg.warmup, steps=n), seed=seed * 1_000_003 + done, stepper=stepper
+        )
+        done, secs = done + n, secs + out["warmup_s"]
+        curve.append((done, out["warmup_loss"], heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)))
+        print(f"  warm-up step {done}: loss {curve[-1][1]:.3f}, held-out {curve[-1][2]:.3f}", flush=True)
+        if target is not None and curve[-1][2] >= target:
+            break
+    buckets: dict[str, list[Any]] = {}
+    by_length, exact = {}, 0.0
     for p in items:
         buckets.setdefault(length_bucket(len(p.answer)), []).append(p)
     for name, bucket in sorted(buckets.items(), key=lambda kv: len(kv[1][0].answer)):
@@ -128,11 +165,29 @@ def warm_weights(overrides: list[str], seed: int) -> tuple[dict[str, torch.Tenso
     record = {
         "seed": seed,
         "warmup_s": secs,
-        "warmup_loss": out["warmup_loss"],
+        "warmup_steps": done,
+        "warmup_target": target,
+        "warmup_loss": curve[-1][1] if curve else float("nan"),
+        "warmup_curve": curve,
         "heldout_accuracy": exact / len(items),
         "heldout_accuracy_by_length": by_length,
     }
     return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, record
+
+
+def warm_start(
+    overrides: list[str], seed: int, target: float | None, path: Path | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``warm_weights``, or its result read back from ``path`` when that file exists (written there otherwise):
+    a later call (the seeds of a second GPU call) starts RL from the same weights. Read with
+    ``torch.load(weights_only=True)``: tensors, numbers and strings only, no code."""
+    if path is not None and path.exists():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return saved["weights"], {**saved["record"], "read_from": path.name}
+    weights, record = warm_weights(overrides, seed, target)
+    if path is not None:
+        torch.save({"weights": weights, "record": record}, path)
+    return weights, record
 
 
 class Snapshots:
@@ -237,8 +292,14 @@ def medians(runs: list[dict[str, Any]], budget_s: float) -> dict[str, Any]:
 
 
 def comparison(arms: dict[str, list[dict[str, Any]]], budget_s: float, fast: str = "async-0.5") -> dict[str, Any]:
-    """The highest threshold every sync seed reached; the sync and ``fast`` median times to it and their ratio."""
-    reached = [th for th in THRESHOLDS if all(r["to_threshold"][str(th)]["time_s"] is not None for r in arms["sync"])]
+    """The highest threshold every sync seed reached during RL (above every sync run's accuracy at the start: one
+    the warm-up already reached times nothing); the sync and ``fast`` median times to it and their ratio."""
+    start = max(r["curve"][0][2] for r in arms["sync"])
+    reached = [
+        th
+        for th in THRESHOLDS
+        if th > start and all(r["to_threshold"][str(th)]["time_s"] is not None for r in arms["sync"])
+    ]
     if not reached:
         return {
             "threshold": None,
@@ -246,7 +307,7 @@ def comparison(arms: dict[str, list[dict[str, Any]]], budget_s: float, fast: str
             "sync_median_s": None,
             "async_median_s": None,
             "speedup_median": None,
-            "note": "no threshold was reached by every sync seed",
+            "note": "no threshold above the start was reached by every sync seed",
         }
     th = max(reached)
     sync = medians(arms["sync"], budget_s)[str(th)]["median_time_s"]
@@ -302,39 +363,117 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def summary(
+    arms: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]], budget: float, head: dict[str, Any]
+) -> dict[str, Any]:
+    """The result file: ``head`` (device, settings), the warm-ups, the runs, medians and the comparison."""
+    return {
+        **head,
+        "seeds_done": len(arms["sync"]),
+        "warmup": warm,
+        "arms": arms,
+        "medians": {a: medians(rs, budget) for a, rs in arms.items()},
+        "comparison": comparison(arms, budget),
+    }
+
+
+def combine(paths: list[Path], out: Path) -> None:
+    """Merge result files of calls that ran some seeds each (the same settings) into one, named by the first."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    first = parts[0]
+    for p, part in zip(paths[1:], parts[1:], strict=True):
+        for key in ("device", "budget_s", "overrides", "arms_overrides", "thresholds"):
+            if part.get(key) != first.get(key):
+                raise SystemExit(f"{p}: {key} differs from {paths[0]}'s; not one experiment")
+    arms = {a: [r for part in parts for r in part["arms"][a]] for a in ARMS}
+    seeds = [r["seed"] for r in arms["sync"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"seed run twice among {paths}: {sorted(seeds)}")
+    warm = [w for part in parts for w in part["warmup"]]
+    head = {k: v for k, v in first.items() if k not in ("seeds_done", "warmup", "arms", "medians", "comparison")}
+    head.update(seeds_asked=sum(p["seeds_asked"] for p in parts), combined_from=[p.name for p in paths])
+    head["total_s"] = sum(p.get("total_s", 0.0) for p in parts)
+    result = summary(arms, warm, first["budget_s"], head)
+    out.mkdir(parents=True, exist_ok=True)
+    name = paths[0].stem
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / f"{name}.png")
+    print(json.dumps(result["comparison"], indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="a toy size on the CPU")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+seeds-1 (split over calls)")
     ap.add_argument("--budget-s", type=float, default=None, help="RL wall seconds per run (default 15 GPU, 20 small)")
     ap.add_argument("--snap-s", type=float, default=None, help="seconds between weight copies (default budget / 6)")
+    ap.add_argument(
+        "--one-warmup",
+        action="store_true",
+        help="one warm-up (seed 0) for every seed's arms: the seeds then vary RL only (default: a warm-up per seed)",
+    )
+    ap.add_argument(
+        "--warmup-target",
+        type=float,
+        default=None,
+        help="stop the warm-up once its held-out accuracy (measured every 500 steps) reaches this",
+    )
+    ap.add_argument(
+        "--warmup-file",
+        type=Path,
+        default=None,
+        help="with --one-warmup: read the warm-up from this file if it exists, else write it there",
+    )
+    ap.add_argument("--combine", nargs="+", type=Path, default=None, help="merge result files of split calls")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # key=value overrides may come before or after the options
+    if args.combine:
+        combine(args.combine, args.out)
+        return
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
+    if args.warmup_file is not None and not args.one_warmup:
+        ap.error("--warmup-file needs --one-warmup")
     base = [*COMMON, *(SMALL if args.small else GPU), *args.overrides]
     budget = args.budget_s or (20.0 if args.small else 15.0)
     snap = args.snap_s or budget / 6
     device = "cpu (toy size)" if args.small else torch.cuda.get_device_name(0)
     tag = "cpu-small" if args.small else next((g.lower() for g in ("H100", "H200") if g in device), "gpu")
     name = f"{datetime.date.today().isoformat()}-{tag}-train-longtail"
+    if args.first_seed:
+        name += f"-from-seed{args.first_seed}"
     args.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     warm: list[dict[str, Any]] = []
-    work = Path(f"/tmp/longtail_bench_{int(time.time())}")
+    work = Path(tempfile.mkdtemp(prefix="longtail_bench_"))
+    head = {
+        "benchmark": "longtail_bench",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "thresholds": list(THRESHOLDS),
+        "budget_s": budget,
+        "snapshot_every_s": snap,
+        "overrides": base,
+        "arms_overrides": ARMS,
+        "one_warmup": args.one_warmup,
+        "seeds_asked": args.seeds,
+    }
     result: dict[str, Any] = {}
-    for seed in range(args.seeds):
-        weights, record = warm_weights(base, seed)
-        warm.append(record)
-        print(
-            f"seed {seed} warm-up: {record['warmup_s']:.0f} s, loss {record['warmup_loss']:.3f}, held-out accuracy "
-            f"{record['heldout_accuracy']:.3f} (by answer tokens: "
-            + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in record["heldout_accuracy_by_length"].items())
-            + ")",
-            flush=True,
-        )
+    weights: dict[str, torch.Tensor] = {}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        if not args.one_warmup or not warm:
+            weights, record = warm_start(base, 0 if args.one_warmup else seed, args.warmup_target, args.warmup_file)
+            warm.append(record)
+            print(
+                f"warm-up (seed {record['seed']}): {record['warmup_steps']} steps, {record['warmup_s']:.0f} s, loss "
+                f"{record['warmup_loss']:.3f}, held-out accuracy {record['heldout_accuracy']:.3f} (by answer tokens: "
+                + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in record["heldout_accuracy_by_length"].items())
+                + ")",
+                flush=True,
+            )
         for arm, extra in ARMS.items():
             r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
             r["to_threshold"] = to_thresholds(r)
@@ -344,23 +483,8 @@ def main() -> None:
                 f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}",
                 flush=True,
             )
-        result = {  # written after every seed: a run cut short keeps the seeds it finished
-            "benchmark": "longtail_bench",
-            "device": device,
-            "date": datetime.date.today().isoformat(),
-            "thresholds": list(THRESHOLDS),
-            "budget_s": budget,
-            "snapshot_every_s": snap,
-            "overrides": base,
-            "arms_overrides": ARMS,
-            "seeds_done": seed + 1,
-            "seeds_asked": args.seeds,
-            "warmup": warm,
-            "arms": arms,
-            "medians": {a: medians(rs, budget) for a, rs in arms.items()},
-            "comparison": comparison(arms, budget),
-            "total_s": time.perf_counter() - t_all,
-        }
+        # written after every seed: a run cut short keeps the seeds it finished
+        result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))

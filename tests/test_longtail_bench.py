@@ -1,0 +1,120 @@
+"""benchmarks/longtail_bench.py: thresholds and the comparison, merging split calls, and the warm-up file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """``benchmarks/longtail_bench.py`` as a module (``benchmarks/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("longtail_bench", ROOT / "benchmarks" / "longtail_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(bench, seed: int, curve: list[tuple[float, int, float]]) -> dict:
+    r = {"seed": seed, "curve": curve, "staleness_tokens": {"0": 10}}
+    r["to_threshold"] = bench.to_thresholds(r)
+    return r
+
+
+def _file(bench, path: Path, seeds: list[int], budget: float = 10.0, speed: float = 2.0) -> Path:
+    """A result file of ``seeds``: sync reaches 0.1 at 8 s, each async arm at 8 / speed s."""
+    arms = {
+        "sync": [_run(bench, s, [(0.0, 0, 0.0), (8.0, 80, 0.1)]) for s in seeds],
+        **{
+            a: [_run(bench, s, [(0.0, 0, 0.0), (8.0 / speed, 40, 0.1)]) for s in seeds]
+            for a in ("async-0.25", "async-0.5")
+        },
+    }
+    head = {
+        "device": "cpu (toy size)",
+        "budget_s": budget,
+        "overrides": ["task.name=longtail"],
+        "arms_overrides": bench.ARMS,
+        "thresholds": list(bench.THRESHOLDS),
+        "seeds_asked": len(seeds),
+        "total_s": 1.0,
+    }
+    path.write_text(json.dumps(bench.summary(arms, [{"seed": 0}], budget, head)))
+    return path
+
+
+def test_comparison_takes_the_highest_threshold_every_sync_seed_reached_and_counts_a_censored_async_run_as_the_budget(
+    bench,
+):
+    sync = [_run(bench, s, [(0.0, 0, 0.0), (4.0, 40, 0.12), (8.0, 80, 0.21)]) for s in range(3)]
+    sync[2] = _run(bench, 2, [(0.0, 0, 0.0), (4.0, 40, 0.12)])  # never reaches 0.2
+    fast = [_run(bench, s, [(0.0, 0, 0.0), (2.0, 30, 0.15)]) for s in range(2)] + [_run(bench, 2, [(0.0, 0, 0.0)])]
+    c = bench.comparison({"sync": sync, "async-0.5": fast}, budget_s=10.0)
+    assert c["threshold"] == 0.1
+    assert c["sync_median_s"] == 4.0
+    assert c["async_median_s"] == 2.0 and c["async_censored"] == 1
+    assert c["speedup_median"] == 2.0
+
+
+def test_combine_merges_calls_that_ran_some_seeds_each(bench, tmp_path):
+    a = _file(bench, tmp_path / "2026-12-07-h100-train-longtail.json", [0, 1, 2])
+    b = _file(bench, tmp_path / "2026-12-07-h100-train-longtail-from-seed3.json", [3, 4])
+    bench.combine([a, b], tmp_path / "out")
+    merged = json.loads((tmp_path / "out" / a.name).read_text())
+    assert [r["seed"] for r in merged["arms"]["sync"]] == [0, 1, 2, 3, 4]
+    assert merged["seeds_done"] == 5 and merged["seeds_asked"] == 5
+    assert merged["comparison"]["seeds"] == 5 and merged["comparison"]["speedup_median"] == 2.0
+
+
+@pytest.mark.parametrize("why", ["budget", "seed"])
+def test_combine_refuses_files_of_other_settings_or_a_seed_run_twice(bench, tmp_path, why):
+    a = _file(bench, tmp_path / "a.json", [0, 1])
+    b = _file(bench, tmp_path / "b.json", [1] if why == "seed" else [2], budget=20.0 if why == "budget" else 10.0)
+    with pytest.raises(SystemExit, match="budget_s differs" if why == "budget" else "seed run twice"):
+        bench.combine([a, b], tmp_path / "out")
+    assert not (tmp_path / "out" / "a.json").exists()
+
+
+def test_warm_start_writes_the_warmup_once_and_reads_it_back(bench, tmp_path, monkeypatch):
+    calls = []
+
+    def warm(overrides, seed, target):
+        calls.append(seed)
+        return {"w": torch.arange(4.0)}, {"seed": seed, "warmup_steps": 500, "warmup_curve": [(500, 0.1, 0.25)]}
+
+    monkeypatch.setattr(bench, "warm_weights", warm)
+    path = tmp_path / "warm.pt"
+    w1, r1 = bench.warm_start([], 0, None, path)
+    w2, r2 = bench.warm_start([], 0, None, path)
+    assert calls == [0]
+    assert torch.equal(w2["w"], w1["w"]) and r2["warmup_steps"] == 500 and r2["read_from"] == "warm.pt"
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("a pickled call ran",))
+
+
+def test_warm_start_refuses_a_file_that_would_run_code(bench, tmp_path):
+    path = tmp_path / "warm.pt"
+    with path.open("wb") as f:
+        pickle.dump({"weights": {}, "record": _Boom()}, f, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        bench.warm_start([], 0, None, path)
+
+
+def test_comparison_skips_thresholds_the_warmup_already_reached(bench):
+    """Every arm starts where the warm-up left it: a threshold reached at 0 s times nothing."""
+    sync = [_run(bench, s, [(0.0, 0, 0.32), (6.0, 60, 0.36)]) for s in range(2)]
+    fast = [_run(bench, s, [(0.0, 0, 0.32), (3.0, 30, 0.36)]) for s in range(2)]
+    c = bench.comparison({"sync": sync, "async-0.5": fast}, budget_s=10.0)
+    assert c["threshold"] == 0.35 and c["speedup_median"] == 2.0
+    flat = [_run(bench, s, [(0.0, 0, 0.32), (6.0, 60, 0.32)]) for s in range(2)]
+    assert bench.comparison({"sync": flat, "async-0.5": fast}, budget_s=10.0)["threshold"] is None
