@@ -180,8 +180,9 @@ def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():
         state.close()
 
 
-def _fsdp2_rank(rank: int, world: int) -> bool:
-    """Each rank publishes its FSDP2 shards and loads them into a second model sharded the same way."""
+def _fsdp2_rank(rank: int, world: int) -> tuple[bool, int]:
+    """Each rank publishes its FSDP2 shards and loads them into a second model sharded the same way; returns
+    (every value equal, its pid: the files it made are named by it)."""
     from backends.test_fsdp2 import Net
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -203,7 +204,8 @@ def _fsdp2_rank(rank: int, world: int) -> bool:
         pub.publish(1).wait(30)
         assert rx.load_into(dst) == 1
         pairs = zip([*src.parameters(), *src.buffers()], [*dst.parameters(), *dst.buffers()], strict=True)
-        return all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)) for a, b in pairs)
+        equal = all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)) for a, b in pairs)
+        return equal, os.getpid()
     finally:
         rx.close()
         pub.close()
@@ -214,8 +216,7 @@ def _fsdp2_rank(rank: int, world: int) -> bool:
 def test_fsdp2_shards_load_into_a_model_sharded_the_same_way():
     from dist_harness import run_distributed
 
-    before = set(os.listdir("/dev/shm"))
-    assert run_distributed(_fsdp2_rank, world_size=2, timeout=120) == [True, True]
-    assert [
-        f for f in set(os.listdir("/dev/shm")) - before if f.startswith(("stateshift-pool-", "stateshift-sync-"))
-    ] == []
+    results = run_distributed(_fsdp2_rank, world_size=2, timeout=120)
+    assert [equal for equal, _ in results] == [True, True]
+    # only the ranks' own files (named by their pids): tests on another worker make theirs meanwhile
+    assert [f for _, pid in results for f in shm_files(pid)] == []
