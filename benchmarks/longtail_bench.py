@@ -366,10 +366,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def summary(
     arms: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]], budget: float, head: dict[str, Any]
 ) -> dict[str, Any]:
-    """The result file: ``head`` (device, settings), the warm-ups, the runs, medians and the comparison."""
+    """The result file: ``head`` (device, settings), the warm-ups, the runs (in full per arm, and a line each in
+    ``runs``: held-out accuracy at the start and at the last evaluation), medians and the comparison."""
+    lines = [
+        {
+            "name": f"{arm}/s{r['seed']}",
+            "seed": r["seed"],
+            "steps": r.get("steps"),
+            "wall_s": r.get("rl_wall_s"),
+            "heldout_accuracy_start": r["curve"][0][2],
+            "heldout_accuracy_end": r["curve"][-1][2],
+            "trainer_idle_ratio": r.get("trainer_idle_ratio"),
+            "status": r.get("status"),
+        }
+        for arm, rs in arms.items()
+        for r in rs
+    ]
     return {
         **head,
         "seeds_done": len(arms["sync"]),
+        "runs": lines,
         "warmup": warm,
         "arms": arms,
         "medians": {a: medians(rs, budget) for a, rs in arms.items()},
@@ -390,7 +406,9 @@ def combine(paths: list[Path], out: Path) -> None:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"seed run twice among {paths}: {sorted(seeds)}")
     warm = [w for part in parts for w in part["warmup"]]
-    head = {k: v for k, v in first.items() if k not in ("seeds_done", "warmup", "arms", "medians", "comparison")}
+    head = {
+        k: v for k, v in first.items() if k not in ("seeds_done", "runs", "warmup", "arms", "medians", "comparison")
+    }
     head.update(seeds_asked=sum(p["seeds_asked"] for p in parts), combined_from=[p.name for p in paths])
     head["total_s"] = sum(p.get("total_s", 0.0) for p in parts)
     result = summary(arms, warm, first["budget_s"], head)
@@ -449,9 +467,14 @@ def main() -> None:
     arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     warm: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="longtail_bench_"))
+    from _harness import git_sha
+
     head = {
         "benchmark": "longtail_bench",
         "device": device,
+        "torch": torch.__version__,
+        "stateshift": git_sha(),
+        "command": " ".join(["python3", "benchmarks/longtail_bench.py", *sys.argv[1:]]),
         "date": datetime.date.today().isoformat(),
         "thresholds": list(THRESHOLDS),
         "budget_s": budget,

@@ -297,8 +297,10 @@ def table(result: dict[str, Any]) -> str:
         )
     c = result["checks"]
     for fam, v in c["rise_vs_spread"].items():
+        spread = v["spread_of_final"]
         lines.append(
-            f"{fam:9} smallest rise {v['smallest_rise']} vs 2 x spread {v['spread_of_final']}: "
+            f"{fam:9} smallest rise {v['smallest_rise']} vs 2 x spread "
+            f"{'-' if spread is None else round(2 * spread, 3)} (spread {spread}): "
             f"{'pass' if v['pass'] else 'FAIL'} {v.get('note', '')}"
         )
     bad = [n for n, v in c["verbs_fraction"].items() if not v["pass"]]

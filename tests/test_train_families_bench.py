@@ -155,3 +155,16 @@ def test_combine_merges_two_calls_and_recomputes_the_checks(bench, tmp_path):
         json.loads((tmp_path / "out" / a.name).read_text()) == merged
         and (tmp_path / "out" / a.name).with_suffix(".png").exists()
     )
+
+
+def test_table_prints_twice_the_spread_the_check_compares_with(bench):
+    runs = [
+        {**_run("builtin", s, 0.172, end), "steps": 2000, "wall_s": 250.0, "status": "finished"}
+        for s, end in enumerate((0.994, 0.598, 0.98))
+    ]
+    for r in runs:
+        r["rise"] = r["heldout_accuracy_end"] - r["heldout_accuracy_start"]
+    checks = bench.checks(runs, ["builtin", "hf"], 3)
+    text = bench.table({"runs": runs, "checks": checks})
+    assert "builtin   smallest rise 0.426 vs 2 x spread 0.792 (spread 0.396): FAIL" in text
+    assert "hf        smallest rise None vs 2 x spread - (spread None): FAIL" in text
