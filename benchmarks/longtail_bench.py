@@ -1,6 +1,6 @@
 """Synchronous vs fully-async on the long-tail task, paired seeds, time to fixed held-out accuracy thresholds.
 
-    python3 benchmarks/longtail_bench.py --one-warmup --budget-s 20      # one GPU: the committed result
+    python3 benchmarks/longtail_bench.py --one-warmup --budget-s 15 --snap-s 5   # one GPU (the 2026-12-07 result)
     python3 benchmarks/longtail_bench.py --small --out /tmp/lt           # a toy size on the CPU (checks the path)
     python3 benchmarks/longtail_bench.py --combine A.json B.json --out DIR   # calls that ran some seeds each
 
