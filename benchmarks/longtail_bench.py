@@ -185,8 +185,10 @@ def warm_start(
         saved = torch.load(path, map_location="cpu", weights_only=True)
         return saved["weights"], {**saved["record"], "read_from": path.name}
     weights, record = warm_weights(overrides, seed, target)
-    if path is not None:
-        torch.save({"weights": weights, "record": record}, path)
+    if path is not None:  # whole or absent: a call killed while writing leaves no half file to be read back
+        part = path.with_name(path.name + ".part")
+        torch.save({"weights": weights, "record": record}, part)
+        part.replace(path)
     return weights, record
 
 

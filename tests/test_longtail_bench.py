@@ -95,6 +95,20 @@ def test_warm_start_writes_the_warmup_once_and_reads_it_back(bench, tmp_path, mo
     w2, r2 = bench.warm_start([], 0, None, path)
     assert calls == [0]
     assert torch.equal(w2["w"], w1["w"]) and r2["warmup_steps"] == 500 and r2["read_from"] == "warm.pt"
+    assert [f.name for f in tmp_path.iterdir()] == ["warm.pt"]
+
+
+def test_warm_start_killed_while_writing_leaves_no_file_to_read_back(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "warm_weights", lambda o, seed, t: ({"w": torch.zeros(2)}, {"seed": seed}))
+
+    def killed(obj, f):
+        Path(f).write_bytes(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt  # the kill, half-way through the write
+
+    monkeypatch.setattr(bench.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench.warm_start([], 0, None, tmp_path / "warm.pt")
+    assert not (tmp_path / "warm.pt").exists()
 
 
 class _Boom:
