@@ -180,11 +180,18 @@ def warm_start(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``warm_weights``, or its result read back from ``path`` when that file exists (written there otherwise):
     a later call (the seeds of a second GPU call) starts RL from the same weights. Read with
-    ``torch.load(weights_only=True)``: tensors, numbers and strings only, no code."""
+    ``torch.load(weights_only=True)``: tensors, numbers and strings only, no code.
+
+    Raises:
+        SystemExit: the file's warm-up ran with other settings (``overrides``, seed or target)."""
     if path is not None and path.exists():
         saved = torch.load(path, map_location="cpu", weights_only=True)
+        made = saved["record"].get("made_with")
+        if made != {"overrides": overrides, "seed": seed, "target": target}:
+            raise SystemExit(f"{path}: its warm-up ran with other settings ({made}); not this run's")
         return saved["weights"], {**saved["record"], "read_from": path.name}
     weights, record = warm_weights(overrides, seed, target)
+    record["made_with"] = {"overrides": overrides, "seed": seed, "target": target}
     if path is not None:  # whole or absent: a call killed while writing leaves no half file to be read back
         part = path.with_name(path.name + ".part")
         torch.save({"weights": weights, "record": record}, part)

@@ -96,6 +96,9 @@ def test_warm_start_writes_the_warmup_once_and_reads_it_back(bench, tmp_path, mo
     assert calls == [0]
     assert torch.equal(w2["w"], w1["w"]) and r2["warmup_steps"] == 500 and r2["read_from"] == "warm.pt"
     assert [f.name for f in tmp_path.iterdir()] == ["warm.pt"]
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.warm_start(["task.max_terms=32"], 0, None, path)
+    assert calls == [0]
 
 
 def test_warm_start_killed_while_writing_leaves_no_file_to_read_back(bench, tmp_path, monkeypatch):
