@@ -127,6 +127,20 @@ ARMS: dict[str, list[str]] = {
 }
 
 
+def accuracy_by_length(lm: Any, task: Any, items: list[Any], max_new_tokens: int) -> tuple[float, dict[str, Any]]:
+    """Held-out accuracy of ``items``, overall and by answer length (in the buckets of the runs'
+    ``accuracy_by_length``): one greedy pass over each bucket, the overall figure their weighted sum."""
+    buckets: dict[str, list[Any]] = {}
+    for p in items:
+        buckets.setdefault(length_bucket(len(p.answer)), []).append(p)
+    by_length, exact = {}, 0.0
+    for name, bucket in sorted(buckets.items(), key=lambda kv: len(kv[1][0].answer)):
+        acc = heldout_accuracy(lm, task, max_new_tokens, items=bucket)
+        by_length[name] = {"problems": len(bucket), "accuracy": acc}
+        exact += acc * len(bucket)
+    return exact / len(items), by_length
+
+
 def warm_weights(
     overrides: list[str], seed: int, target: float | None = None, every: int = 500
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -135,41 +149,35 @@ def warm_weights(
     Runs ``warmup.steps`` at most, in chunks of ``every`` steps with one optimizer throughout; after each chunk the
     held-out accuracy is measured (its time is not counted in ``warmup_s``) and, once it reaches ``target``, the
     warm-up stops there. The record: seconds, steps run, last loss, the curve of (steps, loss, held-out accuracy),
-    and the final held-out accuracy overall and by answer length, in the buckets of the runs'
-    ``accuracy_by_length``."""
+    and the last held-out accuracy overall and by answer length (``accuracy_by_length``)."""
     cfg = resolve(None, [*overrides, f"run.seed={seed}"])
     task = build_task(cfg)
     policy = build_policy(cfg, task)
     stepper = policy.warmup_stepper(cfg.warmup.lr)
     items = task.heldout()
     curve: list[tuple[int, float, float]] = []
-    done, secs = 0, 0.0
+    done, secs, loss = 0, 0.0, float("nan")
     while done < cfg.warmup.steps:
         n = min(every, cfg.warmup.steps - done)
         out = supervised_warmup(
             policy.lm, task, dataclasses.replace(cfg.warmup, steps=n), seed=seed * 1_000_003 + done, stepper=stepper
         )
-        done, secs = done + n, secs + out["warmup_s"]
-        curve.append((done, out["warmup_loss"], heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)))
-        print(f"  warm-up step {done}: loss {curve[-1][1]:.3f}, held-out {curve[-1][2]:.3f}", flush=True)
-        if target is not None and curve[-1][2] >= target:
+        done, secs, loss = done + n, secs + out["warmup_s"], out["warmup_loss"]
+        accuracy, by_length = accuracy_by_length(policy.lm, task, items, cfg.rollout.max_new_tokens)
+        curve.append((done, loss, accuracy))
+        print(f"  warm-up step {done}: loss {loss:.3f}, held-out {accuracy:.3f}", flush=True)
+        if target is not None and accuracy >= target:
             break
-    buckets: dict[str, list[Any]] = {}
-    by_length, exact = {}, 0.0
-    for p in items:
-        buckets.setdefault(length_bucket(len(p.answer)), []).append(p)
-    for name, bucket in sorted(buckets.items(), key=lambda kv: len(kv[1][0].answer)):
-        acc = heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens, items=bucket)
-        by_length[name] = {"problems": len(bucket), "accuracy": acc}
-        exact += acc * len(bucket)
+    if not curve:  # warmup.steps=0: the record still says where RL starts
+        accuracy, by_length = accuracy_by_length(policy.lm, task, items, cfg.rollout.max_new_tokens)
     record = {
         "seed": seed,
         "warmup_s": secs,
         "warmup_steps": done,
         "warmup_target": target,
-        "warmup_loss": curve[-1][1] if curve else float("nan"),
+        "warmup_loss": loss,
         "warmup_curve": curve,
-        "heldout_accuracy": exact / len(items),
+        "heldout_accuracy": accuracy,
         "heldout_accuracy_by_length": by_length,
     }
     return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}, record
