@@ -13,9 +13,9 @@ continuous batching, the lr schedule and defaults of ``stateshift train``); only
 
 The supervised warm-up runs once per seed, or once for all seeds with ``--one-warmup`` (the seeds then vary RL
 only), and every arm of a seed starts RL from that same checkpoint (``warmup.steps=0`` with the warmed-up
-weights loaded into the built policy). The warm-up runs ``warmup.steps`` at most, in chunks of 500 with one
-optimizer, measuring held-out accuracy after each (out of its time); ``--warmup-target`` stops it once that
-accuracy is reached. ``--warmup-file`` keeps the one warm-up in a file (read back with ``weights_only``), so
+weights loaded into the built policy). The warm-up runs ``warmup.steps`` at most, in chunks of
+``--warmup-every`` (500) with one optimizer, measuring held-out accuracy after each (out of its time);
+``--warmup-target`` stops it once that accuracy is reached (RL then starts part-way up the warm-up's rise). ``--warmup-file`` keeps the one warm-up in a file (read back with ``weights_only``), so
 that a second call (``--first-seed 3``) starts from the same weights; ``--combine`` merges the calls' files.
 
 Wall time counts from the start of RL; evaluation is out of band: every ``--snap-s`` seconds of RL the trainer's
@@ -184,22 +184,22 @@ def warm_weights(
 
 
 def warm_start(
-    overrides: list[str], seed: int, target: float | None, path: Path | None
+    overrides: list[str], seed: int, target: float | None, path: Path | None, every: int = 500
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``warm_weights``, or its result read back from ``path`` when that file exists (written there otherwise):
     a later call (the seeds of a second GPU call) starts RL from the same weights. Read with
     ``torch.load(weights_only=True)``: tensors, numbers and strings only, no code.
 
     Raises:
-        SystemExit: the file's warm-up ran with other settings (``overrides``, seed or target)."""
+        SystemExit: the file's warm-up ran with other settings (``overrides``, seed, target or ``every``)."""
     if path is not None and path.exists():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         made = saved["record"].get("made_with")
-        if made != {"overrides": overrides, "seed": seed, "target": target}:
+        if made != {"overrides": overrides, "seed": seed, "target": target, "every": every}:
             raise SystemExit(f"{path}: its warm-up ran with other settings ({made}); not this run's")
         return saved["weights"], {**saved["record"], "read_from": path.name}
-    weights, record = warm_weights(overrides, seed, target)
-    record["made_with"] = {"overrides": overrides, "seed": seed, "target": target}
+    weights, record = warm_weights(overrides, seed, target, every)
+    record["made_with"] = {"overrides": overrides, "seed": seed, "target": target, "every": every}
     if path is not None:  # whole or absent: a call killed while writing leaves no half file to be read back
         part = path.with_name(path.name + ".part")
         torch.save({"weights": weights, "record": record}, part)
@@ -415,7 +415,7 @@ def combine(paths: list[Path], out: Path) -> None:
     parts = [json.loads(p.read_text()) for p in paths]
     first = parts[0]
     for p, part in zip(paths[1:], parts[1:], strict=True):
-        for key in ("device", "budget_s", "overrides", "arms_overrides", "thresholds"):
+        for key in ("device", "budget_s", "overrides", "arms_overrides", "thresholds", "warmup_target", "warmup_every"):
             if part.get(key) != first.get(key):
                 raise SystemExit(f"{p}: {key} differs from {paths[0]}'s; not one experiment")
     arms = {a: [r for part in parts for r in part["arms"][a]] for a in ARMS}
@@ -452,7 +452,13 @@ def main() -> None:
         "--warmup-target",
         type=float,
         default=None,
-        help="stop the warm-up once its held-out accuracy (measured every 500 steps) reaches this",
+        help="stop the warm-up once its held-out accuracy (measured every --warmup-every steps) reaches this",
+    )
+    ap.add_argument(
+        "--warmup-every",
+        type=int,
+        default=500,
+        help="warm-up steps between held-out measurements (default 500; smaller stops nearer --warmup-target)",
     )
     ap.add_argument(
         "--warmup-file",
@@ -469,6 +475,8 @@ def main() -> None:
         return
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
+    if args.warmup_every < 1:
+        ap.error("--warmup-every must be at least 1")
     if args.warmup_file is not None and not args.one_warmup:
         ap.error("--warmup-file needs --one-warmup")
     base = [*COMMON, *(SMALL if args.small else GPU), *args.overrides]
@@ -499,13 +507,17 @@ def main() -> None:
         "overrides": base,
         "arms_overrides": ARMS,
         "one_warmup": args.one_warmup,
+        "warmup_target": args.warmup_target,
+        "warmup_every": args.warmup_every,
         "seeds_asked": args.seeds,
     }
     result: dict[str, Any] = {}
     weights: dict[str, torch.Tensor] = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         if not args.one_warmup or not warm:
-            weights, record = warm_start(base, 0 if args.one_warmup else seed, args.warmup_target, args.warmup_file)
+            weights, record = warm_start(
+                base, 0 if args.one_warmup else seed, args.warmup_target, args.warmup_file, args.warmup_every
+            )
             warm.append(record)
             print(
                 f"warm-up (seed {record['seed']}): {record['warmup_steps']} steps, {record['warmup_s']:.0f} s, loss "

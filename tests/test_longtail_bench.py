@@ -85,7 +85,7 @@ def test_combine_refuses_files_of_other_settings_or_a_seed_run_twice(bench, tmp_
 def test_warm_start_writes_the_warmup_once_and_reads_it_back(bench, tmp_path, monkeypatch):
     calls = []
 
-    def warm(overrides, seed, target):
+    def warm(overrides, seed, target, every):
         calls.append(seed)
         return {"w": torch.arange(4.0)}, {"seed": seed, "warmup_steps": 500, "warmup_curve": [(500, 0.1, 0.25)]}
 
@@ -98,11 +98,13 @@ def test_warm_start_writes_the_warmup_once_and_reads_it_back(bench, tmp_path, mo
     assert [f.name for f in tmp_path.iterdir()] == ["warm.pt"]
     with pytest.raises(SystemExit, match="other settings"):
         bench.warm_start(["task.max_terms=32"], 0, None, path)
+    with pytest.raises(SystemExit, match="other settings"):  # measured at other steps: stopped elsewhere
+        bench.warm_start([], 0, None, path, every=100)
     assert calls == [0]
 
 
 def test_warm_start_killed_while_writing_leaves_no_file_to_read_back(bench, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "warm_weights", lambda o, seed, t: ({"w": torch.zeros(2)}, {"seed": seed}))
+    monkeypatch.setattr(bench, "warm_weights", lambda o, seed, t, every: ({"w": torch.zeros(2)}, {"seed": seed}))
 
     def killed(obj, f):
         Path(f).write_bytes(b"PK\x03\x04 half a zip")
