@@ -427,6 +427,7 @@ def combine(paths: list[Path], out: Path) -> None:
         k: v for k, v in first.items() if k not in ("seeds_done", "runs", "warmup", "arms", "medians", "comparison")
     }
     head.update(seeds_asked=sum(p["seeds_asked"] for p in parts), combined_from=[p.name for p in paths])
+    head["command"] = [p.get("command") for p in parts]  # each call's own
     head["total_s"] = sum(p.get("total_s", 0.0) for p in parts)
     result = summary(arms, warm, first["budget_s"], head)
     out.mkdir(parents=True, exist_ok=True)

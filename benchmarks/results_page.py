@@ -140,8 +140,17 @@ def section(path: Path) -> list[str]:
     if isinstance(host, dict) and "cpu" in host:
         facts.append(f"host: {fmt(host['cpu'])}, python_us {fmt(host.get('python_us'))}")
     lines += ["; ".join(facts), ""]
-    if isinstance(data.get("command"), str):
-        lines += [f"command: `{data['command']}`", ""]
+    command = data.get("command")
+    if isinstance(command, str):
+        lines += [f"command: `{command}`", ""]
+    elif isinstance(command, list):  # a result merged from several calls: each call's own
+        lines += ["commands:", "", *(f"- `{c}`" for c in command if isinstance(c, str)), ""]
+    comparison = data.get("comparison")
+    flat = (
+        {k: v for k, v in comparison.items() if not isinstance(v, (dict, list))} if isinstance(comparison, dict) else {}
+    )
+    if flat:  # a long-tail comparison's figures (None: not reached)
+        lines += ["comparison: " + ", ".join(f"`{k}` {'none' if v is None else fmt(v)}" for k, v in flat.items()), ""]
     rows = data.get("rows")
     if isinstance(rows, list) and rows and isinstance(rows[0], dict):
         lines += table(rows, VERL_COLUMNS if "impl" in rows[0] else VERB_COLUMNS)

@@ -45,6 +45,7 @@ def _file(bench, path: Path, seeds: list[int], budget: float = 10.0, speed: floa
         "thresholds": list(bench.THRESHOLDS),
         "seeds_asked": len(seeds),
         "total_s": 1.0,
+        "command": f"python3 benchmarks/longtail_bench.py --first-seed {seeds[0]}",
     }
     path.write_text(json.dumps(bench.summary(arms, [{"seed": 0}], budget, head)))
     return path
@@ -71,6 +72,7 @@ def test_combine_merges_calls_that_ran_some_seeds_each(bench, tmp_path):
     assert [r["seed"] for r in merged["arms"]["sync"]] == [0, 1, 2, 3, 4]
     assert merged["seeds_done"] == 5 and merged["seeds_asked"] == 5
     assert merged["comparison"]["seeds"] == 5 and merged["comparison"]["speedup_median"] == 2.0
+    assert merged["command"] == [f"python3 benchmarks/longtail_bench.py --first-seed {s}" for s in (0, 3)]
 
 
 @pytest.mark.parametrize("why", ["budget", "seed"])

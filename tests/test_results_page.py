@@ -54,3 +54,17 @@ def test_a_new_result_file_gets_its_section(tmp_path):
     assert "## 2030-01-01-cpu-torch\n" in text
     assert "| torch | offload | device | 2 | 50 | 0.9 | d2h |" in text
     assert "measured at: 0000000" in text
+
+
+def test_a_merged_result_lists_each_calls_command_and_its_comparison(tmp_path):
+    page = load_generator()
+    data = {
+        "stateshift": "0000000",
+        "command": ["python3 a.py --seeds 2", "python3 a.py --first-seed 2"],
+        "comparison": {"threshold": 0.4, "speedup_median": 0.5},
+        "runs": [{"name": "sync/s0", "seed": 0}],
+    }
+    (tmp_path / "2030-01-01-h100-train-longtail.json").write_text(json.dumps(data))
+    text = page.render(tmp_path)
+    assert "- `python3 a.py --seeds 2`\n- `python3 a.py --first-seed 2`\n" in text
+    assert "comparison: `threshold` 0.4, `speedup_median` 0.5" in text
