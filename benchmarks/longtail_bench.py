@@ -34,7 +34,9 @@ at the toy size; later at 1e-3); RL learning rate 3e-4.
 
 Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (``-from-seed<N>`` with ``--first-seed``;
 after every seed: ``seeds_done`` of ``seeds_asked``, so a run cut short keeps what it finished) and, at the end,
-``.png`` (``--out`` elsewhere; ``--small`` writes ``<date>-cpu-small-train-longtail`` there). The warm-up record
+``.png`` (``--out`` elsewhere; ``--small`` writes ``<date>-cpu-small-train-longtail`` there). Each run keeps a
+``trace`` of its trainer's per-step metrics (``TRACE_KEYS``: training reward, entropy, clip fraction, staleness,
+learning rate, ...). The warm-up record
 has its curve of (steps, loss, held-out accuracy) and its held-out accuracy by answer length (in tokens: 7 per
 term). The entropy target is per token: 0.05 nats here (responses of up to 448 tokens) against the addition
 task's default 0.4.
@@ -239,6 +241,33 @@ class Snapshots:
         loop_mod.AsyncLoop.train_step = self.original  # type: ignore[method-assign]
 
 
+#: per-step metrics each run keeps (``trace``): what explains a curve that rises and falls
+TRACE_KEYS = (
+    "step",
+    "wall_s",
+    "reward",
+    "accuracy",
+    "response_length",
+    "entropy",
+    "entropy_coef",
+    "clip_fraction",
+    "kl_current_proximal",
+    "staleness_mean",
+    "lr",
+    "zero_advantage_groups",
+)
+
+
+def trace(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's ``metrics.jsonl`` records cut to ``TRACE_KEYS``, a row per trainer step (4 significant digits; a
+    key a record lacks is ``None``)."""
+
+    def cut(v: Any) -> Any:
+        return float(f"{v:.4g}") if isinstance(v, float) else v
+
+    return {"keys": list(TRACE_KEYS), "rows": [[cut(r.get(k)) for k in TRACE_KEYS] for r in recs]}
+
+
 def run_arm(
     overrides: list[str], seed: int, weights: dict[str, torch.Tensor], budget_s: float, snap_s: float, out: Path
 ) -> dict[str, Any]:
@@ -280,6 +309,7 @@ def run_arm(
         "response_length_mean": statistics.fmean(r["response_length"] for r in recs) if recs else None,
         "heldout_accuracy_start": result.heldout_accuracy_start,
         "status": s["status"],
+        "trace": trace(recs),
     }
 
 

@@ -139,3 +139,13 @@ def test_comparison_skips_thresholds_the_warmup_already_reached(bench):
     assert c["threshold"] == 0.35 and c["speedup_median"] == 2.0
     flat = [_run(bench, s, [(0.0, 0, 0.32), (6.0, 60, 0.32)]) for s in range(2)]
     assert bench.comparison({"sync": flat, "async-0.5": fast}, budget_s=10.0)["threshold"] is None
+
+
+def test_trace_keeps_the_named_metrics_of_every_step_rounded(bench):
+    recs = [{"step": 1, "reward": 0.123456789, "entropy": 2.0, "other": 5}, {"step": 2, "wall_s": 1.5}]
+    t = bench.trace(recs)
+    assert t["keys"] == list(bench.TRACE_KEYS) and len(t["rows"]) == 2
+    first = dict(zip(t["keys"], t["rows"][0]))
+    assert first["step"] == 1 and first["reward"] == 0.1235 and first["entropy"] == 2.0 and first["wall_s"] is None
+    assert "other" not in t["keys"]
+    json.dumps(t)  # the result file is JSON
