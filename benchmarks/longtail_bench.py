@@ -440,6 +440,14 @@ def summary(
     }
 
 
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """``result`` to ``path`` whole or not at all: written beside it (``.part``) and renamed over it, so a call killed
+    while writing (its time limit) keeps the seeds the last write had."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(result, indent=1))
+    part.replace(path)
+
+
 def combine(paths: list[Path], out: Path) -> None:
     """Merge result files of calls that ran some seeds each (the same settings) into one, named by the first."""
     parts = [json.loads(p.read_text()) for p in paths]
@@ -462,7 +470,7 @@ def combine(paths: list[Path], out: Path) -> None:
     result = summary(arms, warm, first["budget_s"], head)
     out.mkdir(parents=True, exist_ok=True)
     name = paths[0].stem
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_json(out / f"{name}.json", result)
     plot(result, out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))
 
@@ -568,7 +576,7 @@ def main() -> None:
             )
         # written after every seed: a run cut short keeps the seeds it finished
         result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        write_json(args.out / f"{name}.json", result)
     plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))
     print(f"wrote {args.out / name}.json/.png in {result['total_s']:.0f} s")

@@ -145,7 +145,23 @@ def test_trace_keeps_the_named_metrics_of_every_step_rounded(bench):
     recs = [{"step": 1, "reward": 0.123456789, "entropy": 2.0, "other": 5}, {"step": 2, "wall_s": 1.5}]
     t = bench.trace(recs)
     assert t["keys"] == list(bench.TRACE_KEYS) and len(t["rows"]) == 2
-    first = dict(zip(t["keys"], t["rows"][0]))
+    first = dict(zip(t["keys"], t["rows"][0], strict=True))
     assert first["step"] == 1 and first["reward"] == 0.1235 and first["entropy"] == 2.0 and first["wall_s"] is None
     assert "other" not in t["keys"]
     json.dumps(t)  # the result file is JSON
+
+
+def test_a_result_killed_while_being_written_keeps_the_last_whole_one(bench, tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    bench.write_json(path, {"seeds_done": 1})
+    real = Path.write_text
+
+    def killed(self, text, *a, **k):
+        real(self, text[: len(text) // 2])
+        raise KeyboardInterrupt  # the call's time limit, half-way through the write
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench.write_json(path, {"seeds_done": 2, "runs": list(range(100))})
+    monkeypatch.setattr(Path, "write_text", real)
+    assert json.loads(path.read_text()) == {"seeds_done": 1}
