@@ -106,6 +106,10 @@ if [[ $WHAT == *families* ]]; then
   timeout ${FAMILIES_S:-540} python3 benchmarks/train_families_bench.py --out "$RES" ${FAMILIES_ARGS:-} 2>&1 \
     | tee "$RES/families-bench.log" | tail -40 || status=1
 fi
+echo $status > "$RES/.status"  # (this block is a pipeline's subshell: its variables do not reach the exit below)
 } 2>&1 | tee "$OUT/run.log"
+status=$(cat "$RES/.status" 2>/dev/null || echo 1)
+rm -f "$RES/.status"
 tar -czf "$OUT/results.tgz" -C "$RES" .
+[[ $status == 0 ]] || echo "run_gpu_suite: a step failed (see run.log)" >&2
 exit $status
