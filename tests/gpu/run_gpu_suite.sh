@@ -11,7 +11,8 @@
 # Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (see ../shared/GPU.md), unpacked into /tmp/site.
 # Pass STATESHIFT_GIT_SHA=<the commit here> on the device: its copy of the tree may carry a stale .git.
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
-# megatron-core and torch_memory_saver travel as wheels in .whl/ (see ../shared/GPU.md), installed into .site/.
+# megatron-core, torch_memory_saver and zlib-ng travel as wheels in .whl/ (see ../shared/GPU.md), installed into
+# .site/: carry .whl on every call (stateshift imports zlib_ng; without it every step fails, and the script exits 1).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 RES=$PWD/.gpu-results
@@ -36,6 +37,8 @@ step() { echo "=== $* ($(date +%T))"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__)"
+python3 -c "import zlib_ng" 2>/dev/null \
+  || { echo "run_gpu_suite: zlib_ng (a dependency of stateshift) is not importable here: carry .whl"; status=1; }
 if [[ $WHAT == *tests* ]]; then
   step pytest
   python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" ${TESTS:-tests} --ignore=tests/core/test_state_machine.py \
