@@ -115,3 +115,23 @@ def test_grpo_advantages():
     assert torch.allclose(a[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (1 / 3) ** 0.5, atol=1e-4)  # unbiased std
     assert (a[1] == 0).all()
     assert torch.allclose(algo.grpo_advantages(r, norm_std=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_no_group_is_admitted_past_what_the_runs_steps_will_train():
+    """The last version generates nothing that no step trains, however the rollouter's timing falls (a sync run on
+    a loaded machine generated 2-4 groups of a version 2 that its 2 versions never trained)."""
+    q = SampleQueue(AsyncConfig(staleness_threshold=0, trigger_parameter_sync_step=2, max_lag=0), required=4, total=16)
+    for version in (0, 1):
+        q.admit(q.admissible(version, 100))
+        q.put([_group(i, version) for i in range(8)])
+        for _ in range(2):
+            q.trained(len(q.take(4, version)))
+        q.on_sync()
+    assert q.ledger.trained == 16 and q.admissible(2, 100) == 0
+    q.check()
+    late = SampleQueue(AsyncConfig(max_lag=0), required=4, total=8)  # a discarded group is generated again
+    late.admit(late.admissible(0, 100))
+    assert late.running == 8
+    late.put([_group(i, 0) for i in range(8)])
+    late.trained(len(late.take(4, 0)))
+    assert len(late.take(4, 1)) == 0 and late.admissible(1, 100) == 4

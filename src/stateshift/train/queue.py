@@ -85,9 +85,12 @@ class Ledger:
 class SampleQueue:
     """Bounded FIFO of finished groups with admission control and a ledger."""
 
-    def __init__(self, cfg: AsyncConfig, required: int) -> None:
+    def __init__(self, cfg: AsyncConfig, required: int, total: int | None = None) -> None:
         self.cfg = cfg
         self.required = required
+        #: groups the run trains in all (``required`` x its steps; ``None``: no end): none is admitted past what
+        #: that still needs, so the last version generates nothing no step will train, whatever the timing
+        self.total = total
         staleness = (
             0.0 if cfg.mode == "sync" else cfg.staleness_threshold
         )  # sync: each version generates its steps' worth
@@ -113,6 +116,8 @@ class SampleQueue:
             accepted = self.ledger.generated - sum(self.ledger.discarded.values())
             per_version = self.required * self.cfg.trigger_parameter_sync_step
             n = min(n, (eta + version + 1) * per_version - (accepted + self.running))
+        if self.total is not None:  # trained, taken, queued or in flight: each will be trained or is being
+            n = min(n, self.total - (self.ledger.trained + self.taken + len(self.items) + self.running))
         return max(n, 0)
 
     def admit(self, count: int) -> None:

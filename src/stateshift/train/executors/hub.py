@@ -43,10 +43,17 @@ class QueueHub:
     """Bounded queue, prompts, in-flight registry and orphans behind one condition variable."""
 
     def __init__(
-        self, cfg: AsyncConfig, required: int, task: Task, *, seed: int, cond: threading.Condition | None = None
+        self,
+        cfg: AsyncConfig,
+        required: int,
+        task: Task,
+        *,
+        seed: int,
+        cond: threading.Condition | None = None,
+        total: int | None = None,
     ) -> None:
         self.cond = cond if cond is not None else threading.Condition()
-        self.queue = SampleQueue(cfg, required)
+        self.queue = SampleQueue(cfg, required, total)
         self.task = task
         self.prompt_rng = random.Random(seed)
         self.next_uid = 0

@@ -221,7 +221,14 @@ class InProcessRollouts:
     ) -> None:
         self.control = control
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
-        self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
+        self.hub = QueueHub(
+            cfg.async_training,
+            required,
+            task,
+            seed=cfg.run.seed + 2,
+            cond=control.cond,
+            total=required * cfg.trainer.steps,
+        )
         self.worker = RolloutWorker.build(
             cfg,
             task,

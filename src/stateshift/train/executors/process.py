@@ -143,7 +143,14 @@ class ProcessRollouts:
     ) -> None:
         self.cfg, self.control, self.stream = cfg, control, stream or sys.stderr
         required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
-        self.hub = QueueHub(cfg.async_training, required, task, seed=cfg.run.seed + 2, cond=control.cond)
+        self.hub = QueueHub(
+            cfg.async_training,
+            required,
+            task,
+            seed=cfg.run.seed + 2,
+            cond=control.cond,
+            total=required * cfg.trainer.steps,
+        )
         if capture is not None:
             self.hub.restore(capture)
         self.device = rollout_device(cfg)

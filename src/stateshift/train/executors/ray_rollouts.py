@@ -77,7 +77,9 @@ class RayRollouts:
         hub_cls = actor_class(
             ray, HubActor, {"CPU": 0}, pg, TRAINER, max_concurrency=16, name=f"stateshift-queue-{os.getpid()}"
         )
-        self.hub = hub_cls.remote(cfg.async_training, required, task, seed=cfg.run.seed + 2)
+        self.hub = hub_cls.remote(
+            cfg.async_training, required, task, seed=cfg.run.seed + 2, total=required * cfg.trainer.steps
+        )
         if capture is not None:
             self._hub("restore", capture)
         #: the newest weights sent (an object reference) and their version: what a replacement is built with
