@@ -32,11 +32,24 @@ import threading
 from collections import deque
 from typing import Any
 
-from ..config import AsyncConfig
+from ..config import AsyncConfig, TrainConfig
 from ..queue import Ledger, SampleQueue
 from ..rollout import Group
 from ..tasks.base import Task, training_item
 from .base import SUMMED, RolloutCapture, RolloutStats, WorkerReport
+
+
+def hub_args(cfg: TrainConfig, task: Task) -> dict[str, Any]:
+    """``QueueHub``'s arguments for a run of ``cfg``, the same under every executor: the groups one trainer step
+    takes (``required``), the groups the whole run trains (``total``), the prompts' seed."""
+    required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
+    return {
+        "cfg": cfg.async_training,
+        "required": required,
+        "task": task,
+        "seed": cfg.run.seed + 2,
+        "total": required * cfg.trainer.steps,
+    }
 
 
 class QueueHub:

@@ -40,7 +40,7 @@ from ..rollout import Group, KVRollouter, Wave
 from ..sampler import CausalLM, Sampling
 from ..tasks.base import Task
 from .base import QueuePort, RolloutCapture, RolloutStats, SyncOutcome, WorkerReport, take_in_slices
-from .hub import QueueHub
+from .hub import QueueHub, hub_args
 
 __all__ = ["InProcessRollouts", "RolloutCapture", "RolloutWorker", "sampling_of"]
 
@@ -220,15 +220,7 @@ class InProcessRollouts:
         capture: RolloutCapture | None = None,
     ) -> None:
         self.control = control
-        required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
-        self.hub = QueueHub(
-            cfg.async_training,
-            required,
-            task,
-            seed=cfg.run.seed + 2,
-            cond=control.cond,
-            total=required * cfg.trainer.steps,
-        )
+        self.hub = QueueHub(**hub_args(cfg, task), cond=control.cond)
         self.worker = RolloutWorker.build(
             cfg,
             task,

@@ -63,7 +63,7 @@ from ..policies import Policy
 from ..rollout import Group
 from ..tasks.base import Task
 from .base import RolloutCapture, RolloutStats, SyncOutcome, rollout_seed, take_in_slices
-from .hub import QueueHub
+from .hub import QueueHub, hub_args
 from .link import Link
 from .process_child import ChildSpec, child_main
 from .weights import LibraryPublisher, make_publisher, rollout_device
@@ -142,15 +142,7 @@ class ProcessRollouts:
         stream: TextIO | None = None,
     ) -> None:
         self.cfg, self.control, self.stream = cfg, control, stream or sys.stderr
-        required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
-        self.hub = QueueHub(
-            cfg.async_training,
-            required,
-            task,
-            seed=cfg.run.seed + 2,
-            cond=control.cond,
-            total=required * cfg.trainer.steps,
-        )
+        self.hub = QueueHub(**hub_args(cfg, task), cond=control.cond)
         if capture is not None:
             self.hub.restore(capture)
         self.device = rollout_device(cfg)

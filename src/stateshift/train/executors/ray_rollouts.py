@@ -44,6 +44,7 @@ from ..policies import Policy
 from ..rollout import Group
 from ..tasks.base import Task
 from .base import RolloutCapture, RolloutStats, SyncOutcome, take_in_slices
+from .hub import hub_args
 from .placement import ROLLOUTER, TRAINER
 from .ray_actors import HubActor, RolloutActor
 from .ray_common import actor_class, cause_of, death_reason, wait_ready
@@ -73,13 +74,10 @@ class RayRollouts:
 
         use_wire_format()
         self.ray, self.cfg, self.control, self.stream, self.pg, self.specs = ray, cfg, control, stream, pg, specs
-        required = cfg.trainer.batch_prompts * cfg.async_training.require_batches
         hub_cls = actor_class(
             ray, HubActor, {"CPU": 0}, pg, TRAINER, max_concurrency=16, name=f"stateshift-queue-{os.getpid()}"
         )
-        self.hub = hub_cls.remote(
-            cfg.async_training, required, task, seed=cfg.run.seed + 2, total=required * cfg.trainer.steps
-        )
+        self.hub = hub_cls.remote(**hub_args(cfg, task))
         if capture is not None:
             self._hub("restore", capture)
         #: the newest weights sent (an object reference) and their version: what a replacement is built with
