@@ -15,8 +15,9 @@ The supervised warm-up runs once per seed, or once for all seeds with ``--one-wa
 only), and every arm of a seed starts RL from that same checkpoint (``warmup.steps=0`` with the warmed-up
 weights loaded into the built policy). The warm-up runs ``warmup.steps`` at most, in chunks of
 ``--warmup-every`` (500) with one optimizer, measuring held-out accuracy after each (out of its time);
-``--warmup-target`` stops it once that accuracy is reached (RL then starts part-way up the warm-up's rise). ``--warmup-file`` keeps the one warm-up in a file (read back with ``weights_only``), so
-that a second call (``--first-seed 3``) starts from the same weights; ``--combine`` merges the calls' files.
+``--warmup-target`` stops it once that accuracy is reached (RL then starts part-way up the warm-up's rise).
+``--warmup-file`` keeps the one warm-up in a file (read back with ``weights_only``), so that a second call
+(``--first-seed 3``) starts from the same weights; ``--combine`` merges the calls' files.
 
 Wall time counts from the start of RL; evaluation is out of band: every ``--snap-s`` seconds of RL the trainer's
 weights are copied to host (the copy's time is not counted), and the copies are evaluated on the held-out set
