@@ -7,6 +7,7 @@
 - provenance of a committed result: ``git_sha`` (the commit measured) and ``host_facts`` (the host's CPU
   and its Python speed), filled in by this module's ``BenchResult``;
 - plots: ``plot_ratios`` and ``write_plot`` (matplotlib, the ``bench`` extra), ``save`` (JSON and PNG);
+- result files written whole or not at all: ``write_whole``, ``write_json``;
 - the many-small-tensors probe: ``ManySmall`` and ``bench_small``.
 
 Result files follow ``docs/design/result-format.md``.
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,10 +156,23 @@ def plot_ratios(
     return True
 
 
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(part)`` into ``path.part``, then renamed over ``path``: whenever the writer is killed (a device
+    call's time limit), ``path`` holds the last whole file, never a half-written one."""
+    part = path.with_name(path.name + ".part")
+    write(part)
+    part.replace(path)
+
+
+def write_json(path: Path, result: Any) -> None:
+    """``result`` as indented JSON at ``path``, whole or not at all (``write_whole``)."""
+    write_whole(path, lambda part: part.write_text(json.dumps(result, indent=1)))
+
+
 def save(result: BenchResult, json_path: Path | None, plot_path: Path | None) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=1))
+        write_json(json_path, result.to_json())
     if plot_path is not None:
         write_plot(result, plot_path)
 

@@ -57,10 +57,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _p in (ROOT / "src", ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
+from _harness import git_sha, write_json, write_whole  # noqa: E402
 
 from stateshift.train import loop as loop_mod  # noqa: E402
 from stateshift.train.build import build_policy, build_task  # noqa: E402
@@ -205,9 +207,7 @@ def warm_start(
     weights, record = warm_weights(overrides, seed, target, every)
     record["made_with"] = {"overrides": overrides, "seed": seed, "target": target, "every": every}
     if path is not None:  # whole or absent: a call killed while writing leaves no half file to be read back
-        part = path.with_name(path.name + ".part")
-        torch.save({"weights": weights, "record": record}, part)
-        part.replace(path)
+        write_whole(path, lambda part: torch.save({"weights": weights, "record": record}, part))
     return weights, record
 
 
@@ -442,14 +442,6 @@ def summary(
     }
 
 
-def write_json(path: Path, result: dict[str, Any]) -> None:
-    """``result`` to ``path`` whole or not at all: written beside it (``.part``) and renamed over it, so a call killed
-    while writing (its time limit) keeps the seeds the last write had."""
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(result, indent=1))
-    part.replace(path)
-
-
 def combine(paths: list[Path], out: Path) -> None:
     """Merge result files of calls that ran some seeds each (the same settings) into one, named by the first."""
     parts = [json.loads(p.read_text()) for p in paths]
@@ -533,8 +525,6 @@ def main() -> None:
     arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     warm: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="longtail_bench_"))
-    from _harness import git_sha
-
     head = {
         "benchmark": "longtail_bench",
         "device": device,
@@ -576,7 +566,7 @@ def main() -> None:
                 f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}",
                 flush=True,
             )
-        # written after every seed: a run cut short keeps the seeds it finished
+        # written (whole) after every seed: a run cut short keeps the seeds it finished
         result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
         write_json(args.out / f"{name}.json", result)
     plot(result, args.out / f"{name}.png")

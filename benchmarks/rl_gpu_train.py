@@ -404,7 +404,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _harness import git_sha
+    from _harness import git_sha, write_json
 
     work = Path(tempfile.mkdtemp(prefix="rl-gpu-"))
     result: dict[str, Any] = {
@@ -456,7 +456,7 @@ def main() -> None:
                 flush=True,
             )
         result["comparison"] = comparison(result["runs"], args.threshold)
-        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))  # after each run: a kill keeps some
+        write_json(args.out / f"{args.name}.json", result)  # after each run, whole: a kill keeps some
         if result["runs"]:
             plot(result, args.out / f"{args.name}.png")  # (and its plot)
     print(table(result))

@@ -346,7 +346,9 @@ def combine(paths: list[Path], out: Path) -> dict[str, Any]:
     result["checks"] = checks(result["runs"], [f for f in FAMILIES if f in done], max(p["seeds"] for p in parts))
     result["all_checks_pass"] = result["checks"]["all_pass"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / paths[0].name).write_text(json.dumps(result, indent=1))
+    from _harness import write_json
+
+    write_json(out / paths[0].name, result)
     if result["runs"]:
         plot(result, (out / paths[0].name).with_suffix(".png"))
     return result
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(combine(args.combine, args.out)))
         return 0
     import torch
-    from _harness import git_sha
+    from _harness import git_sha, write_json
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.small else "cpu"
     slug = "cpu-small" if args.small else "h100" if "H100" in device else "h200" if "H200" in device else "gpu"
@@ -448,9 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].sort(key=lambda r: names.index(r["name"]))
             result["checks"] = checks(result["runs"], args.families, args.seeds)
             result["all_checks_pass"] = result["checks"]["all_pass"]
-            (args.out / f"{stem}.json").write_text(
-                json.dumps(result, indent=1)
-            )  # after every run: a cut keeps the rest
+            write_json(args.out / f"{stem}.json", result)  # after every run, whole: a cut keeps the rest
     if result["runs"]:
         plot(result, args.out / f"{stem}.png")
     print(table(result))
