@@ -25,6 +25,41 @@ PAGE = ROOT / "docs" / "results.md"
 VERB_COLUMNS = ("backend", "op", "residency", "case", "GB", "gbps", "ratio", "bound", "vs_loop", "note")
 #: Columns of a row of verl's functions against the drop-ins (``verl_bench.py``).
 VERL_COLUMNS = ("model", "impl", "mix", "mismatches", "computed", "final_equal", "pi_old_cycle_seconds", "error")
+#: Columns of a weight-sync row (``weight_sync_bench.py``): the fields the weight-sync issue asks for, then checks.
+SYNC_COLUMNS = (
+    "transport",
+    "family",
+    "residency",
+    "GB",
+    "publish_s",
+    "pause_s",
+    "receive_gbps",
+    "ratio",
+    "copy_ratio",
+    "vs_naive",
+    "vs_naive_ray",
+    "vs_loop",
+    "d2h_bytes",
+    "exact",
+)
+#: Columns of a run of ``stateshift train`` per executor (``train_executors_bench.py``).
+EXECUTOR_COLUMNS = (
+    "executor",
+    "weight_transport",
+    "family",
+    "size",
+    "model_params",
+    "steps",
+    "steps_per_s",
+    "samples_per_s",
+    "trainer_idle_ratio",
+    "rollout_idle_ratio",
+    "sync_s",
+    "pause_s",
+    "status",
+)
+#: The columns of a file's rows, by a key only that kind of row has (``VERB_COLUMNS`` otherwise).
+COLUMNS_BY_KEY = {"impl": VERL_COLUMNS, "transport": SYNC_COLUMNS, "executor": EXECUTOR_COLUMNS}
 #: Columns of one run or one seed of a training result (``rl_train_bench.py``, ``rl_gpu_train.py``,
 #: ``train_file_bench.py``), where the file has it.
 RUN_COLUMNS = (
@@ -70,7 +105,8 @@ def fmt(value: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> list[str]:
-    """A Markdown table of ``rows`` over the ``columns`` that at least one row has.
+    """A Markdown table of ``rows`` over the ``columns`` that at least one row has; when the rows have none of
+    them, over every scalar field of the rows, in the order they first appear (a table is never empty).
 
     Args:
         rows: the result file's rows.
@@ -81,6 +117,9 @@ def table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> list[str]:
     """
     rows = [{**r, "GB": r["bytes"] / 1e9} if isinstance(r.get("bytes"), (int, float)) else r for r in rows]
     cols = [c for c in columns if any(r.get(c) not in (None, "") for r in rows)]
+    if not cols:
+        scalar = (k for r in rows for k, v in r.items() if v is not None and not isinstance(v, (dict, list)))
+        cols = list(dict.fromkeys(scalar))
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return lines
@@ -153,7 +192,8 @@ def section(path: Path) -> list[str]:
         lines += ["comparison: " + ", ".join(f"`{k}` {'none' if v is None else fmt(v)}" for k, v in flat.items()), ""]
     rows = data.get("rows")
     if isinstance(rows, list) and rows and isinstance(rows[0], dict):
-        lines += table(rows, VERL_COLUMNS if "impl" in rows[0] else VERB_COLUMNS)
+        kind = next((k for k in COLUMNS_BY_KEY if k in rows[0]), None)
+        lines += table(rows, COLUMNS_BY_KEY[kind] if kind else VERB_COLUMNS)
     else:
         lines += scalars(data) + runs(data)
     return [line for i, line in enumerate(lines) if line or (i and lines[i - 1])] + [""]

@@ -68,3 +68,50 @@ def test_a_merged_result_lists_each_calls_command_and_its_comparison(tmp_path):
     text = page.render(tmp_path)
     assert "- `python3 a.py --seeds 2`\n- `python3 a.py --first-seed 2`\n" in text
     assert "comparison: `threshold` 0.4, `speedup_median` 0.5" in text
+
+
+def test_weight_sync_rows_show_the_issues_fields(tmp_path):
+    page = load_generator()
+    row = {
+        "transport": "cuda_ipc",
+        "family": "megatron",
+        "residency": "offloaded",
+        "bytes": 5_831_356_416,
+        "publish_s": 0.005,
+        "pause_s": 0.0045,
+        "receive_gbps": 1298.0,
+        "ratio": 0.867,
+        "vs_naive": 91.0,
+        "d2h_bytes": 0,
+    }
+    (tmp_path / "2030-01-01-h100-weight-sync-megatron.json").write_text(json.dumps({"rows": [row]}))
+    text = page.render(tmp_path)
+    header = next(line for line in text.splitlines() if line.startswith("| transport"))
+    for field in (
+        "family",
+        "residency",
+        "GB",
+        "publish_s",
+        "pause_s",
+        "receive_gbps",
+        "ratio",
+        "vs_naive",
+        "d2h_bytes",
+    ):
+        assert f" {field} " in header, field
+    assert "| cuda_ipc | megatron | offloaded | 5.83 |" in text
+
+
+def test_rows_of_an_unknown_kind_still_make_a_table(tmp_path):
+    page = load_generator()
+    rows = [{"probe": "cold", "kernel_ms": 1691.6, "nested": {"a": 1}}, {"probe": "warm", "misc": 2}]
+    (tmp_path / "2030-01-01-h100-something-new.json").write_text(json.dumps({"rows": rows}))
+    text = page.render(tmp_path)
+    assert "| probe | kernel_ms | misc |" in text
+    assert "| cold | 1692 |  |" in text
+    assert "\n|  |\n" not in text
+
+
+def test_no_committed_section_has_an_empty_table():
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert "|  |\n|\n" not in text
