@@ -73,6 +73,8 @@ from stateshift.core.pool import HostPool  # noqa: E402
 from stateshift.rl.sync import WeightPublisher, WeightReceiver  # noqa: E402
 
 REPLY_S = 600.0
+#: above this many bytes the ``ray.put`` baseline is timed once after its warm-up (each takes tens of seconds)
+RAY_NAIVE_ONE_ABOVE = 1 << 30
 
 
 # ------------------------------------------------------------------ the receiving process
@@ -259,7 +261,9 @@ def _user_state_dict(model: Any) -> dict[str, Any]:
 def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
     """What a Ray user would write: ``ray.put(model.state_dict())`` in the trainer, an actor (half a GPU)
     whose method receives it and copies it into preallocated tensors. Seconds from the put to the copy
-    done, one warm-up, then the median of two; ``None`` when Ray is not installed."""
+    done: one warm-up, then the median of two (of one above ``RAY_NAIVE_ONE_ABOVE`` bytes: about 20 s each
+    at 6 GB on an H100); ``None`` when Ray is not installed. Ray is shut down before it returns (it runs
+    after the family's cases, so that no case is timed beside a running Ray)."""
     try:
         import ray
     except ImportError:
@@ -290,18 +294,25 @@ def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
 
     sd = _user_state_dict(model)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    reps = (
+        2
+        if sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor)) > RAY_NAIVE_ONE_ABOVE
+        else 3
+    )
     del sd
     rx = NaiveReceiver.options(num_gpus=0.5 if cuda else 0).remote(specs, "cuda" if cuda else "cpu")
     times = []
     try:
-        for _ in range(3):
+        for i in range(reps):
             t0 = time.perf_counter()
             ref = ray.put(_user_state_dict(model))
             ray.get(rx.load.remote(ref), timeout=REPLY_S)
             times.append(time.perf_counter() - t0)
+            print(f"  ray.put naive {i + 1}/{reps}: {times[-1]:.2f}s", file=sys.stderr)
             del ref
     finally:
         ray.kill(rx)
+        ray.shutdown()
     return statistics.median(times[1:])
 
 
@@ -382,15 +393,19 @@ def bench_family(
     )
     transports = ("cuda_ipc", "shared_host") if device.type == "cuda" else ("shared_host",)
     out, version, naive = [], [0], 0.0
-    naive_ray = naive_ray_seconds(model, device) if args.ray_naive else None
     for residency in ("resident", "offloaded"):
         if residency == "offloaded":
             state.offload(groups)
         for transport in transports:
             r = run_case(state, transport, device, args, version, naive_of=model if not out else None)
             naive = r["naive_s"] if not out else naive
-            out.append(_row(family, residency, transport, r, naive, naive_ray, ceilings, device))
+            out.append(_row(family, residency, transport, r, naive, ceilings, device))
             print(json.dumps(out[-1]), file=sys.stderr)
+    if args.ray_naive:  # last: a running Ray must not share the GPU with the timed cases
+        state.onload(groups)
+        naive_ray = naive_ray_seconds(model, device)
+        for row in out:
+            row.update(_vs_ray(naive_ray, row["visible_s"] + row["pause_s"]))
     state.close()
     core_of(state).pool.trim()
     del state, model
@@ -406,7 +421,6 @@ def _row(
     transport: str,
     r: dict[str, Any],
     naive_s: float,
-    naive_ray_s: float | None,
     ceilings: dict[str, float],
     device: torch.device,
 ) -> dict[str, Any]:
@@ -442,13 +456,19 @@ def _row(
         "vs_loop": round(r["loop_pause_s"] / r["pause_s"], 2),
         "naive_s": round(naive_s, 4),
         "vs_naive": round(naive_s / ours, 2),
-        "naive_ray_s": None if naive_ray_s is None else round(naive_ray_s, 4),
-        "vs_naive_ray": None if naive_ray_s is None else round(naive_ray_s / ours, 2),
+        **_vs_ray(None, ours),
         "d2h_bytes": r["d2h_bytes"],
         "copied_bytes": r["copied_bytes"],
         "plans_built": r["plans_built"],
         "exact": r["exact"],
     }
+
+
+def _vs_ray(naive_ray_s: float | None, ours_s: float) -> dict[str, float | None]:
+    """A row's ``naive_ray_s`` and ``vs_naive_ray`` (``None`` without Ray or before it is timed)."""
+    if naive_ray_s is None:
+        return {"naive_ray_s": None, "vs_naive_ray": None}
+    return {"naive_ray_s": round(naive_ray_s, 4), "vs_naive_ray": round(naive_ray_s / ours_s, 2)}
 
 
 # ------------------------------------------------------------------ main
