@@ -294,11 +294,8 @@ def naive_ray_seconds(model: Any, device: torch.device) -> float | None:
 
     sd = _user_state_dict(model)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    reps = (
-        2
-        if sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor)) > RAY_NAIVE_ONE_ABOVE
-        else 3
-    )
+    nbytes = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+    reps = 2 if nbytes > RAY_NAIVE_ONE_ABOVE else 3
     del sd
     rx = NaiveReceiver.options(num_gpus=0.5 if cuda else 0).remote(specs, "cuda" if cuda else "cpu")
     times = []
