@@ -325,20 +325,38 @@ def run_one(
     return per_run(json.loads((run_dir / "result.json").read_text())), out[-600:]
 
 
+#: fields of a result file that belong to the call that wrote it (``combine`` keeps each call's in ``parts``; the
+#: top-level ``command`` joins them)
+PER_CALL = ("command", "stateshift", "steps", "budget_s", "jobs", "settings")
+
+
 def combine(paths: list[Path], out: Path) -> dict[str, Any]:
     """Result files of calls that ran different families (``--families``, to stay under a per-call time limit) as
     one: their runs and failures together, the checks recomputed over them, written to ``out`` under the first
     file's name (with its PNG).
 
     Args:
-        paths: result files of this script with the same settings and seeds.
+        paths: result files of this script with the same seeds (each call's ``PER_CALL`` fields are kept in
+            ``parts``; where the calls differ, the top-level field is ``None``).
         out: the directory to write the combined file to.
 
     Returns:
         The combined result.
+
+    Raises:
+        SystemExit: a run (family and seed) is in more than one file.
     """
     parts = [json.loads(p.read_text()) for p in paths]
     result = {**parts[0], "command": " + ".join(p["command"] for p in parts), "runs": [], "failures": {}}
+    result["parts"] = [
+        {"families": sorted({r["family"] for r in p["runs"]}), **{k: p.get(k) for k in PER_CALL}} for p in parts
+    ]
+    for k in PER_CALL[1:]:  # a field the calls disagree on is only in "parts", never one call's value for all
+        if len({json.dumps(p.get(k)) for p in parts}) > 1:
+            result[k] = None
+    names = [r["name"] for p in parts for r in p["runs"]] + [n for p in parts for n in p["failures"]]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise SystemExit(f"combine: {', '.join(twice)} in more than one file; drop one first")
     for p in parts:
         result["runs"] += p["runs"]
         result["failures"].update(p["failures"])

@@ -157,6 +157,36 @@ def test_combine_merges_two_calls_and_recomputes_the_checks(bench, tmp_path):
     )
 
 
+def test_combine_keeps_each_calls_steps_where_the_calls_differ(bench, tmp_path):
+    def part(name: str, family: str, steps: int) -> Path:
+        path = tmp_path / name / "2030-01-01-h100-train-families.json"
+        path.parent.mkdir()
+        runs = [{**_run(family, s, 0.2, 0.9), "steps": steps, "heldout_curve": []} for s in range(2)]
+        fields = {"command": f"call {name}", "seeds": 2, "steps": steps, "budget_s": 400.0, "jobs": 3}
+        path.write_text(json.dumps({**fields, "machine": "1x H100", "stateshift": name, "runs": runs, "failures": {}}))
+        return path
+
+    merged = bench.combine([part("a", "builtin", 3000), part("b", "hf", 2000)], tmp_path / "out")
+    assert merged["steps"] is None and merged["stateshift"] is None and merged["budget_s"] == 400.0
+    assert [(p["families"], p["steps"], p["stateshift"]) for p in merged["parts"]] == [
+        (["builtin"], 3000, "a"),
+        (["hf"], 2000, "b"),
+    ]
+
+
+def test_combine_refuses_a_run_two_calls_both_made(bench, tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        path = tmp_path / name / "2030-01-01-h100-train-families.json"
+        path.parent.mkdir()
+        runs = [{**_run("builtin", 0, 0.2, 0.9), "steps": 5, "heldout_curve": []}]
+        path.write_text(json.dumps({"machine": "1x H100", "command": name, "seeds": 1, "runs": runs, "failures": {}}))
+        paths.append(path)
+    with pytest.raises(SystemExit, match="builtin/s0"):
+        bench.combine(paths, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_table_prints_twice_the_spread_the_check_compares_with(bench):
     runs = [
         {**_run("builtin", s, 0.172, end), "steps": 2000, "wall_s": 250.0, "status": "finished"}
