@@ -175,6 +175,12 @@ def section(path: Path) -> list[str]:
     for key in ("machine", "torch", "stateshift"):
         if isinstance(data.get(key), str):
             facts.append(f"{'measured at' if key == 'stateshift' else key}: {fmt(data[key])}")
+    parts = data.get("parts")
+    if data.get("stateshift") is None and isinstance(parts, list):  # calls at other commits, merged
+        each = [p for p in parts if isinstance(p, dict) and isinstance(p.get("stateshift"), str)]
+        named = [f"{fmt(p['stateshift'])} ({', '.join(map(str, p.get('families') or []))})" for p in each]
+        if named:
+            facts.append("measured at: " + ", ".join(named))
     host = data.get("host")
     if isinstance(host, dict) and "cpu" in host:
         facts.append(f"host: {fmt(host['cpu'])}, python_us {fmt(host.get('python_us'))}")

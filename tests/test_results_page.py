@@ -70,6 +70,14 @@ def test_a_merged_result_lists_each_calls_command_and_its_comparison(tmp_path):
     assert "comparison: `threshold` 0.4, `speedup_median` 0.5" in text
 
 
+def test_a_result_combined_from_calls_at_other_commits_names_each(tmp_path):
+    page = load_generator()
+    parts = [{"families": ["builtin"], "stateshift": "1111111"}, {"families": ["fsdp2", "hf"], "stateshift": "2222222"}]
+    data = {"stateshift": None, "command": "a + b", "parts": parts, "runs": [{"name": "builtin/s0", "seed": 0}]}
+    (tmp_path / "2030-01-01-h100-train-families.json").write_text(json.dumps(data))
+    assert "measured at: 1111111 (builtin), 2222222 (fsdp2, hf)" in page.render(tmp_path)
+
+
 def test_weight_sync_rows_show_the_issues_fields(tmp_path):
     page = load_generator()
     row = {
