@@ -6,7 +6,7 @@ move between the caller's memory and the file without a private copy (``pwritev`
 map, copied ``SUB_BYTES`` at a time and hashed in the caller's memory while in the cache), in tasks of
 about ``CHUNK_BYTES`` on a thread pool, a tensor's crc32 combined from its pieces' (``zlib_ng``: the
 values of ``zlib.crc32``, about 7x faster). Untrusted input is bounded: ``MAX_HEADER_BYTES``, ``MAX_RANK``,
-``MAX_DIM``, ``open_regular``, ``bounded`` (docs/guide/checkpoints.md, "Untrusted checkpoints").
+``MAX_DIM``, ``open_regular``, ``errors.show`` (docs/guide/checkpoints.md, "Untrusted checkpoints").
 """
 
 from __future__ import annotations
@@ -84,21 +84,6 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def bounded(v: Any, limit: int = 60) -> str:
-    """``repr(v)`` for an error message, at most ``limit`` characters and cheap whatever ``v`` is: an integer
-    of more than 64 bits is described by its size (its digits would cost quadratic time, or raise past
-    4300 digits), a list or tuple of more than 8 values by its length."""
-    if type(v) is int and v.bit_length() > 64:
-        return f"<an integer of {v.bit_length()} bits>"
-    if isinstance(v, (list, tuple)):
-        if len(v) > 8:
-            return f"<a list of {len(v)} values>"
-        return ("[" + ", ".join(bounded(x, limit) for x in v) + "]")[:limit]
-    if isinstance(v, str) and len(v) > limit:
-        v = v[:limit]
-    return repr(v)[:limit] if isinstance(v, (str, int, float, bool, type(None))) else f"<a {type(v).__name__}>"
 
 
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:

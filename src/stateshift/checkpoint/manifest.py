@@ -31,14 +31,13 @@ from zlib_ng.zlib_ng import crc32
 
 from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
-from ..errors import CheckpointError, LayoutError
+from ..errors import CheckpointError, LayoutError, show
 from .format import (
     MAX_DIM,
     MAX_HEADER_BYTES,
     MAX_RANK,
     FileEntry,
     TensorEntry,
-    bounded,
     dtype_from_name,
     dtype_name,
     is_utf8,
@@ -373,18 +372,18 @@ def _invalid(v: Any, kind: str, at: str) -> Any:
             return None
     if kind in _TOPS:
         if type(v) is not list:
-            raise _Bad(f"{at} is not a list: {bounded(v)}")
+            raise _Bad(f"{at} is not a list: {show(v)}")
         if len(v) > MAX_RANK and kind != "ints":
             raise _TooLarge(f"{at} has {len(v)} dimensions (at most {MAX_RANK})")
         i, x = next((i, x) for i, x in enumerate(v) if type(x) is not int or not 0 <= x < _TOPS[kind])
-        raise _Bad(f"dimension {i} of {at} is {bounded(x)}, not an integer in [0, 2**{_TOPS[kind].bit_length() - 1})")
+        raise _Bad(f"dimension {i} of {at} is {show(x)}, not an integer in [0, 2**{_TOPS[kind].bit_length() - 1})")
     if kind in ("crc", "dtype"):
-        raise _Bad(f"{at} is not {'crc32:<8 hex digits>' if kind == 'crc' else 'a safetensors dtype'}: {bounded(v)}")
+        raise _Bad(f"{at} is not {'crc32:<8 hex digits>' if kind == 'crc' else 'a safetensors dtype'}: {show(v)}")
     if kind == "torch_dtype":
         try:
             dtype_of(v)
         except (KeyError, TypeError):
-            raise _Bad(f"{at} is not a torch dtype: {bounded(v)}") from None
+            raise _Bad(f"{at} is not a torch dtype: {show(v)}") from None
         return v
     if kind == "meta":
         return _meta(_invalid(v, "list", at), at)
@@ -399,7 +398,7 @@ def _invalid(v: Any, kind: str, at: str) -> Any:
     else:
         ok = isinstance(v, _TYPES.get(kind, ()))
     if not ok:
-        raise _Bad(f"{at} is not {'a non-negative' if kind == 'int' else 'a'} {kind}: {bounded(v)}")
+        raise _Bad(f"{at} is not {'a non-negative' if kind == 'int' else 'a'} {kind}: {show(v)}")
     return v
 
 
@@ -477,7 +476,7 @@ def _tensor(d: Any, where: str, size: int, name: str | None = None) -> TensorEnt
         (dtype, shape, offsets), crc = _fields(d, where, _TENSOR[1:4]), 0
     nbytes = math.prod(shape) * dtype.itemsize  # (bounded: at most MAX_RANK dimensions below MAX_DIM)
     if nbytes > size:
-        raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than the {size} bytes of its file")
+        raise _Bad(f"{where}: shape {show(list(shape))} holds more than the {size} bytes of its file")
     if len(offsets) != 2 or offsets[1] - offsets[0] != nbytes:
         raise _Bad(f"{where}.data_offsets do not hold {nbytes} bytes")
     return TensorEntry(name, dtype, shape, offsets[0], nbytes, crc)
@@ -515,13 +514,12 @@ def _slot(group: str, d: Any, stored: Mapping[str, TensorEntry], where: str) -> 
     t = stored.get(record)
     if t is None or (t.dtype, t.shape) != want or (typed and not info.covers_storage):
         raise _Bad(
-            f"{where}: its record {bounded(record)} is not stored in the group's file as {want[0]} "
-            f"{bounded(list(want[1]))}"
+            f"{where}: its record {show(record)} is not stored in the group's file as {want[0]} {show(list(want[1]))}"
         )
     if not typed:  # (a typed slot's one member covers it exactly)
         for k, m in enumerate(members):
             if (bad := _outside(m, info.nbytes)) is not None:
-                raise _Bad(f"{where}.members[{k}] ({bounded(m.name)}): {bad}")
+                raise _Bad(f"{where}.members[{k}] ({show(m.name)}): {bad}")
     return StoredSlot(info, record, typed)
 
 
@@ -572,11 +570,11 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
 def _dcp(tensors: Any) -> dict[str, DcpTensor]:
     out = {}
     for name, t in _valid(tensors, "dict", "manifest.dcp_tensors").items():
-        where = f"dcp_tensors[{bounded(name)}]"
+        where = f"dcp_tensors[{show(name)}]"
         _valid(name, "str", where)
         shape, dtype = _fields(t, where, (("shape", "shape"), ("dtype", "torch_dtype")))
         if math.prod(shape) * dtype_of(dtype).itemsize >= _MAX_INT:
-            raise _Bad(f"{where}: shape {bounded(list(shape))} holds more than 2**62 bytes")
+            raise _Bad(f"{where}: shape {show(list(shape))} holds more than 2**62 bytes")
         out[name] = DcpTensor(shape, dtype)
     return out
 
@@ -620,7 +618,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> tuple[TensorEntry, ..
             found.append(_tensor(ent, "the entry", file_size, name))
         except _Bad as e:
             raise CheckpointError(
-                "corrupt", f"bad header entry for tensor {bounded(name)}: {e}", path=path, tensor=name
+                "corrupt", f"bad header entry for tensor {show(name)}: {e}", path=path, tensor=name
             ) from None
     found.sort(key=lambda t: (t.start, t.nbytes))
     bad = _extent_error(found, len(raw), file_size)
