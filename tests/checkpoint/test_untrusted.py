@@ -436,3 +436,18 @@ def test_safetensors_header_with_a_million_dims_is_refused_in_under_a_second(ckp
 def test_raw_slot_member_outside_its_slot_is_refused_by_verify_inspect_and_load(ckpt, offset, capsys):
     _rewrite(ckpt, lambda d: _slot(d)["members"][1].update(offset=offset))
     assert "outside" in _refused_everywhere(ckpt, capsys) or offset == 2
+
+
+LONG = "x" * 100_000
+LONG_NAMES = {  # (every one of these printed the whole name: a 100 kB message)
+    "file name with a slash": lambda d: d["files"].update({"a/" + LONG: d["files"]["params.safetensors"]}),
+    "group's file not in files": lambda d: d["layout"]["ranks"][0]["groups"]["params"].update(file=LONG),
+    "group not in the ranks": lambda d: d["layout"].update(groups=[*d["layout"]["groups"], LONG]),
+    "extra's value not text": lambda d: d.update(extra={LONG: 1}),
+}
+
+
+@pytest.mark.parametrize("mutation", list(LONG_NAMES))
+def test_a_long_name_in_a_hostile_manifest_gives_a_short_message(ckpt, mutation, capsys):
+    _rewrite(ckpt, LONG_NAMES[mutation])
+    assert len(_refused_everywhere(ckpt, capsys)) < 2000

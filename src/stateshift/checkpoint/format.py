@@ -36,7 +36,7 @@ from zlib_ng.zlib_ng import (  # the values of zlib.crc32; crc32_combine(crc(a),
     crc32_combine,
 )
 
-from ..errors import CheckpointError, DiskError, LayoutError
+from ..errors import CheckpointError, DiskError, LayoutError, show
 
 CHUNK_BYTES = 16 << 20
 """Bytes per task: one positioned read or write and its crc32."""
@@ -510,7 +510,7 @@ def read_into(
         if crc != t.crc32:
             raise CheckpointError(
                 "corrupt",
-                f"checksum mismatch in tensor {t.name!r}: manifest says "
+                f"checksum mismatch in tensor {show(t.name)}: manifest says "
                 f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}",
                 path=path,
                 tensor=t.name,

@@ -464,7 +464,7 @@ def check_file_name(name: Any, where: str = "file name") -> str:
         or any(c in name for c in "/\\\0")
     )
     if bad:
-        raise _Bad(f"{where} {name!r} is not a plain file name inside the checkpoint")
+        raise _Bad(f"{where} {show(name)} is not a plain file name inside the checkpoint")
     return name
 
 
@@ -548,14 +548,14 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
         where = f"layout.ranks[{i}]"
         rank, stored = _fields(r, where, (("rank", "int"), ("groups", "dict")))
         if rank != i or sorted(stored) != sorted(groups):
-            raise _Bad(f"{where} is not rank {i} holding the groups {groups}")
+            raise _Bad(f"{where} is not rank {i} holding the groups {show(groups)}")
         decoded = {}
         for g in groups:
-            gw = f"{where}.groups.{g}"
+            gw = f"{where}.groups[{show(g)}]"
             fname, slots = _fields(stored[g], gw, (("file", "str"), ("slots", "list")))
             entry = files.get(fname)
             if entry is None or entry.header is None:
-                raise _Bad(f"{gw}.file {fname!r} is not a safetensors file of this checkpoint")
+                raise _Bad(f"{gw}.file {show(fname)} is not a safetensors file of this checkpoint")
             by_name = {t.name: t for t in entry.tensors}
             decoded[g] = StoredGroup(
                 fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots))
@@ -590,8 +590,8 @@ def _decode(d: Any) -> Manifest:
         raise _Bad("layout.world_size is 0")
     if kind not in (STATE_FORMAT, DCP_FORMAT):
         _meta(v["layout"], "layout")
-    v["files"] = {check_file_name(n, "files"): _file(n, f, f"files[{n!r}]") for n, f in v["files"].items()}
-    v["extra"] = {_valid(k, "str", "extra"): _valid(x, "str", f"extra[{k!r}]") for k, x in v["extra"].items()}
+    v["files"] = {check_file_name(n, "files"): _file(n, f, f"files[{show(n)}]") for n, f in v["files"].items()}
+    v["extra"] = {_valid(k, "str", "extra"): _valid(x, "str", f"extra[{show(k)}]") for k, x in v["extra"].items()}
     v["created_unix"] = float(v["created_unix"])
     v["dcp_tensors"] = _dcp(d.get("dcp_tensors")) if kind == DCP_FORMAT else {}
     return Manifest(**v)
@@ -633,7 +633,7 @@ def _extent_error(tensors: Sequence[TensorEntry], header_bytes: int, file_size: 
     pos = 0
     for t in tensors:
         if t.start != pos:
-            return f"tensor {t.name!r} starts at {t.start}, expected {pos} (gap or overlap)", t.name
+            return f"tensor {show(t.name)} starts at {t.start}, expected {pos} (gap or overlap)", t.name
         pos += t.nbytes
     if header_bytes + pos != file_size:
         what = "truncated" if header_bytes + pos > file_size else "trailing bytes"

@@ -25,7 +25,7 @@ import torch
 from ..core.engine import core_of
 from ..core.layout import Layout, dtype_of
 from ..core.snapshot import Snapshot, SnapshotPart
-from ..errors import CheckpointError, LayoutError, StateError
+from ..errors import CheckpointError, LayoutError, StateError, show
 from . import manifest as mf
 from .collective import Collective
 from .commit import make_parents
@@ -380,7 +380,7 @@ def _read(
         if g not in stored:
             raise LayoutError(
                 "checkpoint_mismatch",
-                f"group {g!r} is not in the checkpoint (it holds {', '.join(stored) or 'nothing'})",
+                f"group {g!r} is not in the checkpoint (it holds {show(list(stored))})",
                 tensor=f"(group {g})",
                 field="missing",
             )
