@@ -58,20 +58,16 @@ _SAFETENSORS_DTYPES = (  # safetensors name:torch attribute (those this torch la
     "I64:int64 U64:uint64 F64:float64 C64:complex64 F8_E4M3:float8_e4m3fn F8_E5M2:float8_e5m2 "
     "F8_E4M3FNUZ:float8_e4m3fnuz F8_E5M2FNUZ:float8_e5m2fnuz F8_E8M0:float8_e8m0fnu"
 )
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     n: getattr(torch, a) for n, _, a in (p.partition(":") for p in _SAFETENSORS_DTYPES.split()) if hasattr(torch, a)
 }
-_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
+"""Safetensors dtype name -> torch dtype (``"BF16"`` -> ``torch.bfloat16``); ``DTYPE_NAMES`` the other way."""
+DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The safetensors name of a dtype (``torch.bfloat16`` -> ``"BF16"``); ``KeyError`` if it has none."""
-    return _NAMES[dtype]
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The dtype of a safetensors name; ``KeyError`` if unknown."""
-    return _DTYPES[name]
+def crc_text(crc: int) -> str:
+    """A crc32 as a manifest writes it: ``crc32:<8 hex digits>``."""
+    return f"crc32:{crc:08x}"
 
 
 def is_utf8(text: str) -> bool:
@@ -153,7 +149,7 @@ class FileEntry:
 
     @property
     def checksum(self) -> str:
-        return f"crc32:{self.crc32:08x}"
+        return crc_text(self.crc32)
 
 
 @dataclass(frozen=True)
@@ -181,7 +177,7 @@ class Record:
             why = "invalid tensor name"
         elif not is_utf8(self.name):
             why = "tensor name is not valid UTF-8 text"
-        elif self.dtype not in _NAMES:
+        elif self.dtype not in DTYPE_NAMES:
             why = f"dtype {self.dtype} cannot be stored in safetensors"
         elif not all(type(d) is int and d >= 0 for d in self.shape):
             why = f"invalid shape {self.shape!r}"
@@ -423,7 +419,7 @@ def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
     for r in records:
-        header[r.name] = {"dtype": _NAMES[r.dtype], "shape": list(r.shape), "data_offsets": [pos, pos + r.nbytes]}
+        header[r.name] = {"dtype": DTYPE_NAMES[r.dtype], "shape": list(r.shape), "data_offsets": [pos, pos + r.nbytes]}
         pos += r.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % 8)
@@ -510,8 +506,8 @@ def read_into(
         if crc != t.crc32:
             raise CheckpointError(
                 "corrupt",
-                f"checksum mismatch in tensor {show(t.name)}: manifest says "
-                f"crc32:{t.crc32:08x}, data hashes to crc32:{crc:08x}",
+                f"checksum mismatch in tensor {show(t.name)}: manifest says {crc_text(t.crc32)}, data hashes to "
+                f"{crc_text(crc)}",
                 path=path,
                 tensor=t.name,
             )

@@ -33,13 +33,14 @@ from ..core.layout import Layout, dtype_of
 from ..core.slot import MemberInfo, SlotInfo
 from ..errors import CheckpointError, LayoutError, show
 from .format import (
+    DTYPE_NAMES,
+    DTYPES,
     MAX_DIM,
     MAX_HEADER_BYTES,
     MAX_RANK,
     FileEntry,
     TensorEntry,
-    dtype_from_name,
-    dtype_name,
+    crc_text,
     is_utf8,
     load_json,
     open_regular,
@@ -147,21 +148,17 @@ class Manifest:
         return out
 
 
-def _crc_text(crc: int) -> str:
-    return f"crc32:{crc:08x}"
-
-
 def _file_json(e: FileEntry) -> dict[str, Any]:
     d: dict[str, Any] = {"bytes": e.bytes, "checksum": e.checksum}
     if e.header is not None:
-        d["header"] = {"bytes": e.header[0], "checksum": _crc_text(e.header[1])}
+        d["header"] = {"bytes": e.header[0], "checksum": crc_text(e.header[1])}
         d["tensors"] = [
             {
                 "name": t.name,
-                "dtype": dtype_name(t.dtype),
+                "dtype": DTYPE_NAMES[t.dtype],
                 "shape": list(t.shape),
                 "data_offsets": [t.start, t.start + t.nbytes],
-                "checksum": _crc_text(t.crc32),
+                "checksum": crc_text(t.crc32),
             }
             for t in e.tensors
         ]
@@ -199,13 +196,10 @@ def make(
     )
 
 
-def _canonical(d: Mapping[str, Any]) -> bytes:
-    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
 def _seal_of(d: Mapping[str, Any]) -> str:
     """The crc32 of the canonical JSON of every field but ``seal``."""
-    return _crc_text(zlib.crc32(_canonical({k: v for k, v in d.items() if k != "seal"})))
+    rest = {k: v for k, v in d.items() if k != "seal"}
+    return crc_text(zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()))
 
 
 def seal(d: dict[str, Any]) -> dict[str, Any]:
@@ -221,51 +215,13 @@ def dumps(manifest: Manifest) -> bytes:
     return json.dumps(seal(manifest.to_json()), separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def is_typed(info: SlotInfo) -> bool:
-    """A slot is stored as a typed tensor when it is one plain tensor of a safetensors dtype; else raw bytes."""
-    if not info.covers_storage:
-        return False
-    try:
-        dtype_name(dtype_of(info.members[0].dtype))
-    except KeyError:
-        return False
-    return True
-
-
-def _meta_json(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return [_meta_json(v) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _meta_json(v) for k, v in x.items()}
-    if isinstance(x, float) and not math.isfinite(x):
-        raise _Bad(f"meta holds {x} (JSON has no such number)")
-    return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
-
-
-def _member_json(slot: str, m: MemberInfo) -> dict[str, Any]:
-    """A member as the manifest stores it, checked with the reader's own rules first (text that is not valid
-    UTF-8, meta nested too deeply or holding NaN): a save must never commit a manifest that no load accepts."""
-    try:
-        _valid(m.name, "str", "its name")
-        _valid(slot, "str", "its slot's name")
-    except _Bad as e:
-        raise LayoutError("checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name) from None
-    return {
-        "name": m.name,
-        "shape": list(m.shape),
-        "dtype": m.dtype,
-        "stride": list(m.stride),
-        "offset": m.offset,
-        "meta": _stored_meta(m)[0] if m.meta else [],
-    }
-
-
-def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...]]:
-    """The tensor a slot is stored as: its one member, typed, or its storage's raw bytes under its own name."""
-    if is_typed(info):
-        m = info.members[0]
-        return m.name, dtype_of(m.dtype), m.shape
-    return info.name, torch.uint8, (info.nbytes,)
+def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...], bool]:
+    """The tensor a slot is stored as, ``(name, dtype, shape, typed)``: typed, its one member under its own name
+    when it is one plain tensor of a safetensors dtype; else its storage's raw bytes (``U8``) under the slot's name."""
+    m = info.members[0]
+    if info.covers_storage and dtype_of(m.dtype) in DTYPE_NAMES:
+        return m.name, dtype_of(m.dtype), m.shape, True
+    return info.name, torch.uint8, (info.nbytes,), False
 
 
 @without_gc
@@ -275,15 +231,20 @@ def rank_json(rank: int, groups: Mapping[str, tuple[str, Layout]]) -> dict[str, 
     for group, (fname, layout) in groups.items():
         slots = []
         for info in layout.slots:
-            members = [_member_json(info.name, m) for m in info.members]
-            slots.append(
+            record, _, _, typed = stored_as(info)
+            members = [
                 {
-                    "slot": info.name,
-                    "nbytes": info.nbytes,
-                    "record": stored_as(info)[0],
-                    "typed": is_typed(info),
-                    "members": members,
+                    "name": m.name,
+                    "shape": list(m.shape),
+                    "dtype": m.dtype,
+                    "stride": list(m.stride),
+                    "offset": m.offset,
+                    "meta": _storable(m, info.name)[0],
                 }
+                for m in info.members
+            ]
+            slots.append(
+                {"slot": info.name, "nbytes": info.nbytes, "record": record, "typed": typed, "members": members}
             )
         out[group] = {"file": fname, "slots": slots}
     return {"rank": rank, "groups": out}
@@ -299,23 +260,38 @@ def as_stored(layout: Layout) -> Layout:
                 s.name,
                 s.group,
                 s.nbytes,
-                tuple(MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _stored_meta(m)[1]) for m in s.members),
+                tuple(MemberInfo(m.name, m.shape, m.dtype, m.stride, m.offset, _storable(m)[1]) for m in s.members),
             )
             for s in layout.slots
         )
     )
 
 
-def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
-    """A member's meta as a manifest stores it (JSON) and as a load gives it back, checked with the reader's
-    own rules; ``LayoutError("checkpoint_mismatch")`` if no checkpoint can hold it (NaN, text that is not UTF-8, too deep)."""
+def _storable(m: MemberInfo, slot: str = "") -> tuple[Any, Any]:
+    """``m``'s meta as a manifest stores it (JSON) and as a load gives it back, its names and meta checked with the
+    reader's own rules first (text that is not UTF-8, meta nested too deeply or holding NaN): a save must never
+    commit a manifest that no load accepts. ``LayoutError("checkpoint_mismatch")`` if no checkpoint can hold it."""
+    field = None
     try:
-        stored = _meta_json(m.meta)
+        _valid(m.name, "str", "its name")
+        _valid(slot, "str", "its slot's name")
+        field = "meta"
+        stored = _meta_json(m.meta or ())
         return stored, _meta(stored, "its meta")
     except _Bad as e:
         raise LayoutError(
-            "checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name, field="meta"
+            "checkpoint_mismatch", f"cannot be stored in a checkpoint: {e}", tensor=m.name, field=field
         ) from None
+
+
+def _meta_json(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_meta_json(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _meta_json(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        raise _Bad(f"meta holds {x} (JSON has no such number)")
+    return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
 
 
 # --------------------------------------------------------------------------- reading: one validator
@@ -323,6 +299,7 @@ def _stored_meta(m: MemberInfo) -> tuple[Any, Any]:
 _INT_ONLY, _HEX, _ABSENT = {int}, frozenset("0123456789abcdef"), object()
 _TOPS = {"shape": MAX_DIM, "stride": _MAX_INT, "ints": _MAX_INT}
 _TYPES = {"bool": bool, "list": list, "dict": dict}
+_LOWEST = {"int": 0, "signed": 1 - _MAX_INT, "number": 1 - _MAX_INT}  # (a huge int would overflow float())
 
 
 def _all_ints(v: list[Any], top: int) -> bool:
@@ -333,73 +310,60 @@ def _all_ints(v: list[Any], top: int) -> bool:
 def _valid(v: Any, kind: str, where: str, key: str = "") -> Any:
     """The one validator of the schema: ``v`` as a value of ``kind``, normalised (shapes as tuples, a checksum as
     its int, a safetensors dtype name as its ``torch.dtype``, meta as tuples), or ``_Bad`` naming the field
-    (``where.key``). The valid common case returns without building the field's path."""
+    (``where.key``, built only then). A ``kind`` ending in ``?`` may also be null or absent."""
+    if kind[-1] == "?":
+        if v is None or v is _ABSENT:
+            return None
+        kind = kind[:-1]
     if kind == "str":
-        if type(v) is str and v.isascii():
-            return v
-    elif kind == "int":
-        if type(v) is int and 0 <= v < _MAX_INT:
-            return v
+        ok = type(v) is str and (v.isascii() or is_utf8(v))
+    elif kind in _LOWEST:
+        ok = (type(v) is int and _LOWEST[kind] <= v < _MAX_INT) or (kind == "number" and type(v) is float)
+    elif kind in _TYPES:
+        ok = type(v) is _TYPES[kind]
     elif kind in _TOPS:
         if type(v) is list and (len(v) <= MAX_RANK or kind == "ints") and _all_ints(v, _TOPS[kind]):
             return tuple(v)
+        ok = False
     elif kind == "crc":
         if type(v) is str and len(v) == 14 and v.startswith("crc32:") and _HEX.issuperset(v[6:]):
             return int(v[6:], 16)
-    elif kind in ("dtype", "torch_dtype"):
+        ok = False
+    elif kind == "dtype":
+        if type(v) is str and v in DTYPES:
+            return DTYPES[v]
+        ok = False
+    elif kind == "torch_dtype":  # (a member keeps its torch dtype's name)
         try:
-            dtype = dtype_from_name(v) if kind == "dtype" else dtype_of(v)
-            return dtype if kind == "dtype" else v  # (a member keeps its torch dtype's name)
-        except (KeyError, TypeError):
-            pass
-    elif kind in _TYPES:
-        if type(v) is _TYPES[kind]:
-            return v
-    elif kind == "meta" and v == []:
-        return ()
-    return _invalid(v, kind, f"{where}.{key}" if key else where)
+            ok = type(v) is str and dtype_of(v) is not None
+        except KeyError:
+            ok = False
+    else:  # meta
+        if type(v) is list:
+            return _meta(v, f"{where}.{key}" if key else where) if v else ()
+        ok = False
+    if ok:
+        return v
+    raise _refusal(v, kind, f"{where}.{key}" if key else where)
 
 
-def _invalid(v: Any, kind: str, at: str) -> Any:
-    """``_valid`` past its common cases: the value normalised, or ``_Bad`` saying what is wrong with it."""
+def _refusal(v: Any, kind: str, at: str) -> _Bad:
+    """What is wrong with ``v``, which ``_valid`` refused as a ``kind`` at ``at``."""
     if v is _ABSENT:
-        if kind[-1] == "?":
-            return None
-        raise _Bad(f"{at} is missing")
-    if kind[-1] == "?":
-        kind = kind[:-1]
-        if v is None:
-            return None
-    if kind in _TOPS:
-        if type(v) is not list:
-            raise _Bad(f"{at} is not a list: {show(v)}")
+        return _Bad(f"{at} is missing")
+    if kind in _TOPS and type(v) is list:
         if len(v) > MAX_RANK and kind != "ints":
-            raise _TooLarge(f"{at} has {len(v)} dimensions (at most {MAX_RANK})")
+            return _TooLarge(f"{at} has {len(v)} dimensions (at most {MAX_RANK})")
         i, x = next((i, x) for i, x in enumerate(v) if type(x) is not int or not 0 <= x < _TOPS[kind])
-        raise _Bad(f"dimension {i} of {at} is {show(x)}, not an integer in [0, 2**{_TOPS[kind].bit_length() - 1})")
-    if kind in ("crc", "dtype"):
-        raise _Bad(f"{at} is not {'crc32:<8 hex digits>' if kind == 'crc' else 'a safetensors dtype'}: {show(v)}")
-    if kind == "torch_dtype":
-        try:
-            dtype_of(v)
-        except (KeyError, TypeError):
-            raise _Bad(f"{at} is not a torch dtype: {show(v)}") from None
-        return v
-    if kind == "meta":
-        return _meta(_invalid(v, "list", at), at)
-    if kind == "str" and isinstance(v, str):
-        if not is_utf8(v):
-            raise _Bad(f"{at} is not valid UTF-8 text")
-        return v
-    if kind == "signed":
-        ok = type(v) is int and -_MAX_INT < v < _MAX_INT
-    elif kind == "number":
-        ok = type(v) is float or (type(v) is int and -_MAX_INT < v < _MAX_INT)  # (a huge int overflows float())
-    else:
-        ok = isinstance(v, _TYPES.get(kind, ()))
-    if not ok:
-        raise _Bad(f"{at} is not {'a non-negative' if kind == 'int' else 'a'} {kind}: {show(v)}")
-    return v
+        return _Bad(f"dimension {i} of {at} is {show(x)}, not an integer in [0, 2**{_TOPS[kind].bit_length() - 1})")
+    what = {
+        "str": "valid UTF-8 text" if isinstance(v, str) else "a str",
+        "int": "a non-negative int",
+        "crc": "crc32:<8 hex digits>",
+        "dtype": "a safetensors dtype",
+        "torch_dtype": "a torch dtype",
+    }.get(kind, "a list" if kind in _TOPS or kind == "meta" else f"a {kind}")
+    return _Bad(f"{at} is not {what}: {show(v)}")
 
 
 Spec = tuple[tuple[str, str], ...]
@@ -426,16 +390,7 @@ def _fields(d: Any, where: str, spec: Spec) -> list[Any]:
     """The values of the object ``d`` (``where`` names it) that ``spec`` lists, each through ``_valid``."""
     if type(d) is not dict:
         raise _Bad(f"{where} is not an object")
-    out = []
-    for key, kind in spec:  # (str and int fields inline: the bulk of a manifest of many tensors)
-        v = d.get(key, _ABSENT)
-        if (kind == "str" and type(v) is str and v.isascii()) or (
-            kind == "int" and type(v) is int and 0 <= v < _MAX_INT
-        ):
-            out.append(v)
-        else:
-            out.append(_valid(v, kind, where, key))
-    return out
+    return [_valid(d.get(key, _ABSENT), kind, where, key) for key, kind in spec]
 
 
 def _meta(v: Any, where: str, depth: int = 0) -> Any:

@@ -82,7 +82,7 @@ def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Stag
             shard = "" if comm.world == 1 else f".rank{comm.rank}-of-{comm.world}"
             fname = f"{part.group}{shard}.safetensors"
             files[fname] = [
-                Record(*mf.stored_as(info), region)
+                Record(*mf.stored_as(info)[:3], region)
                 for info, region in zip(part.layout.slots, part.regions(), strict=True)
             ]
             groups[part.group] = (fname, part.layout)
