@@ -1,4 +1,4 @@
-"""Committing a checkpoint: a fresh locked temporary directory, fsync, rename, and ``latest`` written last.
+"""Committing a checkpoint: a fresh locked temporary directory, fsync, the manifest, rename, ``latest`` last.
 
 A save never writes into an existing checkpoint; a crash or a full disk at any point leaves no ``<name>`` or
 the complete one, and writers racing to one path are told apart by an ``flock`` on each temporary name
@@ -14,14 +14,15 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, DiskError
+from ..errors import CheckpointError, DiskError, LayoutError
+from . import manifest as mf
 from .collective import Collective
-from .format import open_regular, write_all
+from .format import FileEntry, open_regular, write_all
 from .manifest import MANIFEST_NAME
 
 LATEST = "latest"
@@ -287,25 +288,43 @@ def step(final: Path, doing: str, nbytes: int, fn: Callable[[], Any]) -> Any:
         raise write_error(final, e, doing, nbytes) from e
 
 
+def _manifest(reports: list[dict[str, Any]], layout: Mapping[str, Any], per_rank: bool, fields: Any) -> mf.Manifest:
+    """Rank 0's manifest: every rank's files (no name written by two), ``layout`` (with ``world_size`` and every
+    rank's own layout when ``per_rank``) and the manifest's other ``fields``."""
+    files: dict[str, FileEntry] = {}
+    for rank, report in enumerate(reports):
+        for name, entry in report["files"].items():
+            if name in files:
+                raise LayoutError(
+                    "checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)", tensor=name
+                )
+            files[name] = entry
+    full = dict(layout)
+    if per_rank:
+        full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
+    return mf.make(layout=full, files=files, **fields)
+
+
 def commit(
     final: Path,
     comm: Collective,
-    write: Callable[[Path], Any],
-    manifest: Callable[[list[Any]], bytes],
+    write: Callable[[Path], dict[str, Any]],
     *,
+    layout: Mapping[str, Any],
+    per_rank: bool,
     nbytes: int = 0,
     update_latest: bool = False,
-) -> bytes:
-    """Write a new checkpoint at ``final`` on every rank of ``comm`` (see the module doc); returns the manifest bytes.
+    **fields: Any,
+) -> mf.Manifest:
+    """Write a new checkpoint at ``final`` on every rank of ``comm`` (see the module doc); returns its manifest.
 
-    ``write(tmp)`` writes this rank's files into the temporary directory and returns a picklable
-    report; ``manifest(reports)`` (rank 0 only, every rank's report in rank order) returns the
-    manifest's bytes. ``nbytes``: what this rank writes (checked against the free space first).
-    Any failure raises on every rank (``CheckpointError("write")`` naming the failing rank on the
-    others), after the temporary directory was removed.
-    """
+    ``write(tmp)`` writes this rank's files into the temporary directory and returns its picklable report,
+    ``{"files": {name: FileEntry}, "layout": this rank's layout}``; rank 0 then writes the manifest (``_manifest``).
+    ``nbytes``: what this rank writes (checked against the free space first). Any failure raises on every rank
+    (``CheckpointError("write")`` naming the failing rank on the others), after the temporary directory was removed."""
     tmp: list[Path] = []
     lock: list[int] = []  # rank 0: the descriptor holding the temporary directory's lock
+    built: list[mf.Manifest] = []
 
     def failed(rank: int, text: str) -> BaseException:
         return CheckpointError("write", f"rank {rank} failed ({text})", path=final)
@@ -328,7 +347,8 @@ def commit(
     def install() -> bytes | None:
         if comm.rank != 0:
             return None
-        data = manifest(reports)
+        built.append(_manifest(reports, layout, per_rank, fields))
+        data = mf.dumps(built[0])
         # the manifest (which fsyncs tmp: every entry of it is durable), then the rename, each made durable
         step(final, f"writing '{MANIFEST_NAME}'", nbytes, lambda: write_durable(tmp[0] / MANIFEST_NAME, data))
         step(final, "renaming the checkpoint into place", nbytes, lambda: _rename(tmp[0], final))
@@ -339,7 +359,9 @@ def commit(
     try:
         tmp.append(Path(comm.run(begin, what="preparing", error=failed)[0]))
         reports = comm.run(write_mine, what="writing its files", error=failed, cleanup=cleanup)
-        return comm.run(install, what="installing the checkpoint", error=failed, cleanup=cleanup)[0]
+        data = comm.run(install, what="installing the checkpoint", error=failed, cleanup=cleanup)[0]
     finally:
         for fd in lock:  # (after the rename or the removal: the temporary name is gone)
             os.close(fd)
+    # rank 0 built it (and wrote exactly its bytes): not decoded again; the other ranks decode what it sent
+    return built[0] if built else mf.loads(data, str(final / MANIFEST_NAME))

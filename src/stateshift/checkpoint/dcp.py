@@ -20,8 +20,8 @@ import torch
 from ..errors import CheckpointError, LayoutError
 from . import manifest as mf
 from .collective import Collective
-from .commit import make_parents, os_failure, write_error
-from .directory import Checkpoint, check_args, commit_checkpoint
+from .commit import commit, make_parents, os_failure, write_error
+from .directory import Checkpoint, check_args
 from .format import FileEntry, file_crc32, open_regular
 
 
@@ -157,7 +157,7 @@ def save_dcp(
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not comm.on)
         return {"files": _hash_share(tmp, comm)}
 
-    return commit_checkpoint(
+    return commit(
         final,
         comm,
         write,

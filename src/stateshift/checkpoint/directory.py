@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -211,43 +211,6 @@ def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[
     return out
 
 
-def commit_checkpoint(
-    final: Path,
-    comm: Collective,
-    write: Callable[[Path], dict[str, Any]],
-    *,
-    layout: Mapping[str, Any],
-    per_rank: bool,
-    nbytes: int = 0,
-    update_latest: bool = False,
-    **fields: Any,
-) -> mf.Manifest:
-    """``commit.commit``, rank 0 assembling the manifest from every rank's report (``{"files": ..., "layout": ...}``,
-    returned by ``write``): ``layout``, with ``world_size`` and every rank's own layout when ``per_rank``, and the
-    manifest's other ``fields``. Returns the manifest on every rank."""
-
-    built: list[mf.Manifest] = []
-
-    def build(reports: list[dict[str, Any]]) -> bytes:
-        files: dict[str, FileEntry] = {}
-        for rank, report in enumerate(reports):
-            for name, entry in report["files"].items():
-                if name in files:
-                    raise LayoutError(
-                        "checkpoint_mismatch", f"file written by two ranks (rank {rank} and another)", tensor=name
-                    )
-                files[name] = entry
-        full = dict(layout)
-        if per_rank:
-            full.update(world_size=len(reports), ranks=[r["layout"] for r in reports])
-        built.append(mf.make(layout=full, files=files, **fields))
-        return mf.dumps(built[0])
-
-    data = commit(final, comm, write, build, nbytes=nbytes, update_latest=update_latest)
-    # rank 0 built it (and wrote exactly its bytes): not decoded again; the other ranks decode what it sent
-    return built[0] if built else mf.loads(data, str(final / mf.MANIFEST_NAME))
-
-
 def write_checkpoint(
     path: str | os.PathLike[str],
     files: Mapping[str, Iterable[Record]],
@@ -288,7 +251,7 @@ def write_checkpoint(
                 step(final, f"syncing '{fname}'", nbytes, done.result)
         return {"files": entries, "layout": rank_layout}
 
-    return commit_checkpoint(
+    return commit(
         final,
         comm,
         write,
