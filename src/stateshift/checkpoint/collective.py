@@ -1,6 +1,6 @@
 """The one "all ranks agree" step of every collective checkpoint operation.
 
-Each operation is local steps separated by ``Collective.agree``: if any rank failed, every rank raises,
+Each operation is local steps separated by ``Collective.run``: if any rank failed, every rank raises,
 so no rank installs a checkpoint or changes its model alone. A background writer talks over a gloo
 group of the same ranks (``for_writer_thread``): an NCCL communicator must not be used from two threads.
 """
@@ -41,34 +41,34 @@ class Collective:
         dist = _dist()
         return None if dist is None else dist.get_world_size(group)
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order."""
-        if not self.on:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        _dist().all_gather_object(out, obj, group=self.group)
-        return out
-
-    def agree(
+    def run(
         self,
-        mine: BaseException | None,
-        payload: Any = None,
+        fn: Callable[[], Any],
         *,
         what: str,
+        share: bool = True,
         error: ErrorFn | None = None,
         cleanup: Callable[[], None] | None = None,
-    ) -> list[Any]:
-        """Every rank's ``payload`` once all succeeded; otherwise ``cleanup()`` then raise on every rank.
+    ) -> Any:
+        """``fn()`` on this rank, then every rank learns every rank's outcome (``all_gather_object``).
 
-        ``mine``: this rank's error (or ``None``). A rank that failed re-raises it; the others raise
-        ``error(rank, text)`` for the first failing rank (default: ``CheckpointError`` saying it
+        Once all succeeded, returns every rank's result in rank order (``share``: they must be picklable), or
+        this rank's alone. Otherwise ``cleanup()``, then every rank raises: a rank that failed its own error, the
+        others ``error(rank, text)`` for the first failing rank (default: ``CheckpointError("failed")`` saying it
         failed while ``what``).
         """
-        text = None if mine is None else f"{type(mine).__name__}: {mine}"
-        reports = self.gather((text, None if mine is not None else payload))
-        failed = [(rank, t) for rank, (t, _) in enumerate(reports) if t is not None]
+        try:
+            result, mine = fn(), None
+        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+            result, mine = None, e
+        report = (None, result if share else None) if mine is None else (f"{type(mine).__name__}: {mine}", None)
+        reports: list[Any] = [report]
+        if self.on:
+            reports = [None] * self.world
+            _dist().all_gather_object(reports, report, group=self.group)
+        failed = [(rank, text) for rank, (text, _) in enumerate(reports) if text is not None]
         if not failed:
-            return [p for _, p in reports]
+            return [r for _, r in reports] if share else result
         if cleanup is not None:
             cleanup()
         if mine is not None:
@@ -79,24 +79,6 @@ class Collective:
             if error is not None
             else CheckpointError("failed", f"rank {rank} failed while {what}: {text}")
         )
-
-    def run(
-        self,
-        fn: Callable[[], Any],
-        *,
-        what: str,
-        share: bool = True,
-        error: ErrorFn | None = None,
-        cleanup: Callable[[], None] | None = None,
-    ) -> Any:
-        """``fn()`` on this rank, then ``agree`` on its outcome. Returns every rank's result
-        (``share``: they must be picklable) or this rank's alone."""
-        try:
-            result, mine = fn(), None
-        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
-            result, mine = None, e
-        shared = self.agree(mine, result if share else None, what=what, error=error, cleanup=cleanup)
-        return shared if share else result
 
     def for_writer_thread(self) -> Collective:
         """The same ranks over a gloo group a background thread may use (collective on first use)."""
