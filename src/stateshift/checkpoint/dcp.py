@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,22 +49,10 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _os_error_in(e: BaseException) -> OSError | None:
-    """The OS error behind what DCP raised: itself, or the first one its ``CheckpointException`` carries
-    (DCP gathers every rank's failure into one; it is a ``BaseException``, not an ``Exception``)."""
-    if isinstance(e, OSError):
-        return e
-    for failure in getattr(e, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, OSError):
-            return inner
-    return None
-
-
 @contextmanager
-def _calling_dcp(failure: Callable[[BaseException], BaseException]) -> Iterator[None]:
+def _calling_dcp(path: Path, reading: bool) -> Iterator[None]:
     """DCP called inside: its "torch.distributed is disabled" warning silenced (one process, as intended), and an
-    error it raises, its ``CheckpointException`` included (a ``BaseException``), raised as ``failure(e)``."""
+    error it raises, its ``CheckpointException`` included (a ``BaseException``), raised as ``_failure``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -72,7 +60,28 @@ def _calling_dcp(failure: Callable[[BaseException], BaseException]) -> Iterator[
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             yield
     except (Exception, CheckpointException) as e:
-        raise failure(e) from e
+        raise _failure(e, path, reading) from e
+
+
+def _failure(e: BaseException, path: Path, reading: bool) -> CheckpointError:
+    """What ``load_dcp`` (``reading``: the values are put back) or ``save_dcp`` raises for what DCP raised. An OS
+    error behind it (itself, or the first of the ranks' failures its ``CheckpointException`` gathers) is a
+    ``"read"`` / ``"write"`` error naming the file; anything else ``"failed"`` / ``"write"``."""
+    inner = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    os_error = next((x for x in (e, *inner) if isinstance(x, OSError)), None)
+    name = os.path.basename(os_error.filename) if os_error is not None and os_error.filename else ""
+    unchanged = "; the model and optimizer are unchanged"
+    if os_error is not None and reading:
+        return os_failure("read", os_error, "torch.distributed.checkpoint read it", unchanged, path / name)
+    if os_error is not None:
+        return write_error(
+            path, os_error, "writing with torch.distributed.checkpoint" + (f" ('{name}')" if name else "")
+        )
+    if reading:
+        what = f"torch.distributed.checkpoint failed loading '{path}' ({type(e).__name__}: {e}){unchanged}"
+        return CheckpointError("failed", what)
+    what = f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created"
+    return CheckpointError("write", what, path=path)
 
 
 def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,29 +99,6 @@ def _put_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for live, saved in copies:
             live.copy_(saved)
-
-
-def _read_failure(root: Path, e: BaseException) -> CheckpointError:
-    """What ``load_dcp`` raises for what DCP raised while reading (the values already put back)."""
-    unchanged = "; the model and optimizer are unchanged"
-    os_error = _os_error_in(e)
-    if os_error is not None:
-        where = root / os.path.basename(os_error.filename) if os_error.filename else root
-        return os_failure("read", os_error, "torch.distributed.checkpoint read it", unchanged, where)
-    return CheckpointError(
-        "failed", f"torch.distributed.checkpoint failed loading '{root}' ({type(e).__name__}: {e}){unchanged}"
-    )
-
-
-def _write_failure(final: Path, e: BaseException) -> CheckpointError:
-    """What ``save_dcp`` raises for what DCP raised while writing (on any rank)."""
-    os_error = _os_error_in(e)
-    if os_error is not None:
-        name = f" ('{os.path.basename(os_error.filename)}')" if os_error.filename else ""
-        return write_error(final, os_error, f"writing with torch.distributed.checkpoint{name}")
-    return CheckpointError(
-        "write", f"torch.distributed.checkpoint failed ({type(e).__name__}: {e}); no checkpoint was created", path=final
-    )
 
 
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
@@ -152,7 +138,7 @@ def save_dcp(
     tensors = {k: mf.DcpTensor(tuple(t.shape), _dtype(t)) for k, t in _tensors(state_dict).items()}
 
     def write(tmp: Path) -> dict[str, Any]:
-        with _calling_dcp(lambda e: _write_failure(final, e)):
+        with _calling_dcp(final, reading=False):
             writer = dcp.FileSystemWriter(tmp, sync_files=True)
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not comm.on)
         return {"files": _hash_share(tmp, comm)}
@@ -255,7 +241,7 @@ def load_dcp(
     comm.run(lambda: _check_all(ckpt, state_dict, cast, trusted, comm), share=False, what=f"checking '{ckpt.path}'")
     copies = _local_copies(state_dict)  # DCP reads into the live tensors: what to put back if it fails part-way
     try:
-        with _calling_dcp(lambda e: _read_failure(ckpt.path, e)):
+        with _calling_dcp(ckpt.path, reading=True):
             dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
     except BaseException:
         _put_back(copies)
