@@ -39,14 +39,13 @@ if TYPE_CHECKING:
 TRANSIENT_GROUPS = ("grads",)
 
 
-def _group_names(state: ModelState, groups: str | Iterable[str] | None) -> tuple[str, ...]:
-    if groups is None:
-        return tuple(g for g in state.groups if g not in TRANSIENT_GROUPS)
-    names = (groups,) if isinstance(groups, str) else tuple(groups)
+def _group_names(state: ModelState, groups: str | Iterable[str] | None, default: Iterable[str]) -> tuple[str, ...]:
+    """``groups`` (a name or names; ``None``: ``default``), each a group of ``state`` named once."""
+    names = tuple(default) if groups is None else (groups,) if isinstance(groups, str) else tuple(groups)
     for g in names:
         if g not in state.groups:
             raise LayoutError("unknown_group", group=g, valid=state.groups)
-    if not names or len(set(names)) != len(names):
+    if groups is not None and (not names or len(set(names)) != len(names)):
         raise ValueError(f"groups must name each group once, got {list(names)}")
     return names
 
@@ -166,7 +165,7 @@ def _stage_everywhere(
     staged: list[_Staged] = []
 
     def stage() -> None:
-        names = _group_names(state, groups)
+        names = _group_names(state, groups, (g for g in state.groups if g not in TRANSIENT_GROUPS))
         check_args(fields["tag"], fields["version"], fields["extra"])
         make_parents(final.parent)
         staged.append(_stage(state, names, comm))
@@ -368,15 +367,13 @@ def _read(
     state: ModelState,
     ckpt: Checkpoint,
     stored: Mapping[str, mf.StoredGroup],
-    groups: tuple[str, ...] | None,
+    groups: str | Iterable[str] | None,
     cast: bool,
     progress: ProgressFn | None,
 ) -> Snapshot:
     """Check every group's layout, then read and verify into a host snapshot laid out like the model."""
-    names = tuple(stored) if groups is None else groups
+    names = _group_names(state, groups, stored)
     for g in names:
-        if g not in state.groups:
-            raise LayoutError("unknown_group", group=g, valid=state.groups)
         if g not in stored:
             raise LayoutError(
                 "checkpoint_mismatch",
@@ -440,12 +437,11 @@ def load(
     """
     ckpt = Checkpoint.open(path, files=(), kind=mf.STATE_FORMAT)
     manifest = ckpt.manifest
-    names = None if groups is None else ((groups,) if isinstance(groups, str) else tuple(groups))
     rank = _my_rank(manifest, ckpt.path, group)
     read: list[Snapshot] = []
 
     def read_mine() -> None:
-        read.append(_read(state, ckpt, manifest.ranks[rank], names, cast, progress))
+        read.append(_read(state, ckpt, manifest.ranks[rank], groups, cast, progress))
         core_of(state).check_restore(read[0])  # (a budget) so that no rank restores unless every rank can
 
     Collective(group, enabled=manifest.world_size > 1).run(
