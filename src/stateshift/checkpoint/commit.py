@@ -171,7 +171,7 @@ def write_durable(path: Path, data: bytes) -> None:
     with replacing(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            write_all(fd, data, str(tmp))
+            write_all(fd, [memoryview(data)], 0, str(tmp))
         finally:
             os.close(fd)
 

@@ -237,19 +237,17 @@ def _tasks(spans: Sequence[Span]) -> list[list[Piece]]:
     return tasks
 
 
-def _io_all(
-    op: Callable[..., int], fd: int, bufs: list[memoryview], offset: int, path: str, names: Sequence[str] | None = None
-) -> None:
-    """All of ``bufs`` through ``os.preadv`` / ``os.pwritev`` from ``offset``, resuming short transfers;
-    an OS error becomes ``DiskError("transfer")`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
+def write_all(fd: int, bufs: list[memoryview], offset: int, path: str, names: Sequence[str] | None = None) -> None:
+    """All of ``bufs`` through ``os.pwritev`` from ``offset``, resuming short writes; an OS error becomes
+    ``DiskError("transfer")`` naming the tensor (``names[i]``: that of ``bufs[i]``)."""
     i = 0
     while i < len(bufs):
         try:
-            n = op(fd, bufs[i : i + _IOV_MAX], offset)
+            n = os.pwritev(fd, bufs[i : i + _IOV_MAX], offset)
         except OSError as e:
             raise DiskError.from_os_error(e, path, None if names is None else names[i]) from e
         if n <= 0:
-            raise CheckpointError("corrupt", "file truncated while reading", path=path)
+            raise DiskError("transfer", "the write made no progress", path=path)
         offset += n
         while n:
             if n >= len(bufs[i]):
@@ -260,12 +258,10 @@ def _io_all(
                 n = 0
 
 
-def _run_task(
-    op: Callable[..., int], fd: int, task: list[Piece], path: str, names: Sequence[str] | None
-) -> list[tuple[int, int, int]]:
+def _run_task(fd: int, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
     """One task of a write: its bytes moved in one positioned call, then each piece's ``(span, crc32, length)``."""
     bufs = [mem for _, _, _, mem in task]
-    _io_all(op, fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
+    write_all(fd, list(bufs), task[0][1], path, None if names is None else [names[p[0]] for p in task])
     return [(idx, crc32(b), n) for (idx, _, n, _), b in zip(task, bufs, strict=True)]
 
 
@@ -325,14 +321,14 @@ def _run_mapped(
 
 
 def transfer(
-    op: Callable[..., int] | _Mapped,
     fd: int,
     spans: Sequence[Span],
     path: str,
     progress: ProgressFn | None = None,
     names: Sequence[str] | None = None,
+    mapped: _Mapped | None = None,
 ) -> list[int]:
-    """Move ``spans`` between memory and ``fd`` (``os.pwritev``, or a mapping of the file to read) on a
+    """Move ``spans`` between memory and ``fd`` (written, or read out of its mapping ``mapped``) on a
     thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``DiskError("transfer")``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
     it (an error it raises stops the transfer promptly).
@@ -341,7 +337,7 @@ def transfer(
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
-    run = functools.partial(_run_mapped, op) if isinstance(op, _Mapped) else functools.partial(_run_task, op, fd)
+    run = functools.partial(_run_task, fd) if mapped is None else functools.partial(_run_mapped, mapped)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
         running = deque(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
@@ -409,11 +405,6 @@ def load_json(raw: bytes, path: str, what: str) -> Any:
 # --------------------------------------------------------------------------- writing
 
 
-def write_all(fd: int, data: bytes, path: str) -> None:
-    """All of ``data`` to ``fd`` from offset 0 (an OS error is ``DiskError("transfer")`` naming ``path``)."""
-    _io_all(os.pwritev, fd, [memoryview(data)], 0, path)
-
-
 @without_gc
 def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -450,8 +441,8 @@ def write_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
-        write_all(fd, head, path)
-        crcs = transfer(os.pwritev, fd, spans, path, progress, [r.name for r in ordered])
+        write_all(fd, [memoryview(head)], 0, path)
+        crcs = transfer(fd, spans, path, progress, [r.name for r in ordered])
         if fsync:
             os.fsync(fd)
     finally:
@@ -532,7 +523,7 @@ def read_mapped(
     except ValueError:  # (mmap refuses a length past the end: the file shrank since it was checked)
         raise CheckpointError("corrupt", "file truncated while reading", path=path) from None
     try:
-        return transfer(mapped, fd, spans, path, progress, names)
+        return transfer(fd, spans, path, progress, names, mapped)
     finally:
         mapped.close()
 
