@@ -470,6 +470,7 @@ def read_into(
     unspecified, so pass staging memory, never live state.
     """
     by_name = {t.name: t for t in entry.tensors}
+    base = 0 if entry.header is None else entry.header[0]
     chosen: list[TensorEntry] = []
     spans: list[Span] = []
     for name, dst in dsts.items():
@@ -485,13 +486,7 @@ def read_into(
                     tensor=name,
                 )
         chosen.append(t)
-        spans.append(
-            (
-                entry.header[0] + t.start if entry.header else t.start,
-                t.nbytes,
-                None if dst is None else byte_view(dst, t.nbytes),
-            )
-        )
+        spans.append((base + t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
     crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
