@@ -344,6 +344,26 @@ def test_io_error_reading_the_manifest_or_verifying_is_a_typed_error(tmp_path, m
     assert ei.value.tensor is not None and ei.value.path.endswith(".safetensors")
 
 
+def test_an_io_error_names_a_long_tensor_name_in_a_short_message(tmp_path, monkeypatch):
+    """(the whole name was in the message: a tensor named by a hostile manifest made it as long as it liked)"""
+    from stateshift.checkpoint.directory import write_checkpoint
+    from stateshift.checkpoint.format import Record
+    from stateshift.errors import CheckpointError
+
+    name = "w" * 100_000
+    write_checkpoint(
+        tmp_path / "ck", {"a.safetensors": [Record.from_tensor(name, torch.ones(4))]}, backend="t", layout={}
+    )
+
+    def eio(*_a, **_k):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(format_mod._Mapped, "populate", eio)
+    with raises_kind(CheckpointError, "read", match="EIO") as ei:
+        verify(tmp_path / "ck")
+    assert ei.value.tensor == name and len(str(ei.value)) < 2000
+
+
 @pytest.mark.parametrize("verb", ["load", "verify"])
 def test_io_error_reading_the_latest_pointer_is_a_typed_error(tmp_path, monkeypatch, verb):
     """(found by the adversarial session: ``latest`` was read outside the conversion)"""

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, DiskError, LayoutError
+from ..errors import CheckpointError, DiskError, LayoutError, show
 from . import manifest as mf
 from .collective import Collective
 from .format import FileEntry, open_regular, write_all
@@ -45,7 +45,7 @@ def os_failure(kind: Any, e: OSError, doing: str, then: str, path: str | os.Path
     """``CheckpointError(kind)`` for the OS error ``e`` while ``doing`` (e.g. "writing 'f'"): what failed, the tensor
     whose bytes failed where ``e`` knows it, and ``then``, what that left (e.g. "; the model is unchanged")."""
     tensor = DiskError.tensor_of(e)
-    where = "" if tensor is None else f" (tensor '{tensor}')"
+    where = "" if tensor is None else f" (tensor {show(tensor)})"
     return CheckpointError(
         kind, f"{describe_os_error(e)} while {doing}{where}{then}", path=path, errno=e.errno, tensor=tensor
     )
