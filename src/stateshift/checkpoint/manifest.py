@@ -271,7 +271,7 @@ def _storable(m: MemberInfo, slot: str = "") -> tuple[Any, Any]:
     """``m``'s meta as a manifest stores it (JSON) and as a load gives it back, its names and meta checked with the
     reader's own rules first (text that is not UTF-8, meta nested too deeply or holding NaN): a save must never
     commit a manifest that no load accepts. ``LayoutError("checkpoint_mismatch")`` if no checkpoint can hold it."""
-    field = None
+    field = "layout"
     try:
         _valid(m.name, "str", "its name")
         _valid(slot, "str", "its slot's name")
