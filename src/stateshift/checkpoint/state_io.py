@@ -70,27 +70,6 @@ class _Staged:
     layout: dict[str, Any]
 
 
-@without_gc
-def _stage(state: ModelState, names: tuple[str, ...], comm: Collective) -> _Staged:
-    """A host snapshot of the groups, waited for; the records are views of its pinned blocks."""
-    snap = state.snapshot(names, tag=f"_checkpoint-{uuid.uuid4().hex[:12]}", placement="host")
-    try:
-        snap.wait()
-        files, groups = {}, {}
-        for part in snap.parts:
-            shard = "" if comm.world == 1 else f".rank{comm.rank}-of-{comm.world}"
-            fname = f"{part.group}{shard}.safetensors"
-            files[fname] = [
-                Record(*mf.stored_as(info)[:3], region)
-                for info, region in zip(part.layout.slots, part.regions(), strict=True)
-            ]
-            groups[part.group] = (fname, part.layout)
-        return _Staged(snap, files, mf.rank_json(comm.rank, groups))
-    except BaseException:
-        state.release(snap)
-        raise
-
-
 _ORDER_LOCK = threading.Lock()
 #: the completion of the last save started in this process: saves are written one at a time, in call order
 _last_save: list[threading.Event] = []
@@ -157,32 +136,39 @@ def _give_back(state: ModelState, snap: Snapshot) -> None:
         snap.release()  # close() released it already; idempotent
 
 
+@without_gc
 def _stage_everywhere(
     state: ModelState, final: Path, groups: str | Iterable[str] | None, comm: Collective, fields: Mapping[str, Any]
 ) -> _Staged:
     """Check the arguments and stage the values on every rank, then agree (on the calling thread): a rank
-    whose staging failed (a budget, a bad group) makes every rank raise now, none left waiting in the write."""
-    staged: list[_Staged] = []
+    whose staging failed (a budget, a bad group) makes every rank raise now, none left waiting in the write.
+    Staged is a host snapshot of the groups, waited for; the records are views of its pinned blocks."""
+    snaps: list[Snapshot] = []
 
-    def stage() -> None:
+    def stage() -> _Staged:
         names = _group_names(state, groups, (g for g in state.groups if g not in TRANSIENT_GROUPS))
         check_args(fields["tag"], fields["version"], fields["extra"])
         make_parents(final.parent)
-        staged.append(_stage(state, names, comm))
+        snaps.append(state.snapshot(names, tag=f"_checkpoint-{uuid.uuid4().hex[:12]}", placement="host"))
+        files, layouts = {}, {}
+        shard = "" if comm.world == 1 else f".rank{comm.rank}-of-{comm.world}"
+        for part in snaps[0].wait().parts:
+            fname = f"{part.group}{shard}.safetensors"
+            files[fname] = [
+                Record(*mf.stored_as(info)[:3], region)
+                for info, region in zip(part.layout.slots, part.regions(), strict=True)
+            ]
+            layouts[part.group] = (fname, part.layout)
+        return _Staged(snaps[0], files, mf.rank_json(comm.rank, layouts))
 
     def failed(rank: int, text: str) -> BaseException:
         return CheckpointError(
             "write", f"rank {rank} failed while staging its values ({text}); nothing was written", path=final
         )
 
-    comm.run(
-        stage,
-        what="staging its values",
-        share=False,
-        error=failed,
-        cleanup=lambda: [state.release(st.snapshot) for st in staged],
+    return comm.run(
+        stage, what="staging its values", share=False, error=failed, cleanup=lambda: [state.release(s) for s in snaps]
     )
-    return staged[0]
 
 
 def _start(
