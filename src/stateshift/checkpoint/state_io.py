@@ -319,36 +319,6 @@ def _plan(group: str, model: Layout, stored: mf.StoredGroup, cast: bool) -> Plan
     return plan
 
 
-def _fill(
-    ckpt: Checkpoint,
-    stored: Mapping[str, mf.StoredGroup],
-    plans: dict[str, tuple[Layout, Plan]],
-    cast: bool,
-    progress: ProgressFn | None,
-) -> Any:
-    """``snapshot_from``'s fill: one group's file read straight into the part's regions, verified."""
-
-    def fill(part: SnapshotPart) -> None:
-        checked, plan = plans[part.group]
-        if part.layout.slots != checked.slots:  # the model changed since the check: check again
-            plan = _plan(part.group, part.layout, stored[part.group], cast)
-        regions = part.regions()
-        dsts: dict[str, torch.Tensor | None] = {}
-        casts = []
-        for region, info, (slot, needs_cast) in zip(regions, part.layout.slots, plan, strict=True):
-            if needs_cast:
-                m = slot.info.members[0]
-                dsts[slot.record] = tmp = torch.empty(m.shape, dtype=dtype_of(m.dtype))
-                casts.append((region.view(dtype_of(info.members[0].dtype)).view(info.members[0].shape), tmp))
-            else:
-                dsts[slot.record] = region
-        ckpt.read_into(stored[part.group].file, dsts, progress)
-        for dst, tmp in casts:
-            dst.copy_(tmp)
-
-    return fill
-
-
 def _read(
     state: ModelState,
     ckpt: Checkpoint,
@@ -372,12 +342,26 @@ def _read(
         layout = state.layout(g)
         plans[g] = (layout, _plan(g, layout, stored[g], cast))
     ckpt.check(stored[g].file for g in names)  # every file opened and checked before the first byte of data is read
-    return core_of(state).snapshot_from(
-        names,
-        _fill(ckpt, stored, plans, cast, progress),
-        tag=f"_checkpoint-load-{uuid.uuid4().hex[:12]}",
-        version=ckpt.manifest.version,
-    )
+
+    def fill(part: SnapshotPart) -> None:  # one group's file read straight into the part's regions, verified
+        checked, plan = plans[part.group]
+        if part.layout.slots != checked.slots:  # the model changed since the check: check again
+            plan = _plan(part.group, part.layout, stored[part.group], cast)
+        dsts: dict[str, torch.Tensor | None] = {}
+        casts = []
+        for region, info, (slot, needs_cast) in zip(part.regions(), part.layout.slots, plan, strict=True):
+            if needs_cast:
+                m = slot.info.members[0]
+                dsts[slot.record] = tmp = torch.empty(m.shape, dtype=dtype_of(m.dtype))
+                casts.append((region.view(dtype_of(info.members[0].dtype)).view(info.members[0].shape), tmp))
+            else:
+                dsts[slot.record] = region
+        ckpt.read_into(stored[part.group].file, dsts, progress)
+        for dst, tmp in casts:
+            dst.copy_(tmp)
+
+    tag = f"_checkpoint-load-{uuid.uuid4().hex[:12]}"
+    return core_of(state).snapshot_from(names, fill, tag=tag, version=ckpt.manifest.version)
 
 
 def _my_rank(manifest: mf.Manifest, root: Path, group: Any) -> int:
