@@ -95,12 +95,6 @@ def _local_copies(state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, torch.
     return out
 
 
-def _put_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for live, saved in copies:
-            live.copy_(saved)
-
-
 def _hash_share(tmp: Path, comm: Collective) -> dict[str, FileEntry]:
     """This rank's share of the files DCP wrote: crc32 and size of each."""
     out = {}
@@ -244,7 +238,9 @@ def load_dcp(
         with _calling_dcp(ckpt.path, reading=True):
             dcp.load(state_dict, checkpoint_id=os.fspath(ckpt.path), process_group=group, no_dist=not comm.on)
     except BaseException:
-        _put_back(copies)
+        with torch.no_grad():
+            for live, saved in copies:
+                live.copy_(saved)
         raise
     set_model_state_dict(model, state_dict["model"])
     if optimizer is not None:
