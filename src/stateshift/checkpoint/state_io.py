@@ -1,12 +1,9 @@
 """Save and load a ``ModelState`` through snapshots: any residency, atomic, verified, in the background.
 
-``save`` writes the regions of a host snapshot (a pointer copy of an offloaded group's home, one
-pinned device-to-host copy otherwise) straight into one safetensors file per group (and rank);
-``load`` checks the layout with ``Layout.check_compatible`` (the comparison restore and swapped
-use), reads straight into a snapshot laid out like the model (``core_of(state).snapshot_from``), verifying
-every crc32, and only then restores it. Per slot, one plain tensor of a safetensors dtype is stored
-typed under its name; any other slot (tied weights, a flat buffer, a padded FSDP2 shard) as its
-storage's raw bytes (``U8``) under the slot's name, its members listed in the manifest.
+``save`` writes the regions of a host snapshot straight into one safetensors file per group (and rank),
+each slot as ``manifest.stored_as`` says; ``load`` checks the layout with ``Layout.check_compatible`` (the
+comparison restore and swapped use), reads straight into a snapshot laid out like the model
+(``core_of(state).snapshot_from``), verifying every crc32, and only then restores it.
 """
 
 from __future__ import annotations
