@@ -94,9 +94,10 @@ def _is(fd: int, path: Path) -> bool:
 
 
 def create_locked(parent: Path, prefix: str, directory: bool) -> tuple[Path, int]:
-    """A new ``<parent>/<prefix><random hex>`` (a directory, or an empty file) and an open descriptor holding
-    its ``flock``: while that descriptor is open, ``clear_dead`` leaves it alone. (A clean-up may take the lock
-    in the instant between the creation and ours; then the name is given up and another one made.)"""
+    """A new ``<parent>/<prefix><random hex>`` (a directory, or an empty file; those dead writers left removed
+    first) and an open descriptor holding its ``flock``: while it is open, ``clear_dead`` leaves it alone. (A
+    clean-up may take the lock between the creation and ours; then the name is given up and another one made.)"""
+    clear_dead(parent, prefix, directory)
     for _ in range(_MAX_TRIES):
         path = parent / f"{prefix}{secrets.token_hex(6)}"
         if directory:
@@ -146,10 +147,8 @@ def clear_dead(parent: Path, prefix: str, directory: bool) -> None:
 @contextmanager
 def replacing(path: Path) -> Iterator[Path]:
     """Replace the file ``path`` atomically and durably: the body writes the yielded temporary sibling
-    ``.<name>.tmp-<hex>`` (made empty, and locked by this writer until it is renamed: ``clear_dead`` first removes
-    the ones dead writers left, from a kill between making and renaming one); then it is fsynced, renamed over
-    ``path`` and the directory fsynced. On any error it is removed."""
-    clear_dead(path.parent, f".{path.name}.tmp-", directory=False)
+    ``.<name>.tmp-<hex>`` (made empty, and locked by this writer until it is renamed: ``create_locked``); then it
+    is fsynced, renamed over ``path`` and the directory fsynced. On any error it is removed."""
     tmp, fd = create_locked(path.parent, f".{path.name}.tmp-", directory=False)
     try:
         yield tmp
@@ -243,7 +242,6 @@ def _begin(final: Path) -> tuple[str, int]:
     prefix = f".{final.name}.tmp-"
 
     def make() -> tuple[str, int]:
-        clear_dead(final.parent, prefix, directory=True)
         clear_dead(final.parent, f".{LATEST}.tmp-", directory=False)
         tmp, fd = create_locked(final.parent, prefix, directory=True)
         return str(tmp), fd

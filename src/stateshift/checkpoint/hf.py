@@ -61,7 +61,7 @@ def _records(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> list
         by_place.setdefault((v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype), []).append(n)
     keep = set()
     for dup in by_place.values():
-        free = [n for n in dup if not any(p.fullmatch(n) or p.search(n) for p in tied)]
+        free = [n for n in dup if not any(p.search(n) for p in tied)]
         keep.add((free or dup)[0])
     records = [Record.from_tensor(n, views[n].contiguous()) for n in names if n in keep]
     for r in records:
