@@ -406,12 +406,11 @@ def load_json(raw: bytes, path: str, what: str) -> Any:
 
 
 @without_gc
-def _header(records: Sequence[Record], metadata: Mapping[str, str]) -> bytes:
+def _header(records: Sequence[Record], starts: Sequence[int], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    pos = 0
-    for r in records:
-        header[r.name] = {"dtype": DTYPE_NAMES[r.dtype], "shape": list(r.shape), "data_offsets": [pos, pos + r.nbytes]}
-        pos += r.nbytes
+    for r, start in zip(records, starts, strict=False):
+        entry = {"dtype": DTYPE_NAMES[r.dtype], "shape": list(r.shape), "data_offsets": [start, start + r.nbytes]}
+        header[r.name] = entry
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % 8)
     return struct.pack("<Q", len(blob)) + blob
@@ -433,26 +432,26 @@ def write_file(
     bytes failed); the partial file is left for the caller to remove.
     """
     ordered = sorted(records, key=lambda r: -r.dtype.itemsize)  # stable: each tensor aligned to its element size
-    head = _header(ordered, metadata or {})
-    spans, pos = [], len(head)
-    for r in ordered:
-        spans.append((pos, r.nbytes, byte_view(r.data, r.nbytes)))
-        pos += r.nbytes
+    starts = list(itertools.accumulate((r.nbytes for r in ordered), initial=0))  # (and last, where the data ends)
+    head = _header(ordered, starts, metadata or {})
+    spans = [(len(head) + s, r.nbytes, byte_view(r.data, r.nbytes)) for r, s in zip(ordered, starts, strict=False)]
+    size = len(head) + starts[-1]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        os.ftruncate(fd, pos)  # parallel writes inside the file's size do not serialise on extending it
+        os.ftruncate(fd, size)  # parallel writes inside the file's size do not serialise on extending it
         write_all(fd, [memoryview(head)], 0, path)
         crcs = transfer(fd, spans, path, progress, [r.name for r in ordered])
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
-    tensors, whole, start = [], crc32(head), 0
+    whole = crc32(head)
     for r, crc in zip(ordered, crcs, strict=True):
-        tensors.append(TensorEntry(r.name, r.dtype, r.shape, start, r.nbytes, crc))
         whole = crc32_combine(whole, crc, r.nbytes)
-        start += r.nbytes
-    return FileEntry(pos, whole, (len(head), crc32(head)), tuple(tensors))
+    tensors = [
+        TensorEntry(r.name, r.dtype, r.shape, s, r.nbytes, c) for r, s, c in zip(ordered, starts, crcs, strict=False)
+    ]
+    return FileEntry(size, whole, (len(head), crc32(head)), tuple(tensors))
 
 
 # --------------------------------------------------------------------------- reading
