@@ -494,6 +494,17 @@ def test_save_refuses_what_no_load_would_accept_before_writing(tmp_path, case):
     assert os.listdir(tmp_path) == []
 
 
+def test_meta_holding_a_str_subclass_round_trips(tmp_path):
+    """(a ``str`` subclass, an enum's value say, is text: JSON writes it as such and a load compares it equal)"""
+
+    class Placement(str):
+        pass
+
+    save(_with_meta(Placement("shard")), tmp_path / "ck", "params")
+    load(_with_meta(Placement("shard")), tmp_path / "ck", "params")
+    load(_with_meta("shard"), tmp_path / "ck", "params")
+
+
 def test_load_into_a_model_whose_meta_cannot_be_stored_is_a_typed_mismatch(tmp_path):
     _, _, state = _warmed("cpu")
     save(state, tmp_path / "ck", ("params",))

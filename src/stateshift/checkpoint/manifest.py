@@ -316,7 +316,7 @@ def _valid(v: Any, kind: str, where: str, key: str = "") -> Any:
             return None
         kind = kind[:-1]
     if kind == "str":
-        ok = type(v) is str and (v.isascii() or is_utf8(v))
+        ok = isinstance(v, str) and (v.isascii() or is_utf8(v))
     elif kind in _LOWEST:
         ok = (type(v) is int and _LOWEST[kind] <= v < _MAX_INT) or (kind == "number" and type(v) is float)
     elif kind in _TYPES:
