@@ -189,12 +189,12 @@ class LayoutError(StateShiftError, ValueError):
         valid: tuple[str, ...] = (),
     ) -> None:
         self.tensor, self.reason, self.field, self.group, self.valid = tensor, reason, field, group, valid
-        if kind == "unknown_group":
-            message = f"unknown group {group!r}; valid groups: {', '.join(valid) or '(none)'}"
+        if kind == "unknown_group":  # (names may come from a file or a handle: shown bounded, kept whole)
+            message = f"unknown group {show(group)}; valid groups: {', '.join(valid) or '(none)'}"
         elif kind == "mismatch":
-            message = f"layout mismatch at tensor {tensor!r}: {reason}"
+            message = f"layout mismatch at tensor {show(tensor)}: {reason}"
         else:
-            message = f"tensor '{tensor}': {reason}"
+            message = f"tensor {show(tensor)}: {reason}"
         super().__init__(kind, message)
 
 

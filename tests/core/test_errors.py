@@ -245,3 +245,10 @@ def test_errors_of_the_trainer_keep_their_detail_through_pickling():
             assert (back.errno, back.strerror, back.filename) == (err.errno, err.strerror, err.filename)
     assert isinstance(errors[4], OSError) and pickle.loads(pickle.dumps(errors[4])).errno == 28
     assert errors[9].errno == errno.ENOENT and str(errors[9]) == "no stateshift checkpoint at 'ck': nothing there"
+
+
+@pytest.mark.parametrize("kind", ["unknown_group", "mismatch", "checkpoint_mismatch"])
+def test_a_layout_errors_message_is_bounded_whatever_the_names_it_carries(kind):
+    long = "x" * 100_000  # a tensor or group name read from a hostile checkpoint or handle
+    err = LayoutError(kind, "why", tensor=long, group=long, valid=("params",))
+    assert len(str(err)) < 1000 and err.tensor == long and err.group == long  # the attributes keep it whole
