@@ -34,8 +34,9 @@ lowered held-out accuracy); warm-up learning rate 3e-3 (the sums are learnt sudd
 at the toy size; later at 1e-3); RL learning rate 3e-4.
 
 Writes ``benchmarks/results/<date>-<h100|h200>-train-longtail.json`` (``-from-seed<N>`` with ``--first-seed``;
-after every seed: ``seeds_done`` of ``seeds_asked``, so a run cut short keeps what it finished) and, at the end,
-``.png`` (``--out`` elsewhere; ``--small`` writes ``<date>-cpu-small-train-longtail`` there). Each run keeps a
+after every seed: ``seeds_done`` of ``seeds_asked``, so a run cut short keeps what it finished) and its ``.png``
+(``--out`` elsewhere; ``--small`` writes ``<date>-cpu-small-train-longtail`` there); ``--stop-by-s`` ends it
+between seeds, saying why in ``"stopped"``, before a call's time limit would cut a seed. Each run keeps a
 ``trace`` of its trainer's per-step metrics (``TRACE_KEYS``: training reward, entropy, clip fraction, staleness,
 learning rate, ...). The warm-up record
 has its curve of (steps, loss, held-out accuracy) and its held-out accuracy by answer length (in tokens: 7 per
@@ -442,6 +443,12 @@ def summary(
     }
 
 
+def fits(stop_by_s: float | None, elapsed_s: float, seed_s: list[float]) -> bool:
+    """Whether a seed started ``elapsed_s`` after the start would end by ``stop_by_s``, judged by the longest of
+    the seeds so far (``seed_s``); the first seed, with nothing to judge by, always starts."""
+    return stop_by_s is None or not seed_s or elapsed_s + max(seed_s) <= stop_by_s
+
+
 def combine(paths: list[Path], out: Path) -> None:
     """Merge result files of calls that ran some seeds each (the same settings) into one, named by the first."""
     parts = [json.loads(p.read_text()) for p in paths]
@@ -499,6 +506,13 @@ def main() -> None:
         default=None,
         help="with --one-warmup: read the warm-up from this file if it exists, else write it there",
     )
+    ap.add_argument(
+        "--stop-by-s",
+        type=float,
+        default=None,
+        help="start a seed only if it would end within this many seconds of the start, judged by the longest "
+        "seed so far (the first seed always starts): a call's time limit then ends it between seeds",
+    )
     ap.add_argument("--combine", nargs="+", type=Path, default=None, help="merge result files of split calls")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
@@ -544,7 +558,14 @@ def main() -> None:
     }
     result: dict[str, Any] = {}
     weights: dict[str, torch.Tensor] = {}
+    seed_s: list[float] = []  # each seed's arms, the warm-up left out
     for seed in range(args.first_seed, args.first_seed + args.seeds):
+        if not fits(args.stop_by_s, time.perf_counter() - t_all, seed_s):
+            head["stopped"] = f"before seed {seed}: it would end past --stop-by-s {args.stop_by_s:g}"
+            result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
+            write_json(args.out / f"{name}.json", result)
+            print(f"stopped {head['stopped']} (longest seed so far {max(seed_s):.0f} s)", flush=True)
+            break
         if not args.one_warmup or not warm:
             weights, record = warm_start(
                 base, 0 if args.one_warmup else seed, args.warmup_target, args.warmup_file, args.warmup_every
@@ -557,6 +578,7 @@ def main() -> None:
                 + ")",
                 flush=True,
             )
+        t_seed = time.perf_counter()
         for arm, extra in ARMS.items():
             r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
             r["to_threshold"] = to_thresholds(r)
@@ -566,10 +588,11 @@ def main() -> None:
                 f"{max(c[2] for c in r['curve']):.3f} (best), idle trainer {r['trainer_idle_ratio']}",
                 flush=True,
             )
-        # written (whole) after every seed: a run cut short keeps the seeds it finished
+        seed_s.append(time.perf_counter() - t_seed)
+        # written (whole) after every seed, with the plot: a run cut short keeps the seeds it finished
         result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
         write_json(args.out / f"{name}.json", result)
-    plot(result, args.out / f"{name}.png")
+        plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))
     print(f"wrote {args.out / name}.json/.png in {result['total_s']:.0f} s")
 

@@ -165,3 +165,39 @@ def test_a_result_killed_while_being_written_keeps_the_last_whole_one(bench, tmp
         bench.write_json(path, {"seeds_done": 2, "runs": list(range(100))})
     monkeypatch.setattr(Path, "write_text", real)
     assert json.loads(path.read_text()) == {"seeds_done": 1}
+
+
+def test_a_seed_starts_only_if_the_longest_so_far_would_end_by_the_stop(bench):
+    assert bench.fits(None, 1e9, [100.0]) and bench.fits(400.0, 1e9, [])  # no stop; the first seed always starts
+    assert bench.fits(400.0, 250.0, [120.0, 150.0]) and not bench.fits(400.0, 251.0, [120.0, 150.0])
+
+
+def test_stop_by_ends_between_seeds_with_the_file_and_its_plot_whole(bench, tmp_path, monkeypatch):
+    clock = [0.0]
+    record = {"seed": 0, "warmup_steps": 1, "warmup_s": 1.0, "warmup_loss": 0.1, "heldout_accuracy": 0.0}
+
+    def run_arm(overrides, seed, weights, budget, snap, out):
+        clock[0] += 50.0  # three arms: 150 s a seed
+        curve = [(0.0, 0, 0.0), (5.0, 40, 0.1)]
+        return {"seed": seed, "curve": curve, "steps": 3, "trainer_idle_ratio": 0.5, "staleness_tokens": {"0": 1}}
+
+    monkeypatch.setattr(bench, "time", type("T", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(bench, "warm_start", lambda *a: ({}, {**record, "heldout_accuracy_by_length": {}}))
+    monkeypatch.setattr(bench, "run_arm", run_arm)
+    argv = [
+        "longtail_bench.py",
+        "--small",
+        "--one-warmup",
+        "--seeds",
+        "5",
+        "--stop-by-s",
+        "400",
+        "--out",
+        str(tmp_path),
+    ]
+    monkeypatch.setattr(bench.sys, "argv", argv)
+    bench.main()
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["seeds_done"] == 2 and data["stopped"].startswith("before seed 2")  # 300 s + 150 > 400
+    assert path.with_suffix(".png").exists() and data["comparison"]["seeds"] == 2

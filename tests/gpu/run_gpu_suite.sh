@@ -101,7 +101,9 @@ if [[ $WHAT == *executors* ]]; then
 fi
 if [[ $WHAT == *longtail* ]]; then
   step longtail bench
-  timeout ${LONGTAIL_S:-540} python3 benchmarks/longtail_bench.py --out "$RES" ${LONGTAIL_ARGS:-} 2>&1 \
+  # --stop-by-s: end between seeds, with the file and its plot whole, before the timeout would cut a seed
+  timeout ${LONGTAIL_S:-540} python3 benchmarks/longtail_bench.py --out "$RES" --stop-by-s $((${LONGTAIL_S:-540} - 20)) \
+    ${LONGTAIL_ARGS:-} 2>&1 \
     | tee "$RES/longtail-bench.log" | tail -40 || status=1
 fi
 if [[ $WHAT == *families* ]]; then
