@@ -303,6 +303,7 @@ def run_arm(
     return {
         "seed": seed,
         "curve": curve,
+        "executor": cfg.executor,  # as resolved: 'auto' is 'process' with run.device=cuda
         "steps": result.steps,
         "rl_wall_s": last.get("wall_s", 0.0),
         "trainer_idle_ratio": last.get("trainer_idle_ratio"),
@@ -428,6 +429,7 @@ def summary(
             "heldout_accuracy_end": r["curve"][-1][2],
             "trainer_idle_ratio": r.get("trainer_idle_ratio"),
             "status": r.get("status"),
+            "executor": r.get("executor"),
         }
         for arm, rs in arms.items()
         for r in rs
