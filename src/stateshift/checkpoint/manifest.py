@@ -218,9 +218,8 @@ def dumps(manifest: Manifest) -> bytes:
 def stored_as(info: SlotInfo) -> tuple[str, torch.dtype, tuple[int, ...], bool]:
     """The tensor a slot is stored as, ``(name, dtype, shape, typed)``: typed, its one member under its own name
     when it is one plain tensor of a safetensors dtype; else its storage's raw bytes (``U8``) under the slot's name."""
-    m = info.members[0]
-    if info.covers_storage and dtype_of(m.dtype) in DTYPE_NAMES:
-        return m.name, dtype_of(m.dtype), m.shape, True
+    if info.covers_storage and (dtype := dtype_of(info.members[0].dtype)) in DTYPE_NAMES:  # (one member, then)
+        return info.members[0].name, dtype, info.members[0].shape, True
     return info.name, torch.uint8, (info.nbytes,), False
 
 
