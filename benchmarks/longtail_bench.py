@@ -561,11 +561,16 @@ def main() -> None:
     result: dict[str, Any] = {}
     weights: dict[str, torch.Tensor] = {}
     seed_s: list[float] = []  # each seed's arms, the warm-up left out
+
+    def save() -> dict[str, Any]:  # the file, written whole: a run cut short keeps the seeds it finished
+        done = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
+        write_json(args.out / f"{name}.json", done)
+        return done
+
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         if not fits(args.stop_by_s, time.perf_counter() - t_all, seed_s):
             head["stopped"] = f"before seed {seed}: it would end past --stop-by-s {args.stop_by_s:g}"
-            result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
-            write_json(args.out / f"{name}.json", result)
+            result = save()
             print(f"stopped {head['stopped']} (longest seed so far {max(seed_s):.0f} s)", flush=True)
             break
         if not args.one_warmup or not warm:
@@ -591,9 +596,7 @@ def main() -> None:
                 flush=True,
             )
         seed_s.append(time.perf_counter() - t_seed)
-        # written (whole) after every seed, with the plot: a run cut short keeps the seeds it finished
-        result = summary(arms, warm, budget, {**head, "total_s": time.perf_counter() - t_all})
-        write_json(args.out / f"{name}.json", result)
+        result = save()  # after every seed, with the plot
         plot(result, args.out / f"{name}.png")
     print(json.dumps(result["comparison"], indent=1))
     print(f"wrote {args.out / name}.json/.png in {result['total_s']:.0f} s")

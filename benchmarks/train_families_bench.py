@@ -351,8 +351,8 @@ def combine(paths: list[Path], out: Path) -> dict[str, Any]:
     result["parts"] = [
         {"families": sorted({r["family"] for r in p["runs"]}), **{k: p.get(k) for k in PER_CALL}} for p in parts
     ]
-    for k in PER_CALL[1:]:  # a field the calls disagree on is only in "parts", never one call's value for all
-        if len({json.dumps(p.get(k)) for p in parts}) > 1:
+    for k in PER_CALL:  # a field the calls disagree on is only in "parts", never one call's value for all
+        if k != "command" and len({json.dumps(p.get(k)) for p in parts}) > 1:
             result[k] = None
     names = [r["name"] for p in parts for r in p["runs"]] + [n for p in parts for n in p["failures"]]
     if twice := sorted({n for n in names if names.count(n) > 1}):
