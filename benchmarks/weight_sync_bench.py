@@ -1,7 +1,7 @@
 """Weight sync between processes on one machine: publish from a trainer, receive in another process.
 
 For each model family (a plain torch model, a Megatron-core GPT of 2.9B parameters, an FSDP2
-Qwen2 of 1.35B, and with ``--families fsdp2-3b`` one of 3.0B),
+Qwen2 of 1.35B; with ``--families fsdp2-3b`` a Qwen2 of 3.0B, with ``megatron-7b`` a GPT of 6.7B),
 params resident and offloaded, and each transport that runs on one GPU
 (``cuda_ipc``, ``shared_host``; ``shared_host`` only on the CPU), the trainer
 publishes versions and a receiver in a ``spawn``ed process copies each into
@@ -170,13 +170,23 @@ def build_torch(device: torch.device, small: bool) -> Any:
         return torch.nn.Sequential(*mods).to(dtype)
 
 
-def build_megatron(device: torch.device, small: bool) -> Any:
-    """A Megatron-core GPT in mcore DDP (``megatron_bench.build_gpt``): 2.92B params at full size, without its
-    optimizer (the sync moves params; its Adam states would not leave an 80 GB GPU room for three versions)."""
+#: Megatron GPT configs: 2.92B params (5.83 GB) and 6.71B (13.4 GB: there the receiver's fixed host time of about
+#: 0.5 ms per load weighs less than half what it does at 5.83 GB; docs/notes/measurements.md)
+MEGATRON_SIZES = {
+    "megatron": dict(layers=24, hidden=3072, heads=24, vocab=32000),
+    "megatron-7b": dict(layers=32, hidden=4096, heads=32, vocab=32000),
+}
+
+
+def build_megatron(device: torch.device, small: bool, family: str = "megatron") -> Any:
+    """A Megatron-core GPT in mcore DDP (``megatron_bench.build_gpt``) without its optimizer (the sync moves
+    params; its Adam states would not leave an 80 GB GPU room for three versions); ``family`` picks its size
+    (``MEGATRON_SIZES``). At 6.71B the GPU holds about 67 GB: params, the fp32 grad buffer, the publisher's
+    arena and the receiver's copy."""
     from megatron_bench import GPTSpec, build_gpt, init_megatron
 
     init_megatron(device.type)
-    spec = GPTSpec(layers=2, hidden=256, heads=4) if small else GPTSpec(layers=24, hidden=3072, heads=24, vocab=32000)
+    spec = GPTSpec(layers=2, hidden=256, heads=4) if small else GPTSpec(**MEGATRON_SIZES[family])
     ddp, _ = build_gpt(spec, device.type, optimizer=False)
     return ddp
 
@@ -228,6 +238,7 @@ def build_fsdp2(device: torch.device, small: bool, family: str = "fsdp2") -> Any
 FAMILIES = {
     "torch": build_torch,
     "megatron": build_megatron,
+    "megatron-7b": lambda device, small: build_megatron(device, small, "megatron-7b"),
     "fsdp2": build_fsdp2,
     "fsdp2-3b": lambda device, small: build_fsdp2(device, small, "fsdp2-3b"),
 }
