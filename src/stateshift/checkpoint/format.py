@@ -445,13 +445,13 @@ def write_file(
             os.fsync(fd)
     finally:
         os.close(fd)
-    whole = crc32(head)
+    whole = head_crc = crc32(head)
     for r, crc in zip(ordered, crcs, strict=True):
         whole = crc32_combine(whole, crc, r.nbytes)
     tensors = [
         TensorEntry(r.name, r.dtype, r.shape, s, r.nbytes, c) for r, s, c in zip(ordered, starts, crcs, strict=False)
     ]
-    return FileEntry(size, whole, (len(head), crc32(head)), tuple(tensors))
+    return FileEntry(size, whole, (len(head), head_crc), tuple(tensors))
 
 
 # --------------------------------------------------------------------------- reading
