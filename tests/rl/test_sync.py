@@ -554,6 +554,36 @@ def test_close_removes_every_mailbox_file(trainer):
     assert glob.glob(f"/dev/shm/{prefix}*") == []
 
 
+def test_a_mailbox_write_that_fails_leaves_no_temporary_file(pub, monkeypatch):
+    from stateshift.rl.sync import mailbox as mailbox_mod
+
+    def full(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mailbox_mod.os, "rename", full)
+    with pub.mailbox.locked(), pytest.raises(OSError):
+        pub.mailbox.write({"magic": MAGIC})
+    monkeypatch.undo()
+    assert glob.glob(f"{pub.mailbox.path}.*.tmp") == []
+    assert pub.mailbox.read()["magic"] == MAGIC  # the mailbox itself is the one written before
+
+
+def test_a_dead_receivers_temporary_mailbox_file_is_removed_when_it_is_reclaimed(trainer, pub):
+    rx = WeightReceiver(pub.handle(), name="gone")
+    pub.publish(1).wait(5)
+    rx.load_into(model(2))
+    left = f"{pub.mailbox.path}.999999999.tmp"  # what a receiver killed inside a mailbox write leaves
+    with open(left, "w") as f:
+        f.write('{"magic": ')
+    os.close(rx._alive_fd)  # as its death does: the alive lock goes
+    rx._alive_fd = os.open(os.devnull, os.O_RDONLY)  # (for its close)
+    wait_for(lambda: pub.lost)
+    assert [(e.receiver, e.cause) for e in pub.lost] == [("gone", "died")]
+    assert not os.path.exists(left)
+    assert pub.mailbox.read()["receivers"] == {}
+    rx.close()
+
+
 def test_a_receiver_refused_at_start_leaves_no_file(pub):
     with open(pub.mailbox.path, "w") as f:
         f.write("{garbage")

@@ -98,6 +98,7 @@ class Mailbox:
             os.rename(tmp, path)
         except BaseException:
             os.close(fd)
+            unlink_quietly(tmp)
             raise
         if keep:
             return fd
@@ -158,6 +159,20 @@ class Mailbox:
         was = os.fstat(fd)
         return (now.st_ino, now.st_dev) == (was.st_ino, was.st_dev)
 
+    def remove_left_writes(self) -> list[str]:
+        """Remove the temporary files of mailbox writes that never reached their ``rename`` (a writer killed
+        inside one); returns their names. Call it under ``locked``: every mailbox write happens under the
+        lock, so while it is held no live writer has a temporary file of the mailbox open."""
+        start, gone = os.path.basename(self.path) + ".", []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        for name in names:
+            if name.startswith(start) and name.endswith(".tmp") and unlink_quietly(os.path.join(self.directory, name)):
+                gone.append(name)
+        return gone
+
     def write_manifest(self, manifest: Manifest) -> None:
         self._write_atomic(self.manifest_path(manifest.version), manifest.to_json())
 
@@ -211,10 +226,7 @@ class Mailbox:
         except OSError:
             pass
         for p in sorted(paths):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+            unlink_quietly(p)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -223,6 +235,15 @@ class Mailbox:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def unlink_quietly(path: str) -> bool:
+    """Remove ``path``; whether it was there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def new_state() -> dict[str, Any]:

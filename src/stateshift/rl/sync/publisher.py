@@ -31,7 +31,7 @@ from ...core.snapshot import Snapshot
 from ...core.state import ModelState
 from ...errors import BudgetError, SyncError
 from .handle import NAME, TRANSPORTS, SyncHandle
-from .mailbox import Mailbox, new_state
+from .mailbox import Mailbox, new_state, unlink_quietly
 from .manifest import Manifest, PartEntry, diff, part_entry
 
 _log = logging.getLogger("stateshift")
@@ -123,13 +123,6 @@ def _moved(state: ModelState, snap: Snapshot) -> tuple[int, int]:
                 if s.residency is Residency.DEVICE and s.device.type == "cuda"
             )
     return d2h, copied
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class WeightPublisher:
@@ -517,7 +510,8 @@ class WeightPublisher:
                         )
                     )
                     del state["receivers"][name]
-                    _unlink(self.mailbox.alive_path(name))
+                    unlink_quietly(self.mailbox.alive_path(name))
+                    self.mailbox.remove_left_writes()  # it may have died inside a mailbox write
                 else:
                     self._check_timeout(name, entry, latest, now)
             held = {e["holding"] for e in state["receivers"].values() if e["holding"] is not None}
@@ -553,7 +547,7 @@ class WeightPublisher:
         assert self.mailbox is not None
         with self._lock:
             live = self._live.pop(version, None)
-        _unlink(self.mailbox.manifest_path(version))
+        unlink_quietly(self.mailbox.manifest_path(version))
         if live is not None:
             self._free(live)
 

@@ -35,7 +35,7 @@ from ...errors import LayoutError, SyncError
 from .copyplan import Plans
 from .cuda_ipc import Opened
 from .handle import NAME, SyncHandle
-from .mailbox import Mailbox
+from .mailbox import Mailbox, unlink_quietly
 from .manifest import Manifest
 from .shared_host import HostMaps
 
@@ -278,10 +278,7 @@ class WeightReceiver:
     def _leave_files(self) -> None:
         assert self.mailbox is not None
         os.close(self._alive_fd)
-        try:
-            os.unlink(self.mailbox.alive_path(self.name))
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self.mailbox.alive_path(self.name))
         self.mailbox.close()
 
     def __enter__(self) -> WeightReceiver:
