@@ -89,6 +89,8 @@ if [[ $WHAT == *sync* ]]; then
     fam_args=SYNC_ARGS_${fam//-/_}  # per family, e.g. SYNC_ARGS_megatron=--no-ray-naive (fsdp2-3b: SYNC_ARGS_fsdp2_3b)
     timeout ${SYNC_BENCH_S:-200} python3 benchmarks/weight_sync_bench.py --families "$fam" --out "$RES/ws-$fam" ${SYNC_ARGS:-} ${!fam_args:-} 2>&1 \
       | tee "$RES/ws-$fam/bench.log" | tail -15 || status=1
+    # a bench the timeout killed leaves Ray's processes (and the GPU memory their workers map) to the next family
+    pkill -9 -f '/tmp/site/ray/' 2>/dev/null || true
   done
 fi
 if [[ $WHAT == *executors* ]]; then
