@@ -21,7 +21,9 @@ weights loaded into the built policy). The warm-up runs ``warmup.steps`` at most
 
 Wall time counts from the start of RL; evaluation is out of band: every ``--snap-s`` seconds of RL the trainer's
 weights are copied to host (the copy's time is not counted), and the copies are evaluated on the held-out set
-after the run. ``THRESHOLDS`` are fixed here, before any run: per arm and seed the wall time and the samples
+after the run. The curve starts at the warm-up's held-out accuracy, measured once per warm-up (``start_accuracy``):
+``stateshift train``'s own evaluations before and after RL are left out of each run (the same number again, and
+the last copy's). ``THRESHOLDS`` are fixed here, before any run: per arm and seed the wall time and the samples
 trained to first reach each (``null``: censored, the run ended first -- reported, not dropped), and the medians.
 ``"comparison"``: the highest threshold above the start that every sync seed reached, with the sync and
 async-0.5 median times and their ratio (a censored async run counts as the budget).
@@ -271,10 +273,30 @@ def trace(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"keys": list(TRACE_KEYS), "rows": [[cut(r.get(k)) for k in TRACE_KEYS] for r in recs]}
 
 
+def start_accuracy(overrides: list[str], weights: dict[str, torch.Tensor]) -> float:
+    """The held-out accuracy of ``weights``: where every arm and seed that starts RL from them starts. The held-out
+    set is fixed (independent of the seed) and the evaluation greedy, so one measurement serves them all."""
+    cfg = resolve(None, [*overrides, "warmup.steps=0"])
+    task = build_task(cfg)
+    policy = build_policy(cfg, task)
+    policy.model.load_state_dict(weights)
+    return heldout_accuracy(policy.lm, task, cfg.rollout.max_new_tokens)
+
+
 def run_arm(
-    overrides: list[str], seed: int, weights: dict[str, torch.Tensor], budget_s: float, snap_s: float, out: Path
+    overrides: list[str],
+    seed: int,
+    weights: dict[str, torch.Tensor],
+    budget_s: float,
+    snap_s: float,
+    out: Path,
+    start: float,
 ) -> dict[str, Any]:
-    """One RL run from ``weights``; its curve of (wall s, samples, held-out accuracy), evaluated after the run."""
+    """One RL run from ``weights``; its curve of (wall s, samples, held-out accuracy), evaluated after the run.
+
+    ``start``: the held-out accuracy of ``weights`` (``start_accuracy``). The run's own evaluations at the start
+    and the end of RL (both out of its wall time) are left out: the first is ``start`` again, the second is
+    the last snapshot's evaluation (the run's summary says ``NaN`` for it)."""
     cfg = resolve(
         None, [*overrides, f"run.seed={seed}", "warmup.steps=0", f"run.max_wall_s={budget_s}", f"run.out_dir={out}"]
     )
@@ -284,13 +306,23 @@ def run_arm(
         policy.model.load_state_dict(weights)
         return policy
 
-    original = loop_mod.build_policy
-    loop_mod.build_policy = policy_from_warmup
+    real = loop_mod.heldout_accuracy
+
+    def known(*a: Any, **k: Any) -> float:  # the loop's first evaluation (the start); any later one is measured
+        loop_mod.heldout_accuracy = real
+        return start
+
+    def not_measured(_: Any) -> float:  # the loop's evaluation at the end of RL
+        return float("nan")
+
+    originals = loop_mod.build_policy, real, loop_mod.AsyncLoop.final_heldout
+    loop_mod.build_policy, loop_mod.heldout_accuracy = policy_from_warmup, known
+    loop_mod.AsyncLoop.final_heldout = not_measured  # type: ignore[method-assign]
     try:
         with Snapshots(snap_s) as snaps:
             result = run(cfg)
     finally:
-        loop_mod.build_policy = original
+        loop_mod.build_policy, loop_mod.heldout_accuracy, loop_mod.AsyncLoop.final_heldout = originals
     task = build_task(cfg)
     lm = build_policy(cfg, task).lm
     curve = [(0.0, 0, result.heldout_accuracy_start)]
@@ -585,9 +617,10 @@ def main() -> None:
                 + ")",
                 flush=True,
             )
+            start = start_accuracy(base, weights)
         t_seed = time.perf_counter()
         for arm, extra in ARMS.items():
-            r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}")
+            r = run_arm([*base, *extra], seed, weights, budget, snap, work / f"{arm}-s{seed}", start)
             r["to_threshold"] = to_thresholds(r)
             arms[arm].append(r)
             print(

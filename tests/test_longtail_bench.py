@@ -176,7 +176,7 @@ def test_stop_by_ends_between_seeds_with_the_file_and_its_plot_whole(bench, tmp_
     clock = [0.0]
     record = {"seed": 0, "warmup_steps": 1, "warmup_s": 1.0, "warmup_loss": 0.1, "heldout_accuracy": 0.0}
 
-    def run_arm(overrides, seed, weights, budget, snap, out):
+    def run_arm(overrides, seed, weights, budget, snap, out, start):
         clock[0] += 50.0  # three arms: 150 s a seed
         curve = [(0.0, 0, 0.0), (5.0, 40, 0.1)]
         return {"seed": seed, "curve": curve, "steps": 3, "trainer_idle_ratio": 0.5, "staleness_tokens": {"0": 1}}
@@ -184,6 +184,7 @@ def test_stop_by_ends_between_seeds_with_the_file_and_its_plot_whole(bench, tmp_
     monkeypatch.setattr(bench, "time", type("T", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     monkeypatch.setattr(bench, "warm_start", lambda *a: ({}, {**record, "heldout_accuracy_by_length": {}}))
     monkeypatch.setattr(bench, "run_arm", run_arm)
+    monkeypatch.setattr(bench, "start_accuracy", lambda *a: 0.0)
     argv = [
         "longtail_bench.py",
         "--small",
@@ -201,3 +202,28 @@ def test_stop_by_ends_between_seeds_with_the_file_and_its_plot_whole(bench, tmp_
     data = json.loads(path.read_text())
     assert data["seeds_done"] == 2 and data["stopped"].startswith("before seed 2")  # 300 s + 150 > 400
     assert path.with_suffix(".png").exists() and data["comparison"]["seeds"] == 2
+
+
+@pytest.mark.slow
+def test_an_arm_evaluates_only_its_snapshots_and_starts_at_the_accuracy_measured_once(bench, tmp_path, monkeypatch):
+    """The loop's own evaluations at the start and the end of RL do not run in an arm: the start is the accuracy
+    measured once on the same weights (the held-out set is fixed, the evaluation greedy), the end is the last
+    snapshot's."""
+    base = [*bench.COMMON, *bench.SMALL]
+    cfg = bench.resolve(None, [*base, "warmup.steps=0"])
+    weights = bench.build_policy(cfg, bench.build_task(cfg)).model.state_dict()
+    start = bench.start_accuracy(base, weights)
+    evaluated = []
+    real = bench.heldout_accuracy
+
+    def counted(*a, **k):
+        evaluated.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "heldout_accuracy", counted)
+    monkeypatch.setattr(bench.loop_mod, "heldout_accuracy", counted)
+    r = bench.run_arm([*base, "trainer.steps=3"], 0, weights, 60.0, 0.0, tmp_path / "arm", start)
+    assert r["steps"] == 3 and r["curve"][0] == (0.0, 0, start)
+    assert len(evaluated) == len(r["curve"]) - 1 == 3  # one per snapshot (one a step here), none in the loop
+    assert bench.loop_mod.heldout_accuracy is counted  # (restored after the run)
+    assert bench.loop_mod.AsyncLoop.final_heldout.__name__ == "final_heldout"
