@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from stateshift import ModelState
-from stateshift.core.pool import HostPool
+from stateshift import HostPool, ModelState
 from stateshift.rl.sync import WeightPublisher, WeightReceiver
 
 

@@ -10,16 +10,21 @@ Public API::
         ...
     state.restore(pi_old)
 
+``HostPool``: the pinned host pool a ``ModelState`` takes its homes and snapshots from (``HostPool(shared=True)``:
+in ``/dev/shm``, mappable by other processes, for weight sync). ``watch_thread()``: check a thread that neither
+calls verbs nor runs a guarded model for touches of offloaded state.
+
 Checkpoints: ``stateshift.checkpoint``; RL building blocks: ``stateshift.rl``; the RL trainer: ``stateshift.train``.
 Everything else (the engine in ``stateshift.core``, the backends in
 ``stateshift.backends``) is internal and may change.
 """
 
 from . import backends as _backends  # noqa: F401 - registers backend detection with the engine
-from .core.pool import PoolStats
+from .core.pool import HostPool, PoolStats
 from .core.slot import Residency
 from .core.snapshot import Snapshot
 from .core.state import ModelState
+from .core.touch import watch_thread
 from .errors import (
     BudgetError,
     CheckpointError,
@@ -36,6 +41,7 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "DiskError",
+    "HostPool",
     "LayoutError",
     "ModelState",
     "ObjectError",
@@ -45,4 +51,5 @@ __all__ = [
     "StateError",
     "StateShiftError",
     "__version__",
+    "watch_thread",
 ]
