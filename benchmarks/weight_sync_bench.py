@@ -35,7 +35,7 @@ preallocated tensors on its device (``WeightReceiver.load_into``). Per row:
 - ``plans_built``: timed loads that built their copy plan (new arenas: the cover check and the
   plan's tables inside ``pause_s``) instead of reusing one.
 
-On the GPU machine (Megatron carried as /work/shared/GPU.md says)::
+On the GPU machine (Megatron carried as docs/notes/gpu-machine.md says)::
 
     python3 benchmarks/weight_sync_bench.py --out benchmarks/results
 

@@ -8,10 +8,10 @@
 #   WHAT=executors bash tests/gpu/run_gpu_suite.sh # stateshift train's rollouter in a process / under Ray: tests, then the bench
 #   WHAT=longtail bash tests/gpu/run_gpu_suite.sh  # sync vs fully-async on the long-tail task (LONGTAIL_ARGS)
 #   WHAT=families bash tests/gpu/run_gpu_suite.sh  # stateshift train per model family x 3 seeds, with its checks (FAMILIES_ARGS)
-# Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (see ../shared/GPU.md), unpacked into /tmp/site.
+# Ray travels as .ray/ray-core.tar.xz plus its needs' wheels (docs/notes/gpu-machine.md), unpacked into /tmp/site.
 # Pass STATESHIFT_GIT_SHA=<the commit here> on the device: its copy of the tree may carry a stale .git.
 # Results go to $OUT (default ./gpu-out) as one results.tgz plus run.log (the device tool returns <= 8 files).
-# megatron-core, torch_memory_saver and zlib-ng travel as wheels in .whl/ (see ../shared/GPU.md), installed into
+# megatron-core, torch_memory_saver and zlib-ng travel as wheels in .whl/ (docs/notes/gpu-machine.md), installed into
 # .site/: carry .whl on every call (stateshift imports zlib_ng; without it every step fails, and the script exits 1).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}

@@ -3,7 +3,7 @@ policy family with every offload on and pi_old: the run finishes, the ledger bal
 executor also with the rollouter on a second GPU when there is one, and equal to the thread executor.
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_rl_gpu_executors.py`` (PYTHONPATH=src:tests/rl; Ray as
-``../shared/GPU.md`` says, or the Ray tests skip).
+``docs/notes/gpu-machine.md`` says, or the Ray tests skip).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ group's first read train the same bits as onloads waited for where they are need
 offload on and pi_old (swaps included); and the prefetch path really ran.
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_rl_prefetch_gpu.py`` (PYTHONPATH=src:tests/rl; Megatron as
-``../shared/GPU.md`` says).
+``docs/notes/gpu-machine.md`` says).
 """
 
 from __future__ import annotations
