@@ -1,4 +1,4 @@
-"""The README's example, runnable: offload and onload, a pi_old snapshot, compute under it, restore it.
+"""The README's example, runnable: offload and onload, drop the grads, a pi_old snapshot, compute under it, restore it.
 
 A small model and its Adam optimizer; one ``ModelState`` over both. Each
 check compares values bit for bit with copies taken by hand, which is what a
@@ -42,6 +42,10 @@ def run(device: str | None = None) -> dict[str, Any]:
         checks["offloaded"] = state.residency()["params"]["host"] > 0
         state.onload()  # same tensor objects, same values
         checks["onload_exact"] = _same(before, dict(model.state_dict()))
+        state.drop("grads")  # released without values; onload zero-fills
+        checks["grads_dropped"] = state.residency()["grads"]["dropped"] > 0
+        state.onload()
+        checks["grads_zero_filled"] = all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
         pi_old = state.snapshot(tag="pi_old")  # params + buffers
         with torch.no_grad():

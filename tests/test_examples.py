@@ -81,6 +81,8 @@ def test_pi_old_example_checks_every_verb_bit_for_bit(tmp_path):
     assert got == {
         "offloaded": True,
         "onload_exact": True,
+        "grads_dropped": True,
+        "grads_zero_filled": True,
         "swapped_exact": True,
         "back_after_swap": True,
         "restore_exact": True,

@@ -1,7 +1,7 @@
 """The ``stateshift`` command.
 
 stateshift train            # the fully-async RL trainer on its built-in task (stateshift train --help)
-stateshift bench            # every verb in every residency on the built-in model
+stateshift bench            # the verbs on a built-in GPT, params resident and offloaded
 stateshift bench --help     # sizes, device, output files
 stateshift inspect PATH     # a checkpoint's manifest and tensors, checksums verified
 stateshift clean [DIR]      # remove the /dev/shm files that killed stateshift processes left behind

@@ -1,4 +1,4 @@
-"""Timing of ``stateshift bench``: every verb in every residency, as ratios to ceilings measured in the same run.
+"""Timing of ``stateshift bench``: the verbs with params resident and offloaded, as ratios to ceilings measured in the same run.
 
 Ceilings (same process, same byte count): a pinned device-to-host and
 host-to-device copy between preallocated buffers, a device-to-device copy

@@ -52,7 +52,9 @@ class DiskTier:
         if self.disk is None:
             if self.directory is None:
                 raise DiskError(
-                    "tier", "offload(..., to='disk') needs ModelState(..., disk_dir=...): no disk directory is set"
+                    "tier",
+                    "offload(..., to='disk') and snapshot(placement='disk') need ModelState(..., disk_dir=...): "
+                    "no disk directory is set",
                 )
             self.disk = self.table.disk = DiskHome(self.directory)
         return self.disk

@@ -6,8 +6,8 @@ residencies: a slot is ``device``, ``host`` or ``dropped``, and each verb
 says what it does in each case -- there is no side attribute whose absence
 could raise.
 
-When results are safe to read: every verb returns without blocking the host
-on device copies. Compute enqueued on the current stream after a verb is
+When results are safe to read: a verb returns without blocking the host on device
+copies (except with ``free_device_memory`` and ``offload(to="disk")``). Compute enqueued on the current stream after a verb is
 ordered after that verb's copies, so the model may run (or be stepped) at
 once. Host memory written by a verb (a snapshot's values, a home) is safe to
 read on the host only after waiting: ``Snapshot.wait()`` or the returned
@@ -38,14 +38,12 @@ Shape: ``ModelState`` is the user's facade -- the verbs above plus
 ``residency``, ``nbytes``, ``stats``, ``layout``, ``plan_offload`` and
 ``close`` -- over an internal ``Core`` (``engine.py``) that holds the slot
 table, the tiers (``tiers.py``: device, host, dropped, disk) and the lock.
-What the libraries on the engine need beyond the verbs (slots, layouts,
-``snapshot_from``, ``check_restore``, the pool, the snapshot store) is the
-core's internal API, reached with ``core_of(state)`` and listed in ``engine.py``.
+What the libraries on the engine need beyond the verbs (slots, layouts, ``snapshot_from``, ``check_restore``,
+the pool, the snapshot store) is the core's internal API, reached with ``core_of(state)`` (``engine.py``).
 
-Lifetime: the guard hooks a ``ModelState`` installs on the model hold it,
-so it lives as long as the model; one built with ``guard=False`` keeps
-itself alive while it holds offloaded values, until ``close()``. ``close()``
-brings offloaded values back to the device before it gives the homes up.
+Lifetime: the guard hooks a ``ModelState`` installs on the model hold it, so it lives as long as the model;
+one built with ``guard=False`` keeps itself alive while it holds offloaded values, until ``close()``.
+``close()`` brings offloaded values back to the device before it gives the homes up.
 """
 
 from __future__ import annotations
@@ -288,6 +286,7 @@ class ModelState:
             BudgetError("pool"): the homes do not fit the pool's budget (nothing moved).
             DiskError("tier"): no ``disk_dir``, or a full disk (every value where it was).
             StateError("inside_compute"): called from inside a guarded forward or step on this thread.
+            ValueError: ``to`` is none of the three (nothing moved).
         """
         transfer, plan = verbs.offload(self._core, groups, only, to)
         if plan is not None:
@@ -385,6 +384,7 @@ class ModelState:
             BudgetError("snapshot"): the snapshot store's budget would be exceeded.
             BudgetError("pool"): the host blocks do not fit the pool's budget.
             DiskError("tier"): ``placement="disk"`` without ``disk_dir``, or a full disk (the old snapshot stays).
+            ValueError: an unknown ``placement`` (nothing taken).
         """
         return verbs.snapshot(self._core, groups, tag, version, placement)
 
