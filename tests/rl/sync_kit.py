@@ -59,7 +59,8 @@ def receiver_main(handle: str, name: str, device: str | None, conn: Any) -> None
     """A receiver process driven by commands on ``conn``: ``("load", min_version)`` replies the version and
     the values loaded into a fresh model; ``("pairs", min_version)`` the version, the pairs ``receive``
     yields (host copies) and the devices they were on; ``("hold", min_version)`` holds the version mid-read and replies,
-    then sleeps (to be killed); ``("stop",)`` closes and replies."""
+    then sleeps (to be killed); ``("within", min_version, timeout)`` loads with that timeout and replies the version,
+    or ``("timeout", seconds waited)``; ``("stop",)`` closes and replies."""
     _serve(handle, name, device, conn, model)
 
 
@@ -70,7 +71,7 @@ def receiver_without_buffers_main(handle: str, name: str, device: str | None, co
 
 def _serve(handle: str, name: str, device: str | None, conn: Any, build: Callable[[int], torch.nn.Module]) -> None:
     torch.set_num_threads(1)
-    from stateshift.rl.sync import WeightReceiver
+    from stateshift.rl.sync import SyncError, WeightReceiver
 
     rx = WeightReceiver(handle, name=name, device=device, timeout_s=STEP_S)
     target = build(99).to(device or "cpu")
@@ -84,6 +85,12 @@ def _serve(handle: str, name: str, device: str | None, conn: Any, build: Callabl
             with rx.receive(min_version=cmd[1]) as (v, pairs):
                 got = {n: (t.detach().cpu().clone(), str(t.device)) for n, t in pairs}
             conn.send((v, {n: t for n, (t, _) in got.items()}, sorted({d for _, d in got.values()})))
+        elif cmd[0] == "within":
+            t0 = time.monotonic()
+            try:
+                conn.send((rx.load_into(target, min_version=cmd[1], timeout=cmd[2]), values(target)))
+            except SyncError as e:
+                conn.send((e.kind, time.monotonic() - t0))
         elif cmd[0] == "hold":
             with rx.receive(min_version=cmd[1]) as (v, pairs):
                 next(pairs)

@@ -5,6 +5,7 @@ leaves receivers on the last whole version."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -118,14 +119,14 @@ def test_a_publisher_started_after_one_died_leaves_that_ones_receivers_on_their_
     whose receivers still run: they stay on its last whole version and time out typed."""
     proc, handle, conn = dying_publisher
     rx = WeightReceiver(handle, name="r", timeout_s=10)
-    other_state = ModelState(model(9), pool=HostPool(shared=True))
-    other = None
+    other_state = other = None
     try:
         want = values(model(0))
         assert rx.load_into(model(3)) == 1
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
-        other = WeightPublisher(other_state, name="other")  # removes stale files of dead processes
+        other_state = ModelState(model(9), pool=HostPool(shared=True))  # a shared pool removes dead ones' blocks
+        other = WeightPublisher(other_state, name="other")  # and a publisher dead ones' mailboxes
         target = model(4)
         assert rx.load_into(target) == 1 and same(values(target), want)
         with raises_kind(SyncError, "timeout") as err:
@@ -135,8 +136,38 @@ def test_a_publisher_started_after_one_died_leaves_that_ones_receivers_on_their_
         rx.close()
         if other is not None:
             other.close()
-        other_state.close()
+        if other_state is not None:
+            other_state.close()
     assert Mailbox.remove_stale(rx.handle.directory)  # and once nobody reads them, they go
+    HostPool(shared=True)
+    assert glob.glob(f"/dev/shm/stateshift-pool-{proc.pid}-*") == []
+
+
+def test_a_broadcast_receiver_times_out_typed_and_then_reads_the_next_version_whole():
+    m = model(0)
+    state = ModelState(m)
+    pub = WeightPublisher(state, transport="broadcast", name="bt", broadcast_receivers=1, ack_timeout_s=60)
+    procs = []
+    try:
+        ((p, c),) = start_many(receiver_main, [(pub.handle().to_json(), "b0", None)])
+        procs.append(p)
+        kind, waited = ask(c, ("within", 1, 1.0))  # nothing published: its timeout, not the group's
+        assert kind == "timeout" and waited < 5, (kind, waited)
+        pub.publish(1)
+        version, got = ask(c, ("within", 1, 30.0))  # the broadcast it waited on before is the one that arrives
+        assert version == 1 and same(got, values(m))
+        assert ask(c, ("within", 2, 0.5))[0] == "timeout"
+        step(m, 2)
+        pub.publish(2)
+        version, got = ask(c, ("within", 2, 30.0))
+        assert version == 2 and same(got, values(m))
+        pub.close()
+        kind, waited = ask(c, ("within", 3, 30.0))  # its group ended: said at once, not at the timeout
+        assert kind == "broadcast" and waited < 10, (kind, waited)
+    finally:
+        stop(procs)
+        pub.close()
+        state.close()
 
 
 def test_gloo_broadcast_sends_each_receiver_whole_versions_in_buckets():

@@ -40,6 +40,7 @@ process that was killed -- by the next shared pool that starts on the machine.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -429,9 +430,10 @@ def remove_stale_files(
     dry_run: bool = False,
 ) -> list[str]:
     """Remove the files in ``directory`` whose whole name matches ``pattern`` (its group 1 a process id)
-    and whose process is gone: what a killed process left behind, but for those ``keep`` names. Returns
-    the names removed (``dry_run``: those it would remove, removing none). A process of another user
-    counts as alive; a name that vanishes meanwhile (another sweep) is not counted."""
+    and whose process is gone: what a killed process left behind, but for those ``keep`` names and those
+    a live process holds a ``flock`` on (``hold_in_use``: a receiver reading a dead publisher's last
+    version). Returns the names removed (``dry_run``: those it would remove, removing none). A process of
+    another user counts as alive; a name that vanishes meanwhile (another sweep) is not counted."""
     removed = []
     try:
         names = sorted(os.listdir(directory))
@@ -441,10 +443,30 @@ def remove_stale_files(
         m = pattern.fullmatch(name)
         if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))) or keep(name):
             continue
+        path = os.path.join(directory, name)
         try:
-            if not dry_run:
-                os.unlink(os.path.join(directory, name))
-            removed.append(name)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
+            fd = None  # (a link, or a file of another user: removed by name all the same)
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while it goes: nobody takes it meanwhile
+            if not dry_run:
+                os.unlink(path)
+            removed.append(name)
+        except OSError:  # (BlockingIOError: in use)
             pass
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
+
+
+def hold_in_use(fd: int) -> None:
+    """Mark the file ``fd`` is open on as in use for as long as ``fd`` stays open (a shared ``flock``), so that
+    ``remove_stale_files`` leaves it even after the process that made it died. Best effort: a sweep that holds
+    the file at this moment wins (the file's memory stays readable through a mapping made from ``fd``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass

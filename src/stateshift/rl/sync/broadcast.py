@@ -4,9 +4,12 @@
 The group is built from a ``TCPStore`` the publisher hosts (rank 0; receivers
 take ranks 1..N from the store's counter), separate from any default group
 the trainer runs, so it needs no ``init_process_group``. Per version, rank 0
-broadcasts a header (version, manifest bytes, payload bytes), the manifest
-JSON, then the payload (the snapshot's parts back to back) in buckets of
-``bucket_bytes``. When the payload is not where the group communicates (a
+counts the version as sent in the store, then broadcasts a header (version,
+manifest bytes, payload bytes), the manifest JSON, then the payload (the
+snapshot's parts back to back) in buckets of ``bucket_bytes``. A receiver
+posts its receive of a header only once the store counts one more version
+than it received: a collective cannot be cancelled, so a wait for a version
+that times out must leave none posted. When the payload is not where the group communicates (a
 host snapshot on NCCL), two device buckets alternate: the copy into bucket
 k+1 (on a copy stream) overlaps the broadcast of bucket k.
 
@@ -34,6 +37,10 @@ from .handle import SyncHandle
 from .manifest import MAX_MANIFEST_BYTES, Manifest, part_entry
 
 _VERSION = 1
+
+
+#: the key of the group's store that counts the versions the publisher sent (``BroadcastLink._next_header``)
+SENT = "stateshift-sync-sent"
 
 
 def _group(store: Any, rank: int, size: int, backend: str, host: str, timeout_s: float) -> Any:
@@ -79,6 +86,7 @@ class BroadcastSender:
             parts.append(part_entry(p, offset=offset))
             offset += p.layout.total
         raw = Manifest(version=version, transport="broadcast", parts=tuple(parts)).to_json()
+        self.store.add(SENT, 1)  # receivers post their receive of the header once they see it counted
         self._bcast(torch.tensor([_VERSION, version, len(raw), offset, self.bucket_bytes], dtype=torch.int64))
         self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         self._payload([p.arena for p in snapshot.parts])
@@ -149,31 +157,55 @@ class BroadcastLink:
         self.version: int | None = None
         self.alive = True
         self._staging: torch.Tensor | None = None
+        self.store: Any = store
+        #: versions received so far: the next header is posted only once the publisher counted more as sent
+        self._received = 0
 
     def next(self, min_version: int | None, deadline: float) -> tuple[int, Manifest, list[torch.Tensor]]:
-        """Receive versions until one is at least ``min_version``; returns it (its arenas: staging views)."""
+        """Receive versions until one is at least ``min_version``; returns it (its arenas: staging views).
+
+        Raises ``SyncError("timeout")`` once ``deadline`` (``time.monotonic()``) passes with no such version;
+        a version whose header arrived is then received whole first."""
         while True:
             if not self.alive:
                 raise SyncError("broadcast", "the broadcast group ended (the publisher closed or died)")
-            version, manifest, arenas = self._one()
+            version, manifest, arenas = self._one(deadline, min_version)
             if min_version is None or version >= min_version:
                 return version, manifest, arenas
-            if time.monotonic() > deadline:
-                raise SyncError(
-                    "timeout", f"broadcast: version {version} received, {min_version} wanted", min_version=min_version
-                )
 
-    def _one(self) -> tuple[int, Manifest, list[torch.Tensor]]:
+    def _one(self, deadline: float, min_version: int | None) -> tuple[int, Manifest, list[torch.Tensor]]:
         try:
-            return self._receive()
+            header = self._next_header(deadline, min_version)
+            return self._receive(header)
+        except SyncError as exc:  # ours: the receiver's timeout (the header stays posted), or a version refused
+            if exc.kind != "timeout":
+                self.alive = False  # (what follows a refused header would be read out of step)
+            raise
         except RuntimeError as exc:  # the group's error: the publisher closed or died, or it timed out
             self.alive = False
             raise SyncError("broadcast", f"the broadcast group ended: {exc}") from exc
 
-    def _receive(self) -> tuple[int, Manifest, list[torch.Tensor]]:
+    def _next_header(self, deadline: float, min_version: int | None) -> list[int]:
+        """The next version's header. A collective cannot be cancelled, so it is posted only once the publisher
+        counted the version as sent (``SENT`` in the group's store, read without blocking until ``deadline``):
+        a wait that times out leaves nothing posted, and the process can go on or exit."""
+        pause = 0.001
+        while int(self.store.add(SENT, 0)) <= self._received:  # (an error here: the publisher's store is gone)
+            if time.monotonic() > deadline:
+                raise SyncError(
+                    "timeout",
+                    f"broadcast: no version >= {min_version} within the receiver's timeout (latest {self.version})",
+                    min_version=min_version,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
         header = torch.zeros(5, dtype=torch.int64, device=self.device)
         self.pg.broadcast(header, 0).wait()
-        kind, version, mlen, total, bucket = (int(x) for x in header.tolist())
+        self._received += 1
+        return [int(x) for x in header.tolist()]
+
+    def _receive(self, header: list[int]) -> tuple[int, Manifest, list[torch.Tensor]]:
+        kind, version, mlen, total, bucket = header
         if kind != _VERSION:
             raise SyncError("mailbox", f"kind {kind}", path="<broadcast>", field="header")
         if not 0 < mlen <= MAX_MANIFEST_BYTES or total < 0 or bucket < 1:
@@ -202,3 +234,4 @@ class BroadcastLink:
 
     def close(self) -> None:
         self.pg = None
+        self.store = None

@@ -21,6 +21,8 @@ TRANSPORTS: tuple[str, ...] = ("shared_host", "cuda_ipc", "broadcast")
 #: Names of publishers and receivers: what may appear inside a file name.
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PREFIX = re.compile(r"stateshift-sync-(\d{1,10})-[0-9a-f]{8,32}")
+#: the longest handle text a receiver parses (a publisher writes a few hundred characters)
+MAX_HANDLE_CHARS = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,12 @@ class SyncHandle:
     @staticmethod
     def from_json(text: str | bytes) -> SyncHandle:
         """A handle from ``to_json()``'s text, every field checked (``SyncError("mailbox")``)."""
+        if len(text) > MAX_HANDLE_CHARS:
+            raise SyncError("mailbox", f"{len(text)} characters, more than {MAX_HANDLE_CHARS}", path="<handle>")
         try:
             obj = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SyncError("mailbox", str(exc), path="<handle>", field="json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise SyncError("mailbox", str(exc)[:200], path="<handle>", field="json") from None
         if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(SyncHandle)}:
             raise SyncError(
                 "mailbox", f"expected {sorted(f.name for f in fields(SyncHandle))}", path="<handle>", field="fields"

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from ...core.pool import remove_stale_files
@@ -49,11 +51,15 @@ RECEIVER_ALIVE = re.compile(rf"({PREFIX.pattern})\.r\.(.+)\.alive")
 
 
 class Mailbox:
-    """One publisher's mailbox files (see the module doc); used by the publisher and its receivers."""
+    """One publisher's mailbox files (see the module doc); used by the publisher and its receivers.
 
-    def __init__(self, directory: str, prefix: str) -> None:
+    ``owner``: the publisher, which makes the lock file; a receiver finds it, or learns that the publisher
+    closed (its files are gone), and so never leaves a file of the publisher's behind."""
+
+    def __init__(self, directory: str, prefix: str, owner: bool = False) -> None:
         self.directory = directory
         self.prefix = prefix
+        self.owner = owner
         self.path = os.path.join(directory, prefix + ".json")
         self._lock_fd: int | None = None
         self._threads = threading.Lock()  # a flock excludes other processes only, not this one's threads
@@ -106,15 +112,16 @@ class Mailbox:
         return None
 
     def _read_file(self, path: str, limit: int) -> bytes:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise SyncError("mailbox", f"cannot open: {exc.strerror}", path=path, field="file") from None
+        """The bytes of the regular file ``path`` (at most ``limit``). Opened without following a link and
+        without blocking, so a FIFO or a device in its place is refused, not waited on."""
+        fd = _open_regular(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size > limit:
                 raise SyncError("mailbox", f"{size} bytes, more than {limit}", path=path, field="size")
             return os.read(fd, size + 1)[: limit + 1]
+        except OSError as exc:
+            raise SyncError("mailbox", f"cannot read: {exc.strerror}", path=path, field="file") from None
         finally:
             os.close(fd)
 
@@ -124,9 +131,16 @@ class Mailbox:
         """Hold the mailbox lock (exclusive ``flock``, and a thread lock; keep the section short)."""
         with self._threads:
             if self._lock_fd is None:
-                self._lock_fd = os.open(
-                    os.path.join(self.directory, self.prefix + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
-                )
+                path = os.path.join(self.directory, self.prefix + ".lock")
+                if self.owner:
+                    self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+                else:
+                    try:
+                        self._lock_fd = _open_regular(path, os.O_RDWR)
+                    except SyncError:
+                        if os.path.lexists(path):
+                            raise
+                        raise SyncError("closed", "the publisher's files are gone: it closed") from None
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
                 yield
@@ -138,8 +152,8 @@ class Mailbox:
         raw = self._read_file(self.path, MAX_MAILBOX_BYTES)
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SyncError("mailbox", str(exc), path=self.path, field="json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise SyncError("mailbox", str(exc)[:200], path=self.path, field="json") from None
         return _checked(obj, self.path)
 
     def write(self, state: dict[str, Any], keep: bool = False) -> int | None:
@@ -189,7 +203,7 @@ class Mailbox:
     def hold_alive(self, receiver: str | None) -> int:
         """Take the exclusive lock that says this process (the publisher, or ``receiver``) lives; returns
         its descriptor (closing it, or dying, lets go). ``SyncError("mailbox")`` if a live process holds it."""
-        fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -205,7 +219,7 @@ class Mailbox:
     def is_alive(self, receiver: str | None) -> bool:
         """Whether the process that holds ``receiver``'s (or the publisher's) alive lock still runs."""
         try:
-            fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(self.alive_path(receiver), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return False
         try:
@@ -226,7 +240,11 @@ class Mailbox:
         except OSError:
             pass
         for p in sorted(paths):
-            unlink_quietly(p)
+            try:
+                unlink_quietly(p)
+            except IsADirectoryError:  # put in a file's place by someone else: removed if it is empty
+                with suppress(OSError):
+                    os.rmdir(p)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -250,6 +268,33 @@ def new_state() -> dict[str, Any]:
     return {"magic": MAGIC, "versions": [], "receivers": {}, "closed": False}
 
 
+def _open_regular(path: str, flags: int) -> int:
+    """A descriptor on ``path`` if it is a regular file (``SyncError("mailbox")``, field ``file``, if it cannot be
+    opened or is anything else): never follows a link, never blocks on a FIFO."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SyncError("mailbox", f"cannot open: {exc.strerror}", path=path, field="file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SyncError("mailbox", "not a regular file", path=path, field="file")
+    return fd
+
+
+#: the fields of a receiver's entry, as receivers write them
+ENTRY = frozenset({"holding", "since", "reclaimed"})
+
+
+def _entry_ok(entry: object) -> bool:
+    """Whether ``entry`` is a receiver's entry as receivers and the publisher write it: exactly ``ENTRY``, the
+    versions held and reclaimed non-negative integers or null, since when a finite number or null."""
+    if not isinstance(entry, dict) or entry.keys() != ENTRY:
+        return False
+    versions_ok = all(v is None or type(v) is int and v >= 0 for v in (entry["holding"], entry["reclaimed"]))
+    since = entry["since"]
+    return versions_ok and (since is None or type(since) in (int, float) and math.isfinite(since))
+
+
 def _checked(obj: object, path: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("magic") != MAGIC:
         raise SyncError(
@@ -264,10 +309,6 @@ def _checked(obj: object, path: str) -> dict[str, Any]:
     if not isinstance(receivers, dict) or not isinstance(obj.get("closed"), bool):
         raise SyncError("mailbox", "not an object", path=path, field="receivers")
     for name, entry in receivers.items():
-        ok = NAME.fullmatch(name) is not None and isinstance(entry, dict)
-        ok = ok and all(
-            entry.get(k) is None or isinstance(entry.get(k), (int, float)) for k in ("holding", "since", "reclaimed")
-        )
-        if not ok:
+        if NAME.fullmatch(name) is None or not _entry_ok(entry):
             raise SyncError("mailbox", "malformed entry", path=path, field=f"receiver {name[:64]!r}")
     return obj

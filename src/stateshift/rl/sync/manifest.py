@@ -197,6 +197,10 @@ def _parse_part(p: object, where: str, i: int) -> PartEntry:
     if not isinstance(text, str):
         raise SyncError("mailbox", "not JSON text", path=where, field=f"part {i} tensors")
     tensors = _checked_tensors(text, where, size, f"part {i} tensors")
+    if offset and any(offset % dtype_of(t.dtype).itemsize for t in tensors):
+        raise SyncError(
+            "mailbox", f"{offset} is not a multiple of its tensors' item sizes", path=where, field=f"part {i} offset"
+        )
     changed = p.get("changed")
     if changed is not None and (
         not isinstance(changed, list) or not all(_is_int(i) and 0 <= i < len(tensors) for i in changed)
@@ -291,7 +295,11 @@ def _parse_tensor(t: object, where: str, size: int) -> TensorEntry:
             "mailbox", f"{str(dtype)[:40]!r} is not a torch dtype", path=where, field=f"tensor {name!r} dtype"
         )
     dims_ok = isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) <= MAX_DIMS
-    if not dims_ok or not all(_is_int(n) and 0 <= n < 1 << 48 for n in [*shape, *stride]):
+    if (
+        not dims_ok
+        or not all(_is_int(n) and 0 <= n < 1 << 48 for n in [*shape, *stride])
+        or math.prod(shape) * itemsize >= 1 << 62  # (repeated bytes, stride 0: more elements than torch counts)
+    ):
         raise SyncError(
             "mailbox", f"shape {str(shape)[:80]} stride {str(stride)[:80]}", path=where, field=f"tensor {name!r} shape"
         )

@@ -253,7 +253,7 @@ class WeightPublisher:
                 f"{self.directory!r}: receivers look for both in one directory"
             )
         Mailbox.remove_stale(self.directory)
-        self.mailbox = Mailbox(self.directory, prefix)
+        self.mailbox = Mailbox(self.directory, prefix, owner=True)
         self._alive_fd = self.mailbox.hold_alive(None)
         with self.mailbox.locked():
             self.mailbox.write(new_state())
@@ -278,7 +278,8 @@ class WeightPublisher:
         until then they keep reading the one before. The trainer may step at once: the snapshot holds
         the values of this moment (rule 4), and published memory is never written again while listed.
 
-        Raises: ``ValueError`` if ``version`` is not above the last published one; ``BudgetError("sync")``
+        Raises: ``ValueError`` if ``version`` is not an integer in [0, 2**63) above the last published one;
+        ``BudgetError("sync")``
         (naming the receivers holding old versions) if it would pass ``budget_bytes``, nothing changed;
         ``SyncError`` if the publisher's thread failed or the publisher is closed.
         """
@@ -291,9 +292,13 @@ class WeightPublisher:
         if (
             not isinstance(version, int)
             or isinstance(version, bool)
+            or not 0 <= version < 1 << 63
             or (self._last is not None and version <= self._last)
         ):
-            raise ValueError(f"version must be an integer above the last published one ({self._last}), not {version!r}")
+            raise ValueError(
+                f"version must be an integer in [0, 2**63) above the last published one ({self._last}), not "
+                f"{str(version)[:40]}"
+            )
         t0 = time.perf_counter()
         nbytes = sum(layout.total for layout in core_of(self.state).layouts(self.groups).values())
         self._check_budget(nbytes)
@@ -338,7 +343,10 @@ class WeightPublisher:
                     if e.kind != "mailbox":
                         raise
                     state = dict(new_state(), closed=True)
-                self.mailbox.write(state)
+                try:
+                    self.mailbox.write(state)
+                except OSError as exc:  # (a directory in its place): its receivers find no mailbox, as after close
+                    _log.warning("weight publisher %r: cannot write its mailbox at close: %r", self.name, exc)
             self.mailbox.remove(sorted(set(versions) | set(self._live)), receivers)
             os.close(self._alive_fd)
         for live in list(self._live.values()):
@@ -364,21 +372,30 @@ class WeightPublisher:
                 item = ()  # type: ignore[assignment]
             if item is None:
                 return
-            try:
-                if item:
+            if item:
+                try:
                     self._list(*item)
-                if self.mailbox is not None:
-                    self._scan()
-            except BaseException as exc:  # noqa: BLE001 - reported by the next publish() and Publication.wait()
+                except BaseException as exc:  # noqa: BLE001 - not listed: this publish fails alone (its wait() raises)
+                    self._drop_unlisted(*item, exc)
+            try:
+                self._scan()
+            except BaseException as exc:  # noqa: BLE001 - reported by the next publish()
                 if self._failure is None:
                     _log.exception("weight publisher %r failed", self.name)
                 self._failure = exc
-                if item:
-                    item[0].error = exc
-                    item[0]._done.set()
-                    with self._lock:
-                        self._live.pop(item[1].version, None)
-                    self._free(item[1])
+
+    def _drop_unlisted(self, pub: Publication, live: _Live, exc: BaseException) -> None:
+        """``live`` failed before its listing (``_list``'s last step): no receiver can hold it, so its manifest
+        and memory go now; ``pub.wait()`` raises ``exc``. The publisher goes on: the next version is listed
+        over the one listed before (a full disk that frees up, a version the file system refused)."""
+        _log.warning("weight publisher %r: version %s failed before it was listed: %r", self.name, live.version, exc)
+        pub.error = exc
+        pub._done.set()
+        with self._lock:
+            self._live.pop(live.version, None)
+        assert self.mailbox is not None
+        unlink_quietly(self.mailbox.manifest_path(live.version))
+        self._free(live)
 
     def _run_broadcast(self) -> None:
         """The thread of a ``broadcast`` publisher: join the group, then send the latest version enqueued

@@ -4,7 +4,9 @@ Each file is mapped ``MAP_SHARED`` once per process and, on a machine with
 CUDA, registered with ``cudaHostRegister`` once, so the H2D copy from it runs
 at the pinned rate; the mapping is cached by the file's identity (device and
 inode), so a second version in the same blocks costs no new mapping or
-registration. Mappings of files that are gone are dropped (``sweep``).
+registration. Mappings of files that are gone are dropped (``sweep``). Each mapped file keeps a
+descriptor open under a shared ``flock`` (``hold_in_use``): a sweep of dead processes' files, after
+the publisher died, leaves the blocks a live receiver still reads its last version from.
 """
 
 from __future__ import annotations
@@ -13,11 +15,25 @@ import mmap
 import os
 import stat
 import warnings
+from dataclasses import dataclass
 
 import torch
 
+from ...core.pool import hold_in_use
 from ...errors import SyncError
 from .manifest import PartEntry
+
+
+@dataclass
+class _Mapping:
+    """One mapped block: the mapping, its bytes as a tensor, whether it is registered, its path, and a descriptor
+    kept open on it (its shared ``flock`` says the file is in use: ``hold_in_use``)."""
+
+    mm: mmap.mmap
+    data: torch.Tensor
+    registered: bool
+    path: str
+    fd: int
 
 
 class HostMaps:
@@ -26,7 +42,7 @@ class HostMaps:
     def __init__(self, directory: str, register: bool) -> None:
         self.directory = directory
         self.register = register and torch.cuda.is_available()
-        self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor, bool, str]] = {}
+        self._maps: dict[tuple[int, int], _Mapping] = {}
         #: how many files were mapped (and registered) so far
         self.mapped = 0
 
@@ -44,24 +60,30 @@ class HostMaps:
             raise SyncError(
                 "mailbox", f"{part.file!r}: {exc.strerror}", path=where, field=f"part {part.group!r} file"
             ) from None
+        end = part.offset + part.size
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < part.offset + part.size:
+            if not stat.S_ISREG(st.st_mode) or st.st_size < end:
                 raise SyncError(
                     "mailbox",
-                    f"{part.file!r} is not a file of at least {part.offset + part.size} bytes",
+                    f"{part.file!r} is not a file of at least {end} bytes",
                     path=where,
                     field=f"part {part.group!r} file",
                 )
             key = (st.st_dev, st.st_ino)
+            if key in self._maps and self._maps[key].data.numel() < end:  # the file grew since it was mapped
+                self._drop(key)
             if key not in self._maps:
                 self._maps[key] = self._map(fd, st.st_size, path)
+                fd = -1  # kept open by the mapping's entry (``hold_in_use``), closed when it is dropped
         finally:
-            os.close(fd)
-        return self._maps[key][1][part.offset : part.offset + part.size]
+            if fd >= 0:
+                os.close(fd)
+        return self._maps[key].data[part.offset : end]
 
-    def _map(self, fd: int, size: int, path: str) -> tuple[mmap.mmap, torch.Tensor, bool, str]:
+    def _map(self, fd: int, size: int, path: str) -> _Mapping:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        hold_in_use(fd)  # a sweep after the publisher died leaves the file to this receiver (its last version)
         data = torch.frombuffer(mm, dtype=torch.uint8)
         registered = False
         if self.register:
@@ -72,7 +94,7 @@ class HostMaps:
                     f"cudaHostRegister of {path} failed (CUDA error {rc}); its copies run pageable", stacklevel=4
                 )
         self.mapped += 1
-        return mm, data, registered, path
+        return _Mapping(mm, data, registered, path, fd)
 
     def ensure_registered(self) -> None:
         """Register (pin) every mapping from now on, and those made so far (copies to a CUDA target run at
@@ -80,16 +102,16 @@ class HostMaps:
         if self.register or not torch.cuda.is_available():
             return
         self.register = True
-        for key, (mm, data, registered, path) in list(self._maps.items()):
-            if not registered:
-                rc = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 0)
-                self._maps[key] = (mm, data, int(getattr(rc, "value", rc)) == 0, path)
+        for m in self._maps.values():
+            if not m.registered:
+                rc = torch.cuda.cudart().cudaHostRegister(m.data.data_ptr(), m.data.numel(), 0)
+                m.registered = int(getattr(rc, "value", rc)) == 0
 
     def sweep(self) -> None:
         """Drop the mappings of files that were removed or replaced."""
-        for key, (_, _, _, path) in list(self._maps.items()):
+        for key, m in list(self._maps.items()):
             try:
-                st = os.stat(path)
+                st = os.stat(m.path)
                 if (st.st_dev, st.st_ino) == key:
                     continue
             except OSError:
@@ -97,10 +119,12 @@ class HostMaps:
             self._drop(key)
 
     def _drop(self, key: tuple[int, int]) -> None:
-        mm, data, registered, _ = self._maps.pop(key)
-        if registered:
-            torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
-        del data
+        m = self._maps.pop(key)
+        if m.registered:
+            torch.cuda.cudart().cudaHostUnregister(m.data.data_ptr())
+        os.close(m.fd)  # (the file is no longer in use by this receiver)
+        mm = m.mm
+        del m
         try:
             mm.close()
         except BufferError:  # a view handed out is still referenced: the mapping goes with it
