@@ -279,9 +279,8 @@ class WeightPublisher:
         the values of this moment (rule 4), and published memory is never written again while listed.
 
         Raises: ``ValueError`` if ``version`` is not an integer in [0, 2**63) above the last published one;
-        ``BudgetError("sync")``
-        (naming the receivers holding old versions) if it would pass ``budget_bytes``, nothing changed;
-        ``SyncError`` if the publisher's thread failed or the publisher is closed.
+        ``BudgetError("sync")`` (naming the receivers holding old versions) if it would pass ``budget_bytes``,
+        nothing changed; ``SyncError`` if the publisher's thread failed or the publisher is closed.
         """
         if self._closed:
             raise SyncError("closed", f"publisher {self.name!r} is closed")
