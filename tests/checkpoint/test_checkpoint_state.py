@@ -305,17 +305,17 @@ def test_io_error_while_reading_is_a_typed_error_naming_the_file_and_tensor_and_
     _, _, state2 = _warmed("cpu", seed=1)
     if residency == "offloaded":
         state2.offload()
-    real = format_mod._Mapped.populate
+    real = os.preadv
     fails_at: list[int] = []
 
-    def populate(mapped, start, length):
-        """(the kernel's answer when a page of the mapped file cannot be read)"""
-        if os.readlink(f"/proc/self/fd/{mapped.fd}").endswith("optim.safetensors") and not fails_at:
-            fails_at.append(start)
+    def preadv(fd, bufs, offset):
+        """(the kernel's answer when a block of the file cannot be read)"""
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("optim.safetensors") and not fails_at:
+            fails_at.append(offset)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(mapped, start, length)
+        return real(fd, bufs, offset)
 
-    monkeypatch.setattr(format_mod._Mapped, "populate", populate)
+    monkeypatch.setattr(format_mod.os, "preadv", preadv)
     err = _loaded_unchanged(state2, tmp_path / "ck", (CheckpointError, "read"), "EIO")
     assert fails_at, "the fault was never injected"
     assert isinstance(err, OSError) and err.errno == errno.EIO
@@ -338,7 +338,7 @@ def test_io_error_reading_the_manifest_or_verifying_is_a_typed_error(tmp_path, m
         with raises_kind(CheckpointError, "read", match="manifest.json") as ei:
             verify(tmp_path / "ck")
         assert ei.value.errno == errno.EIO and ei.value.tensor is None
-    monkeypatch.setattr(format_mod._Mapped, "populate", eio)
+    monkeypatch.setattr(format_mod.os, "preadv", eio)
     with raises_kind(CheckpointError, "read", match="EIO") as ei:
         verify(tmp_path / "ck")
     assert ei.value.tensor is not None and ei.value.path.endswith(".safetensors")
@@ -358,7 +358,7 @@ def test_an_io_error_names_a_long_tensor_name_in_a_short_message(tmp_path, monke
     def eio(*_a, **_k):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(format_mod._Mapped, "populate", eio)
+    monkeypatch.setattr(format_mod.os, "preadv", eio)
     with raises_kind(CheckpointError, "read", match="EIO") as ei:
         verify(tmp_path / "ck")
     assert ei.value.tensor == name and len(str(ei.value)) < 2000
@@ -791,6 +791,44 @@ def test_release_under_an_async_save_aborts_it(tmp_path):
     verify(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_close_and_trim_under_an_async_save_abort_it_and_free_nothing_it_still_reads(tmp_path, offloaded):
+    """``Trainer.close()`` closes the state and trims its pool: the staged blocks an async save still read were
+    unmapped under it (a SIGSEGV, or a write error from the bad address). The writer holds them until it is done."""
+    from stateshift import HostPool
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 2048))  # 64 MiB: four pieces of the params file
+    pool = HostPool()
+    state = ModelState(model, pool=pool)
+    if offloaded:
+        state.offload()
+    gate = _Gate()
+    handle = async_save(state, tmp_path / "ck", progress=gate)
+    assert gate.started.wait(30)
+    state.close()
+    pool.trim()
+    gate.open.set()
+    with raises_kind(StateError, "released"):
+        handle.wait(60)
+    assert not (tmp_path / "ck").exists() and pool.stats.in_use_bytes == 0  # and then it gave them back
+
+
+def test_a_script_that_ends_right_after_async_save_still_writes_its_checkpoint(tmp_path):
+    code = f"""
+        import torch
+        from stateshift import ModelState
+        from stateshift.checkpoint import async_save
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))
+        async_save(ModelState(model), {str(tmp_path / "ck")!r}, update_latest=True)
+        """  # (no wait(): the interpreter's exit waits for the writer)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    verify(tmp_path / "ck")
+    assert read_latest(tmp_path) == tmp_path / "ck"
+
+
 # --------------------------------------------------------------------------- export, inspect
 
 
@@ -814,6 +852,41 @@ def test_export_hf_usual_names_from_an_offloaded_model(tmp_path):
     path2 = export_hf(model.__class__(model.cfg), tmp_path / "hf")
     assert path2 == path and sorted(load_file(path)) == sorted(got)
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
+
+
+def test_export_hf_writes_every_empty_tensor(tmp_path):
+    """Empty tensors share one pointer; none is a tied duplicate of another."""
+    from safetensors.torch import load_file
+
+    class Empties(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.a = nn.Parameter(torch.zeros(0, 3))
+            self.b = nn.Parameter(torch.zeros(0, 3))
+            self.register_buffer("c", torch.zeros(0, 3))
+
+    model = Empties()
+    for i, source in enumerate((model, ModelState(model))):
+        got = load_file(export_hf(source, tmp_path / f"hf{i}"))
+        assert sorted(got) == ["a", "b", "c", "w"] and got["c"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", ["step-1 ", " step-1", "step\n1", os.fsdecode(b"step-\xff")])
+def test_a_name_latest_cannot_hold_is_refused_before_anything_is_written(tmp_path, name):
+    """``latest`` is read back stripped, as UTF-8: a name that does not survive that named another checkpoint
+    (or raised an untyped error once the checkpoint existed)."""
+    model, _opt, state = _warmed("cpu")
+    save(state, tmp_path / "step-0", update_latest=True)
+    path = tmp_path / name
+    for saver in (save, async_save):
+        with pytest.raises(ValueError, match="latest"):
+            h = saver(state, path, update_latest=True)
+            if saver is async_save:
+                h.wait()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-0"]
+    assert read_latest(tmp_path) == tmp_path / "step-0"
+    save(state, path)  # (without update_latest the name is the user's to choose)
 
 
 def test_export_hf_full_disk_names_the_tensor_and_keeps_the_previous_file(tmp_path, monkeypatch):

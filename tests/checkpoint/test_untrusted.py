@@ -451,3 +451,30 @@ LONG_NAMES = {  # (every one of these printed the whole name: a 100 kB message)
 def test_a_long_name_in_a_hostile_manifest_gives_a_short_message(ckpt, mutation, capsys):
     _rewrite(ckpt, LONG_NAMES[mutation])
     assert len(_refused_everywhere(ckpt, capsys)) < 2000
+
+
+def test_two_slots_naming_one_record_are_corrupt(ckpt):
+    """Each slot reads its own record: a manifest where two name one left the other's bytes unread, and load
+    put what its staging memory held before into the model."""
+
+    def mutate(d):
+        slots = d["layout"]["ranks"][0]["groups"]["params"]["slots"]
+        by_shape = {}
+        for s in slots:
+            if s["typed"]:
+                key = (tuple(s["members"][0]["shape"]), s["members"][0]["dtype"])
+                if key in by_shape:
+                    s["record"] = by_shape[key]["record"]
+                    return
+                by_shape[key] = s
+        raise AssertionError("no two typed slots of one shape and dtype")
+
+    _rewrite(ckpt, mutate)
+    state = _state(1)
+    before = {k: v.clone() for k, v in state.model.state_dict().items()} if hasattr(state, "model") else None
+    with raises_kind(CheckpointError, "corrupt"):
+        verify(ckpt)
+    with raises_kind(CheckpointError, "corrupt"):
+        load(state, ckpt)
+    if before is not None:
+        assert all(v.equal(before[k]) for k, v in state.model.state_dict().items())

@@ -189,12 +189,19 @@ def make_parents(directory: Path) -> None:
 # --------------------------------------------------------------------------- the latest pointer
 
 
+def check_latest_name(final: Path) -> None:
+    """``ValueError`` unless ``final``'s name reads back from ``latest`` as itself (``read_latest`` strips it)."""
+    if final.name != final.name.strip() or not final.name.isprintable():  # (isprintable: no line break, no surrogate)
+        raise ValueError(f"a checkpoint that becomes latest needs a printable name, unpadded, not {final.name!r}")
+
+
 def set_latest(path: str | os.PathLike[str]) -> Path:
     """Point ``<parent>/latest`` at the complete checkpoint ``path``; returns the pointer file.
 
-    On failure the pointer still names the previous checkpoint and ``CheckpointError("write")`` says so.
-    """
+    On failure the pointer still names the previous checkpoint and ``CheckpointError("write")`` says so
+    (``ValueError``, nothing written, for a name it cannot hold: ``check_latest_name``)."""
     final = Path(os.path.abspath(path))
+    check_latest_name(final)
     if not (final / MANIFEST_NAME).is_file() or final.is_symlink():
         raise CheckpointError(
             "incomplete", f"no {MANIFEST_NAME}: only a complete checkpoint can become latest", path=final

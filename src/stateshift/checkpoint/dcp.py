@@ -125,7 +125,7 @@ def save_dcp(
     import torch.distributed.checkpoint as dcp
 
     final = Path(os.path.abspath(path))
-    extra_d = check_args(tag, version, extra)
+    extra_d = check_args(tag, version, extra, final if update_latest else None)
     make_parents(final.parent)
     comm = Collective(group)
     state_dict = _state_dicts(model, optimizer)

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError, DiskError, LayoutError
 from . import format as fmt, manifest as mf
 from .collective import Collective
-from .commit import commit, fsync_path, os_failure, read_latest, step
+from .commit import check_latest_name, commit, fsync_path, os_failure, read_latest, step
 from .format import FileEntry, ProgressFn, Record
 
 _HF_FILES = re.compile(
@@ -192,10 +192,12 @@ def _plan(files: Mapping[str, Iterable[Record]]) -> tuple[dict[str, list[Record]
     return plan, sum(r.nbytes for recs in plan.values() for r in recs)
 
 
-def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None) -> dict[str, str]:
+def check_args(tag: Any, version: Any, extra: Mapping[str, str] | None, latest: Path | None = None) -> dict[str, str]:
     """``tag`` a str or None, ``version`` an int or None, ``extra`` str -> str; returns ``extra`` as a dict.
-    Text must be valid UTF-8 and ``version`` within what a manifest holds: what a load would refuse is
-    refused before anything is written."""
+    Text must be valid UTF-8, ``version`` within what a manifest holds and ``latest`` (the path that is to
+    become latest) a name the pointer holds: what a load would refuse is refused before anything is written."""
+    if latest is not None:
+        check_latest_name(latest)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}")
     if version is not None and (type(version) is not int):
@@ -234,7 +236,7 @@ def write_checkpoint(
     """
     final = Path(os.path.abspath(path))
     comm = comm or Collective(enabled=False)
-    extra_d = check_args(tag, version, extra)
+    extra_d = check_args(tag, version, extra, final if update_latest else None)
     plan, nbytes = _plan(files)
     meta = {"format": "pt", "stateshift_format": str(mf.FORMAT_VERSION), "backend": backend}
     meta.update({k: str(v) for k, v in (("tag", tag), ("version", version)) if v is not None})

@@ -18,7 +18,6 @@ import gc
 import itertools
 import json
 import math
-import mmap
 import os
 import stat
 import struct
@@ -266,56 +265,33 @@ def _run_task(fd: int, task: list[Piece], path: str, names: Sequence[str] | None
 
 
 SUB_BYTES = 1 << 20
-"""Bytes copied out of a mapped file and then hashed while still in the CPU's cache."""
-_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in now, an I/O error returned instead of SIGBUS later
+"""Bytes read into the caller's memory at a time and then hashed there, while still in the CPU's cache."""
 
 
-class _Mapped:
-    """A file mapped for reading (private, never written): its address and a byte view of it."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._anchor = ctypes.c_char.from_buffer(self.map)
-        self.address = ctypes.addressof(self._anchor)
-        self.view = memoryview(self.map)
-        self.fd = fd
-
-    def populate(self, start: int, length: int) -> None:
-        """Fault the pages of ``[start, start + length)`` in now: a read error (EIO) is an ``OSError`` here,
-        where touching an unreadable page of a mapping would kill the process with SIGBUS."""
-        start, length = start - start % mmap.PAGESIZE, length + start % mmap.PAGESIZE
-        try:
-            self.map.madvise(_MADV_POPULATE_READ, start, length)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # (an older kernel: no populate, fault on access)
-                raise
-
-    def close(self) -> None:
-        self.view.release()
-        del self._anchor
-        self.map.close()
-
-
-def _run_mapped(
-    mapped: _Mapped, task: list[Piece], path: str, names: Sequence[str] | None
-) -> list[tuple[int, int, int]]:
-    """One task of a mapped read: its pages faulted in (an I/O error is a ``DiskError("transfer")``, not a SIGBUS),
-    then per piece ``SUB_BYTES`` at a time the bytes copied into caller memory and hashed there, from the
-    cache: the crc32 is that of the bytes the caller got. Returns each piece's ``(span, crc32, length)``."""
-    try:
-        mapped.populate(task[0][1], task[-1][1] + task[-1][2] - task[0][1])  # a task's bytes are contiguous
-    except OSError as e:
-        raise DiskError.from_os_error(e, path, None if names is None else names[task[0][0]]) from e
-    out = []
+def _run_read(fd: int, task: list[Piece], path: str, names: Sequence[str] | None) -> list[tuple[int, int, int]]:
+    """One task of a read: per piece, ``SUB_BYTES`` at a time, the bytes read straight into the caller's memory
+    (``os.preadv``: no private copy of the file; bytes only hashed go through a scratch buffer) and hashed there,
+    from the cache: the crc32 is that of the bytes the caller got, even if the file changes meanwhile. A file
+    that ends early (truncated under the read) is ``CheckpointError("corrupt")`` and an OS error (EIO) a
+    ``DiskError("transfer")``, where touching a mapping of either would kill the process with SIGBUS."""
+    out, scratch = [], memoryview(b"")
     for idx, offset, n, mem in task:
-        if mem is None:
-            out.append((idx, crc32(mapped.view[offset : offset + n]), n))
-            continue
-        crc, dst = 0, ctypes.addressof(ctypes.c_char.from_buffer(mem))
+        crc, name = 0, None if names is None else names[idx]
         for k in range(0, n, SUB_BYTES):
             m = min(SUB_BYTES, n - k)
-            ctypes.memmove(dst + k, mapped.address + offset + k, m)
-            crc = crc32(mem[k : k + m], crc)
+            if mem is None and len(scratch) < m:
+                scratch = memoryview(bytearray(SUB_BYTES))
+            buf = scratch[:m] if mem is None else mem[k : k + m]
+            done = 0
+            while done < m:
+                try:
+                    got = os.preadv(fd, [buf[done:]], offset + k + done)
+                except OSError as e:
+                    raise DiskError.from_os_error(e, path, name) from e
+                if got == 0:
+                    raise CheckpointError("corrupt", "file truncated while reading", path=path, tensor=name)
+                done += got
+            crc = crc32(buf, crc)
         out.append((idx, crc, n))
     return out
 
@@ -326,10 +302,10 @@ def transfer(
     path: str,
     progress: ProgressFn | None = None,
     names: Sequence[str] | None = None,
-    mapped: _Mapped | None = None,
+    read: bool = False,
 ) -> list[int]:
-    """Move ``spans`` between memory and ``fd`` (written, or read out of its mapping ``mapped``) on a
-    thread pool; returns each span's crc32. ``names``: each span's tensor, named by a ``DiskError("transfer")``.
+    """Move ``spans`` between memory and ``fd`` (written, or ``read``) on a thread pool; returns each span's
+    crc32. ``names``: each span's tensor, named by a ``DiskError("transfer")``.
     ``progress`` runs on this thread, in file order, and at most ``2 * WORKERS`` tasks run ahead of
     it (an error it raises stops the transfer promptly).
 
@@ -337,7 +313,7 @@ def transfer(
     """
     tasks = iter(_tasks(spans))
     crcs: list[int | None] = [None] * len(spans)
-    run = functools.partial(_run_task, fd) if mapped is None else functools.partial(_run_mapped, mapped)
+    run = functools.partial(_run_read if read else _run_task, fd)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="stateshift-io") as pool:
         running = deque(pool.submit(run, t, path, names) for t in itertools.islice(tasks, 2 * WORKERS))
         try:
@@ -486,7 +462,7 @@ def read_into(
                 )
         chosen.append(t)
         spans.append((base + t.start, t.nbytes, None if dst is None else byte_view(dst, t.nbytes)))
-    crcs = read_mapped(fd, entry.bytes, spans, path, progress, [t.name for t in chosen])
+    crcs = read_spans(fd, spans, path, progress, [t.name for t in chosen])
     for t, crc in zip(chosen, crcs, strict=True):
         if crc != t.crc32:
             raise CheckpointError(
@@ -498,31 +474,14 @@ def read_into(
             )
 
 
-def read_mapped(
-    fd: int,
-    size: int,
-    spans: Sequence[Span],
-    path: str,
-    progress: ProgressFn | None = None,
-    names: Sequence[str] | None = None,
+def read_spans(
+    fd: int, spans: Sequence[Span], path: str, progress: ProgressFn | None = None, names: Sequence[str] | None = None
 ) -> list[int]:
-    """``transfer`` of ``spans`` out of the ``size``-byte file ``fd`` through a memory map (no private copy
-    of the file: the page cache's pages are copied once, into the caller's memory, and hashed there)."""
-    if size == 0 or not spans:
-        return [0] * len(spans)
-    try:
-        mapped = _Mapped(fd, size)
-    except OSError as e:
-        raise DiskError.from_os_error(e, path, None) from e
-    except ValueError:  # (mmap refuses a length past the end: the file shrank since it was checked)
-        raise CheckpointError("corrupt", "file truncated while reading", path=path) from None
-    try:
-        return transfer(fd, spans, path, progress, names, mapped)
-    finally:
-        mapped.close()
+    """``transfer`` of ``spans`` out of the file ``fd``, each span's crc32 that of the bytes read (``_run_read``)."""
+    return transfer(fd, spans, path, progress, names, read=True) if spans else []
 
 
 def file_crc32(fd: int, size: int, path: str) -> int:
     """The crc32 of a whole file, hashed in parallel."""
-    (crc,) = read_mapped(fd, size, [(0, size, None)], path)
+    (crc,) = read_spans(fd, [(0, size, None)], path)
     return crc

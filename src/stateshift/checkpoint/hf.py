@@ -57,8 +57,10 @@ def _records(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> list
     tied = _tied_targets(module)
     by_place: dict[tuple[Any, ...], list[str]] = {}
     for n in names:
-        v = views[n]
-        by_place.setdefault((v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype), []).append(n)
+        v = views[n]  # (empty tensors share a pointer and are tied to none)
+        by_place.setdefault(
+            (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype) if v.numel() else (n,), []
+        ).append(n)
     keep = set()
     for dup in by_place.values():
         free = [n for n in dup if not any(p.search(n) for p in tied)]

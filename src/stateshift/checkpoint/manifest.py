@@ -515,8 +515,9 @@ def _state(layout: Any, files: Mapping[str, FileEntry]) -> tuple[dict[str, Store
                 fname, tuple(_slot(g, s, by_name, f"{gw}.slots[{j}]") for j, s in enumerate(slots))
             )
             names = [m.name for s in decoded[g].slots for m in s.info.members]
-            if len(set(names)) != len(names):
-                raise _Bad(f"{gw}: a tensor name repeats")
+            records = [s.record for s in decoded[g].slots]
+            if len(set(names)) != len(names) or len(set(records)) != len(records):
+                raise _Bad(f"{gw}: a tensor name repeats, or two slots name one record")
         out.append(decoded)
     return tuple(out)
 

@@ -8,6 +8,7 @@ comparison restore and swapped use), reads straight into a snapshot laid out lik
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - its exit hook first: ours (_finish_saves) runs before it
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ import torch
 
 from ..core.engine import core_of
 from ..core.layout import Layout, dtype_of
+from ..core.pool import HostBlock
 from ..core.snapshot import Snapshot, SnapshotPart
 from ..errors import CheckpointError, LayoutError, StateError, show
 from . import manifest as mf
@@ -79,6 +81,19 @@ def _after_last(finished: threading.Event) -> threading.Event | None:
     return before
 
 
+def _finish_saves() -> None:
+    """At the interpreter's exit: wait for the saves still being written (the last; they run in call order).
+    It runs among threading's exit hooks, before ``concurrent.futures`` refuses new work to the writer's pools
+    (registered after theirs, so called first): a program that ends right after ``async_save`` loses nothing."""
+    with _ORDER_LOCK:
+        last = _last_save[0] if _last_save else None
+    if last is not None:
+        last.wait()
+
+
+threading._register_atexit(_finish_saves)  # type: ignore[attr-defined]
+
+
 class SaveHandle:
     """A save under way: the values were staged at the call; ``wait()`` returns the manifest once the
     checkpoint is durable, or raises the writer's error (e.g. ``CheckpointError("write")``)."""
@@ -124,13 +139,16 @@ def _guarded(snapshot: Snapshot, progress: ProgressFn | None) -> ProgressFn:
     return check
 
 
-def _give_back(state: ModelState, snap: Snapshot) -> None:
+def _give_back(state: ModelState, snap: Snapshot, held: list[HostBlock]) -> None:
     try:
         state.release(snap)
     except StateError as e:
         if e.kind != "closed":
             raise
         snap.release()  # close() released it already; idempotent
+    finally:
+        for block in held:
+            core_of(state).pool.release(block)
 
 
 @without_gc
@@ -144,7 +162,7 @@ def _stage_everywhere(
 
     def stage() -> _Staged:
         names = _group_names(state, groups, (g for g in state.groups if g not in TRANSIENT_GROUPS))
-        check_args(fields["tag"], fields["version"], fields["extra"])
+        check_args(fields["tag"], fields["version"], fields["extra"], final if fields["update_latest"] else None)
         make_parents(final.parent)
         snaps.append(state.snapshot(names, tag=f"_checkpoint-{uuid.uuid4().hex[:12]}", placement="host"))
         files, layouts = {}, {}
@@ -183,6 +201,8 @@ def _start(
     final = Path(os.path.abspath(path))
     comm = _collective(state, distributed, group)
     staged = _stage_everywhere(state, final, groups, comm, fields)
+    pool = core_of(state).pool  # the writer holds the staged blocks: a close (and a trim) under it frees none it reads
+    held = [pool.retain(p.host) for p in staged.snapshot.parts if p.host is not None]
     comm = comm.for_writer_thread() if background else comm
     handle = SaveHandle(final, sum(p.layout.nbytes for p in staged.snapshot.parts))
     before = _after_last(handle._finished)
@@ -204,11 +224,11 @@ def _start(
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             handle._error = e
         finally:
-            _give_back(state, staged.snapshot)
+            _give_back(state, staged.snapshot, held)
             handle._finished.set()
 
     if background:
-        threading.Thread(target=run, name=f"stateshift-save:{final.name}", daemon=True).start()
+        threading.Thread(target=run, name=f"stateshift-save:{final.name}", daemon=True).start()  # (_finish_saves)
     else:
         run()
     handle.staged_seconds = time.perf_counter() - t0
@@ -267,8 +287,9 @@ def async_save(
     otherwise) that this call waits for, so the model may be trained, offloaded or restored at once:
     the checkpoint holds the values of the moment of the call. Saves in this process are written
     one at a time, in call order; ``latest`` (``update_latest``) moves only once the checkpoint is
-    durable. The writer returns the staged memory to the pool when it is done; releasing the
-    state's snapshots under it (``state.close()``) aborts the write (``StateError("released")``).
+    durable; the interpreter's exit waits for it. The writer returns the staged memory to the pool when
+    it is done; releasing the state's snapshots under it (``state.close()``) aborts the write
+    (``StateError("released")``), and frees none of the memory it still reads.
 
     Distributed: call on every rank; the writer threads talk over a gloo group of the same ranks
     (created collectively by the first call). ``progress`` runs on the writer thread.
