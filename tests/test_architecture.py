@@ -100,7 +100,7 @@ def test_checkpoint_package_does_not_grow():
     """``checkpoint/`` holds its line count, counted on ``ruff format``-ed code (a ratchet: lower it as the package
     shrinks; the aim is 1,900)."""
     n = sum(len(p.read_text().splitlines()) for p in (SRC / "checkpoint").glob("*.py"))
-    assert n <= 2759, f"checkpoint/ has {n} lines"
+    assert n <= 2751, f"checkpoint/ has {n} lines"
 
 
 def _module_name(path: Path) -> str:

@@ -421,6 +421,67 @@ def test_sharded_safetensors_load_the_same_weights_and_a_missing_shard_is_named(
     assert err.value.name == "config.json"
 
 
+def _model_copy(assets, tmp_path, name: str) -> Path:
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(assets["model"], copy)
+    return copy
+
+
+@pytest.mark.parametrize("auto_map_in", ["config.json", "tokenizer_config.json"])
+def test_a_model_directory_that_asks_for_its_own_code_is_refused_and_none_of_it_runs(assets, tmp_path, auto_map_in):
+    """transformers asks on a terminal whether to run a directory's ``auto_map`` code (and runs it on "y"): a model
+    directory from anywhere must never get its code run, asked or not."""
+    from stateshift.train.build import load_hf
+    from stateshift.train.hf_dir import load_tokenizer
+
+    model = _model_copy(assets, tmp_path, "remote")
+    marker = tmp_path / "RAN"
+    (model / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    conf = json.loads((model / auto_map_in).read_text())
+    conf["auto_map"] = {"AutoConfig": "evil.C", "AutoModelForCausalLM": "evil.M", "AutoTokenizer": ["evil.T", None]}
+    if auto_map_in == "config.json":
+        conf["model_type"] = "evilmodel"
+    (model / auto_map_in).write_text(json.dumps(conf))
+    load = (lambda: load_hf(str(model), 1, seed=0)) if auto_map_in == "config.json" else lambda: load_tokenizer(model)
+    with raises_kind(ConfigError, "model_dir", match="auto_map") as err:
+        load()
+    assert err.value.name == auto_map_in and not marker.exists()
+
+
+def test_a_model_directory_transformers_cannot_load_is_a_config_error_naming_it(assets, tmp_path):
+    import os
+    import pickle
+
+    from stateshift.train.build import load_hf
+    from stateshift.train.hf_dir import load_tokenizer
+
+    pickled = _model_copy(assets, tmp_path, "pickled")
+    (pickled / "model.safetensors").unlink()
+    marker = tmp_path / "RAN"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Evil()}))
+    with raises_kind(ConfigError, "model_dir") as err:
+        load_hf(str(pickled), 1, seed=0)
+    assert err.value.name == "pytorch_model.bin" and not marker.exists()
+    huge = _model_copy(assets, tmp_path, "huge")
+    (huge / "model.safetensors").unlink()
+    conf = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**conf, "hidden_size": 1 << 24, "intermediate_size": 1 << 24}))
+    with raises_kind(ConfigError, "model_dir") as err:
+        load_hf(str(huge), 1, seed=0)
+    broken = _model_copy(assets, tmp_path, "broken")
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    with raises_kind(ConfigError, "model_dir") as err:
+        load_tokenizer(broken)
+    assert err.value.name == "tokenizer.json"
+
+
 def test_too_few_positions_is_a_config_error(assets, tmp_path):
     from stateshift.train.build import build_policy
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .config import TrainConfig
-from .hf_dir import load_tokenizer, weight_files
+from .hf_dir import load_tokenizer, refuse_own_code, weight_files
 from .policies import Policy, build_policy
 from .sampler import CausalLM
 from .tasks.addition import AdditionTask
@@ -79,15 +79,24 @@ def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # ->
     vocabulary must hold the task's tokens and, if its config says, ``positions`` positions (prompt + response).
 
     Raises:
-        ConfigError("model_dir"): ``config.json`` or a listed shard is missing (named).
+        ConfigError("model_dir"): ``config.json`` or a listed shard is missing, the directory asks for code of its own
+            (never run), or transformers cannot load it (named: a pickle, a model too large to allocate, ...).
         ConfigError: ``model.hf_path``: the vocabulary or the positions are too small.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = Path(path)
-    has_weights = bool(weight_files(root))
-    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    files = weight_files(root)
+    refuse_own_code(root, "config.json")
+
+    def cannot(exc: Exception, name: str) -> ConfigError:
+        return ConfigError("model_dir", f"transformers cannot load it: {str(exc)[:300]}", path=root, name=name)
+
+    try:
+        config = AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # (whatever a broken config.json makes transformers raise)
+        raise cannot(exc, "config.json") from exc
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         raise ConfigError(
             "config", f"vocab_size {config.vocab_size} < the task's {vocab_size} tokens", key="model.hf_path"
@@ -101,10 +110,15 @@ def load_hf(path: str, vocab_size: int, *, seed: int, positions: int = 0):  # ->
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if has_weights:
-            model = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:
+            if files:
+                model = AutoModelForCausalLM.from_pretrained(
+                    root, local_files_only=True, dtype=torch.float32, trust_remote_code=False
+                )
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        except Exception as exc:  # (a pickle refused, a size past memory, a bad file: named, never a traceback)
+            raise cannot(exc, files[0].name if files else "config.json") from exc
     return model.eval()  # no dropout: trainer and rollouter compute the same distribution
 
 

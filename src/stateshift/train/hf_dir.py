@@ -45,13 +45,32 @@ def weight_files(path: str | Path) -> list[Path]:
     return sorted(root.glob("*.safetensors")) or sorted(root.glob("pytorch_model*.bin"))
 
 
+def refuse_own_code(root: Path, *names: str) -> None:
+    """``ConfigError("model_dir")`` if one of the JSON files ``names`` of the model directory ``root`` asks for code of
+    the directory's own (``auto_map``): transformers would run it (asking first on a terminal), stateshift never does."""
+    for name in names:
+        try:
+            conf = json.loads((root / name).read_text())
+        except (OSError, ValueError):
+            continue  # (missing or not JSON: what transformers then says is the error)
+        if isinstance(conf, dict) and "auto_map" in conf:
+            raise ConfigError(
+                "model_dir",
+                "asks for code of the directory's own (auto_map), which stateshift never runs: use a model of a type "
+                "transformers knows",
+                path=root,
+                name=name,
+            )
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """``AutoTokenizer`` of the local directory ``path``, which must name an end-of-sequence token.
 
     Returns:
         A transformers tokenizer; its ``eos_token_id`` is the rollouts' stop token.
     Raises:
-        ConfigError("model_dir"): the directory has no tokenizer file, transformers cannot load it, or it has no EOS token.
+        ConfigError("model_dir"): the directory has no tokenizer file, transformers cannot load it, it has no EOS
+            token, or it asks for code of its own (``refuse_own_code``).
     """
     root = Path(path)
     if not root.is_dir():
@@ -68,11 +87,14 @@ def load_tokenizer(path: str | Path) -> Any:
     # a generic tokenizer (tokenizer.json as it is): loaded as such, not as the class config.json's model type
     # suggests (transformers 5 would rebuild it as e.g. a Qwen2 BPE tokenizer from the vocabulary alone)
     generic = _tokenizer_class(root) in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    refuse_own_code(root, "tokenizer_config.json", "config.json")
     try:
-        tok = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        tok = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(
+            root, local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:  # (whatever a broken file makes transformers or tokenizers raise)
         raise ConfigError(
-            "model_dir", f"transformers cannot load the tokenizer: {exc}", path=root, name="tokenizer.json"
+            "model_dir", f"transformers cannot load the tokenizer: {str(exc)[:300]}", path=root, name="tokenizer.json"
         ) from exc
     if tok.eos_token_id is None:
         raise ConfigError(
