@@ -138,3 +138,29 @@ def test_damaged_metrics_log_is_one_line_exit_2(run_dir, capsys):
     (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[2:]]) + "\n")
     assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 2
     _one_error_line(capsys, "metrics.jsonl", "line 2")
+
+
+def test_a_run_directory_that_names_code_runs_none_on_resume_unless_the_command_names_it(run_dir, capsys, tmp_path):
+    """``--resume DIR`` reads ``DIR/config.yaml``: a directory from anywhere whose config names a reward function
+    to import gets it imported only when the command line names it too."""
+    marker = tmp_path / "RAN"
+    module = tmp_path / "evil_reward.py"
+    module.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef fn(response, sample):\n    return 0.0\n")
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("fn: exact_match", "fn: evil_reward:fn"))
+    assert "evil_reward:fn" in config.read_text()
+    before = config.read_bytes()
+    assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 2
+    line = _one_error_line(capsys, "reward.fn", "evil_reward:fn")
+    assert "import" in line and not marker.exists() and config.read_bytes() == before
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(run_dir, capsys):
+    """A resume refused by the checkpoint (here: no intact one) changes no file of the run (config.yaml was
+    rewritten with the refused overrides first)."""
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    _every_step(run_dir, lambda s: (s / SIDECAR).unlink())
+    files = {p: b for p, b in files.items() if p.exists()}
+    assert main(["train", "--resume", str(run_dir), "trainer.steps=6", "trainer.lr=0.5"]) == 2
+    _one_error_line(capsys)
+    assert {p: p.read_bytes() for p in files} == files

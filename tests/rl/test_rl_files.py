@@ -384,9 +384,11 @@ def test_resume_refuses_a_training_file_that_changed(assets, tmp_path):
     train = small_train(assets, tmp_path)
     first = run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=4", *RUN))
     train.write_text(train.read_text() + json.dumps({"prompt": "what is 1 + 1 ?", "answer": "2"}) + "\n")
+    config = (first.out_dir / "config.yaml").read_bytes()
     with raises_kind(ConfigError, "data_file", match="changed since the checkpoint") as err:
         run(file_cfg(assets, tmp_path, f"task.train_path={train}", "trainer.steps=8", *RUN), resume=first.out_dir)
     assert err.value.key == "task.train_path"
+    assert (first.out_dir / "config.yaml").read_bytes() == config  # a refused resume changes nothing
 
 
 # -- the model directory --------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="DIR",
         help="continue the run in DIR (its config.yaml and latest checkpoint, or the newest intact one kept, "
-        "with a warning naming each skipped; overrides apply on top)",
+        "with a warning naming each skipped; overrides apply on top). DIR runs no code of its own: a reward.fn "
+        "it names to import must be named again on the command line",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.set_defaults(func=cmd_train)
@@ -93,6 +94,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, yaml.YAMLError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    if args.resume is not None and ":" in cfg.reward.fn and not _names(args.overrides, "reward.fn"):
+        print(  # a run directory from anywhere runs no code: only the command line may name code to import
+            f"error: --resume {args.resume}: its config.yaml names code to import (reward.fn={cfg.reward.fn}); "
+            f"resume with reward.fn={cfg.reward.fn} on the command line to run it",
+            file=sys.stderr,
+        )
+        return 2
     if args.print_config:
         print(yaml.safe_dump(config_mod.as_dict(cfg), sort_keys=False), end="")
         return 0
@@ -111,6 +119,11 @@ _DIR_FAULTS = {
     IsADirectoryError: "a file of the run directory is a directory: remove it or choose another run.out_dir",
     FileNotFoundError: "check the path (run.out_dir, or --resume DIR)",
 }
+
+
+def _names(overrides: list[str], key: str) -> bool:
+    """Whether one of the ``key=value`` ``overrides`` sets ``key``."""
+    return any(text.partition("=")[0].strip() == key for text in overrides)
 
 
 def _run(cfg: Any, resume: Path | None) -> int:

@@ -142,8 +142,11 @@ def _start(
         )
         if (out / "metrics.jsonl").exists():
             read_records(out / "metrics.jsonl")  # a damaged log is refused now, before anything changes
+        check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
+        if check is not None:
+            check({k[5:]: v for k, v in resumed.extra.items() if k.startswith("data_")})
         start.step = resumed.step
-    config_mod.save(cfg, out / "config.yaml")  # after the checkpoint: a refused resume changes nothing
+    config_mod.save(cfg, out / "config.yaml")  # after the checks: a refused resume changes nothing
     if resumed is None:
         start.phase = "warm-up"
         warm = supervised_warmup(
@@ -159,9 +162,6 @@ def _start(
             flush=True,
         )
     else:
-        check = getattr(task, "check_position", None)  # a task reading files: the same file, or an error
-        if check is not None:
-            check({k[5:]: v for k, v in resumed.extra.items() if k.startswith("data_")})
         held_start = float(resumed.extra["heldout_accuracy_start"])
         trainer.entropy_coef = float(resumed.extra.get("entropy_coef", 0.0))  # the adaptive bonus goes on where it was
         print(f"resumed {out} at step {resumed.step} (version {resumed.version})", file=stream, flush=True)
