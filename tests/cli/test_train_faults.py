@@ -133,11 +133,25 @@ def test_ctrl_c_while_loading_the_checkpoint_exits_130_with_a_summary(run_dir, c
     assert json.loads((run_dir / "summary.json").read_text())["status"].startswith("interrupted during start-up")
 
 
-def test_damaged_metrics_log_is_one_line_exit_2(run_dir, capsys):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[2:]]) + "\n")
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda rec: b"{oops",
+        lambda rec: json.dumps({**rec, "staleness_tokens": "abc"}).encode(),
+        lambda rec: json.dumps({**rec, "staleness_tokens": {"x": 1}}).encode(),
+        lambda rec: json.dumps(rec).encode()[:-1] + b', "note": "\xff"}',
+        lambda rec: json.dumps(rec).encode()[:-1] + b', "big": ' + b"9" * 5000 + b"}",
+    ],
+    ids=["not JSON", "staleness not a mapping", "staleness key not a number", "not UTF-8", "a 5000-digit number"],
+)
+def test_damaged_metrics_log_is_one_line_exit_2_and_changes_nothing(run_dir, capsys, damage):
+    lines = (run_dir / "metrics.jsonl").read_bytes().splitlines()
+    bad = damage(json.loads(lines[1]))
+    (run_dir / "metrics.jsonl").write_bytes(b"\n".join([lines[0], bad, *lines[2:]]) + b"\n")
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert main(["train", "--resume", str(run_dir), "trainer.steps=6"]) == 2
     _one_error_line(capsys, "metrics.jsonl", "line 2")
+    assert {p: p.read_bytes() for p in files} == files  # summary.json and config.yaml as they were
 
 
 def test_a_run_directory_that_names_code_runs_none_on_resume_unless_the_command_names_it(run_dir, capsys, tmp_path):

@@ -71,6 +71,25 @@ def test_resume_drops_a_metrics_line_cut_short_by_the_kill(tmp_path):
         MetricsLog(tmp_path, tensorboard=False, resume_step=2)
 
 
+def test_resume_says_which_steps_a_cut_metrics_log_lost(tmp_path):
+    """A log cut in the middle of step 3 while the checkpoint is at step 8: steps 3-7 have no record. The resume
+    goes on (the training state is whole) and says which; the record of the checkpoint's own step may be missing
+    without a word (a kill between the checkpoint and its record)."""
+    import json
+    import warnings
+
+    from stateshift.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in (1, 2)) + '{"step": 3, "lo')
+    with pytest.warns(UserWarning, match="steps 3-7"):
+        MetricsLog(tmp_path, tensorboard=False, resume_step=8).close()
+    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in range(1, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MetricsLog(tmp_path, tensorboard=False, resume_step=8).close()
+
+
 # A child that saves RL checkpoints of a ~3M-parameter policy (params and Adam state, params offloaded as in a run)
 # in a loop, every value set to the step number first, and says when each save begins and ends.
 CHILD = r"""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,21 +55,28 @@ class Progress:
             print(file=self.stream, flush=True)
 
 
-def _record(path: Path, number: int, line: str) -> dict[str, Any]:
+def _record(path: Path, number: int, line: bytes) -> dict[str, Any]:
     try:
-        rec = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
+        rec = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # (not UTF-8, not JSON, an integer of more digits than Python reads)
         raise ConfigError("metrics_log", "not JSON", path=path, line=number) from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+    if not isinstance(rec, dict) or type(rec.get("step")) is not int:
         raise ConfigError("metrics_log", "not a step record (an object with an integer 'step')", path=path, line=number)
+    tokens = rec.get("staleness_tokens", {})
+    try:
+        ok = isinstance(tokens, dict) and all(type(v) is int and int(k) >= 0 for k, v in tokens.items())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError("metrics_log", "'staleness_tokens' is not versions -> token counts", path=path, line=number)
     return rec
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``; a last line cut short (its writer was killed inside the write) is
-    dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere is
-    ``ConfigError("metrics_log")`` naming it."""
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    dropped -- its step comes after any checkpoint, so it is trained again. A bad line elsewhere (not UTF-8, not
+    JSON, not a step record) is ``ConfigError("metrics_log")`` naming it."""
+    lines = [(i + 1, line) for i, line in enumerate(path.read_bytes().splitlines()) if line.strip()]
     out = [_record(path, i, line) for i, line in lines[:-1]]
     try:
         out += [_record(path, i, line) for i, line in lines[-1:]]
@@ -83,13 +91,32 @@ def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
     either the old file or the new one, never fewer records up to ``step``."""
     from stateshift.checkpoint.commit import write_durable
 
-    text = path.read_text()
+    text = path.read_bytes()
     records = read_records(path)
     kept = [r for r in records if r["step"] <= step]
-    cut_short = bool(text) and not text.endswith("\n")
+    cut_short = bool(text) and not text.endswith(b"\n")
     if len(kept) < len(records) or cut_short or len(records) < len(text.splitlines()):
         write_durable(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    missing = sorted(set(range(1, step)) - {r["step"] for r in kept})  # (step's own: a kill before its record)
+    if missing:
+        warnings.warn(
+            f"{path}: no record of steps {_spans(missing)} (the log was cut or edited): the training state is whole, "
+            "those steps' metrics stay missing",
+            stacklevel=3,
+        )
     return kept
+
+
+def _spans(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` (sorted) as ``"3-5, 9"``, the first eight runs."""
+    runs: list[list[int]] = []
+    for k in steps:
+        if runs and runs[-1][1] == k - 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    return ", ".join(text[:8]) + (", ..." if len(text) > 8 else "")
 
 
 class MetricsLog:
