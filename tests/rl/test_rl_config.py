@@ -37,6 +37,9 @@ def test_unknown_key_fails_naming_it(capsys):
         ("model.heads=3", "model.width"),
         ("nosection.x=1", "nosection"),
         ("trainer=1", "trainer"),
+        ("run.seed=99999999999999999999999", "run.seed"),
+        ("run.seed=-1", "run.seed"),
+        ("run.torch_threads=100000", "run.torch_threads"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

@@ -152,6 +152,10 @@ def test_each_epoch_is_a_permutation_fixed_by_the_seed(assets, tmp_path):
         ([], "empty: no records", None, None),
         (['{"prompt": 7}'], "must be a string or a list", 1, "prompt"),
         (['{"prompt": ""}'], "empty prompt", 1, "prompt"),
+        (['{"prompt": "   "}'], "empty prompt", 1, "prompt"),
+        (['{"prompt": "what is 1 + 2 ?", "x": 1' + "0" * 5000 + "}"], "malformed JSON", 1, None),
+        (["[" * 100_000], "malformed JSON", 1, None),
+        (['{"prompt": "\\ud800 what is 1 + 2 ?"}'], "lone surrogate", 1, "prompt"),
     ],
 )
 def test_bad_training_file_names_file_line_and_field(assets, tmp_path, lines, match, line, key):

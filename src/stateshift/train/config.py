@@ -380,7 +380,7 @@ class RunConfig:
     """Seeds, outputs, checkpoints, liveness."""
 
     seed: int = 0
-    """seed of model init, prompts, sampling"""
+    """seed of model init, prompts, sampling (0 to 2**63 - 1)"""
     out_dir: str = "runs/train"
     """where config.yaml, metrics.jsonl, curves.png, summary.json and checkpoints go"""
     checkpoint_every: int = 0
@@ -390,7 +390,7 @@ class RunConfig:
     eval_every: int = 100
     """held-out accuracy every this many trainer steps (and at the start and the end)"""
     torch_threads: int = 1
-    """torch intra-op threads of each side (trainer thread, rollout thread); 0: torch's default. 1 is fastest for the
+    """torch intra-op threads of each side (trainer thread, rollout thread), at most 1024; 0: torch's default. 1 is fastest for the
     built-in model on a shared 2-core machine (docs/notes/rl-runs.md has the numbers)"""
     watchdog_s: float = 30.0
     """report queue depth and versions when nothing moved for this long"""
@@ -427,7 +427,8 @@ class RunConfig:
         _check("run.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check("run.keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1")
         _check("run.eval_every", self.eval_every >= 1, "must be >= 1")
-        _check("run.torch_threads", self.torch_threads >= 0, "must be >= 0")
+        _check("run.seed", 0 <= self.seed < 1 << 63, "must be in [0, 2**63) (what torch.manual_seed takes)")
+        _check("run.torch_threads", 0 <= self.torch_threads <= 1024, "must be in [0, 1024]")
         _check("run.watchdog_s", self.watchdog_s > 0, "must be > 0")
         _check("run.stall_timeout_s", self.stall_timeout_s > self.watchdog_s, "must be > run.watchdog_s")
 

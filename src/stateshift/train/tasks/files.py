@@ -107,10 +107,12 @@ def _jsonl(p: Path) -> Any:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    "data_file", f"malformed JSON ({exc.msg} at column {exc.colno})", path=p, line=number
-                ) from None
+            except (
+                ValueError,
+                RecursionError,
+            ) as exc:  # (nesting too deep, an integer of more digits than Python reads)
+                why = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)[:80]
+                raise ConfigError("data_file", f"malformed JSON ({why})", path=p, line=number) from None
             if not isinstance(rec, dict):
                 raise ConfigError(
                     "data_file", f"a line must hold a JSON object, not {type(rec).__name__}", path=p, line=number
@@ -162,8 +164,11 @@ class PromptRenderer:
         config_key = "task.messages_key" if self.spec.messages_key else "task.prompt_key"
         if not found:
             raise ConfigError("data_file", f"no field {key!r} ({config_key})", path=path, line=line, key=key)
+        texts = _texts(value)
+        if any(isinstance(t, str) and not _encodable(t) for t in texts):  # (JSON's "\ud800": no tokenizer takes it)
+            raise ConfigError("data_file", "a lone surrogate: not text", path=path, line=line, key=key)
         if isinstance(value, str) and not self.spec.messages_key:
-            if not value:
+            if not value.strip():
                 raise ConfigError("data_file", "empty prompt", path=path, line=line, key=key)
             if not self.templated:
                 return list(self.tok.encode(value))
@@ -187,6 +192,21 @@ class PromptRenderer:
             )
         text = self.tok.apply_chat_template(list(value), add_generation_prompt=True, tokenize=False)
         return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def _texts(value: Any) -> list[Any]:
+    """The text a prompt field holds: itself, or its messages' contents."""
+    if isinstance(value, str):
+        return [value]
+    return [m.get("content") for m in value if isinstance(m, Mapping)] if isinstance(value, list) else []
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_messages(value: Any) -> bool:
