@@ -315,6 +315,8 @@ class Pending:
     handle: Any
     #: its staged snapshot was released (``snapshots.clear()``) while it was written: the write may be aborted
     abortable: bool = False
+    #: the pooled bytes its writer may hold until it is done (its groups' layouts, padding included)
+    holds: int = 0
 
 
 class _FillFailed(RuntimeError):
@@ -486,7 +488,7 @@ class Machine:
         if budget and core_of(self.state).snapshots.budget_bytes is not None:
             allowed += ((BudgetError, "snapshot"),)
         in_use, allocations = self.pool.stats.in_use_bytes, self.pool.stats.allocations
-        writing = sum(q.handle.nbytes for q in self.pending if not q.handle.done())
+        writing = sum(q.holds for q in self.pending if not q.handle.done())
         dirs = {p: self._dir_listing(p) for p in paths or () if not any(q.path == p for q in self.pending)}
         swapping = self.state.swapping
         try:
@@ -867,18 +869,22 @@ class Machine:
             if mode == "sync":
                 self._saved(path, ckpt)
             else:
-                self.pending.append(Pending(path, ckpt, handle))
+                holds = sum(self.state.layout(g).total for g in names)
+                self.pending.append(Pending(path, ckpt, handle, holds=holds))
 
     def wait_saves(self) -> None:
         while self.pending:
-            p = self.pending.pop(0)
+            p = self.pending[0]  # (still pending while it is waited for: what it staged may go back meanwhile)
             # an aborted write raises (StateError, "released"); with several ranks, the others (CheckpointError, "write")
             aborted = (
                 ((StateError, "released"), (CheckpointError, "write"))
                 if self.target.collective
                 else ((StateError, "released"),)
             )
-            ok, _ = self._call("wait_save", p.handle.wait, may=aborted if p.abortable else ())
+            try:
+                ok, _ = self._call("wait_save", p.handle.wait, may=aborted if p.abortable else ())
+            finally:
+                self.pending.remove(p)
             if ok:
                 self._saved(p.path, p.ckpt)
 
