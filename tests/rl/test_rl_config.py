@@ -122,6 +122,8 @@ def test_outputs_of_a_run(tmp_path):
     )
     text = stream.getvalue()
     assert "\r" not in text and "step 4/4" in text and "held-out accuracy after warm-up" in text
+    warm = [line for line in text.splitlines() if line.startswith("warm-up step ")]
+    assert warm and warm[-1].startswith("warm-up step 20/20 loss")  # (tiny: 20 warm-up steps)
     records = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "heldout_accuracy" in records[1]
     for key in (

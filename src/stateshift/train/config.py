@@ -397,7 +397,8 @@ class RunConfig:
     stall_timeout_s: float = 600.0
     """stop the run with an error when nothing moved for this long"""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
-    """'auto': a progress bar on a terminal, plain lines otherwise; 'none': no progress output"""
+    """'auto': a progress bar on a terminal, plain lines otherwise; 'none': no progress output. The supervised
+    warm-up prints 20 lines (step, loss, seconds) unless 'none'"""
     tensorboard: bool = True
     """write TensorBoard events too, when tensorboard is installed"""
     plot: bool = True

@@ -149,8 +149,19 @@ def _start(
     config_mod.save(cfg, out / "config.yaml")  # after the checks: a refused resume changes nothing
     if resumed is None:
         start.phase = "warm-up"
+        t_warm = time.perf_counter()
+
+        def warm_progress(k: int, loss: float) -> None:
+            elapsed = time.perf_counter() - t_warm
+            print(f"warm-up step {k}/{cfg.warmup.steps} loss {loss:.3f} {elapsed:.0f}s", file=stream, flush=True)
+
         warm = supervised_warmup(
-            policy.lm, task, cfg.warmup, seed=cfg.run.seed, stepper=policy.warmup_stepper(cfg.warmup.lr)
+            policy.lm,
+            task,
+            cfg.warmup,
+            seed=cfg.run.seed,
+            stepper=policy.warmup_stepper(cfg.warmup.lr),
+            progress=None if cfg.run.progress == "none" else warm_progress,
         )
         if cfg.warmup.steps:
             fresh_optimizer_state(policy.optimizer)  # RL starts with fresh moments in every family (Megatron's leak)

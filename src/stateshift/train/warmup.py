@@ -64,12 +64,20 @@ def fresh_optimizer_state(optimizer: Any) -> int:
 
 
 def supervised_warmup(
-    lm: CausalLM, task: Task, cfg: WarmupConfig, *, seed: int, stepper: Stepper | None = None
+    lm: CausalLM,
+    task: Task,
+    cfg: WarmupConfig,
+    *,
+    seed: int,
+    stepper: Stepper | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> dict[str, float]:
     """Teacher-forced cross entropy on the answers of ``task.warmup_batch`` problems (easy ones).
 
     ``stepper`` runs each optimizer step (``Policy.warmup_stepper``); by default a fresh Adam of its own
-    (``adam_stepper``). Deterministic for a seed on the CPU; returns the last loss and the seconds it took.
+    (``adam_stepper``). ``progress(steps done, loss)`` is called 20 times over the warm-up (the last at its end;
+    each reads the loss, a device sync). Deterministic for a seed on the CPU; returns the last loss and the
+    seconds it took.
     """
     if cfg.steps == 0:
         return {"warmup_loss": float("nan"), "warmup_s": 0.0}
@@ -78,7 +86,8 @@ def supervised_warmup(
     dev = lm_device(lm)
     t0 = time.perf_counter()
     loss = torch.tensor(float("nan"))
-    for _ in range(cfg.steps):
+    every = max(1, cfg.steps // 20)
+    for k in range(cfg.steps):
         pairs = task.warmup_batch(rng, cfg.batch_size)  # type: ignore[attr-defined]
         prompt_ids, prompt_mask = left_pad([p for p, _ in pairs], task.pad_token)
         width = max(len(a) for _, a in pairs)
@@ -96,6 +105,8 @@ def supervised_warmup(
             label_smoothing=cfg.label_smoothing,
         )
         step(loss)
+        if progress is not None and ((k + 1) % every == 0 or k + 1 == cfg.steps):
+            progress(k + 1, float(loss.detach()))
     return {"warmup_loss": float(loss.detach()), "warmup_s": time.perf_counter() - t0}
 
 
