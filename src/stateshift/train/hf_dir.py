@@ -49,10 +49,12 @@ def refuse_own_code(root: Path, *names: str) -> None:
     """``ConfigError("model_dir")`` if one of the JSON files ``names`` of the model directory ``root`` asks for code of
     the directory's own (``auto_map``): transformers would run it (asking first on a terminal), stateshift never does."""
     for name in names:
+        if not (root / name).is_file():  # (missing, or a FIFO that a read would wait on: transformers says which)
+            continue
         try:
             conf = json.loads((root / name).read_text())
-        except (OSError, ValueError):
-            continue  # (missing or not JSON: what transformers then says is the error)
+        except (OSError, ValueError, RecursionError):
+            continue  # (not JSON: what transformers then says is the error)
         if isinstance(conf, dict) and "auto_map" in conf:
             raise ConfigError(
                 "model_dir",
