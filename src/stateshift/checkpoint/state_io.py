@@ -22,7 +22,7 @@ import torch
 
 from ..core.engine import core_of
 from ..core.layout import Layout, dtype_of
-from ..core.pool import HostBlock
+from ..core.pool import HostBlock, HostPool
 from ..core.snapshot import Snapshot, SnapshotPart
 from ..errors import CheckpointError, LayoutError, StateError, show
 from . import manifest as mf
@@ -139,7 +139,7 @@ def _guarded(snapshot: Snapshot, progress: ProgressFn | None) -> ProgressFn:
     return check
 
 
-def _give_back(state: ModelState, snap: Snapshot, held: list[HostBlock]) -> None:
+def _give_back(state: ModelState, snap: Snapshot, pool: HostPool, held: list[HostBlock]) -> None:
     try:
         state.release(snap)
     except StateError as e:
@@ -147,8 +147,8 @@ def _give_back(state: ModelState, snap: Snapshot, held: list[HostBlock]) -> None
             raise
         snap.release()  # close() released it already; idempotent
     finally:
-        for block in held:
-            core_of(state).pool.release(block)
+        for block in held:  # (to the pool that retained them)
+            pool.release(block)
 
 
 @without_gc
@@ -224,7 +224,7 @@ def _start(
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             handle._error = e
         finally:
-            _give_back(state, staged.snapshot, held)
+            _give_back(state, staged.snapshot, pool, held)
             handle._finished.set()
 
     if background:

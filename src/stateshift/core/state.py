@@ -6,12 +6,11 @@ residencies: a slot is ``device``, ``host`` or ``dropped``, and each verb
 says what it does in each case -- there is no side attribute whose absence
 could raise.
 
-When results are safe to read: a verb returns without blocking the host on device
-copies (except with ``free_device_memory`` and ``offload(to="disk")``). Compute enqueued on the current stream after a verb is
-ordered after that verb's copies, so the model may run (or be stepped) at
-once. Host memory written by a verb (a snapshot's values, a home) is safe to
-read on the host only after waiting: ``Snapshot.wait()`` or the returned
-``Transfer.wait()``.
+When results are safe to read: a verb returns without blocking the host on device copies (except with
+``free_device_memory`` and ``offload(to="disk")``). Compute enqueued on the current stream after a verb is
+ordered after that verb's copies, so the model may run (or be stepped) at once. Host memory written by a
+verb (a snapshot's values, a home) is safe to read on the host only after waiting: ``Snapshot.wait()`` or
+the returned ``Transfer.wait()``.
 
 An error changes nothing: each verb validates and allocates everything it
 needs (pooled host blocks, device arenas) before it changes a residency, a

@@ -9,9 +9,9 @@ manifest bytes, payload bytes), the manifest JSON, then the payload (the
 snapshot's parts back to back) in buckets of ``bucket_bytes``. A receiver
 posts its receive of a header only once the store counts one more version
 than it received: a collective cannot be cancelled, so a wait for a version
-that times out must leave none posted. When the payload is not where the group communicates (a
-host snapshot on NCCL), two device buckets alternate: the copy into bucket
-k+1 (on a copy stream) overlaps the broadcast of bucket k.
+that times out must leave none posted. When the payload is not where the
+group communicates (a host snapshot on NCCL), two device buckets alternate:
+the copy into bucket k+1 (on a copy stream) overlaps the broadcast of bucket k.
 
 A receiver receives a whole version into its own staging buffer before it
 yields anything, so a publisher that dies mid-broadcast leaves it on the

@@ -514,8 +514,10 @@ class WeightPublisher:
             state = self._read_state()
             before = repr(state)
             latest = max(state["versions"], default=None)
+            died = False
             for name, entry in list(state["receivers"].items()):
                 if not self.mailbox.is_alive(name):
+                    died = True
                     self._lose(
                         SyncError(
                             "receiver_lost",
@@ -527,9 +529,10 @@ class WeightPublisher:
                     )
                     del state["receivers"][name]
                     unlink_quietly(self.mailbox.alive_path(name))
-                    self.mailbox.remove_left_writes()  # it may have died inside a mailbox write
                 else:
                     self._check_timeout(name, entry, latest, now)
+            if died:  # one may have died inside a mailbox write: its temporary file goes (one listing for all)
+                self.mailbox.remove_left_writes()
             held = {e["holding"] for e in state["receivers"].values() if e["holding"] is not None}
             for v in list(state["versions"]):
                 if v != latest and v not in held:
